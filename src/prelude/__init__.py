@@ -1,0 +1,6 @@
+"""Prelude: a resource-adaptive LLM serving engine."""
+
+from prelude.engine.request import SamplingParams
+from prelude.entrypoints.llm import LLM
+
+__all__ = ["LLM", "SamplingParams"]

@@ -1,0 +1,107 @@
+"""Frozen configuration records shared by every layer.
+
+Lower layers (model/, kv/) receive only the config they need; nothing here holds
+mutable state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / SmolLM)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a HF `config.json` dictionary."""
+        model_type = str(cfg.get("model_type", "llama"))
+        n_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // n_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids: tuple[int, ...] = ()
+        if isinstance(eos, int):
+            eos_ids = (eos,)
+        elif isinstance(eos, list):
+            eos_ids = tuple(int(e) for e in eos)
+        rope_scaling = cfg.get("rope_scaling")
+        # Qwen2 checkpoints carry attention biases without a config flag.
+        attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=tuple(sorted(rope_scaling.items())) if isinstance(rope_scaling, dict) else None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and how many blocks (from a memory budget)."""
+
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    num_blocks: int | None = None  # overrides the memory budget when set (tests)
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Explicit budgets of one scheduler step; the policy only orders work."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length (capped by the KV pool)
+    policy: str = "fcfs"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path to a HF dir or a .gguf file; None = embedded default
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"

@@ -1,0 +1,146 @@
+"""The async front: one engine loop thread, many concurrent callers with their own streams.
+
+Callers (HTTP handlers) prepare requests on their own thread, then hand them to the
+engine thread through an inbox; the engine thread runs the step loop and pushes each
+request's increments to that request's asyncio queue. Closing a stream early aborts
+its request, which frees its KV blocks at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from prelude.engine.engine import LLMEngine
+from prelude.engine.request import Request, RequestOutput, SamplingParams
+from prelude.tokenizer.base import Tokenizer
+
+logger = logging.getLogger("prelude.async_engine")
+
+
+class EngineStepError(RuntimeError):
+    """The model step failed; the requests in that step are failed with this error."""
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[RequestOutput | BaseException]"
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: deque[tuple[str, Request | str]] = deque()
+        self._sinks: dict[str, _Sink] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="prelude-engine", daemon=True)
+        self._thread.start()
+
+    # --- EngineClient ---------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        req = self.engine.prepare(request_id, prompt_token_ids, params)  # AdmissionError -> caller
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._sinks:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._sinks[request_id] = sink
+            self._inbox.append(("add", req))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+                if not finished:
+                    self._inbox.append(("abort", request_id))
+            self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # --- the engine thread ----------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            sink = self._sinks.get(request_id)
+        if sink is None:
+            return  # the caller is gone; its abort is already in the inbox
+        try:
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed
+            pass
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, payload in items:
+            if kind == "abort":
+                self.engine.abort(payload)  # type: ignore[arg-type]
+                continue
+            req = payload
+            assert isinstance(req, Request)
+            try:
+                self.engine.enqueue(req)
+            except Exception as exc:  # noqa: BLE001 - reported to that caller only
+                self._deliver(req.request_id, exc)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - keep serving; fail what was in flight
+                logger.exception("engine step failed; failing in-flight requests")
+                error = EngineStepError(f"engine step failed: {exc}")
+                for rid in self.engine.abort_all():
+                    self._deliver(rid, error)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

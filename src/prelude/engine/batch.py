@@ -1,0 +1,63 @@
+"""The typed unit of work the scheduler hands the executor each step.
+
+The batch type tells the executor the lifetime contract before it launches anything:
+a `DecodeBatch` holds one new token per running sequence; a `MixedBatch` holds prompt
+chunks (possibly alongside decode rows). Both keep KV in paged blocks owned by the
+requests. (A `OneShotBatch`, with no block tables at all, joins them for one-pass work.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prelude.engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How to pick the next token of a row whose last computed token is the sequence's last."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    request_id: str
+    token_ids: list[int]  # tokens computed this step
+    start_pos: int  # absolute position of token_ids[0]
+    block_table: list[int]  # covers start_pos + len(token_ids) tokens
+    sample: SampleSpec | None  # None: a prompt chunk that does not finish the prompt
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    rows: tuple[BatchRow, ...]
+
+
+@dataclass(frozen=True)
+class MixedBatch:
+    prefill_rows: tuple[BatchRow, ...]
+    decode_rows: tuple[BatchRow, ...]
+
+    @property
+    def rows(self) -> tuple[BatchRow, ...]:
+        return self.prefill_rows + self.decode_rows
+
+
+ForwardBatch = DecodeBatch | MixedBatch
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    sampled: dict[str, SampledToken]  # request_id -> token, for rows with a SampleSpec

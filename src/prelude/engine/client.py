@@ -1,0 +1,38 @@
+"""The engine surface the HTTP server talks to (implemented by engine.async_engine.AsyncEngine)."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from prelude.engine.request import RequestOutput, SamplingParams
+from prelude.tokenizer.base import Tokenizer
+
+
+class AdmissionError(ValueError):
+    """A request can not be admitted (e.g. prompt longer than the context): HTTP 400."""
+
+
+class EngineClient(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one sequence's increments; the last one has finished=True.
+
+        Raises AdmissionError before the first increment if the request can not be
+        admitted. Closing the iterator early (client gone) aborts the request and frees
+        its KV blocks. `params.n` must be 1: the caller fans out n > 1.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def is_healthy(self) -> bool: ...

@@ -1,0 +1,180 @@
+"""The engine: one visible step loop, schedule -> execute -> postprocess.
+
+`LLMEngine` is synchronous and single-threaded; the async front (async_engine.py)
+drives it from one background thread for the HTTP server, the offline API calls
+`step()` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from prelude.config import EngineConfig
+from prelude.engine.admission import admit
+from prelude.engine.batch import BatchOutput
+from prelude.engine.output_processor import OutputStream, emit, new_stream, process_token
+from prelude.engine.policies import make_policy
+from prelude.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from prelude.engine.scheduler import ScheduleResult, Scheduler
+from prelude.executor.runner import ModelRunner
+from prelude.kv.kv_manager import KVCacheManager
+from prelude.model.llama import LlamaForCausalLM
+from prelude.tokenizer.base import Tokenizer
+
+logger = logging.getLogger("prelude.engine")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16: on this CPU class it is ~3x faster than float32 (DESIGN.md §5)
+    and greedy outputs of the default model stay sane (tests compare float32 exactly)."""
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name == "auto":
+        return torch.bfloat16
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}; use auto, float32 or bfloat16")
+    if table[name] is torch.float16 and device.type == "cpu":
+        raise ValueError("float16 is not supported on the CPU; use bfloat16 or float32")
+    return table[name]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        model_name: str,
+    ) -> None:
+        self.config = config
+        self.model_name = config.served_model_name or model_name
+        self.tokenizer = tokenizer
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or max(
+            1, int(config.cache.kv_cache_memory_gib * 2**30) // model.kv_bytes_per_block(block_size)
+        )
+        limit = config.scheduler.max_model_len or model.config.max_position_embeddings
+        self.max_model_len = min(limit, num_blocks * block_size, model.rope.cos.shape[0])
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(sched_cfg.policy))
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._streams: dict[str, OutputStream] = {}
+        self._ready: list[RequestOutput] = []  # outputs that need no forward (max_tokens=0)
+        self._rng = torch.Generator().manual_seed(config.seed)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB), max_model_len %d",
+            num_blocks, block_size, num_blocks * model.kv_bytes_per_block(block_size) / 2**30, self.max_model_len,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        from prelude.model.loader import load_model_files
+
+        t0 = time.perf_counter()
+        loaded = load_model_files(config.model)
+        device = torch.device("cpu")
+        dtype = resolve_dtype(config.dtype, device)
+        max_pos = loaded.config.max_position_embeddings
+        if config.scheduler.max_model_len:
+            max_pos = max(max_pos, config.scheduler.max_model_len)
+        model = LlamaForCausalLM(loaded.config, loaded.weights, dtype, device, max_positions=max_pos)
+        engine = cls(model, loaded.tokenizer, config, loaded.name)
+        logger.info("loaded %s (%s) in %.2f s", loaded.name, dtype, time.perf_counter() - t0)
+        return engine
+
+    # --- requests -------------------------------------------------------------------
+
+    def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Admission: validate and build the Request (raises AdmissionError). Touches no
+        engine state, so the async front calls it on the caller's thread."""
+        return admit(
+            request_id, prompt_token_ids, params,
+            max_model_len=self.max_model_len, vocab_size=self.runner.model.config.vocab_size,
+            eos_token_ids=self.eos_token_ids, shared_generator=self._rng,
+        )
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a prepared request (engine thread only)."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.max_output_tokens == 0:
+            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+            self._ready.append(emit(req, new_stream(self.tokenizer, req), 0, finished=True))
+            return
+        self._requests[req.request_id] = req
+        self._streams[req.request_id] = new_stream(self.tokenizer, req)
+        self.scheduler.add(req)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        req = self.prepare(request_id, prompt_token_ids, params)
+        self.enqueue(req)
+        return req
+
+    def abort_all(self) -> list[str]:
+        ids = list(self._requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks; True if it was still in the engine."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self._streams.pop(request_id, None)
+        self.scheduler.remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._ready)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # --- the step loop --------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> execute -> postprocess."""
+        outputs, self._ready = self._ready, []
+        plan = self.scheduler.schedule()
+        if plan.batch is None:
+            return outputs
+        result = self.runner.execute(plan.batch)
+        outputs.extend(self._postprocess(plan, result))
+        return outputs
+
+    def _postprocess(self, plan: ScheduleResult, result: BatchOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for request_id, n in plan.scheduled.items():
+            req = self._requests[request_id]
+            req.num_computed_tokens += n
+            sampled = result.sampled.get(request_id)
+            if sampled is None:
+                continue
+            out = process_token(req, self._streams[request_id], sampled.token_id, sampled.logprob, self.max_model_len)
+            if out.finished:
+                self._finish(req)
+            outputs.append(out)
+        return outputs
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        del self._requests[req.request_id]
+        del self._streams[req.request_id]
+
+    def check_integrity(self) -> None:
+        """KV bookkeeping: every block free or held exactly by the requests listing it."""
+        self.kv.check_integrity()
+        for rid in self.kv.holders():
+            if rid not in self._requests:
+                raise AssertionError(f"blocks held by unknown request {rid}")

@@ -1,0 +1,138 @@
+"""Requests as the engine sees them: sampling parameters, per-request state, outputs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the server answers it with HTTP 400."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence is sampled. `n > 1` is fanned out by the front end into n requests."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token; 0 = only the sampled one
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise SamplingParamsError(f"n must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise SamplingParamsError(f"max_tokens must be at least 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise SamplingParamsError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise SamplingParamsError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise SamplingParamsError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise SamplingParamsError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise SamplingParamsError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one generated token and the top alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One step's increment of one request. The front end accumulates increments.
+
+    `text` is the new detokenized text since the previous increment (stop strings
+    already removed, text that may still become a stop string held back).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+
+@dataclass
+class Request:
+    """Engine-side state of one sequence. Mutated only by the engine thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    max_output_tokens: int  # effective budget (max_tokens clamped to the context)
+    eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

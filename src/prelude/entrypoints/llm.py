@@ -1,0 +1,111 @@
+"""Offline Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+Runs the same engine and step loop as the server, synchronously in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from prelude.config import CacheConfig, EngineConfig, SchedulerConfig
+from prelude.engine.engine import LLMEngine
+from prelude.engine.request import FinishReason, SamplingParams, TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory_gib: float = 1.0,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        policy: str = "fcfs",
+        seed: int = 0,
+        engine: LLMEngine | None = None,
+    ) -> None:
+        if engine is None:
+            config = EngineConfig(
+                model=model,
+                dtype=dtype,
+                seed=seed,
+                cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory_gib, num_blocks=num_kv_blocks),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    max_model_len=max_model_len, policy=policy,
+                ),
+            )
+            engine = LLMEngine.from_config(config)
+        self.engine = engine
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the Tokenizer protocol
+        return self.engine.tokenizer
+
+    def _tokens(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (a string or a list of token ids); results in prompt order."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        results: list[GenerationResult] = []
+        owner: dict[str, tuple[int, int]] = {}
+        one = replace(params, n=1)
+        for p_idx, prompt in enumerate(prompts):  # type: ignore[arg-type]
+            text, ids = self._tokens(prompt)
+            result = GenerationResult(prompt=text, prompt_token_ids=ids)
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, ids, replace(one, seed=seed))
+                owner[rid] = (p_idx, i)
+                result.outputs.append(CompletionOutput(i, "", [], None, logprobs=[] if params.logprobs is not None else None))
+            results.append(result)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                p_idx, i = owner[out.request_id]
+                c = results[p_idx].outputs[i]
+                c.text += out.text
+                c.token_ids.extend(out.new_token_ids)
+                if c.logprobs is not None:
+                    c.logprobs.extend(out.logprobs)
+                if out.finished:
+                    assert out.finish_reason is not None and out.finish_reason is not FinishReason.ABORT
+                    c.finish_reason = out.finish_reason.value
+                    c.stop_reason = out.stop_reason
+        return results

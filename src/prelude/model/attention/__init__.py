@@ -1,0 +1,35 @@
+"""Attention backends, chosen by name through a registry (never `if cuda:` in model code)."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from prelude.model.attention.metadata import AttentionMetadata
+from prelude.model.attention.torch_backend import TorchAttention
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention}
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}") from None

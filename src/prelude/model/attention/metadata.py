@@ -1,0 +1,39 @@
+"""What one forward pass needs to know to write and read the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    """One row whose query holds several tokens (a prompt chunk).
+
+    The row's queries are tokens [query_start, query_start + query_len) of the flattened
+    batch; they sit at positions [context_len - query_len, context_len) of the sequence.
+    """
+
+    query_start: int
+    query_len: int
+    context_len: int  # tokens of the sequence whose KV exists after this step's write
+    block_table: torch.Tensor  # [num_blocks] int64, covers context_len tokens
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Rows with exactly one query token, attended in one batched gather."""
+
+    query_index: torch.Tensor  # [B] positions of the rows in the flattened batch
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [B] int64
+    max_context_len: int
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    prefills: tuple[PrefillSlice, ...]
+    decodes: DecodeRows | None
+    block_size: int

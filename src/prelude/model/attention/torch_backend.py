@@ -1,0 +1,106 @@
+"""Paged attention in plain torch: runs on the CPU and on any GPU.
+
+Layout of one layer's cache: [num_blocks, block_size, num_kv_heads, head_dim] for K and
+for V. Measured on the CPU (DESIGN.md §5): looping prefills per sequence beats one
+block-diagonal mask, and decode with query heads grouped per KV head and plain matmuls
+beats SDPA with a mask, so those are the two paths here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter the new tokens' K/V ([T, H_kv, D]) into their cache slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, H_kv, D] of one sequence, read through its block table."""
+    blocks = cache.index_select(0, block_table)  # [nb, bs, H, D]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def _prefill_row(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: PrefillSlice,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    s, n = row.query_start, row.query_len
+    q_row = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if row.context_len == n:
+        # Fresh prompt: its own K/V are all there is; skip the cache gather.
+        k_row, v_row = k[s : s + n], v[s : s + n]
+        mask = None
+        causal = True
+    else:
+        k_row = _gather(k_cache, row.block_table, row.context_len)
+        v_row = _gather(v_cache, row.block_table, row.context_len)
+        offset = row.context_len - n
+        q_pos = torch.arange(n, device=q.device).unsqueeze(1) + offset
+        mask = torch.arange(row.context_len, device=q.device).unsqueeze(0) <= q_pos
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q_row,
+        k_row.transpose(0, 1).unsqueeze(0),
+        v_row.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def _decode_rows(
+    q: torch.Tensor, rows: DecodeRows, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    batch = rows.query_index.numel()
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    length = rows.max_context_len
+    nb = (length + k_cache.shape[1] - 1) // k_cache.shape[1]
+    tables = rows.block_tables[:, :nb]
+    keys = k_cache.index_select(0, tables.reshape(-1)).view(batch, -1, num_kv_heads, head_dim)[:, :length]
+    values = v_cache.index_select(0, tables.reshape(-1)).view(batch, -1, num_kv_heads, head_dim)[:, :length]
+    q_rows = q.index_select(0, rows.query_index).view(batch, num_kv_heads, group, head_dim)
+    # [B, H_kv, G, D] @ [B, H_kv, D, L] -> [B, H_kv, G, L]
+    scores = torch.matmul(q_rows, keys.permute(0, 2, 3, 1)) * scale
+    pad = torch.arange(length, device=q.device).unsqueeze(0) >= rows.context_lens.unsqueeze(1)  # [B, L]
+    scores = scores.float().masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, H_kv, G, D]
+    return out.reshape(batch, -1, head_dim)
+
+
+class TorchAttention:
+    """The attention backend interface: write new K/V, attend, return [T, Hq, D]."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for row in meta.prefills:
+            out[row.query_start : row.query_start + row.query_len] = _prefill_row(
+                q, k, v, row, k_cache, v_cache, scale
+            )
+        if meta.decodes is not None:
+            out[meta.decodes.query_index] = _decode_rows(q, meta.decodes, k_cache, v_cache, scale)
+        return out

@@ -1,0 +1,115 @@
+"""One decoder for Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm) and SmolLM.
+
+The trunk works on a flattened batch of tokens [T] from any mix of rows; attention
+goes through a backend that reads/writes the paged KV cache. Heads are separate: the
+trunk returns hidden states, `compute_logits` projects only the rows asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prelude.config import ModelConfig
+from prelude.model.attention import AttentionBackend, get_attention_backend
+from prelude.model.attention.metadata import AttentionMetadata
+from prelude.model.rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as HF: normalize in float32, scale in the model dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer:
+    """Weights of one layer; q/k/v and gate/up are fused into single matmuls."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig) -> None:
+        w = lambda name: weights[prefix + name]  # noqa: E731
+        self.input_norm = w("input_layernorm.weight")
+        self.post_norm = w("post_attention_layernorm.weight")
+        self.qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+        self.qkv_bias = (
+            torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+            if prefix + "self_attn.q_proj.bias" in weights
+            else None
+        )
+        self.o_proj = w("self_attn.o_proj.weight")
+        self.q_norm = weights.get(prefix + "self_attn.q_norm.weight")
+        self.k_norm = weights.get(prefix + "self_attn.k_norm.weight")
+        self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+        self.down = w("mlp.down_proj.weight")
+
+
+class LlamaForCausalLM:
+    """Inference-only decoder: weights are plain tensors, no autograd."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        attention: AttentionBackend | None = None,
+        max_positions: int | None = None,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        cast = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
+        self.embed = cast["model.embed_tokens.weight"]
+        self.layers = [DecoderLayer(cast, f"model.layers.{i}.", config) for i in range(config.num_hidden_layers)]
+        self.norm = cast["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in cast else cast["lm_head.weight"]
+        self.attention = attention or get_attention_backend("torch")
+        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype, self.device)
+        self.q_size = config.num_attention_heads * config.head_dim
+        self.kv_size = config.num_key_value_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final-normed hidden states [T, hidden]."""
+        cfg = self.config
+        h = self.embed.index_select(0, input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = self.rope.apply(q, k, positions)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn.reshape(-1, self.q_size), layer.o_proj)
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project the selected rows [R, hidden] to float32 logits [R, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        per_token = 2 * self.config.num_key_value_heads * self.config.head_dim * self.dtype.itemsize
+        return per_token * block_size * self.config.num_hidden_layers

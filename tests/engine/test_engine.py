@@ -1,0 +1,211 @@
+"""Engine scenarios on a tiny random Llama: greedy parity with HF, chunking, preemption,
+stops, sampling, aborts. The block-pool integrity check runs after every scenario."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+from prelude import LLM, SamplingParams
+from prelude.engine.client import AdmissionError
+from prelude.engine.engine import LLMEngine
+
+from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_model():  # noqa: ANN201
+    return hf_tiny_llama()
+
+
+@pytest.fixture
+def make_engine(hf_model) -> Iterator:  # noqa: ANN001
+    made: list[LLMEngine] = []
+
+    def factory(**kw) -> LLMEngine:  # noqa: ANN003
+        engine = tiny_engine(hf_model, **kw)
+        made.append(engine)
+        return engine
+
+    yield factory
+    for engine in made:  # after every scenario: nothing leaked, bookkeeping consistent
+        engine.check_integrity()
+        assert not engine.has_unfinished()
+        assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 9, 30, 1, 12)]
+
+
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        dict(),  # everything fits
+        dict(max_num_batched_tokens=8),  # long prompts chunked, chunks mixed with decodes
+        dict(num_blocks=14, max_num_batched_tokens=16),  # KV pressure: preemption by recompute
+    ],
+    ids=["plain", "chunked", "preempting"],
+)
+def test_greedy_matches_hf_generate(hf_model, make_engine, engine_kw) -> None:  # noqa: ANN001
+    engine = make_engine(**engine_kw)
+    llm = LLM(engine=engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = llm.generate(PROMPTS, params)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
+        assert result.outputs[0].finish_reason == "length"
+
+
+def test_preemption_happens_and_recovers(hf_model, make_engine) -> None:  # noqa: ANN001
+    engine = make_engine(num_blocks=10, max_num_batched_tokens=16, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(PROMPTS[:4])]
+    outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].extend(o.new_token_ids)
+        engine.check_integrity()
+    assert sum(r.num_preemptions for r in reqs) > 0
+    for r, p in zip(reqs, PROMPTS[:4]):
+        assert outs[r.request_id] == hf_greedy(hf_model, p, 10)
+
+
+def test_stop_strings_are_not_leaked(make_engine) -> None:  # noqa: ANN001
+    llm = LLM(engine=make_engine())
+    free = llm.generate([[65, 66, 67]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) >= 6
+    stop = text[3:5]
+    cut = llm.generate([[65, 66, 67]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=(stop,)))
+    out = cut[0].outputs[0]
+    assert out.text == text[: text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(
+        [[65, 66, 67]],
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True),
+    )[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_eos_and_ignore_eos(make_engine) -> None:  # noqa: ANN001
+    engine = make_engine()
+    llm = LLM(engine=engine)
+    base = llm.generate([[70, 71]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    stop_tok = base.token_ids[2]
+    out = llm.generate([[70, 71]], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(stop_tok,)))[0].outputs[0]
+    assert out.token_ids == base.token_ids[: base.token_ids.index(stop_tok) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # Make <eos> the greedy choice through the engine's eos set: it ends generation
+    # unless ignore_eos.
+    engine.eos_token_ids = frozenset({base.token_ids[0]})
+    stopped = llm.generate([[70, 71]], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+    assert stopped.token_ids == base.token_ids[:1] and stopped.finish_reason == "stop"
+    ignored = llm.generate([[70, 71]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    assert ignored.token_ids == base.token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_n_differs(make_engine) -> None:  # noqa: ANN001
+    llm = LLM(engine=make_engine())
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=10, ignore_eos=True, seed=123, n=3)
+    a = llm.generate([[80, 81, 82]], params)[0].outputs
+    b = llm.generate([[80, 81, 82]], params)[0].outputs
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert len({tuple(o.token_ids) for o in a}) > 1
+
+
+def test_sampling_filters_restrict_support(make_engine) -> None:  # noqa: ANN001
+    llm = LLM(engine=make_engine())
+    greedy = llm.generate([[90, 91]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1, max_tokens=6, ignore_eos=True, seed=1),
+        SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=6, ignore_eos=True, seed=2),
+        SamplingParams(temperature=1.5, min_p=1.0, max_tokens=6, ignore_eos=True, seed=3),
+    ):
+        out = llm.generate([[90, 91]], params)[0].outputs[0]
+        assert out.token_ids == greedy.token_ids
+
+
+def test_penalties_change_greedy_choice(make_engine) -> None:  # noqa: ANN001
+    llm = LLM(engine=make_engine())
+    plain = llm.generate([[100, 101]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert len(set(plain.token_ids)) < len(plain.token_ids)  # a random tiny model repeats itself
+    pen = llm.generate(
+        [[100, 101]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+    )[0].outputs[0]
+    rep = llm.generate([[100, 101]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=5.0))[0].outputs[0]
+    assert len(set(pen.token_ids)) > len(set(plain.token_ids))
+    assert len(set(rep.token_ids)) > len(set(plain.token_ids))
+
+
+def test_logprobs_match_hf_log_softmax(hf_model, make_engine) -> None:  # noqa: ANN001
+    llm = LLM(engine=make_engine())
+    prompt = [40, 41, 42, 43]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3))[0].outputs[0]
+    seq = prompt + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([seq])).logits[0].float(), -1)
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    for i, lp in enumerate(out.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == out.token_ids[i]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+        assert lp.top[0][0] == lp.token_id  # greedy picks the top token
+
+
+def test_max_tokens_zero_and_context_limits(make_engine) -> None:  # noqa: ANN001
+    engine = make_engine(max_model_len=40)
+    llm = LLM(engine=engine)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=0))[0].outputs[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+    with pytest.raises(AdmissionError):
+        engine.add_request("long", list(range(40)), SamplingParams(max_tokens=1))
+    with pytest.raises(AdmissionError):
+        engine.add_request("over", list(range(30)), SamplingParams(max_tokens=20))
+    with pytest.raises(AdmissionError):
+        engine.add_request("oov", [1, 999], SamplingParams(max_tokens=1))
+    # max_tokens=None fills the context exactly.
+    full = llm.generate([list(range(30))], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0))[0].outputs[0]
+    assert len(full.token_ids) == 10 and full.finish_reason == "length"
+
+
+def test_abort_frees_blocks(make_engine) -> None:  # noqa: ANN001
+    engine = make_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.num_free_blocks < engine.kv.pool.num_blocks
+    for i in range(len(PROMPTS)):
+        assert engine.abort(str(i))
+    assert not engine.abort("0")
+    engine.check_integrity()
+
+
+def test_multibyte_streaming_text(make_engine) -> None:  # noqa: ANN001
+    """Byte tokens split UTF-8 characters: streamed increments never hold half a character."""
+    from prelude.engine.output_processor import new_stream, process_token
+
+    engine = make_engine()
+    req = engine.prepare("mb", [65], SamplingParams(max_tokens=20))
+    stream = new_stream(engine.tokenizer, req)
+    text = "héllo €𝄞 ok"
+    pieces = []
+    for b in text.encode():
+        pieces.append(process_token(req, stream, b, None, 1000).text)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)

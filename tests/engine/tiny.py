@@ -1,0 +1,78 @@
+"""A tiny random-weight Llama with a byte-level tokenizer, for engine tests."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from prelude.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from prelude.engine.engine import LLMEngine
+from prelude.model.llama import LlamaForCausalLM
+
+EOS = 256
+VOCAB = 260
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; 256 is <eos> (special). Multi-byte characters span tokens."""
+
+    vocab_size = VOCAB
+    bos_token_id = None
+    eos_token_ids = frozenset({EOS})
+    chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        data = bytearray()
+        out = ""
+        for i in ids:
+            if i < 256:
+                data.append(i)
+                continue
+            out += data.decode("utf-8", errors="replace")
+            data = bytearray()
+            if not skip_special_tokens:
+                out += "<eos>" if i == EOS else f"<special_{i}>"
+        return out + data.decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+
+def hf_tiny_llama(seed: int = 0) -> Any:
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=EOS, bos_token_id=None, tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+def tiny_engine(
+    hf_model: Any,
+    *,
+    num_blocks: int = 128,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    max_model_len: int | None = None,
+) -> LLMEngine:
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    model = LlamaForCausalLM(config, weights, torch.float32)
+    engine_cfg = EngineConfig(
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+        ),
+    )
+    return LLMEngine(model, ByteTokenizer(), engine_cfg, "tiny-llama")
