@@ -3,50 +3,16 @@ KV blocks freed after a burst of streams the clients abandon."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
-from typing import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
-from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
-from prelude.entrypoints.openai.api_server import build_app
-
-from tests.engine.tiny import hf_tiny_llama, tiny_engine
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[str, LLMEngine]]:
-    engine = tiny_engine(hf_tiny_llama(), num_blocks=256, max_model_len=256)
-    front = AsyncEngine(engine)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(front), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base, engine
-    server.should_exit = True
-    thread.join(timeout=10)
-    front.shutdown()
 
 
 def _wait_idle(engine: LLMEngine, seconds: float = 10.0) -> None:

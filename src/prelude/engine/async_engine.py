@@ -90,6 +90,9 @@ class AsyncEngine:
                     self._inbox.append(("abort", request_id))
             self._wake.set()
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.prepare("validate", prompt_token_ids, params)
+
     async def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))

@@ -1,0 +1,104 @@
+"""The FastAPI app: routes, auth, model-name checks. The engine sits behind EngineClient."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from prelude.engine.client import EngineClient
+from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from prelude.entrypoints.openai.fanout import ClientDisconnected
+from prelude.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from prelude.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from prelude.entrypoints.openai.serving_completions import create_completion
+
+VERSION = "0.1.0"
+
+
+def _check_model(engine: EngineClient, name: str | None) -> None:
+    if name is not None and name != engine.model_name:
+        raise APIError(f"The model `{name}` does not exist. This server serves `{engine.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="Prelude", version=VERSION)
+    install_error_handlers(app)
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response("invalid or missing API key", 401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy():
+            return JSONResponse({})
+        return error_response("the engine loop is not running", 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": engine.model_name, "object": "model", "created": created, "owned_by": "prelude",
+            "root": engine.model_name, "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_model(engine, body.model)
+        try:
+            return await create_completion(engine, body, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        _check_model(engine, body.model)
+        try:
+            return await create_chat_completion(engine, body, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(engine, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt or messages")
+        if body.messages is not None:
+            tokens = render_chat(engine, body.messages, body.add_generation_prompt)
+        else:
+            tokens = engine.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        _check_model(engine, body.model)
+        vocab = engine.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is out of vocabulary (size {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return app
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)

@@ -1,0 +1,108 @@
+"""One HTTP request -> several engine sequences (prompts x n), merged back into choices."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator
+
+from starlette.requests import Request as HTTPRequest
+
+from prelude.engine.client import EngineClient
+from prelude.engine.request import RequestOutput, SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Job:
+    """One engine sequence: choice `index` of prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs)
+        if out.finished and out.finish_reason is not None:
+            self.finish_reason = out.finish_reason.value
+            self.stop_reason = out.stop_reason
+
+
+def fan_out(prompts: list[list[int]], params: SamplingParams) -> list[Job]:
+    """Choice i of a seeded request uses seed + i: choices differ, the request is reproducible."""
+    jobs = []
+    for p_idx, ids in enumerate(prompts):
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            jobs.append(Job(p_idx * params.n + i, p_idx, ids, replace(params, n=1, seed=seed)))
+    return jobs
+
+
+async def merged_outputs(engine: EngineClient, request_id: str, jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestOutput]]:
+    """Increments of all jobs as they arrive. Closing this iterator early aborts every job."""
+    queue: asyncio.Queue[tuple[Job, RequestOutput | Exception]] = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            async for out in engine.generate(f"{request_id}-{job.index}", job.prompt_ids, job.params):
+                await queue.put((job, out))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((job, exc))
+
+    tasks = [asyncio.create_task(pump(j)) for j in jobs]
+    remaining = len(jobs)
+    try:
+        while remaining:
+            job, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield job, item
+    finally:
+        # Cancelling a pump closes its engine stream, which aborts that sequence.
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def collect_choices(
+    engine: EngineClient, request_id: str, jobs: list[Job], http_request: HTTPRequest | None
+) -> list[Choice]:
+    """Run all jobs to completion; cancel them if the HTTP client goes away."""
+    choices = [Choice(j.index) for j in jobs]
+
+    async def consume() -> None:
+        async for job, out in merged_outputs(engine, request_id, jobs):
+            choices[job.index].add(out)
+
+    task = asyncio.create_task(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                break
+            if http_request is not None and await http_request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    task.result()
+    return choices
