@@ -19,7 +19,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory budget of the paged KV cache")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--policy", default="fcfs", help="queue-order policy (fcfs)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -35,7 +34,6 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory_gib,
-            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
