@@ -24,6 +24,9 @@ def _hf_model(kind: str) -> "transformers.PreTrainedModel":
     if kind == "llama":
         cfg = transformers.LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False)
+        model = transformers.MistralForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -61,7 +64,7 @@ def _run(runner: ModelRunner, rows: list[BatchRow]) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
 def test_batched_prefill_then_decode_matches_hf(kind: str) -> None:
     hf = _hf_model(kind)
     runner, kv = _ours(hf)

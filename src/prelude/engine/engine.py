@@ -58,6 +58,9 @@ class LLMEngine:
             1, int(config.cache.kv_cache_memory_gib * 2**30) // model.kv_bytes_per_block(block_size)
         )
         limit = config.scheduler.max_model_len or model.config.max_position_embeddings
+        if model.config.sliding_window:
+            # Full attention equals sliding-window attention only within the window.
+            limit = min(limit, model.config.sliding_window)
         self.max_model_len = min(limit, num_blocks * block_size, model.rope.cos.shape[0])
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.kv = KVCacheManager(num_blocks, block_size)
