@@ -21,6 +21,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory budget of the paged KV cache")
     p.add_argument("--policy", default="fcfs", help="queue-order policy (fcfs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force-decode-path", action="store_true",
+                   help="ablation: send every request down the Decode path (no OneShot class)")
 
 
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202
@@ -40,6 +42,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             policy=args.policy,
+            force_decode=args.force_decode_path,
         ),
     )
 

@@ -32,6 +32,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # Mistral: attention span; the engine caps the context to it
+    id2label: tuple[str, ...] = ()  # *ForSequenceClassification checkpoints: one name per head output
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -67,8 +68,19 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=eos_ids,
+            id2label=_labels(cfg) if _is_classifier(cfg) else (),
             sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) else None,
         )
+
+
+def _is_classifier(cfg: dict[str, Any]) -> bool:
+    return any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or [])
+
+
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    id2label = cfg.get("id2label") or {}
+    n = int(cfg.get("num_labels") or len(id2label) or 1)
+    return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length (capped by the KV pool)
     policy: str = "fcfs"
+    # OneShot admission: prompt tokens per step and a temporary-activation estimate.
+    max_oneshot_tokens: int | None = None  # None: max_num_batched_tokens
+    oneshot_activation_bytes: int = 1 << 30
+    force_decode: bool = False  # ablation: send every request down the Decode path
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Prepare a request once: validate its tokens and budget, seed its sampler."""
+"""Prepare a request once: validate its tokens and budget, seed its sampler, and pick
+its execution class (the resource contract it keeps for its whole life)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import time
 import torch
 
 from prelude.engine.client import AdmissionError
-from prelude.engine.request import Request, SamplingParams
+from prelude.engine.request import ExecClass, PoolingParams, Request, SamplingParams
+
+
+def pick_exec_class(params: SamplingParams, max_tokens: int, pooling: PoolingParams | None) -> ExecClass:
+    """OneShot: one forward and a fixed-size output (a pooled vector, head scores,
+    prompt logprobs, or at most one generated token). Everything else decodes."""
+    if pooling is not None or max_tokens <= 1:
+        return ExecClass.ONESHOT
+    return ExecClass.DECODE
 
 
 def admit(
@@ -19,30 +28,46 @@ def admit(
     vocab_size: int,
     eos_token_ids: frozenset[int],
     shared_generator: torch.Generator,
+    can_generate: bool = True,
+    pooling: PoolingParams | None = None,
+    force_decode: bool = False,
     arrival_time: float | None = None,
 ) -> Request:
     """Build the engine-side Request or raise AdmissionError with a user-facing message."""
     if params.n != 1:
         raise AdmissionError("the engine takes one sequence per request; fan out n > 1 before admission")
+    if pooling is None and not can_generate:
+        raise AdmissionError("this model does not generate text; use /v1/embeddings, /classify or /score")
     n_prompt = len(prompt_token_ids)
     if n_prompt == 0:
         raise AdmissionError("the prompt is empty")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise AdmissionError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})")
-    if n_prompt >= max_model_len:
-        raise AdmissionError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-            f"{n_prompt} tokens, leaving no room for output. Please reduce the length of the prompt."
-        )
-    room = max_model_len - n_prompt
-    max_tokens = room if params.max_tokens is None else params.max_tokens
-    if max_tokens > room:
-        raise AdmissionError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
-            "Please reduce the length of the prompt or the completion."
-        )
+    if pooling is not None:
+        max_tokens = 0
+        if n_prompt > max_model_len:
+            raise AdmissionError(
+                f"This model's maximum context length is {max_model_len} tokens. However, the input has "
+                f"{n_prompt} tokens. Please reduce the length of the input."
+            )
+    else:
+        if n_prompt >= max_model_len:
+            raise AdmissionError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"{n_prompt} tokens, leaving no room for output. Please reduce the length of the prompt."
+            )
+        room = max_model_len - n_prompt
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise AdmissionError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or the completion."
+            )
+    exec_class = pick_exec_class(params, max_tokens, pooling)
+    if force_decode and can_generate:
+        exec_class = ExecClass.DECODE  # ablation: everything takes the decode-shaped path
     generator = shared_generator
     if params.seed is not None:
         generator = torch.Generator().manual_seed(params.seed)
@@ -54,4 +79,6 @@ def admit(
         max_output_tokens=max_tokens,
         eos_token_ids=frozenset() if params.ignore_eos else eos_token_ids,
         generator=generator,
+        exec_class=exec_class,
+        pooling=pooling,
     )

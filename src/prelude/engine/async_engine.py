@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from prelude.engine.engine import LLMEngine
-from prelude.engine.request import Request, RequestOutput, SamplingParams
+from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.async_engine")
@@ -60,10 +60,34 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._thread.is_alive()
 
-    async def generate(
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.engine.labels
+
+    @property
+    def can_generate(self) -> bool:
+        return self.engine.can_generate
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.engine.is_encoder
+
+    def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        req = self.engine.prepare(request_id, prompt_token_ids, params)  # AdmissionError -> caller
+        return self._stream(request_id, prompt_token_ids, params, None)
+
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
+        """One fixed-size result (embedding, head scores, label logprobs)."""
+        async for out in self._stream(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling):
+            if out.finished:
+                return out
+        raise RuntimeError(f"request {request_id} ended without a result")
+
+    async def _stream(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
+    ) -> AsyncIterator[RequestOutput]:
+        req = self.engine.prepare(request_id, prompt_token_ids, params, pooling)  # AdmissionError -> caller
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._sinks:
@@ -90,8 +114,10 @@ class AsyncEngine:
                     self._inbox.append(("abort", request_id))
             self._wake.set()
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.prepare("validate", prompt_token_ids, params)
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+    ) -> None:
+        self.engine.prepare("validate", prompt_token_ids, params, pooling)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:

@@ -3,16 +3,17 @@
 The batch type tells the executor the lifetime contract before it launches anything:
 a `DecodeBatch` holds one new token per running sequence; a `MixedBatch` holds prompt
 chunks (possibly alongside decode rows). Both keep KV in paged blocks owned by the
-requests. (A `OneShotBatch`, with no block tables at all, joins them for one-pass work.)
+requests. A `OneShotBatch` holds whole prompts of fixed-output requests: no block
+tables, no KV written to the pool, nothing kept after the forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from prelude.engine.request import SamplingParams, TokenLogprob
+from prelude.engine.request import PoolingParams, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,36 @@ class SampleSpec:
 
 
 @dataclass(frozen=True)
+class HeadSpec:
+    """Fixed-size outputs computed from a whole prompt's hidden states."""
+
+    prompt_logprobs: int | None = None
+    pooling: PoolingParams | None = None
+
+
+@dataclass(frozen=True)
 class BatchRow:
     request_id: str
     token_ids: list[int]  # tokens computed this step
     start_pos: int  # absolute position of token_ids[0]
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: SampleSpec | None  # None: a prompt chunk that does not finish the prompt
+    head: HeadSpec | None = None  # only on rows holding a whole prompt (forced-Decode ablation)
+
+
+@dataclass(frozen=True)
+class OneShotRow:
+    """A whole prompt computed in one forward; no block table, nothing kept after it."""
+
+    request_id: str
+    token_ids: list[int]
+    sample: SampleSpec | None  # the one generated token, if any
+    head: HeadSpec | None
+
+
+@dataclass(frozen=True)
+class OneShotBatch:
+    rows: tuple[OneShotRow, ...]
 
 
 @dataclass(frozen=True)
@@ -49,7 +74,7 @@ class MixedBatch:
         return self.prefill_rows + self.decode_rows
 
 
-ForwardBatch = DecodeBatch | MixedBatch
+ForwardBatch = OneShotBatch | DecodeBatch | MixedBatch
 
 
 @dataclass(frozen=True)
@@ -59,5 +84,13 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class HeadOutput:
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None
+    scores: list[float] | None = None
+
+
+@dataclass(frozen=True)
 class BatchOutput:
     sampled: dict[str, SampledToken]  # request_id -> token, for rows with a SampleSpec
+    heads: dict[str, HeadOutput] = field(default_factory=dict)  # request_id -> head outputs

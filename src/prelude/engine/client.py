@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
-from prelude.engine.request import RequestOutput, SamplingParams
+from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
 
 
@@ -22,6 +22,17 @@ class EngineClient(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Output names of the model's classification head; empty if it has none."""
+        ...
+
+    @property
+    def can_generate(self) -> bool: ...
+
+    @property
+    def is_encoder(self) -> bool: ...
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -33,7 +44,13 @@ class EngineClient(Protocol):
         """
         ...
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
+        """A fixed-size result of one forward (OneShot): embedding, head scores, label logprobs."""
+        ...
+
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+    ) -> None:
         """Raise AdmissionError if generate() would refuse this request (no side effects)."""
         ...
 

@@ -16,12 +16,21 @@ import torch
 from prelude.config import EngineConfig
 from prelude.engine.admission import admit
 from prelude.engine.batch import BatchOutput
-from prelude.engine.output_processor import OutputStream, emit, new_stream, process_token
+from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
-from prelude.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from prelude.engine.request import (
+    ExecClass,
+    FinishReason,
+    PoolingParams,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager
+from prelude.model.encoder import BertEncoder
 from prelude.model.llama import LlamaForCausalLM
 from prelude.tokenizer.base import Tokenizer
 
@@ -45,7 +54,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class LLMEngine:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LlamaForCausalLM | BertEncoder,
         tokenizer: Tokenizer,
         config: EngineConfig,
         model_name: str,
@@ -54,69 +63,110 @@ class LLMEngine:
         self.model_name = config.served_model_name or model_name
         self.tokenizer = tokenizer
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or max(
-            1, int(config.cache.kv_cache_memory_gib * 2**30) // model.kv_bytes_per_block(block_size)
-        )
-        limit = config.scheduler.max_model_len or model.config.max_position_embeddings
-        if model.config.sliding_window:
-            # Full attention equals sliding-window attention only within the window.
-            limit = min(limit, model.config.sliding_window)
-        self.max_model_len = min(limit, num_blocks * block_size, model.rope.cos.shape[0])
+        mcfg = model.config
+        if model.is_encoder:
+            num_blocks = 1  # encoders keep no KV: every request is OneShot
+            limit = config.scheduler.max_model_len or mcfg.max_position_embeddings
+            self.max_model_len = min(limit, mcfg.max_position_embeddings)
+        else:
+            num_blocks = config.cache.num_blocks or max(
+                1, int(config.cache.kv_cache_memory_gib * 2**30) // model.kv_bytes_per_block(block_size)
+            )
+            limit = config.scheduler.max_model_len or mcfg.max_position_embeddings
+            if mcfg.sliding_window:
+                # Full attention equals sliding-window attention only within the window.
+                limit = min(limit, mcfg.sliding_window)
+            self.max_model_len = min(limit, num_blocks * block_size, model.rope.cos.shape[0])
+        self.model = model
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.kv = KVCacheManager(num_blocks, block_size)
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(sched_cfg.policy))
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.config.eos_token_ids)
+        self.scheduler = Scheduler(
+            sched_cfg, self.kv, make_policy(sched_cfg.policy), mcfg.vocab_size, mcfg.hidden_size
+        )
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(mcfg, "eos_token_ids", ()))
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, OutputStream] = {}
         self._ready: list[RequestOutput] = []  # outputs that need no forward (max_tokens=0)
         self._rng = torch.Generator().manual_seed(config.seed)
-        logger.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB), max_model_len %d",
-            num_blocks, block_size, num_blocks * model.kv_bytes_per_block(block_size) / 2**30, self.max_model_len,
-        )
+        if not model.is_encoder:
+            logger.info(
+                "KV cache: %d blocks x %d tokens (%.2f GiB), max_model_len %d",
+                num_blocks, block_size, num_blocks * model.kv_bytes_per_block(block_size) / 2**30, self.max_model_len,
+            )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        from prelude.model.encoder import EncoderConfig
         from prelude.model.loader import load_model_files
 
         t0 = time.perf_counter()
         loaded = load_model_files(config.model)
         device = torch.device("cpu")
         dtype = resolve_dtype(config.dtype, device)
-        max_pos = loaded.config.max_position_embeddings
-        if config.scheduler.max_model_len:
-            max_pos = max(max_pos, config.scheduler.max_model_len)
-        model = LlamaForCausalLM(loaded.config, loaded.weights, dtype, device, max_positions=max_pos)
+        model: LlamaForCausalLM | BertEncoder
+        if isinstance(loaded.config, EncoderConfig):
+            model = BertEncoder(loaded.config, loaded.weights, dtype)
+        else:
+            max_pos = loaded.config.max_position_embeddings
+            if config.scheduler.max_model_len:
+                max_pos = max(max_pos, config.scheduler.max_model_len)
+            model = LlamaForCausalLM(loaded.config, loaded.weights, dtype, device, max_positions=max_pos)
         engine = cls(model, loaded.tokenizer, config, loaded.name)
         logger.info("loaded %s (%s) in %.2f s", loaded.name, dtype, time.perf_counter() - t0)
         return engine
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Names of the classification head's outputs (empty without a head)."""
+        return self.model.config.id2label
+
+    @property
+    def can_generate(self) -> bool:
+        return self.model.can_generate
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.model.is_encoder
+
     # --- requests -------------------------------------------------------------------
 
-    def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Admission: validate and build the Request (raises AdmissionError). Touches no
-        engine state, so the async front calls it on the caller's thread."""
+    def prepare(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+    ) -> Request:
+        """Admission: validate, build the Request and pick its class (raises
+        AdmissionError). Touches no engine state, so the async front calls it on the
+        caller's thread."""
+        if pooling is not None and pooling.task.value == "classify" and not self.labels:
+            from prelude.engine.client import AdmissionError
+
+            raise AdmissionError("this model has no classification head; pass candidate labels instead")
         return admit(
             request_id, prompt_token_ids, params,
-            max_model_len=self.max_model_len, vocab_size=self.runner.model.config.vocab_size,
+            max_model_len=self.max_model_len, vocab_size=self.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids, shared_generator=self._rng,
+            can_generate=self.can_generate, pooling=pooling,
+            force_decode=self.config.scheduler.force_decode,
         )
 
     def enqueue(self, req: Request) -> None:
         """Queue a prepared request (engine thread only)."""
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if req.max_output_tokens == 0:
+        needs_forward = req.max_output_tokens > 0 or req.pooling is not None or req.params.prompt_logprobs is not None
+        if not needs_forward:
             req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
             self._ready.append(emit(req, new_stream(self.tokenizer, req), 0, finished=True))
             return
         self._requests[req.request_id] = req
-        self._streams[req.request_id] = new_stream(self.tokenizer, req)
+        if req.exec_class is ExecClass.DECODE:  # OneShot requests get no streaming state
+            self._streams[req.request_id] = new_stream(self.tokenizer, req)
         self.scheduler.add(req)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        req = self.prepare(request_id, prompt_token_ids, params)
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+    ) -> Request:
+        req = self.prepare(request_id, prompt_token_ids, params, pooling)
         self.enqueue(req)
         return req
 
@@ -131,7 +181,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        self._streams.pop(request_id, None)
+        self._streams.pop(request_id, None)  # OneShot requests never had one
         self.scheduler.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
         return True
@@ -157,13 +207,31 @@ class LLMEngine:
 
     def _postprocess(self, plan: ScheduleResult, result: BatchOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        for req in plan.oneshot:
+            sampled = result.sampled.get(req.request_id)
+            outputs.append(oneshot_output(
+                req, self.tokenizer,
+                sampled.token_id if sampled else None, sampled.logprob if sampled else None,
+                result.heads.get(req.request_id),
+            ))
+            req.status = RequestStatus.FINISHED
+            del self._requests[req.request_id]
         for request_id, n in plan.scheduled.items():
             req = self._requests[request_id]
             req.num_computed_tokens += n
+            stream = self._streams[request_id]
+            head = result.heads.get(request_id)
+            if head is not None:
+                req.head_done = True
+                stream.pending_head = head
             sampled = result.sampled.get(request_id)
-            if sampled is None:
+            if sampled is not None:
+                out = process_token(req, stream, sampled.token_id, sampled.logprob, self.max_model_len)
+            elif head is not None and req.max_output_tokens == 0:
+                req.finish_reason = FinishReason.LENGTH  # a head-only request on the Decode path
+                out = emit(req, stream, 0, finished=True)
+            else:
                 continue
-            out = process_token(req, self._streams[request_id], sampled.token_id, sampled.logprob, self.max_model_len)
             if out.finished:
                 self._finish(req)
             outputs.append(out)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from prelude.engine.batch import HeadOutput
 from prelude.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from prelude.tokenizer.base import Tokenizer
 from prelude.tokenizer.detokenizer import IncrementalDetokenizer
@@ -20,6 +21,7 @@ class OutputStream:
     sent: int = 0  # characters of `text` already emitted
     sent_tokens: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_head: HeadOutput | None = None  # prompt logprobs to send with the first increment
 
     @property
     def holdback(self) -> int:
@@ -85,7 +87,8 @@ def emit(req: Request, stream: OutputStream, upto: int, finished: bool) -> Reque
     stream.sent_tokens = len(req.output_token_ids)
     logprobs = tuple(stream.pending_logprobs)
     stream.pending_logprobs.clear()
-    return RequestOutput(
+    head, stream.pending_head = stream.pending_head, None
+    return with_head(RequestOutput(
         request_id=req.request_id,
         new_token_ids=new_tokens,
         text=text,
@@ -95,4 +98,50 @@ def emit(req: Request, stream: OutputStream, upto: int, finished: bool) -> Reque
         num_prompt_tokens=req.num_prompt_tokens,
         num_output_tokens=len(req.output_token_ids),
         stop_reason=req.stop_reason if finished else None,
+    ), head)
+
+
+def with_head(out: RequestOutput, head: HeadOutput | None) -> RequestOutput:
+    if head is None:
+        return out
+    return replace(
+        out,
+        prompt_logprobs=tuple(head.prompt_logprobs) if head.prompt_logprobs is not None else None,
+        embedding=tuple(head.embedding) if head.embedding is not None else None,
+        scores=tuple(head.scores) if head.scores is not None else None,
     )
+
+
+def oneshot_output(
+    req: Request, tokenizer: Tokenizer, token_id: int | None, logprob: TokenLogprob | None, head: HeadOutput | None
+) -> RequestOutput:
+    """The single, final output of a OneShot request: no stream, no detokenizer state."""
+    text = ""
+    finish = FinishReason.LENGTH
+    if token_id is not None:
+        req.output_token_ids.append(token_id)
+        if token_id in req.eos_token_ids:
+            finish = FinishReason.STOP
+        elif token_id in req.params.stop_token_ids:
+            finish, req.stop_reason = FinishReason.STOP, token_id
+        else:
+            text = tokenizer.decode([token_id], req.params.skip_special_tokens)
+            for s in req.params.stop:
+                i = text.find(s)
+                if i != -1:
+                    text = text[: i + len(s) if req.params.include_stop_str_in_output else i]
+                    finish, req.stop_reason = FinishReason.STOP, s
+                    break
+    req.finish_reason = finish
+    out = RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=tuple(req.output_token_ids),
+        text=text,
+        logprobs=(logprob,) if logprob is not None else (),
+        finished=True,
+        finish_reason=finish,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=len(req.output_token_ids),
+        stop_reason=req.stop_reason,
+    )
+    return with_head(out, head)

@@ -32,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token; 0 = only the sampled one
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (k=0: only the actual token)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -54,12 +55,44 @@ class SamplingParams:
             raise SamplingParamsError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise SamplingParamsError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+
+class ExecClass(enum.Enum):
+    """The resource contract of a request, fixed once at admission."""
+
+    ONESHOT = "oneshot"  # one forward, fixed-size output, no KV kept
+    DECODE = "decode"  # multi-token generation on paged KV
+
+
+class PoolingTask(str, enum.Enum):
+    EMBED = "embed"  # pooled hidden state
+    CLASSIFY = "classify"  # the model's classification / score / reward head
+    LABELS = "labels"  # next-token logprobs of candidate label tokens after the prompt
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """What a fixed-output (non-generation) request wants from its one forward."""
+
+    task: PoolingTask
+    pooling: str | None = None  # last | mean | cls; None: the model's default
+    normalize: bool = False
+    label_token_ids: tuple[int, ...] = ()
+    token_type_ids: tuple[int, ...] | None = None  # sentence pairs for BERT-style encoders
+
+    def __post_init__(self) -> None:
+        if self.pooling not in (None, "last", "mean", "cls"):
+            raise SamplingParamsError(f"pooling must be last, mean or cls, got {self.pooling!r}")
+        if self.task is PoolingTask.LABELS and not self.label_token_ids:
+            raise SamplingParamsError("label classification needs at least one label")
 
 
 class FinishReason(str, enum.Enum):
@@ -82,6 +115,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 = the most likely token (computed for prompt logprobs)
 
 
 @dataclass(frozen=True)
@@ -101,6 +135,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    # OneShot payloads (None when not asked for):
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first prompt token: None
+    embedding: tuple[float, ...] | None = None
+    scores: tuple[float, ...] | None = None  # raw head outputs, or label-token logprobs
 
 
 @dataclass
@@ -114,12 +152,15 @@ class Request:
     max_output_tokens: int  # effective budget (max_tokens clamped to the context)
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     generator: torch.Generator | None = None
+    exec_class: ExecClass = ExecClass.DECODE
+    pooling: PoolingParams | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    head_done: bool = False  # prompt logprobs / pooled outputs already delivered
 
     @property
     def num_prompt_tokens(self) -> int:

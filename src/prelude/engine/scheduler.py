@@ -1,11 +1,18 @@
 """Builds one ForwardBatch per step under explicit budgets.
 
-Every step: running requests first (decode rows and unfinished prompt chunks), in
-policy order, each getting the tokens it still needs up to the token budget; when the
-KV pool has no room, the policy's last running request is preempted (its blocks freed,
-to be recomputed later). Then waiting requests are admitted in policy order while the
-token budget, `max_num_seqs` and the KV pool (minus a small watermark kept for running
-decodes) allow. Long prompts are chunked by the token budget.
+Two queues with separate accounting:
+- OneShot requests wait in their own queue and are admitted by prompt tokens and an
+  activation-memory estimate, grouped by output head; they get no block table and
+  no KV reservation. A step with OneShot work is a `OneShotBatch`.
+- Decode requests: running requests first (decode rows and unfinished prompt chunks),
+  in policy order, each getting the tokens it still needs up to the token budget;
+  when the KV pool has no room, the policy's last running request is preempted (its
+  blocks freed, to be recomputed later). Then waiting requests are admitted in policy
+  order while the token budget, `max_num_seqs` and the KV pool (minus a small
+  watermark kept for running decodes) allow. Long prompts are chunked by the budget,
+  except prompts whose rows feed a head (prompt logprobs, pooling), which need
+  every hidden state in one forward.
+When both classes have work, steps alternate so neither starves the other.
 """
 
 from __future__ import annotations
@@ -14,9 +21,18 @@ import time
 from dataclasses import dataclass, field
 
 from prelude.config import SchedulerConfig
-from prelude.engine.batch import BatchRow, DecodeBatch, ForwardBatch, MixedBatch, SampleSpec
+from prelude.engine.batch import (
+    BatchRow,
+    DecodeBatch,
+    ForwardBatch,
+    HeadSpec,
+    MixedBatch,
+    OneShotBatch,
+    OneShotRow,
+    SampleSpec,
+)
 from prelude.engine.policies import SchedulingPolicy
-from prelude.engine.request import Request, RequestStatus
+from prelude.engine.request import ExecClass, Request, RequestStatus
 from prelude.kv.kv_manager import KVCacheManager
 
 
@@ -25,32 +41,99 @@ class ScheduleResult:
     batch: ForwardBatch | None
     scheduled: dict[str, int] = field(default_factory=dict)  # request_id -> tokens computed this step
     preempted: list[Request] = field(default_factory=list)
+    oneshot: list[Request] = field(default_factory=list)  # requests of a OneShotBatch
+
+
+def head_spec(req: Request) -> HeadSpec | None:
+    if req.head_done or (req.pooling is None and req.params.prompt_logprobs is None):
+        return None
+    return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=req.pooling)
+
+
+def sample_spec(req: Request) -> SampleSpec | None:
+    if len(req.output_token_ids) >= req.max_output_tokens:
+        return None  # nothing (more) to generate: a head-only request
+    # The token lists are shared, not copied: the batch is consumed before
+    # postprocessing appends the next token.
+    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.generator)
+
+
+def oneshot_group(req: Request) -> tuple[object, ...]:
+    """Requests batched into one OneShot step share a head and compatible options."""
+    p = req.pooling
+    if p is not None:
+        return ("pool", p.task, p.pooling, p.normalize)
+    return ("generate", req.params.prompt_logprobs is not None)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy, vocab_size: int, hidden_size: int
+    ) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.oneshot_waiting: list[Request] = []
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self._last_was_oneshot = False
         # Keep ~1% of the pool free at admission so running decodes rarely preempt.
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        if request.exec_class is ExecClass.ONESHOT:
+            self.oneshot_waiting.append(request)
+        else:
+            self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
         """Take a request out of the queues and free its blocks (finish or abort)."""
-        if request in self.running:
-            self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
+        for queue in (self.running, self.waiting, self.oneshot_waiting):
+            if request in queue:
+                queue.remove(request)
         self.kv.free(request.request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.oneshot_waiting)
+
+    # --- OneShot ----------------------------------------------------------------------
+
+    def activation_bytes(self, req: Request) -> int:
+        """Rough temporary memory of one OneShot row: a few hidden-size activations per
+        token, plus float32 vocab rows when every prompt position needs logprobs."""
+        n = req.num_prompt_tokens
+        per_token = 16 * self.hidden_size * 4
+        if req.params.prompt_logprobs is not None:
+            per_token += 2 * self.vocab_size * 4
+        return n * per_token
+
+    def _schedule_oneshot(self, now: float) -> ScheduleResult:
+        budget = self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
+        memory = self.config.oneshot_activation_bytes
+        ordered = self.policy.order_waiting(self.oneshot_waiting, now)
+        group = oneshot_group(ordered[0])
+        taken: list[Request] = []
+        for req in ordered:
+            if oneshot_group(req) != group:
+                continue
+            n, mem = req.num_prompt_tokens, self.activation_bytes(req)
+            if taken and (n > budget or mem > memory):
+                break  # the first request always goes, even alone over budget
+            taken.append(req)
+            budget -= n
+            memory -= mem
+        for req in taken:
+            self.oneshot_waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+        rows = tuple(
+            OneShotRow(r.request_id, r.prompt_token_ids, sample_spec(r), head_spec(r)) for r in taken
+        )
+        return ScheduleResult(batch=OneShotBatch(rows), oneshot=taken)
+
+    # --- Decode / Mixed ---------------------------------------------------------------
 
     def _row(self, req: Request, n: int) -> BatchRow:
         start = req.num_computed_tokens
@@ -61,12 +144,20 @@ class Scheduler:
             tokens = req.prompt_token_ids[start : start + n]
         else:
             tokens = req.all_token_ids[start : start + n]
-        sample = None
-        if start + n == req.num_tokens:
-            # The token lists are shared, not copied: the batch is consumed before
-            # postprocessing appends the next token.
-            sample = SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.generator)
-        return BatchRow(req.request_id, tokens, start, list(self.kv.block_table(req.request_id)), sample)
+        finishes = start + n == req.num_tokens
+        head = head_spec(req) if start == 0 and n >= n_prompt else None
+        return BatchRow(
+            req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
+            sample_spec(req) if finishes else None, head,
+        )
+
+    def _tokens_for(self, req: Request, budget: int, first: bool) -> int:
+        """Tokens this request computes now; 0 if it must wait for a bigger budget."""
+        need = req.num_tokens - req.num_computed_tokens
+        if head_spec(req) is not None and req.num_computed_tokens == 0 and need > budget:
+            # Head rows need the whole prompt in one forward: run alone if it is huge.
+            return need if first else 0
+        return min(need, budget)
 
     def _preempt(self, victim: Request, result: ScheduleResult) -> None:
         self.running.remove(victim)
@@ -79,6 +170,11 @@ class Scheduler:
 
     def schedule(self, now: float | None = None) -> ScheduleResult:
         now = time.monotonic() if now is None else now
+        decode_work = bool(self.waiting or self.running)
+        if self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
+            self._last_was_oneshot = True
+            return self._schedule_oneshot(now)
+        self._last_was_oneshot = False
         result = ScheduleResult(batch=None)
         budget = self.config.max_num_batched_tokens
         rows: list[BatchRow] = []
@@ -101,7 +197,9 @@ class Scheduler:
             for req in self.policy.order_waiting(self.waiting, now):
                 if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = self._tokens_for(req, budget, first=not rows)
+                if n == 0:
+                    continue
                 if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=self.watermark_blocks):
                     break
                 self.waiting.remove(req)

@@ -1,22 +1,40 @@
-"""ModelRunner.execute(ForwardBatch) -> BatchOutput: tensors in, sampled tokens out."""
+"""ModelRunner.execute(ForwardBatch) -> BatchOutput: one path per execution class."""
 
 from __future__ import annotations
 
 import torch
 
-from prelude.engine.batch import BatchOutput, BatchRow, ForwardBatch, SampleSpec
+from prelude.engine.batch import (
+    BatchOutput,
+    BatchRow,
+    DecodeBatch,
+    ForwardBatch,
+    HeadOutput,
+    HeadSpec,
+    MixedBatch,
+    OneShotBatch,
+    SampledToken,
+    SampleSpec,
+)
+from prelude.engine.request import PoolingTask, TokenLogprob
 from prelude.executor.sampler import sample
+from prelude.model import heads
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
+from prelude.model.encoder import BertEncoder
 from prelude.model.llama import LlamaForCausalLM
+
+_EMPTY_TABLE = torch.zeros(0, dtype=torch.long)
 
 
 class ModelRunner:
     """Owns the model and its paged KV tensors; knows nothing of requests' lifecycles."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM | BertEncoder, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+
+    # --- paged (Decode / Mixed) -----------------------------------------------------
 
     def _slots(self, row: BatchRow) -> list[int]:
         bs = self.block_size
@@ -24,7 +42,7 @@ class ModelRunner:
         return [table[p // bs] * bs + p % bs for p in range(row.start_pos, row.start_pos + len(row.token_ids))]
 
     def build_metadata(self, rows: tuple[BatchRow, ...]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten rows into input ids, positions, attention metadata, and last-token indices."""
+        """Flatten rows into input ids, positions, attention metadata, and row start indices."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -32,7 +50,7 @@ class ModelRunner:
         dec_index: list[int] = []
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
-        last_index: list[int] = []
+        starts: list[int] = []
         for row in rows:
             start = len(ids)
             n = len(row.token_ids)
@@ -48,7 +66,7 @@ class ModelRunner:
                 nb = (context_len + self.block_size - 1) // self.block_size
                 table = torch.tensor(row.block_table[:nb], dtype=torch.long)
                 prefills.append(PrefillSlice(start, n, context_len, table))
-            last_index.append(start + n - 1)
+            starts.append(start)
         decodes = None
         if dec_index:
             width = max(len(t) for t in dec_tables)
@@ -67,21 +85,92 @@ class ModelRunner:
             decodes=decodes,
             block_size=self.block_size,
         )
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, last_index
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, starts
 
     def forward_rows(self, rows: tuple[BatchRow, ...]) -> tuple[torch.Tensor, list[int]]:
-        """Run the trunk; returns hidden states [T, H] and each row's last-token index."""
-        ids, positions, meta, last_index = self.build_metadata(rows)
-        hidden = self.model.forward(ids, positions, meta, self.kv_caches)
-        return hidden, last_index
+        """Run the trunk on paged rows; returns hidden states [T, H] and each row's start."""
+        ids, positions, meta, starts = self.build_metadata(rows)
+        return self.model.forward(ids, positions, meta, self.kv_caches), starts
+
+    # --- OneShot: whole prompts, nothing written to the pool -------------------------
+
+    def forward_oneshot(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Flattened varlen prompts, each attending only to itself; K/V are temporaries."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slices: list[PrefillSlice] = []
+        starts: list[int] = []
+        for p in prompts:
+            starts.append(len(ids))
+            slices.append(PrefillSlice(len(ids), len(p), len(p), _EMPTY_TABLE))
+            ids.extend(p)
+            positions.extend(range(len(p)))
+        meta = AttentionMetadata(slot_mapping=None, prefills=tuple(slices), decodes=None, block_size=self.block_size)
+        hidden = self.model.forward(
+            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, self.kv_caches
+        )
+        return hidden, starts
+
+    # --- one entry point, one path per class ------------------------------------------
 
     def execute(self, batch: ForwardBatch) -> BatchOutput:
-        rows = batch.rows
-        hidden, last_index = self.forward_rows(rows)
-        wanted = [(row, idx) for row, idx in zip(rows, last_index) if row.sample is not None]
-        if not wanted:
-            return BatchOutput(sampled={})
-        logits = self.model.compute_logits(hidden[torch.tensor([idx for _, idx in wanted], dtype=torch.long)])
-        specs: list[SampleSpec] = [row.sample for row, _ in wanted]  # type: ignore[misc]
-        tokens = sample(logits, specs)
-        return BatchOutput(sampled={row.request_id: tok for (row, _), tok in zip(wanted, tokens)})
+        if isinstance(batch, OneShotBatch):
+            prompts = [r.token_ids for r in batch.rows]
+            if self.model.is_encoder:
+                types = [list(r.head.pooling.token_type_ids) if r.head and r.head.pooling and r.head.pooling.token_type_ids
+                         else None for r in batch.rows]
+                hidden, starts = self.model.forward_rows(prompts, types)
+            else:
+                hidden, starts = self.forward_oneshot(prompts)
+            rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
+        else:
+            assert isinstance(batch, (DecodeBatch, MixedBatch))
+            hidden, starts = self.forward_rows(batch.rows)
+            rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
+        return self._outputs(hidden, starts, rows)
+
+    def _outputs(
+        self,
+        hidden: torch.Tensor,
+        starts: list[int],
+        rows: list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
+    ) -> BatchOutput:
+        """Project only what each row asked for: last-token logits, prompt logprobs, heads."""
+        sampled: dict[str, SampledToken] = {}
+        head_out: dict[str, HeadOutput] = {}
+        want = [(rid, starts[i] + len(tok) - 1, spec) for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
+        if want:
+            logits = self.model.compute_logits(hidden[torch.tensor([idx for _, idx, _ in want], dtype=torch.long)])
+            for (rid, _, _), tok in zip(want, sample(logits, [s for _, _, s in want])):
+                sampled[rid] = tok
+        for i, (rid, tokens, _, head) in enumerate(rows):
+            if head is not None:
+                head_out[rid] = self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head)
+        return BatchOutput(sampled=sampled, heads=head_out)
+
+    def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec) -> HeadOutput:
+        prompt_lps: list[TokenLogprob | None] | None = None
+        if head.prompt_logprobs is not None:
+            prompt_lps = [None]
+            if len(tokens) > 1:
+                actual, rank, vals, ids = heads.prompt_token_logprobs(
+                    self.model.compute_logits(hidden[:-1]), tokens, head.prompt_logprobs
+                )
+                ranks = rank.tolist()
+                top_ids = ids.tolist() if ids is not None else None
+                top_vals = vals.tolist() if vals is not None else None
+                for j, lp in enumerate(actual.tolist()):
+                    top = () if top_ids is None else tuple(zip(top_ids[j], top_vals[j]))  # type: ignore[index]
+                    prompt_lps.append(TokenLogprob(tokens[j + 1], lp, top, ranks[j]))
+        p = head.pooling
+        if p is None:
+            return HeadOutput(prompt_logprobs=prompt_lps)
+        if p.task is PoolingTask.LABELS:
+            scores = heads.label_logprobs(self.model.compute_logits(hidden[-1:])[0], p.label_token_ids)
+            return HeadOutput(prompt_logprobs=prompt_lps, scores=scores.tolist())
+        if p.task is PoolingTask.CLASSIFY:
+            return HeadOutput(prompt_logprobs=prompt_lps, scores=self.model.classify(hidden).tolist())
+        pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
+        if p.normalize:
+            pooled = heads.normalize(pooled)
+        return HeadOutput(prompt_logprobs=prompt_lps, embedding=pooled.tolist())

@@ -62,7 +62,12 @@ class LlamaForCausalLM:
         self.embed = cast["model.embed_tokens.weight"]
         self.layers = [DecoderLayer(cast, f"model.layers.{i}.", config) for i in range(config.num_hidden_layers)]
         self.norm = cast["model.norm.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in cast else cast["lm_head.weight"]
+        # A *ForSequenceClassification checkpoint has a `score` head instead of an LM head.
+        self.score = cast.get("score.weight")
+        if "lm_head.weight" in cast:
+            self.lm_head: torch.Tensor | None = cast["lm_head.weight"]
+        else:
+            self.lm_head = self.embed if config.tie_word_embeddings or self.score is None else None
         self.attention = attention or get_attention_backend("torch")
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype, self.device)
         self.q_size = config.num_attention_heads * config.head_dim
@@ -98,10 +103,27 @@ class LlamaForCausalLM:
             h = h + F.linear(F.silu(gate) * up, layer.down)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
+    is_encoder = False
+    default_pooling = "last"
+
+    @property
+    def can_generate(self) -> bool:
+        return self.lm_head is not None
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project the selected rows [R, hidden] to float32 logits [R, vocab]."""
+        if self.lm_head is None:
+            raise RuntimeError("this checkpoint has no language-model head")
         return F.linear(hidden, self.lm_head).float()
+
+    @torch.inference_mode()
+    def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:
+        """Classification / reward head on a sequence's last token, as HF's
+        *ForSequenceClassification does: [n, hidden] -> [labels] (float32)."""
+        if self.score is None:
+            raise RuntimeError("this checkpoint has no classification head")
+        return F.linear(hidden_row[-1], self.score).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)

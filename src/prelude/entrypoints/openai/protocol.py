@@ -44,6 +44,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None
 
 
 class TextPart(_Request):
@@ -80,3 +81,48 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    pooling: Literal["last", "mean", "cls"] | None = None
+    normalize: bool = True
+
+
+class ClassifyRequest(_Request):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    labels: list[str] | None = None  # label-token classification for causal LMs
+    use_chat_template: bool = False  # wrap each input as a user turn of the chat template
+    user: str | None = None
+
+
+class ScoreRequest(_Request):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    template: str | None = None
+    user: str | None = None
+
+
+class RerankRequest(_Request):
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]]
+    top_n: int | None = Field(default=None, ge=0)
+    return_documents: bool = True
+    template: str | None = None
+    user: str | None = None
+
+
+class RewardRequest(_Request):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None

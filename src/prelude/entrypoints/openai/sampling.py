@@ -9,7 +9,9 @@ from prelude.entrypoints.openai.protocol import _SamplingFields
 from prelude.tokenizer.base import Tokenizer
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """Defaults follow OpenAI (temperature 1, top_p 1); SamplingParams validates ranges."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(
@@ -29,20 +31,52 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
-def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """Legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(
+    tok: Tokenizer, lps: list[TokenLogprob | None], offset: int, token_ids: list[int] | None = None
+) -> dict[str, Any]:
+    """Legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset.
+
+    A None entry (the first prompt token under echo) has a null logprob; its token comes
+    from `token_ids`. The sampled/actual token is always among a row's top logprobs,
+    as OpenAI returns it.
+    """
     tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        text = tok.token_text(lp.token_id)
+    for i, lp in enumerate(lps):
+        token_id = lp.token_id if lp is not None else (token_ids or [])[i]
+        text = tok.token_text(token_id)
         tokens.append(text)
-        token_lps.append(lp.logprob)
-        tops.append({tok.token_text(t): v for t, v in lp.top} if lp.top else None)
         offsets.append(offset)
         offset += len(text)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(lp.logprob)
+        if lp.top:
+            top = {tok.token_text(t): v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)
+            tops.append(top)
+        else:
+            tops.append(None)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_payload(tok: Tokenizer, lps: tuple[TokenLogprob | None, ...]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token {token_id: {logprob, rank, decoded_token}}."""
+    out: list[dict[str, Any] | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": tok.token_text(lp.token_id)}}
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": tok.token_text(t)})
+        out.append(entry)
+    return out
 
 
 def _entry(tok: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:

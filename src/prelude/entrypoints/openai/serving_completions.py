@@ -14,7 +14,12 @@ from prelude.engine.client import EngineClient
 from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.fanout import collect_choices, fan_out, merged_outputs
 from prelude.entrypoints.openai.protocol import CompletionRequest
-from prelude.entrypoints.openai.sampling import completion_logprobs, sampling_params, usage
+from prelude.entrypoints.openai.sampling import (
+    completion_logprobs,
+    prompt_logprobs_payload,
+    sampling_params,
+    usage,
+)
 
 
 def _prompts(engine: EngineClient, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
@@ -45,9 +50,12 @@ def _prompts(engine: EngineClient, req: CompletionRequest) -> tuple[list[list[in
 async def create_completion(engine: EngineClient, req: CompletionRequest, http: HTTPRequest) -> Any:
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError("echo together with logprobs (prompt logprobs) is not supported yet", param="echo")
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    # echo + logprobs returns the prompt's logprobs too (lm-eval's loglikelihood path).
+    echo_logprobs = req.echo and req.logprobs is not None
+    prompt_k = req.prompt_logprobs
+    if echo_logprobs:
+        prompt_k = max(prompt_k or 0, req.logprobs or 0)
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_k)
     prompt_ids, prompt_texts = _prompts(engine, req)
     jobs = fan_out(prompt_ids, params)
     for job in jobs[:: params.n]:  # one check per prompt, before any work starts
@@ -69,19 +77,25 @@ async def create_completion(engine: EngineClient, req: CompletionRequest, http: 
             sent_echo: set[int] = set()
             async for job, out in merged_outputs(engine, rid, jobs):
                 text = out.text
-                if req.echo and job.index not in sent_echo:
+                first = job.index not in sent_echo
+                sent_echo.add(job.index)
+                if req.echo and first:
                     text = echo_text(job.prompt_index) + text
-                    sent_echo.add(job.index)
                 lp = None
                 if req.logprobs is not None:
                     lp = completion_logprobs(tok, list(out.logprobs), offsets[job.index])
                     offsets[job.index] += sum(len(t) for t in lp["tokens"])
+                    if echo_logprobs and first and out.prompt_logprobs is not None:
+                        head = completion_logprobs(tok, list(out.prompt_logprobs), 0, job.prompt_ids)
+                        lp = {k: head[k] + lp[k] for k in lp}
                 completion_tokens += len(out.new_token_ids)
                 choice = {
                     "index": job.index, "text": text, "logprobs": lp,
                     "finish_reason": out.finish_reason.value if out.finish_reason else None,
                     "stop_reason": out.stop_reason,
                 }
+                if req.prompt_logprobs is not None and first:
+                    choice["prompt_logprobs"] = prompt_logprobs_payload(tok, out.prompt_logprobs or ())
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                          "choices": [choice]}
                 if include_usage:
@@ -98,11 +112,19 @@ async def create_completion(engine: EngineClient, req: CompletionRequest, http: 
     choices = await collect_choices(engine, rid, jobs, http)
     body_choices = []
     for job, c in zip(jobs, choices):
-        lp = completion_logprobs(tok, c.logprobs, len(echo_text(job.prompt_index))) if req.logprobs is not None else None
-        body_choices.append({
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(tok, list(c.logprobs), len(echo_text(job.prompt_index)))
+            if echo_logprobs and c.prompt_logprobs is not None:
+                head = completion_logprobs(tok, list(c.prompt_logprobs), 0, job.prompt_ids)
+                lp = {k: head[k] + lp[k] for k in lp}
+        choice: dict[str, Any] = {
             "index": c.index, "text": echo_text(job.prompt_index) + c.text, "logprobs": lp,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-        })
+        }
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_payload(tok, c.prompt_logprobs or ())
+        body_choices.append(choice)
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
         "choices": body_choices,

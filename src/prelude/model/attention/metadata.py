@@ -33,7 +33,9 @@ class DecodeRows:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    # [T] int64: cache slot (block * block_size + offset) of each new token; None for a
+    # OneShot forward, whose K/V live only for that forward and are never written.
+    slot_mapping: torch.Tensor | None
     prefills: tuple[PrefillSlice, ...]
     decodes: DecodeRows | None
     block_size: int

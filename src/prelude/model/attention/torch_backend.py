@@ -95,7 +95,8 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.slot_mapping is not None:
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         for row in meta.prefills:
             out[row.query_start : row.query_start + row.query_len] = _prefill_row(

@@ -1,0 +1,246 @@
+"""Fixed-output APIs, all OneShot: /v1/embeddings, /classify, /score, /rerank, /reward.
+
+Every input of a request becomes one engine request; the scheduler batches them into
+OneShot steps grouped by head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+import time
+import uuid
+from typing import Any, Awaitable, Sequence, TypeVar
+
+from starlette.requests import Request as HTTPRequest
+
+from prelude.engine.client import EngineClient
+from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput, SamplingParams
+from prelude.entrypoints.openai.errors import APIError
+from prelude.entrypoints.openai.fanout import ClientDisconnected
+from prelude.entrypoints.openai.protocol import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    RewardRequest,
+    ScoreRequest,
+)
+
+T = TypeVar("T")
+_NO_GEN = SamplingParams(max_tokens=0)
+
+# A causal LM scores relevance as P("yes") after this question (see --score-template).
+DEFAULT_SCORE_TEMPLATE = (
+    "Judge whether the document answers the query. Reply with only yes or no.\n"
+    "Query: {query}\nDocument: {document}"
+)
+
+
+def _softmax(xs: Sequence[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    total = sum(e)
+    return [v / total for v in e]
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _input_list(value: Any, param: str) -> list[str | list[int]]:
+    """str | [str] | [int] | [[int]] -> one item per input; empty batches are rejected."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise APIError(f"{param} must not be empty", param=param)
+    if isinstance(value[0], int):
+        return [list(value)]
+    return list(value)
+
+
+async def _cancellable(work: Awaitable[T], http: HTTPRequest | None) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if http is not None and await http.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _encode_all(
+    engine: EngineClient, prefix: str, prompts: list[list[int]], pooling: list[PoolingParams], http: HTTPRequest
+) -> list[RequestOutput]:
+    for ids, p in zip(prompts, pooling):  # refuse the whole batch before any work starts
+        if not ids:
+            raise APIError("an input is empty")
+        engine.validate(ids, _NO_GEN, p)
+    calls = [engine.encode(f"{prefix}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, pooling))]
+    return await _cancellable(asyncio.gather(*calls), http)
+
+
+def _tokens(engine: EngineClient, item: str | list[int], chat: bool = False) -> list[int]:
+    if isinstance(item, list):
+        return item
+    if chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": item}], add_generation_prompt=True)
+        return engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.tokenizer.encode(item, add_special_tokens=True)
+
+
+def _usage(prompts: list[list[int]]) -> dict[str, int]:
+    n = sum(len(p) for p in prompts)
+    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
+
+
+def _label_token_ids(engine: EngineClient, labels: list[str]) -> tuple[int, ...]:
+    """Each label is scored by its first token; labels must differ in that token."""
+    if not labels:
+        raise APIError("labels must not be empty", param="labels")
+    ids = []
+    for label in labels:
+        toks = engine.tokenizer.encode(label, add_special_tokens=False)
+        if not toks:
+            raise APIError(f"label {label!r} has no tokens", param="labels")
+        ids.append(toks[0])
+    if len(set(ids)) != len(ids):
+        raise APIError("labels must start with different tokens (they are scored by their first token)",
+                       param="labels")
+    return tuple(ids)
+
+
+async def create_embeddings(engine: EngineClient, req: EmbeddingRequest, http: HTTPRequest) -> dict[str, Any]:
+    if req.dimensions is not None:
+        raise APIError("dimensions is not supported: this model has a fixed embedding size", param="dimensions")
+    prompts = [_tokens(engine, item) for item in _input_list(req.input, "input")]
+    pooling = PoolingParams(PoolingTask.EMBED, pooling=req.pooling, normalize=req.normalize)
+    outs = await _encode_all(engine, f"embd-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    data = []
+    for i, out in enumerate(outs):
+        vec = list(out.embedding or ())
+        value: Any = vec
+        if req.encoding_format == "base64":
+            value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    usage = _usage(prompts)
+    usage.pop("completion_tokens")
+    return {"object": "list", "data": data, "model": engine.model_name, "usage": usage}
+
+
+async def create_classification(engine: EngineClient, req: ClassifyRequest, http: HTTPRequest) -> dict[str, Any]:
+    prompts = [_tokens(engine, item, req.use_chat_template) for item in _input_list(req.input, "input")]
+    if req.labels is not None:
+        # Label-token classification: softmax over the labels' next-token logprobs.
+        names = list(req.labels)
+        pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=_label_token_ids(engine, names))
+    else:
+        if not engine.labels:
+            raise APIError("this model has no classification head: pass candidate labels", param="labels")
+        names = list(engine.labels)
+        pooling = PoolingParams(PoolingTask.CLASSIFY)
+    outs = await _encode_all(engine, f"classify-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    data = []
+    for i, out in enumerate(outs):
+        scores = list(out.scores or ())
+        probs = [_sigmoid(scores[0])] if len(scores) == 1 else _softmax(scores)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": names[best], "probs": probs, "num_classes": len(probs)})
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": engine.model_name, "data": data, "usage": _usage(prompts)}
+
+
+async def create_reward(engine: EngineClient, req: RewardRequest, http: HTTPRequest) -> dict[str, Any]:
+    if len(engine.labels) != 1:
+        raise APIError("reward needs a model whose head has exactly one output")
+    prompts = [_tokens(engine, item) for item in _input_list(req.input, "input")]
+    pooling = PoolingParams(PoolingTask.CLASSIFY)
+    outs = await _encode_all(engine, f"reward-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    data = [{"index": i, "object": "reward", "score": (out.scores or (0.0,))[0]} for i, out in enumerate(outs)]
+    return {"id": f"reward-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": engine.model_name, "data": data, "usage": _usage(prompts)}
+
+
+async def relevance_scores(
+    engine: EngineClient, pairs: list[tuple[str, str]], template: str | None, http: HTTPRequest
+) -> tuple[list[float], list[list[int]]]:
+    """Cross-encoder head scores, or for a causal LM P("yes") under a template."""
+    if engine.labels:
+        encode_pair = getattr(engine.tokenizer, "encode_pair", None)
+        prompts, poolings = [], []
+        for q, d in pairs:
+            if engine.is_encoder and encode_pair is not None:
+                ids, types = encode_pair(q, d)
+            else:
+                ids, types = engine.tokenizer.encode(q + "\n" + d), None
+            prompts.append(ids)
+            poolings.append(PoolingParams(PoolingTask.CLASSIFY, token_type_ids=tuple(types) if types else None))
+        outs = await _encode_all(engine, f"score-{uuid.uuid4().hex}", prompts, poolings, http)
+        scores = []
+        for out in outs:
+            s = list(out.scores or ())
+            scores.append(_sigmoid(s[0]) if len(s) == 1 else _softmax(s)[-1])
+        return scores, prompts
+    if not engine.can_generate:
+        raise APIError("this model has neither a score head nor a language-model head")
+    tmpl = template or DEFAULT_SCORE_TEMPLATE
+    if "{query}" not in tmpl or "{document}" not in tmpl:
+        raise APIError("template must contain {query} and {document}", param="template")
+    labels = _label_token_ids(engine, ["yes", "no"])
+    prompts = []
+    for q, d in pairs:
+        question = tmpl.replace("{query}", q).replace("{document}", d)
+        prompts.append(_tokens(engine, question, chat=engine.tokenizer.chat_template is not None))
+    pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=labels)
+    outs = await _encode_all(engine, f"score-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    return [_softmax(list(out.scores or (0.0, 0.0)))[0] for out in outs], prompts
+
+
+async def create_score(engine: EngineClient, req: ScoreRequest, http: HTTPRequest) -> dict[str, Any]:
+    first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
+    second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
+    if not first or not second:
+        raise APIError("text_1 and text_2 must not be empty")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise APIError("text_1 must be one text or as many texts as text_2", param="text_1")
+    scores, prompts = await relevance_scores(engine, list(zip(first, second)), req.template, http)
+    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": engine.model_name,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": _usage(prompts)}
+
+
+def _document_text(doc: str | dict[str, Any], i: int) -> str:
+    if isinstance(doc, str):
+        return doc
+    if isinstance(doc.get("text"), str):
+        return doc["text"]
+    raise APIError(f"documents[{i}] must be a string or have a text field", param="documents")
+
+
+async def create_rerank(engine: EngineClient, req: RerankRequest, http: HTTPRequest) -> dict[str, Any]:
+    if not req.documents:
+        raise APIError("documents must not be empty", param="documents")
+    docs = [_document_text(d, i) for i, d in enumerate(req.documents)]
+    scores, prompts = await relevance_scores(engine, [(req.query, d) for d in docs], req.template, http)
+    order = sorted(range(len(docs)), key=lambda i: scores[i], reverse=True)
+    if req.top_n is not None:
+        order = order[: req.top_n]
+    results = []
+    for i in order:
+        item: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            item["document"] = {"text": docs[i]}
+        results.append(item)
+    total = sum(len(p) for p in prompts)
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": engine.model_name, "results": results,
+            "usage": {"total_tokens": total, "prompt_tokens": total}}

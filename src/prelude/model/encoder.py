@@ -1,0 +1,150 @@
+"""BERT-style bidirectional encoders (sentence embeddings, cross-encoder rerankers).
+
+Encoders have no KV cache and no generation: every request is OneShot. Handles
+`BertModel` checkpoints (sentence-transformers layout, pooling from 1_Pooling/) and
+`BertForSequenceClassification` (pooler + classifier head).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    id2label: tuple[str, ...]
+    default_pooling: str  # from sentence-transformers' pooling config when present
+    default_normalize: bool
+
+    @staticmethod
+    def from_dir(model_dir: Path, cfg: dict[str, Any]) -> "EncoderConfig":
+        pooling, normalize = "cls", False
+        pool_cfg = model_dir / "1_Pooling" / "config.json"
+        if pool_cfg.exists():
+            pc = json.loads(pool_cfg.read_text())
+            pooling = "mean" if pc.get("pooling_mode_mean_tokens") else "cls"
+        max_len = int(cfg.get("max_position_embeddings", 512))
+        st_cfg = model_dir / "sentence_bert_config.json"
+        if st_cfg.exists():  # sentence-transformers truncates there: inputs beyond it are refused
+            max_len = min(max_len, int(json.loads(st_cfg.read_text()).get("max_seq_length", max_len)))
+        modules = model_dir / "modules.json"
+        if modules.exists():
+            normalize = any(m.get("type", "").endswith("Normalize") for m in json.loads(modules.read_text()))
+        from prelude.config import _is_classifier, _labels
+
+        return EncoderConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            max_position_embeddings=max_len,
+            type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            hidden_act=str(cfg.get("hidden_act", "gelu")),
+            id2label=_labels(cfg) if _is_classifier(cfg) else (),
+            default_pooling=pooling,
+            default_normalize=normalize,
+        )
+
+
+def is_encoder_config(cfg: dict[str, Any]) -> bool:
+    return cfg.get("model_type") in ("bert", "roberta", "xlm-roberta")
+
+
+def _act(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "gelu":
+        return F.gelu(x)
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+class BertEncoder:
+    is_encoder = True
+    can_generate = False
+
+    def __init__(self, config: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+        w = {k.removeprefix("bert."): v.to(dtype) for k, v in weights.items()}
+        self.w = w
+        self.default_pooling = config.default_pooling
+        self.layers = range(config.num_hidden_layers)
+        self.has_pooler = "pooler.dense.weight" in w
+        self.has_classifier = "classifier.weight" in w
+
+    def _ln(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.config.layer_norm_eps)
+
+    def _lin(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        return F.linear(x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
+
+    def _row(self, ids: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        n = ids.numel()
+        h = (
+            self.w["embeddings.word_embeddings.weight"][ids]
+            + self.w["embeddings.position_embeddings.weight"][:n]
+            + self.w["embeddings.token_type_embeddings.weight"][types]
+        )
+        h = self._ln(h, "embeddings.LayerNorm")
+        heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+        for i in self.layers:
+            p = f"encoder.layer.{i}."
+            q = self._lin(h, p + "attention.self.query").view(n, heads, dim).transpose(0, 1)
+            k = self._lin(h, p + "attention.self.key").view(n, heads, dim).transpose(0, 1)
+            v = self._lin(h, p + "attention.self.value").view(n, heads, dim).transpose(0, 1)
+            a = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(n, -1)
+            h = self._ln(self._lin(a, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
+            m = _act(cfg.hidden_act, self._lin(h, p + "intermediate.dense"))
+            h = self._ln(self._lin(m, p + "output.dense") + h, p + "output.LayerNorm")
+        return h
+
+    @torch.inference_mode()
+    def forward_rows(self, prompts: list[list[int]], type_ids: list[list[int] | None]) -> tuple[torch.Tensor, list[int]]:
+        """Each prompt attends bidirectionally to itself; returns flattened hidden [T, H]."""
+        outs, starts, pos = [], [], 0
+        for p, t in zip(prompts, type_ids):
+            ids = torch.tensor(p, dtype=torch.long)
+            types = torch.tensor(t if t is not None else [0] * len(p), dtype=torch.long)
+            outs.append(self._row(ids, types))
+            starts.append(pos)
+            pos += len(p)
+        return torch.cat(outs), starts
+
+    @torch.inference_mode()
+    def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:
+        """Cross-encoder / classifier head on the [CLS] token -> [labels] (float32)."""
+        if not self.has_classifier:
+            raise RuntimeError("this encoder has no classification head")
+        cls = hidden_row[0]
+        if self.has_pooler:
+            cls = torch.tanh(self._lin(cls, "pooler.dense"))
+        return self._lin(cls, "classifier").float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder model has no language-model head")
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return []
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 1
