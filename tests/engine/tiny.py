@@ -65,6 +65,7 @@ def tiny_engine(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
     max_model_len: int | None = None,
+    force_decode: bool = False,
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
@@ -72,7 +73,8 @@ def tiny_engine(
     engine_cfg = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            force_decode=force_decode,
         ),
     )
     return LLMEngine(model, ByteTokenizer(), engine_cfg, "tiny-llama")
