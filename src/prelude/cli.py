@@ -53,11 +53,12 @@ def _serve(args: argparse.Namespace) -> int:
     from prelude.entrypoints.openai.api_server import build_app, run_server
 
     log = logging.getLogger("prelude.cli")
-    engine = LLMEngine.from_config(_engine_config(args))
-    front = AsyncEngine(engine)
+    config = _engine_config(args)
+    # The engine is built on its own thread, the one that will run every forward.
+    front = AsyncEngine(lambda: LLMEngine.from_config(config))
     app = build_app(front, api_key=args.api_key)
     log.info("ready: serving %s on http://%s:%d in %.2f s from start",
-             engine.model_name, args.host, args.port, time.perf_counter() - _STARTED)
+             front.model_name, args.host, args.port, time.perf_counter() - _STARTED)
     try:
         run_server(app, args.host, args.port, log_level=args.log_level)
     finally:
@@ -75,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks: oneshot")
+    bench.add_argument("which", choices=["oneshot"])
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from prelude.bench.oneshot_bench import main as oneshot_main
+
+        return oneshot_main(rest)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as bench_main
 
