@@ -19,6 +19,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory budget of the paged KV cache")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of shared prompt prefixes (default: on)")
+    p.add_argument("--prefix-cache-max-blocks", type=int, default=None,
+                   help="keep at most this many unreferenced cached blocks (default: as many as fit)")
+    p.add_argument("--prefix-deferral", action=argparse.BooleanOptionalAction, default=True,
+                   help="peers of a cold shared prefix wait one step for the request computing it")
     p.add_argument("--policy", default="fcfs", help="queue-order policy (fcfs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force-decode-path", action="store_true",
@@ -36,6 +42,8 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory_gib,
+            enable_prefix_caching=args.enable_prefix_caching,
+            max_cached_blocks=args.prefix_cache_max_blocks,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -43,6 +51,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             max_model_len=args.max_model_len,
             policy=args.policy,
             force_decode=args.force_decode_path,
+            prefix_deferral=args.prefix_deferral,
         ),
     )
 

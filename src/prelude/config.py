@@ -91,6 +91,7 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0
     num_blocks: int | None = None  # overrides the memory budget when set (tests)
     enable_prefix_caching: bool = True
+    max_cached_blocks: int | None = None  # unreferenced cached blocks kept at most (None: no cap)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class SchedulerConfig:
     max_oneshot_tokens: int | None = None  # None: max_num_batched_tokens
     oneshot_activation_bytes: int = 1 << 30
     force_decode: bool = False  # ablation: send every request down the Decode path
+    prefix_deferral: bool = True  # peers of a cold shared prefix wait one step for its leader
 
 
 @dataclass(frozen=True)

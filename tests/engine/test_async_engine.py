@@ -41,7 +41,7 @@ def test_concurrent_streams_match_sequential(hf_model) -> None:  # noqa: ANN001
     front.shutdown()
     assert together == alone and all(len(t) == 8 for t in together)
     engine.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 
 
 def test_closing_a_stream_aborts_and_frees(hf_model) -> None:  # noqa: ANN001
@@ -64,7 +64,7 @@ def test_closing_a_stream_aborts_and_frees(hf_model) -> None:  # noqa: ANN001
     assert not engine.has_unfinished()
     front.shutdown()
     engine.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 
 
 def test_admission_error_surfaces_before_first_output(hf_model) -> None:  # noqa: ANN001

@@ -35,7 +35,7 @@ def make_engine(hf_model) -> Iterator:  # noqa: ANN001
     for engine in made:  # after every scenario: nothing leaked, bookkeeping consistent
         engine.check_integrity()
         assert not engine.has_unfinished()
-        assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+        assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 
 
 def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001

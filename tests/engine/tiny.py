@@ -66,12 +66,17 @@ def tiny_engine(
     max_num_seqs: int = 16,
     max_model_len: int | None = None,
     force_decode: bool = False,
+    prefix_caching: bool = True,
+    max_cached_blocks: int | None = None,
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     model = LlamaForCausalLM(config, weights, torch.float32)
     engine_cfg = EngineConfig(
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+            max_cached_blocks=max_cached_blocks,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             force_decode=force_decode,

@@ -17,6 +17,9 @@ class StaticEngine:
     def is_healthy(self) -> bool:
         return True
 
+    def metrics(self) -> dict[str, float]:
+        return {"kv_blocks_total": 1}
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         return None
 

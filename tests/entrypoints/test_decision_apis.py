@@ -44,7 +44,7 @@ def test_lm_eval_loglikelihood_payload(served, hf_model) -> None:  # noqa: ANN00
             assert bytes([ref[j - 1].argmax().item()]).decode("utf-8", "replace") in top
             assert lp["tokens"][j] in top  # the actual token is always listed, as OpenAI does
     engine.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 
 
 def test_prompt_logprobs_field(served) -> None:  # noqa: ANN001

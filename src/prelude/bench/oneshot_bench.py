@@ -55,6 +55,7 @@ def _stats(samples: list[float]) -> dict[str, float]:
 def raw_forward_seconds(ids: list[int], dtype: str, iters: int) -> list[float]:
     """Trunk + last-token logits of one prompt, no engine: the ceiling for E2E."""
     from prelude.config import CacheConfig, EngineConfig
+    from prelude.engine.batch import OneShotRow
     from prelude.engine.engine import LLMEngine
 
     engine = LLMEngine.from_config(EngineConfig(dtype=dtype, cache=CacheConfig(num_blocks=64)))
@@ -62,7 +63,7 @@ def raw_forward_seconds(ids: list[int], dtype: str, iters: int) -> list[float]:
     times = []
     for i in range(iters + 3):
         t0 = time.perf_counter()
-        hidden, _ = runner.forward_oneshot([ids])
+        hidden, _ = runner.forward_oneshot([OneShotRow("raw", ids, None, None)])
         engine.model.compute_logits(hidden[-1:]).argmax(-1)
         if i >= 3:
             times.append(time.perf_counter() - t0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -68,6 +69,10 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def metrics(self) -> dict[str, float]:
+        # Plain counter reads: a slightly stale snapshot is fine for monitoring.
+        return self.engine.metrics()
 
     def is_healthy(self) -> bool:
         return self._thread.is_alive()
@@ -177,7 +182,20 @@ class AsyncEngine:
             return
         finally:
             self._built.set()
+        last_log, logged = time.monotonic(), None
         while not self._stopping:
+            if time.monotonic() - last_log > 30:  # a short activity line, when it changed
+                last_log = time.monotonic()
+                m = self.engine.metrics()
+                snapshot = (m["prefix_cache_queries_total"], m["kv_blocks_free"])
+                if snapshot != logged:
+                    logged = snapshot
+                    logger.info(
+                        "running %d, waiting %d, KV free %d/%d, prefix hit rate %.1f%% (%d reused / %d computed tokens)",
+                        m["requests_running"], m["requests_waiting"], m["kv_blocks_free"], m["kv_blocks_total"],
+                        100 * m["prefix_cache_hit_rate"], m["prefix_reused_tokens_total"],
+                        m["prefix_computed_tokens_total"],
+                    )
             self._drain_inbox()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=1.0)

@@ -46,12 +46,20 @@ class BatchRow:
 
 @dataclass(frozen=True)
 class OneShotRow:
-    """A whole prompt computed in one forward; no block table, nothing kept after it."""
+    """A prompt computed in one forward; the request keeps nothing after it.
+
+    With a prefix-cache hit, only tokens [num_cached, n) are computed and attend to the
+    cached `prefix_blocks` (pinned for this step only). `publish_blocks` receive the K/V
+    of the row's own full prompt blocks and then belong to the prefix cache.
+    """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: list[int]  # the whole prompt
     sample: SampleSpec | None  # the one generated token, if any
     head: HeadSpec | None
+    num_cached: int = 0
+    prefix_blocks: tuple[int, ...] = ()
+    publish_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

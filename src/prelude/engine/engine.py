@@ -15,7 +15,7 @@ import torch
 
 from prelude.config import EngineConfig
 from prelude.engine.admission import admit
-from prelude.engine.batch import BatchOutput
+from prelude.engine.batch import BatchOutput, OneShotBatch
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
 from prelude.engine.request import (
@@ -79,7 +79,11 @@ class LLMEngine:
             self.max_model_len = min(limit, num_blocks * block_size, model.rope.cos.shape[0])
         self.model = model
         self.runner = ModelRunner(model, num_blocks, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(
+            num_blocks, block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching and not model.is_encoder,
+            max_cached_blocks=config.cache.max_cached_blocks,
+        )
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(
             sched_cfg, self.kv, make_policy(sched_cfg.policy), mcfg.vocab_size, mcfg.hidden_size
@@ -141,6 +145,8 @@ class LLMEngine:
             from prelude.engine.client import AdmissionError
 
             raise AdmissionError("this model has no classification head; pass candidate labels instead")
+        if pooling is not None and pooling.pooling is None:
+            pooling = replace(pooling, pooling=self.model.default_pooling)
         return admit(
             request_id, prompt_token_ids, params,
             max_model_len=self.max_model_len, vocab_size=self.model.config.vocab_size,
@@ -207,6 +213,9 @@ class LLMEngine:
 
     def _postprocess(self, plan: ScheduleResult, result: BatchOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        if isinstance(plan.batch, OneShotBatch):
+            for row in plan.batch.rows:  # publish full prompt blocks, drop the step's holds
+                self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks))
         for req in plan.oneshot:
             sampled = result.sampled.get(req.request_id)
             outputs.append(oneshot_output(
@@ -219,6 +228,8 @@ class LLMEngine:
         for request_id, n in plan.scheduled.items():
             req = self._requests[request_id]
             req.num_computed_tokens += n
+            if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
+                self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens)
             stream = self._streams[request_id]
             head = result.heads.get(request_id)
             if head is not None:
@@ -235,6 +246,7 @@ class LLMEngine:
             if out.finished:
                 self._finish(req)
             outputs.append(out)
+        self.kv.trim()
         return outputs
 
     def _finish(self, req: Request) -> None:
@@ -242,6 +254,26 @@ class LLMEngine:
         req.status = RequestStatus.FINISHED
         del self._requests[req.request_id]
         del self._streams[req.request_id]
+
+    def metrics(self) -> dict[str, float]:
+        """Counters for /metrics and logs (read on the engine thread or between steps)."""
+        st = self.kv.stats
+        return {
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting) + len(self.scheduler.oneshot_waiting),
+            "kv_blocks_total": self.kv.pool.num_blocks,
+            "kv_blocks_free": self.kv.pool.num_free_blocks,
+            "kv_blocks_cached_evictable": self.kv.pool.num_evictable_blocks,
+            "prefix_cache_blocks": self.kv.prefix.num_cached_blocks if self.kv.prefix else 0,
+            "prefix_cache_queries_total": st.queries,
+            "prefix_cache_hits_total": st.hits,
+            "prefix_reused_tokens_total": st.reused_tokens,
+            "prefix_computed_tokens_total": st.computed_tokens,
+            "prefix_cache_hit_rate": st.hit_rate,
+            "prefix_published_blocks_total": st.published_blocks,
+            "prefix_deferred_requests_total": st.deferred,
+            "prefix_evicted_blocks_total": self.kv.prefix.num_evicted if self.kv.prefix else 0,
+        }
 
     def check_integrity(self) -> None:
         """KV bookkeeping: every block free or held exactly by the requests listing it."""

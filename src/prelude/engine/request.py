@@ -161,6 +161,7 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     head_done: bool = False  # prompt logprobs / pooled outputs already delivered
+    deferred_steps: int = 0  # steps waited for a leader to fill a shared cold prefix
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -44,6 +44,19 @@ class ScheduleResult:
     oneshot: list[Request] = field(default_factory=list)  # requests of a OneShotBatch
 
 
+def reuses_prefix(req: Request) -> bool:
+    """Rows whose outputs need every prompt position (prompt logprobs, mean/cls pooling)
+    must compute the whole prompt; the others can start after a cached prefix."""
+    if req.params.prompt_logprobs is not None:
+        return False
+    return req.pooling is None or req.pooling.task.value != "embed" or req.pooling.pooling == "last"
+
+
+# A peer of a request that is computing a cold shared prefix waits at most this many
+# steps for it to land in the cache, then computes whatever is still missing.
+MAX_DEFER_STEPS = 1
+
+
 def head_spec(req: Request) -> HeadSpec | None:
     if req.head_done or (req.pooling is None and req.params.prompt_logprobs is None):
         return None
@@ -110,28 +123,58 @@ class Scheduler:
             per_token += 2 * self.vocab_size * 4
         return n * per_token
 
+    def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
+        return self.kv.match(tokens) if reuses_prefix(req) else []
+
+    def _defer(self, req: Request, key: tuple[int, ...] | None, leaders: set[tuple[int, ...]]) -> bool:
+        """Cold-prefix leader deferral: a request whose next uncached block is being
+        computed by a request already in this step waits (bounded) and then hits."""
+        if key is None or not self.config.prefix_deferral:
+            return False
+        if key in leaders and req.deferred_steps < MAX_DEFER_STEPS:
+            req.deferred_steps += 1
+            self.kv.stats.deferred += 1
+            return True
+        leaders.add(key)
+        return False
+
     def _schedule_oneshot(self, now: float) -> ScheduleResult:
         budget = self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
         memory = self.config.oneshot_activation_bytes
         ordered = self.policy.order_waiting(self.oneshot_waiting, now)
         group = oneshot_group(ordered[0])
+        bs = self.kv.block_size
+        rows: list[OneShotRow] = []
         taken: list[Request] = []
+        leaders: set[tuple[int, ...]] = set()
         for req in ordered:
             if oneshot_group(req) != group:
                 continue
-            n, mem = req.num_prompt_tokens, self.activation_bytes(req)
+            prompt = req.prompt_token_ids
+            prefix = self._cached_prefix(req, prompt)
+            n_cached = len(prefix) * bs
+            n, mem = req.num_prompt_tokens - n_cached, self.activation_bytes(req)
             if taken and (n > budget or mem > memory):
                 break  # the first request always goes, even alone over budget
+            if self._defer(req, self.kv.first_uncached_key(prompt, len(prefix)), leaders):
+                continue
+            publish = len(prompt) // bs - len(prefix) if self.kv.prefix is not None else 0
+            publish_blocks = self.kv.hold_for_step(prefix, publish)
+            assert publish_blocks is not None
+            self.kv.record(n_cached, n)
+            rows.append(OneShotRow(
+                req.request_id, prompt, sample_spec(req), head_spec(req),
+                num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
+            ))
             taken.append(req)
             budget -= n
             memory -= mem
         for req in taken:
             self.oneshot_waiting.remove(req)
             req.status = RequestStatus.RUNNING
-        rows = tuple(
-            OneShotRow(r.request_id, r.prompt_token_ids, sample_spec(r), head_spec(r)) for r in taken
-        )
-        return ScheduleResult(batch=OneShotBatch(rows), oneshot=taken)
+        if not rows:  # every candidate deferred: let the next step run them
+            return ScheduleResult(batch=None)
+        return ScheduleResult(batch=OneShotBatch(tuple(rows)), oneshot=taken)
 
     # --- Decode / Mixed ---------------------------------------------------------------
 
@@ -145,7 +188,10 @@ class Scheduler:
         else:
             tokens = req.all_token_ids[start : start + n]
         finishes = start + n == req.num_tokens
-        head = head_spec(req) if start == 0 and n >= n_prompt else None
+        # A head reads the prompt's last hidden state, or every prompt row when it
+        # needs them all (then the row holds the whole prompt, see _tokens_for).
+        covers = start + n >= n_prompt and (start == 0 or reuses_prefix(req))
+        head = head_spec(req) if covers else None
         return BatchRow(
             req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
             sample_spec(req) if finishes else None, head,
@@ -154,7 +200,8 @@ class Scheduler:
     def _tokens_for(self, req: Request, budget: int, first: bool) -> int:
         """Tokens this request computes now; 0 if it must wait for a bigger budget."""
         need = req.num_tokens - req.num_computed_tokens
-        if head_spec(req) is not None and req.num_computed_tokens == 0 and need > budget:
+        needs_all_rows = head_spec(req) is not None and not reuses_prefix(req)
+        if needs_all_rows and req.num_computed_tokens == 0 and need > budget:
             # Head rows need the whole prompt in one forward: run alone if it is huge.
             return need if first else 0
         return min(need, budget)
@@ -194,14 +241,29 @@ class Scheduler:
                 budget -= n
 
         if not result.preempted:
+            leaders: set[tuple[int, ...]] = set()
             for req in self.policy.order_waiting(self.waiting, now):
                 if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                     break
-                n = self._tokens_for(req, budget, first=not rows)
-                if n == 0:
+                tokens = req.all_token_ids
+                prefix = self._cached_prefix(req, tokens) if req.num_computed_tokens == 0 else []
+                if self._defer(req, self.kv.first_uncached_key(tokens, len(prefix)), leaders):
                     continue
-                if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=self.watermark_blocks):
+                if prefix:
+                    self.kv.attach(req.request_id, prefix)
+                    req.num_computed_tokens = len(prefix) * self.kv.block_size
+                n = self._tokens_for(req, budget, first=not rows)
+                if n == 0 or not self.kv.allocate(
+                    req.request_id, req.num_computed_tokens + n, reserve=self.watermark_blocks
+                ):
+                    if prefix:  # not admitted after all: let go of the attached prefix
+                        self.kv.free(req.request_id)
+                        req.num_computed_tokens = 0
+                    if n == 0:
+                        continue
                     break
+                if req.num_preemptions == 0:
+                    self.kv.record(len(prefix) * self.kv.block_size, req.num_prompt_tokens - len(prefix) * self.kv.block_size)
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING

@@ -13,6 +13,7 @@ from prelude.engine.batch import (
     HeadSpec,
     MixedBatch,
     OneShotBatch,
+    OneShotRow,
     SampledToken,
     SampleSpec,
 )
@@ -94,18 +95,28 @@ class ModelRunner:
 
     # --- OneShot: whole prompts, nothing written to the pool -------------------------
 
-    def forward_oneshot(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """Flattened varlen prompts, each attending only to itself; K/V are temporaries."""
+    def forward_oneshot(self, rows: list[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
+        """Flattened varlen prompt suffixes. A row attends to its cached prefix blocks and
+        to its own K/V, which are temporaries except the full blocks it publishes."""
         ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         slices: list[PrefillSlice] = []
         starts: list[int] = []
-        for p in prompts:
-            starts.append(len(ids))
-            slices.append(PrefillSlice(len(ids), len(p), len(p), _EMPTY_TABLE))
-            ids.extend(p)
-            positions.extend(range(len(p)))
-        meta = AttentionMetadata(slot_mapping=None, prefills=tuple(slices), decodes=None, block_size=self.block_size)
+        bs = self.block_size
+        for r in rows:
+            n = len(r.token_ids)
+            start = len(ids)
+            starts.append(start)
+            table = torch.tensor(r.prefix_blocks + r.publish_blocks, dtype=torch.long) if r.prefix_blocks else _EMPTY_TABLE
+            slices.append(PrefillSlice(start, n - r.num_cached, n, table, own_kv_in_cache=False))
+            ids.extend(r.token_ids[r.num_cached :])
+            positions.extend(range(r.num_cached, n))
+            published_end = r.num_cached + len(r.publish_blocks) * bs
+            for p in range(r.num_cached, n):
+                slots.append(r.publish_blocks[(p - r.num_cached) // bs] * bs + p % bs if p < published_end else -1)
+        slot_mapping = torch.tensor(slots, dtype=torch.long) if any(s >= 0 for s in slots) else None
+        meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=tuple(slices), decodes=None, block_size=bs)
         hidden = self.model.forward(
             torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, self.kv_caches
         )
@@ -115,14 +126,14 @@ class ModelRunner:
 
     def execute(self, batch: ForwardBatch) -> BatchOutput:
         if isinstance(batch, OneShotBatch):
-            prompts = [r.token_ids for r in batch.rows]
             if self.model.is_encoder:
                 types = [list(r.head.pooling.token_type_ids) if r.head and r.head.pooling and r.head.pooling.token_type_ids
                          else None for r in batch.rows]
-                hidden, starts = self.model.forward_rows(prompts, types)
+                hidden, starts = self.model.forward_rows([r.token_ids for r in batch.rows], types)
             else:
-                hidden, starts = self.forward_oneshot(prompts)
-            rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
+                hidden, starts = self.forward_oneshot(list(batch.rows))
+            # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
+            rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
         else:
             assert isinstance(batch, (DecodeBatch, MixedBatch))
             hidden, starts = self.forward_rows(batch.rows)

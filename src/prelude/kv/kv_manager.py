@@ -1,28 +1,118 @@
-"""Block tables of running requests on top of the block pool."""
+"""Block tables of running requests on top of the block pool, with prefix reuse."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prelude.kv.block_pool import BlockPool
+from prelude.kv.prefix_cache import PrefixCache
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-class KVCacheManager:
-    """Owns the per-request block tables; the scheduler asks it for room."""
+@dataclass
+class PrefixStats:
+    """How much prompt work the prefix cache saved."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    queries: int = 0
+    hits: int = 0  # queries that reused at least one block
+    reused_tokens: int = 0  # prompt tokens attached from the cache
+    computed_tokens: int = 0  # prompt tokens computed (the rest of each prompt)
+    published_blocks: int = 0
+    deferred: int = 0  # requests that waited a step for a leader to fill their prefix
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.reused_tokens + self.computed_tokens
+        return self.reused_tokens / total if total else 0.0
+
+
+class KVCacheManager:
+    """Owns the per-request block tables; the scheduler asks it for room and prefixes."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+        max_cached_blocks: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.prefix: PrefixCache | None = (
+            PrefixCache(self.pool, block_size, max_cached_blocks) if enable_prefix_caching else None
+        )
+        self.stats = PrefixStats()
         self._tables: dict[str, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def num_available_blocks(self) -> int:
+        return self.pool.num_available_blocks
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    # --- prefixes ---------------------------------------------------------------------
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """Cached blocks of the longest prefix, always leaving the last token to compute
+        (its logits are the point of the forward). Pins nothing."""
+        if self.prefix is None:
+            return []
+        return self.prefix.match(tokens, (len(tokens) - 1) // self.block_size)
+
+    def first_uncached_key(self, tokens: list[int], num_matched_blocks: int) -> tuple[int, ...] | None:
+        """Identity of the first full block a request would compute and publish: requests
+        with the same key share a cold prefix (see the scheduler's leader deferral)."""
+        end = (num_matched_blocks + 1) * self.block_size
+        if self.prefix is None or end > len(tokens) - 1:
+            return None
+        return tuple(tokens[:end])
+
+    def record(self, reused: int, computed: int) -> None:
+        self.stats.queries += 1
+        self.stats.hits += reused > 0
+        self.stats.reused_tokens += reused
+        self.stats.computed_tokens += computed
+
+    def attach(self, request_id: str, blocks: list[int]) -> None:
+        """Start a request's table with shared cached blocks (pinned while it holds them)."""
+        assert request_id not in self._tables
+        self.pool.acquire(blocks)
+        self._tables[request_id] = list(blocks)
+
+    def cache_computed(self, request_id: str, tokens: list[int], num_computed: int) -> None:
+        """Publish the request's full blocks whose K/V are computed."""
+        if self.prefix is None:
+            return
+        table = self._tables.get(request_id, [])
+        full = min(num_computed // self.block_size, len(table))
+        if full:
+            self.prefix.insert(tokens, table[:full])
+
+    # --- OneShot: blocks held for one step only --------------------------------------
+
+    def hold_for_step(self, prefix_blocks: list[int], publish: int) -> list[int] | None:
+        """Pin a OneShot row's prefix and allocate `publish` blocks to write its own full
+        prompt blocks into; None (nothing taken) if the pool has no room for them."""
+        if publish and publish > self.pool.num_available_blocks:
+            publish = 0
+        self.pool.acquire(prefix_blocks)
+        return self.pool.allocate(publish) if publish else []
+
+    def end_step(self, tokens: list[int], prefix_blocks: list[int], publish_blocks: list[int]) -> None:
+        """After the forward: published blocks join the cache (owned by it, evictable),
+        then the step's holds are dropped. Nothing stays counted as the request's."""
+        if self.prefix is not None and publish_blocks:
+            chain = prefix_blocks + publish_blocks
+            cached = self.prefix.insert(tokens, chain)
+            self.stats.published_blocks += max(0, cached - len(prefix_blocks))
+        self.pool.release(reversed(prefix_blocks + publish_blocks))
+
+    # --- decode requests --------------------------------------------------------------
 
     def num_new_blocks(self, request_id: str, total_tokens: int) -> int:
         """Blocks to add so that `total_tokens` tokens of the request have slots."""
@@ -30,9 +120,9 @@ class KVCacheManager:
 
     def allocate(self, request_id: str, total_tokens: int, reserve: int = 0) -> bool:
         """Grow the request's table to cover `total_tokens`; False (and no change) if the
-        pool would drop below `reserve` free blocks."""
+        pool would drop below `reserve` available blocks."""
         need = self.num_new_blocks(request_id, total_tokens)
-        if need > self.pool.num_free_blocks - reserve:
+        if need > self.pool.num_available_blocks - reserve:
             return False
         if need:
             self._tables.setdefault(request_id, []).extend(self.pool.allocate(need))
@@ -41,11 +131,19 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         if table:
-            # Released back to front so that a request's tail blocks are reused last.
+            # Tail first: the prefix's deepest blocks become the first eviction candidates.
             self.pool.release(reversed(table))
+
+    def trim(self) -> None:
+        if self.prefix is not None:
+            self.prefix.trim()
 
     def holders(self) -> dict[str, list[int]]:
         return dict(self._tables)
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self._tables.values())
+        cached = None
+        if self.prefix is not None:
+            self.prefix.check_integrity()
+            cached = self.prefix.cached_blocks()
+        self.pool.check_integrity(self._tables.values(), cached)

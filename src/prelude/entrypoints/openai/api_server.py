@@ -62,6 +62,16 @@ def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
             return JSONResponse({})
         return error_response("the engine loop is not running", 503)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # Prometheus text exposition, written directly: a handful of gauges and counters.
+        lines = []
+        for name, value in engine.metrics().items():
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines.append(f"# TYPE prelude_{name} {kind}")
+            lines.append(f"prelude_{name} {value}")
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": VERSION}

@@ -19,6 +19,9 @@ class PrefillSlice:
     query_len: int
     context_len: int  # tokens of the sequence whose KV exists after this step's write
     block_table: torch.Tensor  # [num_blocks] int64, covers context_len tokens
+    # False for OneShot rows: only the cached prefix (context_len - query_len tokens) is in
+    # the cache; the row's own K/V are this forward's temporaries.
+    own_kv_in_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,8 @@ class DecodeRows:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    # [T] int64: cache slot (block * block_size + offset) of each new token; None for a
-    # OneShot forward, whose K/V live only for that forward and are never written.
+    # [T] int64: cache slot (block * block_size + offset) of each new token, -1 for a token
+    # whose K/V are not kept; None when nothing is written (a OneShot forward).
     slot_mapping: torch.Tensor | None
     prefills: tuple[PrefillSlice, ...]
     decodes: DecodeRows | None

@@ -19,6 +19,9 @@ def write_kv(
 ) -> None:
     """Scatter the new tokens' K/V ([T, H_kv, D]) into their cache slots."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if bool((slots < 0).any()):  # some tokens' K/V are not kept
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
@@ -41,8 +44,13 @@ def _prefill_row(
         mask = None
         causal = True
     else:
-        k_row = _gather(k_cache, row.block_table, row.context_len)
-        v_row = _gather(v_cache, row.block_table, row.context_len)
+        if row.own_kv_in_cache:
+            k_row = _gather(k_cache, row.block_table, row.context_len)
+            v_row = _gather(v_cache, row.block_table, row.context_len)
+        else:  # cached prefix from the pool + this forward's own K/V
+            cached = row.context_len - n
+            k_row = torch.cat([_gather(k_cache, row.block_table, cached), k[s : s + n]])
+            v_row = torch.cat([_gather(v_cache, row.block_table, cached), v[s : s + n]])
         offset = row.context_len - n
         q_pos = torch.arange(n, device=q.device).unsqueeze(1) + offset
         mask = torch.arange(row.context_len, device=q.device).unsqueeze(0) <= q_pos

@@ -1,0 +1,122 @@
+"""Block-level radix tree over full KV blocks: find cached prefixes, publish new ones.
+
+Each edge is one full block of tokens; a node owns the pool block that holds those
+tokens' K/V. Holders pin blocks through the pool's ref counts; unreferenced cached
+blocks are evictable, least recently released first. Because requests hold whole
+chains (a prefix's blocks in order) and release them tail first, the LRU block is a
+leaf in practice; evicting an inner node drops its (equally unreferenced) subtree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prelude.kv.block_pool import BlockPool
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]
+    block: int
+    parent: "_Node | None"
+    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+
+
+class PrefixCache:
+    def __init__(self, pool: BlockPool, block_size: int, max_cached_blocks: int | None = None) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_cached_blocks = max_cached_blocks
+        self._root = _Node((), -1, None)
+        self._by_block: dict[int, _Node] = {}
+        self.num_evicted = 0
+        pool.set_evictor(self.evict)
+
+    def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+
+    def match(self, tokens: list[int], max_blocks: int) -> list[int]:
+        """Blocks of the longest cached prefix of `tokens`, at most `max_blocks` of them."""
+        node, blocks = self._root, []
+        for i in range(min(max_blocks, len(tokens) // self.block_size)):
+            child = node.children.get(self._key(tokens, i))
+            if child is None:
+                break
+            blocks.append(child.block)
+            node = child
+        return blocks
+
+    def insert(self, tokens: list[int], blocks: list[int]) -> int:
+        """Register `blocks` as holding the full blocks of `tokens`, in order. Stops at the
+        first block whose tokens are already cached in another block (that copy stays
+        with its holder). Returns how many of `blocks` are cached now."""
+        node = self._root
+        for i, b in enumerate(blocks):
+            key = self._key(tokens, i)
+            if len(key) < self.block_size:
+                return i
+            child = node.children.get(key)
+            if child is None:
+                if self.pool.is_cached(b):
+                    return i  # already cached under another prefix: keep the tree a tree
+                child = _Node(key, b, node)
+                node.children[key] = child
+                self._by_block[b] = child
+                self.pool.mark_cached(b)
+            elif child.block != b:
+                return i
+            node = child
+        return len(blocks)
+
+    def evict(self, n: int) -> int:
+        """Free at least n unreferenced cached blocks (LRU first); returns how many."""
+        freed = 0
+        while freed < n:
+            b = self.pool.lru_evictable()
+            if b is None:
+                break
+            freed += self._drop(self._by_block[b])
+        return freed
+
+    def trim(self) -> None:
+        """Keep the unreferenced part of the cache within its block budget."""
+        if self.max_cached_blocks is not None:
+            extra = self.pool.num_evictable_blocks - self.max_cached_blocks
+            if extra > 0:
+                self.evict(extra)
+
+    def _drop(self, node: _Node) -> int:
+        count = 0
+        for child in list(node.children.values()):
+            count += self._drop(child)
+        assert node.parent is not None
+        del node.parent.children[node.key]
+        del self._by_block[node.block]
+        self.pool.evict(node.block)
+        self.num_evicted += 1
+        return count + 1
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_block)
+
+    def cached_blocks(self) -> set[int]:
+        return set(self._by_block)
+
+    def check_integrity(self) -> None:
+        seen: set[int] = set()
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                if child.key != key or child.parent is not node or len(key) != self.block_size:
+                    raise AssertionError("prefix tree links are inconsistent")
+                if child.block in seen or self._by_block.get(child.block) is not child:
+                    raise AssertionError(f"block {child.block} appears twice in the prefix tree")
+                if self.pool.ref_count(child.block) > 0 and node is not self._root:
+                    if self.pool.ref_count(node.block) == 0:
+                        raise AssertionError(f"held block {child.block} under an unheld parent")
+                seen.add(child.block)
+                stack.append(child)
+        if seen != set(self._by_block):
+            raise AssertionError("prefix tree index out of date")

@@ -1,0 +1,120 @@
+"""Prefix reuse end to end: results equal with the cache on and off on shared-prefix
+workloads, eviction under pressure, cold-prefix leader deferral, aborts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from prelude import SamplingParams
+from prelude.engine.engine import LLMEngine
+from prelude.engine.request import PoolingParams, PoolingTask
+
+from tests.engine.test_oneshot import run
+from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+pytest.importorskip("transformers")
+
+RUBRIC = list(range(40, 66))  # 26 tokens: 6 full blocks of 4 + 2
+
+
+@pytest.fixture(scope="module")
+def hf_model():  # noqa: ANN201
+    return hf_tiny_llama()
+
+
+def items(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [RUBRIC + torch.randint(100, 250, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def workload(prompts: list[list[int]]) -> list[tuple[str, list[int], SamplingParams, PoolingParams | None]]:
+    reqs: list[tuple[str, list[int], SamplingParams, PoolingParams | None]] = []
+    for i, p in enumerate(prompts):
+        reqs.append((f"gen{i}", p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), None))
+        reqs.append((f"one{i}", p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=2), None))
+        reqs.append((f"plp{i}", p, SamplingParams(max_tokens=0, prompt_logprobs=1), None))
+        reqs.append((f"lab{i}", p, SamplingParams(max_tokens=0), PoolingParams(PoolingTask.LABELS, label_token_ids=(1, 2, 3))))
+        reqs.append((f"emb{i}", p, SamplingParams(max_tokens=0), PoolingParams(PoolingTask.EMBED, pooling="last")))
+    return reqs
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        x, y = a[rid], b[rid]
+        assert x.new_token_ids == y.new_token_ids, rid
+        for field in ("embedding", "scores"):
+            if getattr(x, field) is not None:
+                assert torch.allclose(torch.tensor(getattr(x, field)), torch.tensor(getattr(y, field)), atol=1e-4), rid
+        if x.prompt_logprobs is not None:
+            got = [lp.logprob for lp in x.prompt_logprobs[1:]]
+            want = [lp.logprob for lp in y.prompt_logprobs[1:]]
+            assert got == pytest.approx(want, abs=1e-4), rid
+        for lx, ly in zip(x.logprobs, y.logprobs):
+            assert lx.logprob == pytest.approx(ly.logprob, abs=1e-4), rid
+
+
+def test_same_results_with_cache_on_and_off(hf_model: Any) -> None:
+    prompts = items(6, seed=1)
+    off = run(tiny_engine(hf_model, prefix_caching=False), workload(prompts))
+    engine = tiny_engine(hf_model)
+    run(engine, workload(prompts[:1]))  # warm the rubric
+    on = run(engine, workload(prompts))
+    assert_same({k: v for k, v in on.items()}, off)
+    st = engine.kv.stats
+    assert st.reused_tokens >= 5 * 24 * 4  # the rubric's full blocks were attached, not recomputed
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
+
+
+def test_eviction_under_memory_pressure(hf_model: Any) -> None:
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 250, (30,), generator=gen).tolist() for _ in range(12)]
+    reqs = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), None) for i, p in enumerate(prompts)]
+    ref = run(tiny_engine(hf_model, prefix_caching=False), reqs)
+    engine = tiny_engine(hf_model, num_blocks=24, max_num_seqs=2)
+    got = run(engine, reqs + [(f"again{i}", p, s, q) for i, (_, p, s, q) in enumerate(reqs)])
+    assert engine.kv.prefix is not None and engine.kv.prefix.num_evicted > 0
+    for i in range(12):
+        assert got[str(i)].new_token_ids == ref[str(i)].new_token_ids
+        assert got[f"again{i}"].new_token_ids == ref[str(i)].new_token_ids
+
+
+@pytest.mark.parametrize("deferral", [True, False])
+def test_cold_burst_computes_the_shared_prefix_once(hf_model: Any, deferral: bool) -> None:
+    shared = list(range(10, 42))  # 32 tokens = 8 cold blocks
+    prompts = [shared + [200 + i, 201 + i] for i in range(8)]
+    reqs = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=1), None) for i, p in enumerate(prompts)]
+    engine = tiny_engine(hf_model, max_num_batched_tokens=512)
+    engine.scheduler.config = replace(engine.scheduler.config, prefix_deferral=deferral)
+    got = run(engine, reqs)
+    ref = run(tiny_engine(hf_model, prefix_caching=False), reqs)
+    for rid in ref:
+        assert got[rid].new_token_ids == ref[rid].new_token_ids
+    st = engine.kv.stats
+    if deferral:
+        assert st.deferred == 7
+        assert st.computed_tokens == 34 + 7 * 2  # the leader's whole prompt, then suffixes only
+        assert st.reused_tokens == 7 * 32
+    else:
+        assert st.computed_tokens == 8 * 34 and st.reused_tokens == 0
+
+
+def test_aborts_release_attached_prefixes(hf_model: Any) -> None:
+    engine = tiny_engine(hf_model)
+    run(engine, workload(items(1, seed=3)))
+    for i, p in enumerate(items(6, seed=4)):
+        engine.add_request(f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        engine.add_request(f"o{i}", p, SamplingParams(max_tokens=1))
+    engine.step()
+    engine.step()
+    for i in range(6):
+        engine.abort(f"d{i}")
+        engine.abort(f"o{i}")
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks

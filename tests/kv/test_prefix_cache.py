@@ -1,0 +1,99 @@
+"""Block pool + radix prefix cache bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from prelude.kv.kv_manager import KVCacheManager
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_match_insert_pin_and_release() -> None:
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    prompt = tokens(10)
+    assert kv.match(prompt) == []
+    assert kv.allocate("a", 10)
+    kv.cache_computed("a", prompt, 10)  # two full blocks
+    a_table = kv.block_table("a")
+    assert kv.match(prompt) == a_table[:2]
+    assert kv.match(tokens(8)) == a_table[:1]  # the last token always stays to compute
+    assert kv.match(tokens(9)) == a_table[:2]
+    assert kv.match([99] + tokens(9, 1)) == []
+    kv.attach("b", kv.match(prompt))  # b shares a's first two blocks
+    assert kv.pool.ref_count(a_table[0]) == 2
+    kv.check_integrity()
+    kv.free("a")
+    kv.free("b")
+    kv.check_integrity()
+    assert kv.pool.num_evictable_blocks == 2 and kv.num_available_blocks == 16
+    assert kv.match(prompt) == a_table[:2]  # still hit-able after everyone let go
+
+
+def test_eviction_is_lru_and_never_touches_pinned_blocks() -> None:
+    kv = KVCacheManager(6, 2, enable_prefix_caching=True)
+    for i, start in enumerate((0, 100)):
+        rid = f"r{i}"
+        assert kv.allocate(rid, 4)
+        kv.cache_computed(rid, tokens(4, start), 4)
+        kv.free(rid)
+    old, new = kv.match(tokens(5, 0)), kv.match(tokens(5, 100))
+    assert len(old) == len(new) == 2
+    kv.attach("pin", new)  # the newer prefix is in use
+    assert kv.allocate("big", 6)  # needs 3 blocks: 2 free + 1 evicted
+    assert kv.match(tokens(5, 100)) == new
+    assert kv.match(tokens(5, 0)) == old[:1]  # the older prefix lost its tail block first
+    assert not kv.allocate("more", 4)  # only 1 evictable block left
+    kv.check_integrity()
+    for rid in ("pin", "big"):
+        kv.free(rid)
+    kv.check_integrity()
+
+
+def test_duplicate_blocks_stay_with_their_holder() -> None:
+    kv = KVCacheManager(8, 2, enable_prefix_caching=True)
+    for rid in ("a", "b"):  # both computed the same prompt before either was cached
+        assert kv.allocate(rid, 4)
+    kv.cache_computed("a", tokens(4), 4)
+    kv.cache_computed("b", tokens(4), 4)
+    kv.check_integrity()
+    kv.free("b")  # b's copies were never cached: they go straight back to the free list
+    assert kv.pool.num_free_blocks == 6
+    kv.free("a")
+    kv.check_integrity()
+
+
+def test_oneshot_holds_publish_and_release() -> None:
+    kv = KVCacheManager(8, 2, enable_prefix_caching=True)
+    prompt = tokens(7)
+    held = kv.hold_for_step([], 3)
+    assert held is not None and len(held) == 3
+    kv.end_step(prompt, [], held)
+    assert kv.stats.published_blocks == 3
+    assert kv.pool.num_evictable_blocks == 3 and kv.holders() == {}
+    hit = kv.match(prompt)
+    assert hit == held
+    again = kv.hold_for_step(hit, 0)
+    assert again == [] and kv.pool.ref_count(hit[0]) == 1
+    kv.end_step(prompt, hit, [])
+    kv.check_integrity()
+
+
+def test_budget_trims_unreferenced_cache() -> None:
+    kv = KVCacheManager(16, 2, enable_prefix_caching=True, max_cached_blocks=2)
+    assert kv.allocate("a", 8)
+    kv.cache_computed("a", tokens(8), 8)
+    kv.free("a")
+    kv.trim()
+    assert kv.pool.num_evictable_blocks == 2
+    assert len(kv.match(tokens(9))) == 2  # the root-side blocks survive, leaves went first
+    kv.check_integrity()
+
+
+def test_integrity_check_catches_a_leak() -> None:
+    kv = KVCacheManager(4, 2, enable_prefix_caching=True)
+    kv.pool.allocate(1)  # nobody records holding it
+    with pytest.raises(AssertionError):
+        kv.check_integrity()
