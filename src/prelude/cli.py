@@ -85,13 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: oneshot")
-    bench.add_argument("which", choices=["oneshot"])
+    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix")
+    bench.add_argument("which", choices=["oneshot", "prefix"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        from prelude.bench.oneshot_bench import main as oneshot_main
-
-        return oneshot_main(rest)
+        if args.which == "prefix":
+            from prelude.bench.prefix_bench import main as bench_main
+        else:
+            from prelude.bench.oneshot_bench import main as bench_main
+        return bench_main(rest)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as bench_main
 
