@@ -25,14 +25,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep at most this many unreferenced cached blocks (default: as many as fit)")
     p.add_argument("--prefix-deferral", action=argparse.BooleanOptionalAction, default=True,
                    help="peers of a cold shared prefix wait one step for the request computing it")
-    p.add_argument("--policy", default="fcfs", help="queue-order policy (fcfs)")
+    p.add_argument("--policy", default="fcfs",
+                   help="queue order: fcfs | srpt | mlfq | laps, or a prefill+decode pair like srpt+mlfq, laps+mlfq")
+    p.add_argument("--max-decode-batch", type=int, default=None,
+                   help="decode slots per step; the decode policy picks who runs (default: all running)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="default TTFT target of requests")
+    p.add_argument("--srpt-starvation-s", type=float, default=10.0)
+    p.add_argument("--mlfq-quanta", default="25,50,100,200,400")
+    p.add_argument("--mlfq-starvation-steps", type=int, default=200)
+    p.add_argument("--laps-boundary", default="256", help="short/long prompt boundary L_m in tokens, or 'auto'")
+    p.add_argument("--laps-long-chunk", type=int, default=512)
+    p.add_argument("--laps-deadline-free", action="store_true", help="LAPS token-max mode (no TTFT deadlines)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force-decode-path", action="store_true",
                    help="ablation: send every request down the Decode path (no OneShot class)")
 
 
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202
-    from prelude.config import CacheConfig, EngineConfig, SchedulerConfig
+    from prelude.config import CacheConfig, EngineConfig, PolicyConfig, SchedulerConfig
 
     return EngineConfig(
         model=args.model,
@@ -52,6 +62,16 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             policy=args.policy,
             force_decode=args.force_decode_path,
             prefix_deferral=args.prefix_deferral,
+            max_decode_batch=args.max_decode_batch,
+            default_ttft_slo_ms=args.ttft_slo_ms,
+            policy_options=PolicyConfig(
+                srpt_starvation_s=args.srpt_starvation_s,
+                mlfq_quanta=tuple(int(q) for q in args.mlfq_quanta.split(",")),
+                mlfq_starvation_steps=args.mlfq_starvation_steps,
+                laps_boundary=None if args.laps_boundary == "auto" else int(args.laps_boundary),
+                laps_long_chunk=args.laps_long_chunk,
+                laps_deadline_free=args.laps_deadline_free,
+            ),
         ),
     )
 

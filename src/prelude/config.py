@@ -95,6 +95,18 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the queue-order policies (see engine/policies/)."""
+
+    srpt_starvation_s: float = 10.0
+    mlfq_quanta: tuple[int, ...] = (25, 50, 100, 200, 400)
+    mlfq_starvation_steps: int = 200
+    laps_boundary: int | None = 256  # None: fitted at run time from measured step times
+    laps_long_chunk: int = 512
+    laps_deadline_free: bool = False
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Explicit budgets of one scheduler step; the policy only orders work."""
 
@@ -107,6 +119,9 @@ class SchedulerConfig:
     oneshot_activation_bytes: int = 1 << 30
     force_decode: bool = False  # ablation: send every request down the Decode path
     prefix_deferral: bool = True  # peers of a cold shared prefix wait one step for its leader
+    max_decode_batch: int | None = None  # decode slots per step (None: every running sequence)
+    default_ttft_slo_ms: float | None = None  # TTFT target of requests that name none
+    policy_options: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ class StaticEngine:
     def metrics(self) -> dict[str, float]:
         return {"kv_blocks_total": 1}
 
+    def request_metrics(self) -> list:
+        return []
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         return None
 

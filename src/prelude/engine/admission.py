@@ -71,11 +71,13 @@ def admit(
     generator = shared_generator
     if params.seed is not None:
         generator = torch.Generator().manual_seed(params.seed)
+    arrival = time.monotonic() if arrival_time is None else arrival_time
     return Request(
         request_id=request_id,
         prompt_token_ids=list(prompt_token_ids),
         params=params,
-        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        arrival_time=arrival,
+        ttft_deadline=arrival + params.ttft_slo_ms / 1000 if params.ttft_slo_ms else None,
         max_output_tokens=max_tokens,
         eos_token_ids=frozenset() if params.ignore_eos else eos_token_ids,
         generator=generator,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from prelude.engine.engine import LLMEngine
+from prelude.engine.metrics import RequestMetrics
 from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
 
@@ -73,6 +74,9 @@ class AsyncEngine:
     def metrics(self) -> dict[str, float]:
         # Plain counter reads: a slightly stale snapshot is fine for monitoring.
         return self.engine.metrics()
+
+    def request_metrics(self) -> list[RequestMetrics]:
+        return list(self.engine.finished_metrics)
 
     def is_healthy(self) -> bool:
         return self._thread.is_alive()
@@ -211,3 +215,7 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
+            if self.engine.idle and not outputs:
+                # The policy holds work back (a batching window): nap briefly, or until news.
+                self._wake.wait(timeout=0.002)
+                self._wake.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
+from prelude.engine.metrics import RequestMetrics
 from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
 
@@ -60,4 +61,8 @@ class EngineClient(Protocol):
 
     def metrics(self) -> dict[str, float]:
         """Engine counters (KV blocks, prefix-cache reuse) for GET /metrics."""
+        ...
+
+    def request_metrics(self) -> list[RequestMetrics]:
+        """Latency records of recently finished requests (TTFT, TPOT, JCT, SLO)."""
         ...

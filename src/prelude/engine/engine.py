@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import replace
 
 import torch
@@ -17,6 +18,7 @@ from prelude.config import EngineConfig
 from prelude.engine.admission import admit
 from prelude.engine.batch import BatchOutput, OneShotBatch
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
+from prelude.engine.metrics import RequestMetrics, request_metrics
 from prelude.engine.policies import make_policy
 from prelude.engine.request import (
     ExecClass,
@@ -86,13 +88,15 @@ class LLMEngine:
         )
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(
-            sched_cfg, self.kv, make_policy(sched_cfg.policy), mcfg.vocab_size, mcfg.hidden_size
+            sched_cfg, self.kv, make_policy(sched_cfg.policy, sched_cfg.policy_options), mcfg.vocab_size, mcfg.hidden_size
         )
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(mcfg, "eos_token_ids", ()))
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, OutputStream] = {}
         self._ready: list[RequestOutput] = []  # outputs that need no forward (max_tokens=0)
         self._rng = torch.Generator().manual_seed(config.seed)
+        self.idle = False
+        self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)
         if not model.is_encoder:
             logger.info(
                 "KV cache: %d blocks x %d tokens (%.2f GiB), max_model_len %d",
@@ -147,6 +151,8 @@ class LLMEngine:
             raise AdmissionError("this model has no classification head; pass candidate labels instead")
         if pooling is not None and pooling.pooling is None:
             pooling = replace(pooling, pooling=self.model.default_pooling)
+        if params.ttft_slo_ms is None and self.config.scheduler.default_ttft_slo_ms is not None:
+            params = replace(params, ttft_slo_ms=self.config.scheduler.default_ttft_slo_ms)
         return admit(
             request_id, prompt_token_ids, params,
             max_model_len=self.max_model_len, vocab_size=self.model.config.vocab_size,
@@ -205,9 +211,12 @@ class LLMEngine:
         """One iteration: schedule -> execute -> postprocess."""
         outputs, self._ready = self._ready, []
         plan = self.scheduler.schedule()
+        self.idle = plan.batch is None  # work may be held back on purpose (batching windows)
         if plan.batch is None:
             return outputs
+        t0 = time.perf_counter()
         result = self.runner.execute(plan.batch)
+        self.scheduler.observe_step(plan.batch, time.perf_counter() - t0)
         outputs.extend(self._postprocess(plan, result))
         return outputs
 
@@ -216,7 +225,9 @@ class LLMEngine:
         if isinstance(plan.batch, OneShotBatch):
             for row in plan.batch.rows:  # publish full prompt blocks, drop the step's holds
                 self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks))
+        now = time.monotonic()
         for req in plan.oneshot:
+            req.first_token_time = req.finish_time = now
             sampled = result.sampled.get(req.request_id)
             outputs.append(oneshot_output(
                 req, self.tokenizer,
@@ -225,6 +236,7 @@ class LLMEngine:
             ))
             req.status = RequestStatus.FINISHED
             del self._requests[req.request_id]
+            self.finished_metrics.append(request_metrics(req))
         for request_id, n in plan.scheduled.items():
             req = self._requests[request_id]
             req.num_computed_tokens += n
@@ -236,6 +248,8 @@ class LLMEngine:
                 req.head_done = True
                 stream.pending_head = head
             sampled = result.sampled.get(request_id)
+            if sampled is not None and req.first_token_time is None:
+                req.first_token_time = now
             if sampled is not None:
                 out = process_token(req, stream, sampled.token_id, sampled.logprob, self.max_model_len)
             elif head is not None and req.max_output_tokens == 0:
@@ -252,6 +266,8 @@ class LLMEngine:
     def _finish(self, req: Request) -> None:
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
+        req.finish_time = time.monotonic()
+        self.finished_metrics.append(request_metrics(req))
         del self._requests[req.request_id]
         del self._streams[req.request_id]
 

@@ -33,6 +33,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (k=0: only the actual token)
+    ttft_slo_ms: float | None = None  # time-to-first-token target (deadline-aware scheduling, SLO metrics)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -57,6 +58,8 @@ class SamplingParams:
             raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise SamplingParamsError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.ttft_slo_ms is not None and self.ttft_slo_ms <= 0:
+            raise SamplingParamsError(f"ttft_slo_ms must be positive, got {self.ttft_slo_ms}")
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty")
 
@@ -162,6 +165,13 @@ class Request:
     num_preemptions: int = 0
     head_done: bool = False  # prompt logprobs / pooled outputs already delivered
     deferred_steps: int = 0  # steps waited for a leader to fill a shared cold prefix
+    ttft_deadline: float | None = None  # absolute (monotonic) time the first token is due
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # MLFQ decode state (see engine/policies/mlfq.py)
+    mlfq_level: int = 0
+    mlfq_used: int = 0
+    mlfq_starved_steps: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prelude.config import SchedulerConfig
 from prelude.engine.batch import (
@@ -32,6 +33,7 @@ from prelude.engine.batch import (
     SampleSpec,
 )
 from prelude.engine.policies import SchedulingPolicy
+from prelude.engine.policies.base import by_arrival
 from prelude.engine.request import ExecClass, Request, RequestStatus
 from prelude.kv.kv_manager import KVCacheManager
 
@@ -69,6 +71,11 @@ def sample_spec(req: Request) -> SampleSpec | None:
     # The token lists are shared, not copied: the batch is consumed before
     # postprocessing appends the next token.
     return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.generator)
+
+
+def is_decoding(req: Request) -> bool:
+    """Past its prompt with exactly one token to compute: a decode row, not prompt work."""
+    return req.num_tokens - req.num_computed_tokens == 1 and req.num_computed_tokens >= req.num_prompt_tokens
 
 
 def oneshot_group(req: Request) -> tuple[object, ...]:
@@ -141,7 +148,7 @@ class Scheduler:
     def _schedule_oneshot(self, now: float) -> ScheduleResult:
         budget = self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
         memory = self.config.oneshot_activation_bytes
-        ordered = self.policy.order_waiting(self.oneshot_waiting, now)
+        ordered = self.policy.prefill.order(self.oneshot_waiting, now, lambda r: r.num_prompt_tokens)
         group = oneshot_group(ordered[0])
         bs = self.kv.block_size
         rows: list[OneShotRow] = []
@@ -215,6 +222,32 @@ class Scheduler:
         self.waiting.append(victim)
         result.preempted.append(victim)
 
+    def _allocate_or_preempt(self, req: Request, total: int, victims: list[Request], result: ScheduleResult) -> bool:
+        """Room for `total` tokens of a running request, preempting from the end of
+        `victims` (lowest priority first, none of them scheduled yet this step).
+        False if `req` itself had to go."""
+        while not self.kv.allocate(req.request_id, total):
+            victim = victims.pop() if victims else req
+            self._preempt(victim, result)
+            if victim is req:
+                return False
+        return True
+
+    def _remaining(self) -> Callable[[Request], int]:
+        """Prompt tokens a request still has to compute, net of its cached prefix (memoized
+        for one step: the policy may ask several times)."""
+        memo: dict[str, int] = {}
+
+        def remaining(req: Request) -> int:
+            if req.request_id not in memo:
+                cached = 0
+                if req.num_computed_tokens == 0 and reuses_prefix(req):
+                    cached = len(self.kv.match(req.all_token_ids)) * self.kv.block_size
+                memo[req.request_id] = req.num_tokens - req.num_computed_tokens - cached
+            return memo[req.request_id]
+
+        return remaining
+
     def schedule(self, now: float | None = None) -> ScheduleResult:
         now = time.monotonic() if now is None else now
         decode_work = bool(self.waiting or self.running)
@@ -226,50 +259,29 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         rows: list[BatchRow] = []
 
-        queue = self.policy.order_running(self.running, now)
-        while queue and budget > 0:
-            req = queue.pop(0)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = queue.pop() if queue else req
-                self._preempt(victim, result)
-                if victim is req:
-                    break
-            else:
-                rows.append(self._row(req, n))
-                result.scheduled[req.request_id] = n
-                budget -= n
+        # 1. Decode slots, in the decode policy's order (the rest keep their KV and wait).
+        decoding = [r for r in self.running if is_decoding(r)]
+        prefilling = [r for r in self.running if not is_decoding(r)]
+        order = self.policy.decode.order(decoding, now)
+        slots = self.config.max_decode_batch or len(order)
+        victims = by_arrival(prefilling) + order
+        served: list[Request] = []
+        while order and budget > 0 and len(served) < slots:
+            req = order.pop(0)
+            victims.remove(req)
+            ok = self._allocate_or_preempt(req, req.num_tokens, victims, result)
+            order = [r for r in order if r.status is RequestStatus.RUNNING]  # drop the preempted
+            if not ok:
+                continue
+            rows.append(self._row(req, 1))
+            result.scheduled[req.request_id] = 1
+            served.append(req)
+            budget -= 1
+        self.policy.decode.on_step(served, [r for r in decoding if r not in served and r in self.running], now)
 
+        # 2. Prompt work (in-progress chunks and waiting prompts), in the prefill policy's order.
         if not result.preempted:
-            leaders: set[tuple[int, ...]] = set()
-            for req in self.policy.order_waiting(self.waiting, now):
-                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                    break
-                tokens = req.all_token_ids
-                prefix = self._cached_prefix(req, tokens) if req.num_computed_tokens == 0 else []
-                if self._defer(req, self.kv.first_uncached_key(tokens, len(prefix)), leaders):
-                    continue
-                if prefix:
-                    self.kv.attach(req.request_id, prefix)
-                    req.num_computed_tokens = len(prefix) * self.kv.block_size
-                n = self._tokens_for(req, budget, first=not rows)
-                if n == 0 or not self.kv.allocate(
-                    req.request_id, req.num_computed_tokens + n, reserve=self.watermark_blocks
-                ):
-                    if prefix:  # not admitted after all: let go of the attached prefix
-                        self.kv.free(req.request_id)
-                        req.num_computed_tokens = 0
-                    if n == 0:
-                        continue
-                    break
-                if req.num_preemptions == 0:
-                    self.kv.record(len(prefix) * self.kv.block_size, req.num_prompt_tokens - len(prefix) * self.kv.block_size)
-                self.waiting.remove(req)
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                rows.append(self._row(req, n))
-                result.scheduled[req.request_id] = n
-                budget -= n
+            self._schedule_prefills(now, budget, rows, result)
 
         if rows:
             decode: list[BatchRow] = []
@@ -279,3 +291,63 @@ class Scheduler:
                 (decode if is_decode else prefill).append(r)
             result.batch = MixedBatch(tuple(prefill), tuple(decode)) if prefill else DecodeBatch(tuple(decode))
         return result
+
+    def _schedule_prefills(self, now: float, budget: int, rows: list[BatchRow], result: ScheduleResult) -> None:
+        in_progress = [r for r in self.running if not is_decoding(r)]
+        candidates = in_progress + self.waiting
+        if not candidates:
+            return
+        remaining = self._remaining()
+        plan = self.policy.prefill.plan(candidates, now, remaining, budget)
+        leaders: set[tuple[int, ...]] = set()
+        later_running = [c.request for c in plan if c.request.status is RequestStatus.RUNNING]
+        for choice in plan:
+            req = choice.request
+            if budget <= 0:
+                break
+            if req.status is RequestStatus.RUNNING:  # an in-progress prompt: its next chunk
+                later_running.remove(req)
+                n = min(req.num_tokens - req.num_computed_tokens, budget, choice.max_tokens or budget)
+                if not self._allocate_or_preempt(req, req.num_computed_tokens + n, later_running, result):
+                    continue
+            else:
+                if len(self.running) >= self.config.max_num_seqs:
+                    continue
+                n = self._admit(req, budget, choice.max_tokens, leaders, first=not rows)
+                if n is None:
+                    continue
+                if n == 0:
+                    break  # the KV pool is full: later prompts would not fit either
+            rows.append(self._row(req, n))
+            result.scheduled[req.request_id] = n
+            budget -= n
+
+    def _admit(
+        self, req: Request, budget: int, cap: int | None, leaders: set[tuple[int, ...]], first: bool
+    ) -> int | None:
+        """Admit a waiting request: attach its cached prefix and allocate its first chunk.
+        Returns the chunk size, None to skip it this step, 0 when the pool is full."""
+        tokens = req.all_token_ids
+        prefix = self._cached_prefix(req, tokens) if req.num_computed_tokens == 0 else []
+        if self._defer(req, self.kv.first_uncached_key(tokens, len(prefix)), leaders):
+            return None
+        if prefix:
+            self.kv.attach(req.request_id, prefix)
+            req.num_computed_tokens = len(prefix) * self.kv.block_size
+        n = self._tokens_for(req, min(budget, cap or budget), first)
+        if n == 0 or not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=self.watermark_blocks):
+            if prefix:  # not admitted after all: let go of the attached prefix
+                self.kv.free(req.request_id)
+                req.num_computed_tokens = 0
+            return None if n == 0 else 0
+        if req.num_preemptions == 0:
+            self.kv.record(len(prefix) * self.kv.block_size, req.num_prompt_tokens - len(prefix) * self.kv.block_size)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        return n
+
+    def observe_step(self, batch: ForwardBatch, seconds: float) -> None:
+        """Measured duration of a step with prompt work, for policies that model it."""
+        if isinstance(batch, MixedBatch) and batch.prefill_rows:
+            self.policy.prefill.observe_step([(len(r.token_ids), r.start_pos) for r in batch.prefill_rows], seconds)

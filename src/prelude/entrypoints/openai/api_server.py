@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import asdict
 from typing import Any
 
 import uvicorn
@@ -71,6 +72,11 @@ def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
             lines.append(f"# TYPE prelude_{name} {kind}")
             lines.append(f"prelude_{name} {value}")
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/request_metrics")
+    async def request_metrics() -> dict[str, Any]:
+        """Recently finished requests' TTFT/TPOT/JCT/SLO records, for benchmarks."""
+        return {"object": "list", "data": [asdict(m) for m in engine.request_metrics()]}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

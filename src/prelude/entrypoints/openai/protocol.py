@@ -36,6 +36,7 @@ class _SamplingFields(_Request):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    ttft_slo_ms: float | None = Field(default=None, gt=0)
 
 
 class CompletionRequest(_SamplingFields):

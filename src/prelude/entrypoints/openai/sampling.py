@@ -32,6 +32,7 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         prompt_logprobs=prompt_logprobs,
+        ttft_slo_ms=req.ttft_slo_ms,
     )
 
 
