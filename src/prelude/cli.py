@@ -1,4 +1,4 @@
-"""`prelude serve | bench` — flag names follow vLLM's where one exists."""
+"""`prelude serve | bench | tokenizer-bench` — flag names follow vLLM's where one exists."""
 
 from __future__ import annotations
 
@@ -104,9 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched")
     bench.add_argument("which", choices=["oneshot", "prefix", "sched"])
     args, rest = parser.parse_known_args(argv)
+    if args.command == "tokenizer-bench":
+        from prelude.bench.tokenizer_bench import main as tokenizer_bench
+
+        return tokenizer_bench(rest)
     if args.command == "bench":
         if args.which == "prefix":
             from prelude.bench.prefix_bench import main as bench_main

@@ -17,8 +17,8 @@ import torch
 from prelude.config import EngineConfig
 from prelude.engine.admission import admit
 from prelude.engine.batch import BatchOutput, OneShotBatch
-from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.metrics import RequestMetrics, request_metrics
+from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
 from prelude.engine.request import (
     ExecClass,
@@ -221,12 +221,22 @@ class LLMEngine:
         return outputs
 
     def _postprocess(self, plan: ScheduleResult, result: BatchOutput) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        if isinstance(plan.batch, OneShotBatch):
-            for row in plan.batch.rows:  # publish full prompt blocks, drop the step's holds
-                self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks))
         now = time.monotonic()
-        for req in plan.oneshot:
+        if isinstance(plan.batch, OneShotBatch):
+            outputs = self._postprocess_oneshot(plan.batch, plan.oneshot, result, now)
+        else:
+            outputs = self._postprocess_paged(plan, result, now)
+        self.kv.trim()
+        return outputs
+
+    def _postprocess_oneshot(
+        self, batch: OneShotBatch, requests: list[Request], result: BatchOutput, now: float
+    ) -> list[RequestOutput]:
+        """One final output per request; the step's block holds end here."""
+        for row in batch.rows:  # publish full prompt blocks, drop the step's holds
+            self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks))
+        outputs = []
+        for req in requests:
             req.first_token_time = req.finish_time = now
             sampled = result.sampled.get(req.request_id)
             outputs.append(oneshot_output(
@@ -237,6 +247,11 @@ class LLMEngine:
             req.status = RequestStatus.FINISHED
             del self._requests[req.request_id]
             self.finished_metrics.append(request_metrics(req))
+        return outputs
+
+    def _postprocess_paged(self, plan: ScheduleResult, result: BatchOutput, now: float) -> list[RequestOutput]:
+        """Advance computed counts, publish filled blocks, append sampled tokens."""
+        outputs = []
         for request_id, n in plan.scheduled.items():
             req = self._requests[request_id]
             req.num_computed_tokens += n
@@ -248,9 +263,9 @@ class LLMEngine:
                 req.head_done = True
                 stream.pending_head = head
             sampled = result.sampled.get(request_id)
-            if sampled is not None and req.first_token_time is None:
-                req.first_token_time = now
             if sampled is not None:
+                if req.first_token_time is None:
+                    req.first_token_time = now
                 out = process_token(req, stream, sampled.token_id, sampled.logprob, self.max_model_len)
             elif head is not None and req.max_output_tokens == 0:
                 req.finish_reason = FinishReason.LENGTH  # a head-only request on the Decode path
@@ -260,7 +275,6 @@ class LLMEngine:
             if out.finished:
                 self._finish(req)
             outputs.append(out)
-        self.kv.trim()
         return outputs
 
     def _finish(self, req: Request) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from prelude.engine.batch import HeadOutput
 from prelude.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
@@ -10,11 +11,17 @@ from prelude.tokenizer.base import Tokenizer
 from prelude.tokenizer.detokenizer import IncrementalDetokenizer
 
 
+class StreamDetokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
 @dataclass
 class OutputStream:
     """Text state of one Decode request: what was produced and what was already sent."""
 
-    detok: IncrementalDetokenizer
+    detok: StreamDetokenizer
     stops: tuple[str, ...]
     include_stop: bool
     text: str = ""
@@ -29,9 +36,17 @@ class OutputStream:
         return max((len(s) for s in self.stops), default=1) - 1
 
 
+def new_detokenizer(tokenizer: Tokenizer, req: Request) -> StreamDetokenizer:
+    """fasttoken streams from its id -> bytes table; other tokenizers re-decode a window."""
+    make = getattr(tokenizer, "new_detokenizer", None)
+    if make is not None:
+        return make(req.params.skip_special_tokens)  # type: ignore[no-any-return]
+    return IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
+
+
 def new_stream(tokenizer: Tokenizer, req: Request) -> OutputStream:
     return OutputStream(
-        detok=IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
+        detok=new_detokenizer(tokenizer, req),
         stops=req.params.stop,
         include_stop=req.params.include_stop_str_in_output,
     )

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 
 from prelude.config import ModelConfig
 from prelude.model.encoder import EncoderConfig, is_encoder_config
-from prelude.tokenizer.hf import HFTokenizer
+from prelude.tokenizer.base import Tokenizer
+from prelude.tokenizer.loading import load_tokenizer
 
 logger = logging.getLogger("prelude.loader")
 
@@ -36,7 +37,7 @@ _CACHE_FORMAT = "1"  # bump when the converted layout changes
 class LoadedModel:
     config: ModelConfig | EncoderConfig
     weights: dict[str, torch.Tensor]
-    tokenizer: HFTokenizer
+    tokenizer: Tokenizer  # fasttoken when it passed its equality gate, else HF tokenizers
     model_dir: Path
     name: str
 
@@ -150,7 +151,7 @@ def load_model_files(model: str | None) -> LoadedModel:
     return LoadedModel(
         config=config,
         weights=load_weights(model_dir),
-        tokenizer=HFTokenizer.from_dir(model_dir),
+        tokenizer=load_tokenizer(model_dir),
         model_dir=model_dir,
         name=name,
     )

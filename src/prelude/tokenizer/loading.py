@@ -1,7 +1,9 @@
-"""Pick the tokenizer backend for a model directory."""
+"""Pick the tokenizer backend for a model directory: fasttoken when it proves itself
+equal to HF `tokenizers` (PRELUDE_TOKENIZER=hf forces HF)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from prelude.tokenizer.base import Tokenizer
@@ -9,4 +11,9 @@ from prelude.tokenizer.hf import HFTokenizer
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
-    return HFTokenizer.from_dir(model_dir)
+    hf = HFTokenizer.from_dir(model_dir)
+    if os.environ.get("PRELUDE_TOKENIZER", "fasttoken") == "hf":
+        return hf
+    from prelude.tokenizer.fasttoken.gate import wrap_if_equal
+
+    return wrap_if_equal(hf, Path(model_dir) / "tokenizer.json")

@@ -1,0 +1,170 @@
+"""fasttoken: load once, immutable tables, no locks.
+
+The BPE core is tiktoken's rank-based merge (Rust, releases the GIL). Ranks are the
+HF token ids, which is exact when the merge list creates tokens in id order (checked
+at load, and the equality gate checks the rest). Decoding reads a contiguous
+id -> bytes table.
+"""
+
+from __future__ import annotations
+
+import codecs
+import unicodedata
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Sequence
+
+import tiktoken
+
+from prelude.tokenizer.fasttoken.spec import TokenizerSpec, Unsupported, read_spec
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes -> printable-unicode map used by byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _token_bytes(token: str, byte_decoder: dict[str, int]) -> bytes:
+    if all(ch in byte_decoder for ch in token):
+        return bytes(byte_decoder[ch] for ch in token)
+    return token.encode("utf-8")
+
+
+class FastTokenizer:
+    """Inference-only tokenizer for byte-level BPE `tokenizer.json` files.
+
+    Satisfies `prelude.tokenizer.base.Tokenizer`; chat templates, BOS/EOS come from a
+    delegate (the model's HFTokenizer), as they are model metadata, not tokenization.
+    """
+
+    def __init__(self, path: Path, delegate: Any | None = None, prefix_cache_size: int = 64) -> None:
+        spec = read_spec(path)
+        self._spec = spec
+        self._delegate = delegate
+        decoder = _byte_decoder()
+        merged_ids = [spec.vocab.get(a + b) for a, b in spec.merges]
+        if any(i is None for i in merged_ids) or any(x >= y for x, y in zip(merged_ids, merged_ids[1:])):  # type: ignore[operator]
+            raise Unsupported("merges do not create tokens in id order (ranks would differ from HF)")
+        # Added tokens are matched as whole strings before BPE (as HF does), so they leave
+        # the merge table even when the vocabulary also lists them.
+        specials = {t.content: t.id for t in spec.added}
+        added_ids = set(specials.values())
+        ranks = {_token_bytes(tok, decoder): i for tok, i in spec.vocab.items() if i not in added_ids}
+        if len(ranks) != len(spec.vocab) - len(added_ids & set(spec.vocab.values())):
+            raise Unsupported("two vocabulary entries share the same bytes")
+        self._enc = tiktoken.Encoding(
+            name=f"fasttoken-{Path(path).stem}", pat_str=spec.pattern, mergeable_ranks=ranks, special_tokens=specials
+        )
+        size = max([*spec.vocab.values(), *(t.id for t in spec.added)]) + 1
+        table: list[bytes] = [b""] * size
+        for tok, i in spec.vocab.items():
+            table[i] = _token_bytes(tok, decoder)
+        for t in spec.added:
+            table[t.id] = _token_bytes(t.content, decoder)
+        self._bytes: tuple[bytes, ...] = tuple(table)
+        self._special_ids = frozenset(t.id for t in spec.added if t.special)
+        self._texts: tuple[str, ...] = tuple(b.decode("utf-8", errors="replace") for b in table)
+        self._prefix_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._prefix_cache_size = prefix_cache_size
+
+    # --- the Tokenizer protocol --------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._bytes)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._delegate.bos_token_id if self._delegate is not None else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._delegate.eos_token_ids if self._delegate is not None else frozenset()
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._delegate.chat_template if self._delegate is not None else None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
+        if self._delegate is None:
+            raise ValueError("this tokenizer has no chat template")
+        return self._delegate.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
+
+    def _normalize(self, text: str) -> str:
+        if self._spec.nfc and not unicodedata.is_normalized("NFC", text):
+            return unicodedata.normalize("NFC", text)
+        return text
+
+    def _wrap(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        if add_special_tokens and (self._spec.prefix_ids or self._spec.suffix_ids):
+            return [*self._spec.prefix_ids, *ids, *self._spec.suffix_ids]
+        return ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._wrap(self._enc.encode(self._normalize(text), allowed_special="all"), add_special_tokens)
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True, num_threads: int = 8) -> list[list[int]]:
+        """Parallel encode: tiktoken's Rust core runs on a thread pool without the GIL."""
+        out = self._enc.encode_batch([self._normalize(t) for t in texts], num_threads=num_threads,
+                                     allowed_special="all")
+        return [self._wrap(ids, add_special_tokens) for ids in out]
+
+    def encode_with_prefix(self, prefix: str, suffix: str, add_special_tokens: bool = True) -> list[int]:
+        """Encode prefix + suffix reusing a memoized encoding of `prefix` (a rubric, a
+        system prompt). Safe only where no BPE piece straddles the joint: the prefix
+        must end in a newline and the suffix must not start with whitespace; otherwise
+        the whole text is encoded."""
+        if not prefix.endswith("\n") or suffix[:1].isspace() or self._spec.nfc:
+            return self.encode(prefix + suffix, add_special_tokens)
+        head = self._prefix_cache.get(prefix)
+        if head is None:
+            head = tuple(self._enc.encode(prefix, allowed_special="all"))
+            self._prefix_cache[prefix] = head
+            if len(self._prefix_cache) > self._prefix_cache_size:
+                self._prefix_cache.popitem(last=False)
+        else:
+            self._prefix_cache.move_to_end(prefix)
+        return self._wrap([*head, *self._enc.encode(suffix, allowed_special="all")], add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        table, special = self._bytes, self._special_ids
+        if skip_special_tokens:
+            data = b"".join(table[i] for i in ids if i not in special)
+        else:
+            data = b"".join(table[i] for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return self._texts[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    def new_detokenizer(self, skip_special_tokens: bool = True) -> "ByteStreamDetokenizer":
+        return ByteStreamDetokenizer(self._bytes, self._special_ids if skip_special_tokens else frozenset())
+
+
+class ByteStreamDetokenizer:
+    """Streaming decode from the id -> bytes table: emits only complete UTF-8 text, so a
+    character split across tokens appears once, whole."""
+
+    def __init__(self, table: tuple[bytes, ...], skip: frozenset[int]) -> None:
+        self._table = table
+        self._skip = skip
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        if token_id in self._skip:
+            return ""
+        return self._decoder.decode(self._table[token_id])
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)

@@ -1,0 +1,111 @@
+"""The equality gate: fasttoken serves a model only after matching HF `tokenizers`.
+
+Checks encode (with and without special tokens), decode (with and without skipping
+special tokens) and streaming decode on a built-in corpus. The verdict is cached per
+tokenizer.json content hash (a small JSON file under the cache dir), so later starts
+skip the check. Any mismatch or unsupported configuration falls back to HF, loudly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as RustTokenizer
+
+from prelude.tokenizer.fasttoken.core import FastTokenizer
+from prelude.tokenizer.fasttoken.spec import Unsupported
+
+logger = logging.getLogger("prelude.fasttoken")
+
+GATE_VERSION = "1"
+
+CORPUS: tuple[str, ...] = (
+    "Hello world", "The quick brown fox jumps over the lazy dog.", " leading space", "trailing space ",
+    "double  space", "tabs\tand\nnewlines\n\n\n", "line1\r\nline2\r\n", "   ", "", "a", "!!!???...",
+    "It's what they'll do, we've seen I'd HE'S", "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n", "for (int i = 0; i < 10; ++i) { x[i] = i * 2; }",
+    "{\"json\": [1, 2, {\"k\": null}], \"pi\": 3.14159}", "https://example.com/path?q=1&r=2#frag",
+    "Numbers: 1234567890 3.14159 -42 1e10 007 1,000,000", "x  1", " 123 abc", "a  \n\n 12", "v2.0.1-rc3",
+    "中文测试，你好世界。", "日本語のテキストです", "한국어 문장", "Ωμέγα ελληνικά", "мир труд май",
+    "naïve café résumé Ångström", "e\u0301 vs \u00e9 (combining accents)", "ÀÉÎÕÜ àéîõü ß",
+    "emoji 😀👍🏽 family 👨‍👩‍👧‍👦 flag 🇫🇷 keycap 1️⃣", "🤖🤖🤖", "\u00a0nbsp\u2009thin\u3000ideographic\u200bzwsp",
+    "mixed 中文 English 123 😀 العربية עברית हिन्दी", "CamelCaseIdentifiersAndsnake_case_ones",
+    "ALL CAPS SENTENCE WITH NUMBERS 42", "x" * 200, "ab" * 150, "\n" * 5 + "text" + " " * 7,
+    "<|im_start|>user\nhi<|im_end|>", "text with <|endoftext|> inside", "<|im_start|><|im_end|>",
+    "<s> </s> <unk> [CLS] [SEP]", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>",
+    "Zürich's 3rd-place finish (2023) — “quoted” ‘text’ … ellipsis",
+)
+
+
+def tokenizer_hash(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:24]
+
+
+def _verdict_file(digest: str) -> Path:
+    base = os.environ.get("PRELUDE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "prelude"
+    )
+    return Path(base) / "fasttoken" / f"{digest}-v{GATE_VERSION}.json"
+
+
+def compare(fast: FastTokenizer, hf: RustTokenizer, corpus: tuple[str, ...] = CORPUS) -> str | None:
+    """The first difference between fasttoken and HF on the corpus, or None."""
+    for text in corpus:
+        for special in (True, False):
+            want = hf.encode(text, add_special_tokens=special).ids
+            got = fast.encode(text, add_special_tokens=special)
+            if got != want:
+                return f"encode(add_special_tokens={special}) differs on {text[:40]!r}: {got[:12]} vs {want[:12]}"
+        ids = hf.encode(text, add_special_tokens=True).ids
+        for skip in (True, False):
+            if fast.decode(ids, skip) != hf.decode(ids, skip_special_tokens=skip):
+                return f"decode(skip_special_tokens={skip}) differs on {text[:40]!r}"
+        stream = fast.new_detokenizer(skip_special_tokens=True)
+        streamed = "".join(stream.push(i) for i in ids) + stream.flush()
+        if streamed != hf.decode(ids, skip_special_tokens=True):
+            return f"streaming decode differs on {text[:40]!r}"
+    return None
+
+
+def check(tokenizer_json: Path, delegate: Any | None = None, use_cache: bool = True) -> tuple[FastTokenizer | None, str]:
+    """(fasttoken, "equal") when it passes the gate, else (None, the reason)."""
+    digest = tokenizer_hash(tokenizer_json)
+    verdict_path = _verdict_file(digest)
+    cached = None
+    if use_cache and verdict_path.exists():
+        cached = json.loads(verdict_path.read_text())
+        if not cached.get("equal"):
+            return None, f"cached verdict: {cached.get('reason')}"
+    try:
+        fast = FastTokenizer(tokenizer_json, delegate)
+    except (Unsupported, ValueError) as exc:
+        return None, f"unsupported: {exc}"
+    if cached is not None:
+        return fast, "equal (cached verdict)"
+    reason = compare(fast, RustTokenizer.from_file(str(tokenizer_json)))
+    verdict = {"equal": reason is None, "reason": reason, "corpus": len(CORPUS)}
+    if use_cache:
+        try:
+            verdict_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = verdict_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(verdict))
+            tmp.replace(verdict_path)
+        except OSError:
+            logger.warning("could not cache the fasttoken verdict in %s", verdict_path)
+    return (fast, "equal") if reason is None else (None, reason)
+
+
+def wrap_if_equal(hf_tokenizer: Any, tokenizer_json: Path) -> Any:
+    """fasttoken (delegating chat templates and BOS/EOS to `hf_tokenizer`) when it is
+    proven equal to HF, else `hf_tokenizer` itself with the reason logged."""
+    fast, reason = check(tokenizer_json, hf_tokenizer)
+    if fast is None:
+        logger.warning("fasttoken falls back to HF tokenizers for %s: %s", tokenizer_json, reason)
+        return hf_tokenizer
+    logger.info("fasttoken serves %s (%s)", tokenizer_json, reason)
+    return fast
