@@ -97,8 +97,8 @@ def rows(rng: random.Random) -> dict[str, str]:
         "long unique (4,000)": unique_long,
         "8K": prose(8192, rng),
         "chat template (212)": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                               "Summarize the policy in one sentence, please. Keep it short.<|im_end|>\n"
-                               "<|im_start|>assistant\n"[:212],
+                               "Summarize the refund policy in one sentence, please. Keep it short and cite the "
+                               "section number you used.<|im_end|>\n<|im_start|>assistant\n",
         "32K": prose(32768, rng),
         "64K": prose(65536, rng),
         "200K": prose(200_000, rng),

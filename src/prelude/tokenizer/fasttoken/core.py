@@ -9,8 +9,12 @@ id -> bytes table.
 from __future__ import annotations
 
 import codecs
+import os
+import re
 import unicodedata
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -71,9 +75,20 @@ class FastTokenizer:
             table[t.id] = _token_bytes(t.content, decoder)
         self._bytes: tuple[bytes, ...] = tuple(table)
         self._special_ids = frozenset(t.id for t in spec.added if t.special)
+        # The same table with special tokens empty: skip_special_tokens costs nothing.
+        self._bytes_skip: tuple[bytes, ...] = tuple(b"" if i in self._special_ids else b for i, b in enumerate(table))
         self._texts: tuple[str, ...] = tuple(b.decode("utf-8", errors="replace") for b in table)
         self._prefix_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._prefix_cache_size = prefix_cache_size
+        # Most texts hold no added token: one C-level regex search decides, and the
+        # ordinary path skips passing the special-token set into Rust on every call.
+        self._core = self._enc._core_bpe
+        self._added_ids = dict(specials)
+        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) \
+            if specials else None
+        # Threads start on first use; an unused pool costs nothing.
+        self._workers = os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="fasttoken")
 
     # --- the Tokenizer protocol --------------------------------------------------------
 
@@ -108,13 +123,42 @@ class FastTokenizer:
             return [*self._spec.prefix_ids, *ids, *self._spec.suffix_ids]
         return ids
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._wrap(self._enc.encode(self._normalize(text), allowed_special="all"), add_special_tokens)
+    def _encode_raw(self, text: str) -> list[int]:
+        """Added tokens are cut out first (longest match at each position, as HF does),
+        the text between them goes through BPE; no per-call set crosses into Rust."""
+        if self._special_re is None:
+            return self._core.encode_ordinary(text)
+        out: list[int] | None = None
+        pos = 0
+        for m in self._special_re.finditer(text):
+            if out is None:
+                out = []
+            if m.start() > pos:
+                out.extend(self._core.encode_ordinary(text[pos : m.start()]))
+            out.append(self._added_ids[m.group()])
+            pos = m.end()
+        if out is None:
+            return self._core.encode_ordinary(text)
+        if pos < len(text):
+            out.extend(self._core.encode_ordinary(text[pos:]))
+        return out
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True, num_threads: int = 8) -> list[list[int]]:
-        """Parallel encode: tiktoken's Rust core runs on a thread pool without the GIL."""
-        out = self._enc.encode_batch([self._normalize(t) for t in texts], num_threads=num_threads,
-                                     allowed_special="all")
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._wrap(self._encode_raw(self._normalize(text)), add_special_tokens)
+
+    def _encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self._encode_raw(self._normalize(t)) for t in texts]
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Parallel encode over a persistent pool: the Rust core releases the GIL. Small
+        batches stay on the caller's thread, where a hand-off would cost more than it saves."""
+        workers = self._workers
+        if len(texts) < 16 or workers == 1:
+            out = self._encode_many(texts)
+        else:
+            step = (len(texts) + workers - 1) // workers
+            chunks = [texts[i : i + step] for i in range(0, len(texts), step)]
+            out = [ids for part in self._pool.map(self._encode_many, chunks) for ids in part]
         return [self._wrap(ids, add_special_tokens) for ids in out]
 
     def encode_with_prefix(self, prefix: str, suffix: str, add_special_tokens: bool = True) -> list[int]:
@@ -126,20 +170,20 @@ class FastTokenizer:
             return self.encode(prefix + suffix, add_special_tokens)
         head = self._prefix_cache.get(prefix)
         if head is None:
-            head = tuple(self._enc.encode(prefix, allowed_special="all"))
+            head = tuple(self._encode_raw(prefix))
             self._prefix_cache[prefix] = head
             if len(self._prefix_cache) > self._prefix_cache_size:
                 self._prefix_cache.popitem(last=False)
         else:
             self._prefix_cache.move_to_end(prefix)
-        return self._wrap([*head, *self._enc.encode(suffix, allowed_special="all")], add_special_tokens)
+        return self._wrap([*head, *self._encode_raw(suffix)], add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        table, special = self._bytes, self._special_ids
-        if skip_special_tokens:
-            data = b"".join(table[i] for i in ids if i not in special)
+        table = self._bytes_skip if skip_special_tokens else self._bytes
+        if len(ids) < 2:  # itemgetter returns a bare item for one index
+            data = table[ids[0]] if ids else b""
         else:
-            data = b"".join(table[i] for i in ids)
+            data = b"".join(itemgetter(*ids)(table))  # one C call gathers every token's bytes
         return data.decode("utf-8", errors="replace")
 
     def token_text(self, token_id: int) -> str:
