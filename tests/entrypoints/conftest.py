@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from typing import Iterator
 
 import httpx
@@ -24,10 +25,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="package")
-def served() -> Iterator[tuple[str, LLMEngine]]:
-    engine = tiny_engine(hf_tiny_llama(), num_blocks=256, max_model_len=256)
-    front = AsyncEngine(engine)
+@contextmanager
+def running_server(front: AsyncEngine) -> Iterator[str]:
+    """A real uvicorn server for `front` on a free loopback port; yields its base URL."""
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(front), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -39,9 +39,16 @@ def served() -> Iterator[tuple[str, LLMEngine]]:
                 break
         except httpx.HTTPError:
             time.sleep(0.05)
-    yield base, engine
-    server.should_exit = True
-    thread.join(timeout=10)
-    front.shutdown()
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        front.shutdown()
 
 
+@pytest.fixture(scope="package")
+def served() -> Iterator[tuple[str, LLMEngine]]:
+    engine = tiny_engine(hf_tiny_llama(), num_blocks=256, max_model_len=256)
+    with running_server(AsyncEngine(engine)) as base:
+        yield base, engine

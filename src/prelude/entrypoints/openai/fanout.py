@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
@@ -81,8 +81,28 @@ async def merged_outputs(engine: EngineClient, request_id: str, jobs: list[Job])
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+T = TypeVar("T")
+
+
 class ClientDisconnected(Exception):
     pass
+
+
+async def until_disconnect(work: Awaitable[T], http_request: HTTPRequest | None) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the HTTP
+    client goes away meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if http_request is not None and await http_request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def collect_choices(
@@ -91,21 +111,9 @@ async def collect_choices(
     """Run all jobs to completion; cancel them if the HTTP client goes away."""
     choices = [Choice(j.index) for j in jobs]
 
-    async def consume() -> None:
+    async def consume() -> list[Choice]:
         async for job, out in merged_outputs(engine, request_id, jobs):
             choices[job.index].add(out)
+        return choices
 
-    task = asyncio.create_task(consume())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                break
-            if http_request is not None and await http_request.is_disconnected():
-                raise ClientDisconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    task.result()
-    return choices
+    return await until_disconnect(consume(), http_request)

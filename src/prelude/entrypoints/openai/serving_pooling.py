@@ -12,14 +12,14 @@ import math
 import struct
 import time
 import uuid
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, Sequence
 
 from starlette.requests import Request as HTTPRequest
 
 from prelude.engine.client import EngineClient
 from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput, SamplingParams
 from prelude.entrypoints.openai.errors import APIError
-from prelude.entrypoints.openai.fanout import ClientDisconnected
+from prelude.entrypoints.openai.fanout import until_disconnect
 from prelude.entrypoints.openai.protocol import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -28,7 +28,6 @@ from prelude.entrypoints.openai.protocol import (
     ScoreRequest,
 )
 
-T = TypeVar("T")
 _NO_GEN = SamplingParams(max_tokens=0)
 
 # A causal LM scores relevance as P("yes") after this question (see --score-template).
@@ -60,22 +59,6 @@ def _input_list(value: Any, param: str) -> list[str | list[int]]:
     return list(value)
 
 
-async def _cancellable(work: Awaitable[T], http: HTTPRequest | None) -> T:
-    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if http is not None and await http.is_disconnected():
-                raise ClientDisconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
 async def _encode_all(
     engine: EngineClient, prefix: str, prompts: list[list[int]], pooling: list[PoolingParams], http: HTTPRequest
 ) -> list[RequestOutput]:
@@ -84,7 +67,7 @@ async def _encode_all(
             raise APIError("an input is empty")
         engine.validate(ids, _NO_GEN, p)
     calls = [engine.encode(f"{prefix}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, pooling))]
-    return await _cancellable(asyncio.gather(*calls), http)
+    return await until_disconnect(asyncio.gather(*calls), http)
 
 
 def _tokens(engine: EngineClient, item: str | list[int], chat: bool = False) -> list[int]:
