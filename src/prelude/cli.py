@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched")
-    bench.add_argument("which", choices=["oneshot", "prefix", "sched"])
+    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve")
+    bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         if args.which == "prefix":
             from prelude.bench.prefix_bench import main as bench_main
+        elif args.which == "serve":
+            from prelude.bench.serve_bench import main as bench_main
         elif args.which == "sched":
             from prelude.bench.sched_bench import main as bench_main
         else:

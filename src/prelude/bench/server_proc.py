@@ -19,11 +19,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def prelude_server(args: list[str], timeout_s: float = 120.0) -> Iterator[str]:
-    """Yields the base URL of a running server started with extra CLI `args`."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "prelude.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def server_process(cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run `cmd` (a server listening on 127.0.0.1:`port`) until /health answers; yields
+    its base URL and stops it afterwards."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -44,3 +43,12 @@ def prelude_server(args: list[str], timeout_s: float = 120.0) -> Iterator[str]:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextmanager
+def prelude_server(args: list[str], timeout_s: float = 120.0) -> Iterator[str]:
+    """Yields the base URL of a running `prelude serve` started with extra CLI `args`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "prelude.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    with server_process(cmd, port, timeout_s) as base:
+        yield base
