@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     ids = _prompt_ids(128)
-    common = ["--dtype", args.dtype]
+    # The same prompt repeats: without this the prefix cache would answer most of it and
+    # the comparison with a full raw forward would be meaningless.
+    common = ["--dtype", args.dtype, "--no-enable-prefix-caching"]
     with prelude_server(common) as oneshot, prelude_server([*common, "--force-decode-path"]) as forced:
         lat = latency_pair({"oneshot": oneshot, "forced_decode": forced}, ids, args.iters)
         n_items = 20

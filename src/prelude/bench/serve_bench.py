@@ -93,8 +93,9 @@ def start(name: str, args: argparse.Namespace) -> Iterator[tuple[str | None, flo
         cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", str(default_model_path()), "--port", str(port),
                "--host", "127.0.0.1", "--n_ctx", "2048", "--n_threads", "2"]
     t0 = time.perf_counter()
+    ready_path = "/v1/models" if name == "llama.cpp" else "/health"  # llama-cpp-python has no /health
     try:
-        with server_process(cmd, port, timeout_s=600) as base:
+        with server_process(cmd, port, timeout_s=600, ready_path=ready_path) as base:
             yield base, time.perf_counter() - t0
     except (RuntimeError, TimeoutError) as exc:
         print(f"{name} skipped: {exc}")
@@ -109,6 +110,26 @@ def raw_forward_ms(tokens: list[int], dtype: str, iters: int) -> float:
     t.start()
     t.join()
     return 1000 * statistics.median(box[0])
+
+
+def run_scenarios(
+    r: dict[str, Any], base: str, model: str | None, p128: list[str], p512: dict[int, list[str]], n_a: int,
+    sweep: list[int],
+) -> None:
+    res, wall = asyncio.run(run_load(base, model, p128[:n_a], 1, 1))
+    e2e = [x["e2e"] for x in res]
+    r["a_oneshot_128_1_c1"] = {"e2e_p50_ms": 1000 * pct(e2e, 50), "e2e_p95_ms": 1000 * pct(e2e, 95),
+                               "ttft_p50_ms": 1000 * pct([x["ttft"] for x in res], 50),
+                               "input_tok_s": 128 * len(res) / wall, "rpm": 60 * len(res) / wall}
+    r["b_sweep_512_1"] = {}
+    for c in sweep:
+        res, wall = asyncio.run(run_load(base, model, p512[c], 1, c))
+        e2e = [x["e2e"] for x in res]
+        r["b_sweep_512_1"][c] = {"req_s": len(res) / wall, "p50_ms": 1000 * pct(e2e, 50), "p95_ms": 1000 * pct(e2e, 95)}
+    res, wall = asyncio.run(run_load(base, model, p128[n_a:], 32, 4))
+    r["c_decode_128_32_c4"] = {"ttft_p50_ms": 1000 * pct([x["ttft"] for x in res], 50),
+                               "tpot_p50_ms": 1000 * pct([x["decode"] / 31 for x in res], 50),
+                               "output_tok_s": 32 * len(res) / wall}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,20 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             model = "SmolLM2-135M-Instruct" if name == "prelude" else None
             r: dict[str, Any] = {"startup_s": ready_s}
-            res, wall = asyncio.run(run_load(base, model, p128[:n_a], 1, 1))
-            e2e = [x["e2e"] for x in res]
-            r["a_oneshot_128_1_c1"] = {"e2e_p50_ms": 1000 * pct(e2e, 50), "e2e_p95_ms": 1000 * pct(e2e, 95),
-                                       "ttft_p50_ms": 1000 * pct([x["ttft"] for x in res], 50),
-                                       "input_tok_s": 128 * len(res) / wall, "rpm": 60 * len(res) / wall}
-            r["b_sweep_512_1"] = {}
-            for c in sweep:
-                res, wall = asyncio.run(run_load(base, model, p512[c], 1, c))
-                e2e = [x["e2e"] for x in res]
-                r["b_sweep_512_1"][c] = {"req_s": len(res) / wall, "p50_ms": 1000 * pct(e2e, 50), "p95_ms": 1000 * pct(e2e, 95)}
-            res, wall = asyncio.run(run_load(base, model, p128[n_a:], 32, 4))
-            r["c_decode_128_32_c4"] = {"ttft_p50_ms": 1000 * pct([x["ttft"] for x in res], 50),
-                                       "tpot_p50_ms": 1000 * pct([x["decode"] / 31 for x in res], 50),
-                                       "output_tok_s": 32 * len(res) / wall}
+            try:
+                run_scenarios(r, base, model, p128, p512, n_a, sweep)
+            except httpx.HTTPError as exc:  # a peer that breaks mid-run is reported, not hidden
+                r["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"{name} failed: {r['error']}")
             out["peers"][name] = r
             print(name, json.dumps(r), flush=True)
     ids = tok.encode(p128[0], add_special_tokens=False)
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         e2e = pre["a_oneshot_128_1_c1"]["e2e_p50_ms"]
         out["ratios"] = {"prelude_e2e_over_raw": e2e / out["raw_forward_128_ms"]}
         for peer, r in out["peers"].items():
-            if peer != "prelude":
+            if peer != "prelude" and "error" not in r:
                 out["ratios"][f"{peer}_e2e_over_prelude"] = r["a_oneshot_128_1_c1"]["e2e_p50_ms"] / e2e
                 out["ratios"][f"prelude_decode_tok_s_over_{peer}"] = (
                     pre["c_decode_128_32_c4"]["output_tok_s"] / r["c_decode_128_32_c4"]["output_tok_s"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -19,21 +20,27 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Run `cmd` (a server listening on 127.0.0.1:`port`) until /health answers; yields
-    its base URL and stops it afterwards."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+def server_process(
+    cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None, ready_path: str = "/health"
+) -> Iterator[str]:
+    """Run `cmd` (a server listening on 127.0.0.1:`port`) until `ready_path` answers 200;
+    yields its base URL and stops it afterwards."""
+    # Logs go to a file, not a pipe: a chatty server (llama.cpp) would block on a full pipe.
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+                log.seek(0)
+                raise RuntimeError(f"server exited: {log.read().decode(errors='replace')[-2000:]}")
             try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                if httpx.get(base + ready_path, timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         else:
             raise TimeoutError(f"server on {base} did not become healthy")
         yield base
@@ -43,6 +50,7 @@ def server_process(cmd: list[str], port: int, timeout_s: float = 300.0, env: dic
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 @contextmanager
