@@ -12,7 +12,6 @@ import torch
 from prelude import SamplingParams
 from prelude.config import PolicyConfig, SchedulerConfig
 from prelude.engine.admission import admit
-from prelude.engine.batch import BatchRow, MixedBatch
 from prelude.engine.policies import make_policy
 from prelude.engine.policies.laps import LAPSPrefill, StepTimeModel
 from prelude.engine.request import Request, RequestStatus

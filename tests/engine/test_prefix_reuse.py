@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from prelude import SamplingParams
-from prelude.engine.engine import LLMEngine
 from prelude.engine.request import PoolingParams, PoolingTask
 
 from tests.engine.test_oneshot import run

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
+from prelude.bench.results import write_json
 from prelude.bench.server_proc import prelude_server
 
 TEXT = (
@@ -158,10 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"OneShot E2E / raw forward: {result['ratio_e2e_over_raw_forward']:.3f}x")
     print(f"classify items/s (c=16, 20/request): {classify:.1f} (forced-Decode: {classify_forced:.1f})   "
           f"embed items/s: {embed:.1f}")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_json(args.json, result)
     return 0
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from prelude.bench.results import write_json
 from prelude.bench.server_proc import prelude_server
 
 WORDS = ("policy rubric judge score answer evidence relevant helpful harmless accurate complete concise "
@@ -107,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         b = result[f"burst_{mode}"]
         print(f"  {mode:<12} {b['req_per_s']:.2f} req/s   prefix computed {b['prefix_computations']:.2f} times   "
               f"computed {b['computed_prompt_tokens']:.0f} / reused {b['reused_prompt_tokens']:.0f} tokens")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_json(args.json, result)
     return 0
 
 

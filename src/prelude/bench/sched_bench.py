@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from prelude.bench.results import write_json
 from prelude.bench.server_proc import prelude_server
 
 
@@ -182,13 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rate {rate} {policy}: {json.dumps(results[str(rate)][policy]['short_ttft_s'])}", flush=True)
     md = table(results)
     print(md)
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"config": vars(args), "results": results}, indent=2))
-    (path.with_suffix(".md")).write_text(md + "\n")
+    path = write_json(args.json, {"config": vars(args), "results": results})
+    path.with_suffix(".md").write_text(md + "\n")
     if plot(results, path.with_suffix(".png")):
         print(f"wrote {path.with_suffix('.png')}")
-    print(f"wrote {path}")
     return 0
 
 

@@ -21,11 +21,11 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 
+from prelude.bench.results import write_json
 from prelude.bench.server_proc import free_port, server_process
 
 
@@ -177,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 out["ratios"][f"prelude_decode_tok_s_over_{peer}"] = (
                     pre["c_decode_128_32_c4"]["output_tok_s"] / r["c_decode_128_32_c4"]["output_tok_s"])
     print(json.dumps(out.get("ratios", {}), indent=2))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    write_json(args.json, out)
     return 0
 
 

@@ -8,7 +8,6 @@ before every timed HF call (outside the timer), so neither side gets a warm cach
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import threading
@@ -18,6 +17,7 @@ from typing import Any, Callable
 
 from tokenizers import Tokenizer as RustTokenizer
 
+from prelude.bench.results import write_json
 from prelude.tokenizer.fasttoken.core import FastTokenizer
 
 WORDS = ("the of and to in is that for it with as was on be by this are from at or an have not they which one "
@@ -221,10 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         r = bench_tokenizer(name, path, args.quick)
         print_result(r)
         results.append(r)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_json(args.json, results)
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import tiktoken
 
-from prelude.tokenizer.fasttoken.spec import TokenizerSpec, Unsupported, read_spec
+from prelude.tokenizer.fasttoken.spec import Unsupported, read_spec
 
 
 def _byte_decoder() -> dict[str, int]:
