@@ -10,6 +10,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prelude.engine.client import EngineClient
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
@@ -25,6 +26,8 @@ from prelude.entrypoints.openai.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
+from prelude.entrypoints.openai.serving_chat import create_chat_completion
+from prelude.entrypoints.openai.serving_completions import create_completion
 from prelude.entrypoints.openai.serving_pooling import (
     create_classification,
     create_embeddings,
@@ -32,30 +35,50 @@ from prelude.entrypoints.openai.serving_pooling import (
     create_reward,
     create_score,
 )
-from prelude.entrypoints.openai.serving_chat import create_chat_completion, render_chat
-from prelude.entrypoints.openai.serving_completions import create_completion
+from prelude.entrypoints.openai.serving_tokens import detokenize, tokenize
 
 VERSION = "0.1.0"
 
 
+class BearerAuth:
+    """`Authorization: Bearer <key>` on every /v1 route.
+
+    A plain ASGI middleware rather than `@app.middleware("http")`: Starlette's
+    BaseHTTPMiddleware re-pipes every streamed chunk through a memory stream and an
+    extra task, which costs per token and muddles disconnect handling.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        return secrets.compare_digest(given, self._expected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            response = error_response("invalid or missing API key", 401)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def _check_model(engine: EngineClient, name: str | None) -> None:
+    """A missing model means the served one; any other name is refused, as OpenAI does."""
     if name is not None and name != engine.model_name:
         raise APIError(f"The model `{name}` does not exist. This server serves `{engine.model_name}`.",
                        param="model", code="model_not_found")
 
 
 def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine`; with `api_key`, /v1 routes need it as a bearer token."""
     app = FastAPI(title="Prelude", version=VERSION)
     install_error_handlers(app)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
     created = int(time.time())
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response("invalid or missing API key", 401)
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -89,75 +112,59 @@ def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
             "root": engine.model_name, "max_model_len": engine.max_model_len,
         }]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        _check_model(engine, body.model)
-        try:
-            return await create_completion(engine, body, request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        _check_model(engine, body.model)
-        try:
-            return await create_chat_completion(engine, body, request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-
-    async def _pooled(handler: Any, body: Any, request: Request) -> Any:
+    async def _served(handler: Any, body: Any, request: Request) -> Any:
+        """Run one engine-backed handler; a client gone before the answer gets no body."""
         _check_model(engine, body.model)
         try:
             return await handler(engine, body, request)
         except ClientDisconnected:
-            return Response(status_code=499)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _served(create_completion, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await _served(create_chat_completion, body, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
-        return await _pooled(create_embeddings, body, request)
+        return await _served(create_embeddings, body, request)
 
     @app.post("/classify")
     @app.post("/v1/classify")
     async def classify(body: ClassifyRequest, request: Request) -> Any:
-        return await _pooled(create_classification, body, request)
+        return await _served(create_classification, body, request)
 
     @app.post("/score")
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request) -> Any:
-        return await _pooled(create_score, body, request)
+        return await _served(create_score, body, request)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     async def rerank(body: RerankRequest, request: Request) -> Any:
-        return await _pooled(create_rerank, body, request)
+        return await _served(create_rerank, body, request)
 
     @app.post("/reward")
     @app.post("/v1/reward")
     async def reward(body: RewardRequest, request: Request) -> Any:
-        return await _pooled(create_reward, body, request)
+        return await _served(create_reward, body, request)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
         _check_model(engine, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError("give exactly one of prompt or messages")
-        if body.messages is not None:
-            tokens = render_chat(engine, body.messages, body.add_generation_prompt)
-        else:
-            tokens = engine.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        return tokenize(engine, body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, str]:
         _check_model(engine, body.model)
-        vocab = engine.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"token id {bad[0]} is out of vocabulary (size {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return detokenize(engine, body)
 
     return app
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Serve `app` with uvicorn until interrupted (blocking)."""
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)

@@ -1,4 +1,9 @@
-"""OpenAI-style error bodies and the exception handlers that produce them."""
+"""OpenAI-style error bodies and the exception handlers that produce them.
+
+Every error the server answers has the shape `{"error": {"message", "type", "param",
+"code"}}`, including FastAPI's own validation errors (422 by default, 400 here, as
+OpenAI answers) and Starlette's 404/405.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ _TYPES = {
 
 
 class APIError(Exception):
+    """Raised by handlers for a client-visible error; becomes an OpenAI error body."""
+
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
@@ -38,6 +45,16 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+def error_body_for(exc: BaseException) -> tuple[dict[str, Any], int]:
+    """The body and status for any exception: the one mapping shared by the HTTP
+    handlers and the in-stream error event (headers are already sent there)."""
+    if isinstance(exc, APIError):
+        return error_body(exc.message, exc.status, exc.param, exc.code), exc.status
+    if isinstance(exc, (SamplingParamsError, AdmissionError)):
+        return error_body(str(exc), 400), 400
+    return error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -54,25 +71,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.code)
+    @app.exception_handler(SamplingParamsError)
+    @app.exception_handler(AdmissionError)
+    async def _client_error(_: Request, exc: Exception) -> JSONResponse:
+        body, status = error_body_for(exc)
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         return error_response(message, 400, param)
 
-    @app.exception_handler(SamplingParamsError)
-    @app.exception_handler(AdmissionError)
-    async def _bad_params(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(str(exc), 400)
-
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(message, exc.status_code)
 
+    # Starlette sends this handler's response and then re-raises, so the ASGI server
+    # logs the traceback; one short line here names the route.
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error on %s %s: %r", request.method, request.url.path, exc)
+        body, _ = error_body_for(exc)
+        return JSONResponse(body, status_code=500)

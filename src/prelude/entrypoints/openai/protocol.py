@@ -14,12 +14,12 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the running usage
 
 
 class _SamplingFields(_Request):
     model: str | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -41,11 +41,11 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=16, ge=0)  # explicit null: up to the context length
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
-    prompt_logprobs: int | None = None
+    suffix: str | None = None  # accepted only as null: insertion is not supported
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class TextPart(_Request):
@@ -62,10 +62,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0)  # legacy name; max_completion_tokens wins
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -75,8 +75,10 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # prompt only: a chat template already holds its specials
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):

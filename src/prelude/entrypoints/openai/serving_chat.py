@@ -2,30 +2,69 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
 from prelude.engine.client import EngineClient
+from prelude.engine.request import RequestOutput
 from prelude.entrypoints.openai.errors import APIError
-from prelude.entrypoints.openai.fanout import collect_choices, fan_out, merged_outputs
+from prelude.entrypoints.openai.fanout import Choice, Job, collect_choices, fan_out, merged_outputs
 from prelude.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from prelude.entrypoints.openai.sampling import chat_logprobs, sampling_params, usage
+from prelude.entrypoints.openai.serving_completions import SSEResponse, StreamUsage, sse_stream
+
+# --- prompt rendering (also used by /tokenize) -----------------------------------------
 
 
 def _content_text(msg: ChatMessage, i: int) -> str:
+    """String content, or text parts joined by newlines; any other part is refused."""
     if msg.content is None or isinstance(msg.content, str):
         return msg.content or ""
     parts = []
     for part in msg.content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(f"messages[{i}]: only text content parts are supported", param=f"messages.{i}.content")
+            kind = part.get("type")
+            raise APIError(f"messages[{i}]: only text content parts are supported, got {kind!r}",
+                           param=f"messages.{i}.content")
         parts.append(part["text"])
     return "\n".join(parts)
+
+
+def _template_message(msg: ChatMessage, i: int) -> dict[str, Any]:
+    """The dict a chat template sees: role and text, plus name / tool_call_id when given."""
+    out: dict[str, Any] = {"role": msg.role, "content": _content_text(msg, i)}
+    if msg.name is not None:
+        out["name"] = msg.name
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
+    return out
+
+
+def _render_text(engine: EngineClient, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                 template_kwargs: dict[str, Any]) -> str:
+    try:
+        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    **template_kwargs)
+    except ValueError as exc:  # no template
+        raise APIError(str(exc)) from exc
+    except Exception as exc:  # a template's raise_exception() or a render error: the input's fault
+        raise APIError(f"chat template error: {exc}") from exc
+
+
+def _cut_after_final(text: str, messages: list[dict[str, Any]]) -> str:
+    """continue_final_message: end the prompt right after the last assistant message's
+    text, dropping the end-of-turn the template appended, so the model continues it."""
+    final = messages[-1]
+    cut = text.rfind(final["content"]) if final["content"] else -1
+    if final["role"] != "assistant" or cut < 0:
+        raise APIError("continue_final_message needs a final, non-empty assistant message", param="messages")
+    return text[: cut + len(final["content"])]
 
 
 def render_chat(engine: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -33,84 +72,104 @@ def render_chat(engine: EngineClient, messages: list[ChatMessage], add_generatio
     """Chat prompt token ids (the template already holds any BOS, so none is added)."""
     if not messages:
         raise APIError("messages must not be empty", param="messages")
-    plain = [{"role": m.role, "content": _content_text(m, i)} for i, m in enumerate(messages)]
-    try:
-        text = engine.tokenizer.apply_chat_template(
-            plain, add_generation_prompt=add_generation_prompt and not continue_final, **(template_kwargs or {})
-        )
-    except ValueError as exc:
-        raise APIError(str(exc)) from exc
-    except Exception as exc:  # a template's raise_exception() or a render error
-        raise APIError(f"chat template error: {exc}") from exc
+    plain = [_template_message(m, i) for i, m in enumerate(messages)]
+    # Continuing the final message excludes opening a new assistant turn.
+    text = _render_text(engine, plain, add_generation_prompt and not continue_final, template_kwargs or {})
     if continue_final:
-        final = plain[-1]["content"]
-        cut = text.rfind(final)
-        if plain[-1]["role"] != "assistant" or cut < 0:
-            raise APIError("continue_final_message needs a final assistant message", param="messages")
-        text = text[: cut + len(final)]
+        text = _cut_after_final(text, plain)
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-async def create_chat_completion(engine: EngineClient, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+# --- completions ---------------------------------------------------------------------
+
+
+@dataclass
+class _Chat:
+    """One admitted chat request: what every response builder needs."""
+
+    engine: EngineClient
+    jobs: list[Job]
+    num_prompt_tokens: int
+    top_logprobs: int | None  # None: no logprobs asked
+    id: str
+    created: int
+
+    def logprobs(self, out: RequestOutput | Choice) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        return chat_logprobs(self.engine.tokenizer, list(out.logprobs))
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.engine.model_name, "choices": choices, **extra}
+
+
+def _admit(engine: EngineClient, req: ChatCompletionRequest) -> _Chat:
+    """Validate everything before any work starts, so bad input is a clean 400."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, logprobs)
+    params = sampling_params(req, max_tokens, top_logprobs)
     prompt = render_chat(engine, req.messages, req.add_generation_prompt, req.continue_final_message,
                          req.chat_template_kwargs)
     jobs = fan_out([prompt], params)
     engine.validate(prompt, jobs[0].params)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    tok = engine.tokenizer
+    return _Chat(engine, jobs, len(prompt), top_logprobs, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
 
-    def chunk(choices: list[dict[str, Any]], usage_value: Any = None, with_usage: bool = False) -> str:
-        body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": engine.model_name, "choices": choices}
-        if with_usage:
-            body["usage"] = usage_value
-        return f"data: {json.dumps(body)}\n\n"
 
+async def create_chat_completion(engine: EngineClient, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+    stream_usage = StreamUsage.of(req)
+    c = _admit(engine, req)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return SSEResponse(sse_stream(_stream_chunks(c, stream_usage)))
+    choices = await collect_choices(engine, c.id, c.jobs, http)
+    return JSONResponse(_full_body(c, choices))
 
-        async def events() -> AsyncIterator[str]:
-            for job in jobs:  # the role comes first, as OpenAI sends it
-                yield chunk([{"index": job.index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}], with_usage=include_usage)
-            completion_tokens = 0
-            async for job, out in merged_outputs(engine, rid, jobs):
-                completion_tokens += len(out.new_token_ids)
-                if not out.text and not out.finished and not out.logprobs:
-                    continue
-                choice: dict[str, Any] = {
-                    "index": job.index,
-                    "delta": {"content": out.text} if out.text or not out.finished else {},
-                    "logprobs": chat_logprobs(tok, list(out.logprobs)) if logprobs is not None else None,
-                    "finish_reason": out.finish_reason.value if out.finish_reason else None,
-                }
-                if out.finished:
-                    choice["stop_reason"] = out.stop_reason
-                yield chunk([choice], with_usage=include_usage)
-            if include_usage:
-                yield chunk([], usage(len(prompt), completion_tokens), with_usage=True)
-            yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    choices = await collect_choices(engine, rid, jobs, http)
-    return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
+def _full_body(c: _Chat, choices: list[Choice]) -> dict[str, Any]:
+    return {
+        "id": c.id, "object": "chat.completion", "created": c.created, "model": c.engine.model_name,
         "choices": [
             {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(tok, c.logprobs) if logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
+                "index": ch.index,
+                "message": {"role": "assistant", "content": ch.text},
+                "logprobs": c.logprobs(ch),
+                "finish_reason": ch.finish_reason,
+                "stop_reason": ch.stop_reason,
             }
-            for c in choices
+            for ch in choices
         ],
-        "usage": usage(len(prompt), sum(len(c.token_ids) for c in choices)),
-    })
+        "usage": usage(c.num_prompt_tokens, sum(len(ch.token_ids) for ch in choices)),
+    }
+
+
+def _delta_choices(c: _Chat, job: Job, out: RequestOutput) -> list[dict[str, Any]]:
+    """The chunks one increment becomes: its content (if any), then, when it is the
+    last, a separate finish chunk with an empty delta, as OpenAI sends it."""
+    choices: list[dict[str, Any]] = []
+    if out.text or out.logprobs:
+        choices.append({"index": job.index, "delta": {"content": out.text}, "logprobs": c.logprobs(out),
+                        "finish_reason": None})
+    if out.finished:
+        choices.append({"index": job.index, "delta": {}, "logprobs": None,
+                        "finish_reason": out.finish_reason.value if out.finish_reason else None,
+                        "stop_reason": out.stop_reason})
+    return choices
+
+
+async def _stream_chunks(c: _Chat, stream_usage: StreamUsage) -> AsyncGenerator[dict[str, Any], None]:
+    def per_chunk(completion_tokens: int) -> dict[str, Any]:
+        return stream_usage.per_chunk(c.num_prompt_tokens, completion_tokens)
+
+    for job in c.jobs:  # the role comes first, before any engine work
+        yield c.chunk([{"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}], **per_chunk(0))
+    completion_tokens = 0
+    async with aclosing(merged_outputs(c.engine, c.id, c.jobs)) as outputs:
+        async for job, out in outputs:
+            completion_tokens += len(out.new_token_ids)
+            for choice in _delta_choices(c, job, out):
+                yield c.chunk([choice], **per_chunk(completion_tokens))
+    if stream_usage.final:
+        yield c.chunk([], usage=usage(c.num_prompt_tokens, completion_tokens))
