@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import threading
 import time
 from typing import Any
 
 import httpx
 import torch
 
+from prelude.bench.ceiling import raw_forward_seconds
 from prelude.bench.results import write_json
 from prelude.bench.server_proc import prelude_server
 
@@ -49,24 +49,6 @@ def _stats(samples: list[float]) -> dict[str, float]:
         "p90_ms": 1000 * s[min(len(s) - 1, int(0.9 * len(s)))],
         "n": len(s),
     }
-
-
-def raw_forward_seconds(ids: list[int], dtype: str, iters: int) -> list[float]:
-    """Trunk + last-token logits of one prompt, no engine: the ceiling for E2E."""
-    from prelude.config import CacheConfig, EngineConfig
-    from prelude.engine.batch import OneShotRow
-    from prelude.engine.engine import LLMEngine
-
-    engine = LLMEngine.from_config(EngineConfig(dtype=dtype, cache=CacheConfig(num_blocks=64)))
-    runner = engine.runner
-    times = []
-    for i in range(iters + 3):
-        t0 = time.perf_counter()
-        hidden, _ = runner.forward_oneshot([OneShotRow("raw", ids, None, None)])
-        engine.model.compute_logits(hidden[-1:]).argmax(-1)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return times
 
 
 def latency_pair(bases: dict[str, str], ids: list[int], iters: int) -> dict[str, list[float]]:
@@ -131,12 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         classify_forced = asyncio.run(_items_per_second(
             forced, "/classify", lambda i: {"input": _texts(i, n_items), "labels": ["yes", "no"]},
             16, args.requests, n_items))
-    # Measured in a fresh thread that also loads the model, like the server's engine thread.
-    raw_box: list[list[float]] = []
-    worker = threading.Thread(target=lambda: raw_box.append(raw_forward_seconds(ids, args.dtype, args.iters)))
-    worker.start()
-    worker.join()
-    raw = raw_box[0]
+    raw = raw_forward_seconds(ids, args.dtype, args.iters)
     result = {
         "model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "prompt_tokens": len(ids),
         "latency_128in_1out_c1": {k: _stats(v) for k, v in lat.items()},

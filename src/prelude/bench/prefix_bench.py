@@ -20,8 +20,7 @@ import httpx
 from prelude.bench.results import write_json
 from prelude.bench.server_proc import prelude_server
 
-WORDS = ("policy rubric judge score answer evidence relevant helpful harmless accurate complete concise "
-         "safety criterion document query reasoning factual grounded citation format style tone").split()
+WORDS = ["policy", "rubric", "judge", "score", "answer", "evidence", "relevant", "helpful", "harmless", "accurate", "complete", "concise", "safety", "criterion", "document", "query", "reasoning", "factual", "grounded", "citation", "format", "style", "tone"]
 
 
 def _ids(tokenizer: Any, n: int, rng: random.Random) -> list[int]:

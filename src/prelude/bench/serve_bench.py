@@ -1,183 +1,319 @@
-"""`prelude bench serve`: Prelude and its peers on the same prompts, one run, ratios.
+"""`prelude bench serve`: the Prelude paper's serving tables, Prelude and its peers side by
+side in one run, on the same model, prompts and machine, with ratios.
 
-Scenarios (scaled down by --scale for 2-core machines):
-  a) OneShot 128-in/1-out, c=1: E2E, TTFT, input tok/s, RPM, plus startup time to ready;
-  b) 512-in/1-out sweep over concurrencies: req/s, P50/P95 E2E;
-  c) decode control 128-in/32-out, c=4: TTFT, TPOT, output tok/s.
-Peers: a plain `transformers` server (prelude.bench.peers.transformers_server) and
-llama.cpp's server (llama-cpp-python, `--llama-python` names a Python that has it) on
-the same GGUF; a peer that can not start is skipped with a message, never faked. The raw
-forward of the same prompt in this process is the ceiling for (a).
+Scenarios (request counts scaled by --scale for 2-core machines):
+  a) OneShot 128-in/1-out, c=1: TTFT, E2E, input tok/s, RPM; requests interleaved across
+     peers, one at a time; plus every peer's startup time to ready;
+  b) 512-in/1-out sweep over concurrencies: req/s, P50/P95 E2E (fresh prompts per point);
+  c) decode control 128-in/32-out, c=4: TTFT, TPOT, output tok/s;
+  d) classify (label tokens) and embed items/s at c=16, 20 texts per request;
+  e) shared-prefix preset: one long system prompt + a unique tail per request.
+The machine's ceiling is measured in the same run: the raw forward of a 128-token prompt
+and raw batched forwards of 512-token prompts, no server. Peers: see peers/launch.py; a
+peer that can not start here is skipped with its reason, never faked. Closed loop by
+default; --rate switches to Poisson arrivals (capped at each scenario's concurrency).
+Writes JSON, a markdown report and a PNG of the sweep.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import platform
 import random
-import statistics
+import shlex
 import sys
-import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 
+from prelude.bench.ceiling import measure_ceilings
+from prelude.bench.loadgen import (
+    LoadResult,
+    LoadSpec,
+    completion_sender,
+    json_sender,
+    run_load,
+    summarize,
+)
+from prelude.bench.peers.launch import (
+    CLASSIFY,
+    COMPLETIONS,
+    EMBEDDINGS,
+    PEER_NAMES,
+    PeerOptions,
+    PeerSpec,
+    PeerUnavailable,
+    peer_spec,
+)
+from prelude.bench.prompts import exact_prompt, shared_prefix_prompts
+from prelude.bench.report import markdown, plot_sweep
 from prelude.bench.results import write_json
 from prelude.bench.server_proc import free_port, server_process
 
-
-def prompt_of(tokens: int, rng: random.Random, tokenizer: Any) -> str:
-    """Text whose encoding by the served model's tokenizer has about `tokens` tokens."""
-    words = ("alpha beta gamma delta policy judge score rubric model token cache queue latency throughput "
-             "evidence answer question context document relevant helpful").split()
-    text = " ".join(rng.choice(words) for _ in range(tokens * 2))
-    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])
+SCENARIOS = ("a", "b", "c", "d", "e")
+LABELS = ["yes", "no"]
 
 
-async def _request(client: httpx.AsyncClient, base: str, model: str | None, prompt: str, max_tokens: int) -> dict[str, float]:
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    if model:
-        body["model"] = model
-    t0 = time.perf_counter()
-    first: float | None = None
-    async with client.stream("POST", base + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and first is None:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    return {"e2e": end - t0, "ttft": (first or end) - t0, "decode": end - (first or end)}
+@dataclass(frozen=True)
+class Peer:
+    spec: PeerSpec
+    base: str
+    startup_s: float
 
 
-async def run_load(base: str, model: str | None, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[list[dict[str, float]], float]:
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
-    results: list[dict[str, float]] = []
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        await _request(client, base, model, "Warm up the server, please.", max_tokens)  # not a measured prompt
+@dataclass(frozen=True)
+class Workload:
+    """Every prompt of the run, made once, the same for every peer."""
 
-        async def worker() -> None:
-            while not queue.empty():
-                results.append(await _request(client, base, model, queue.get_nowait(), max_tokens))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return results, time.perf_counter() - t0
+    short: list[str]  # 128-token prompts for (a) then (c)
+    n_a: int
+    sweep: dict[int, list[str]]  # concurrency -> fresh 512-token prompts
+    warm_short: str
+    warm_long: str
+    texts: list[list[str]]  # (d): 20 texts per request
+    prefix_prompts: list[str]
+    prefix_lengths: list[int]
 
 
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+def _sizes(scale: float) -> dict[str, int]:
+    return {"a": max(5, round(100 * scale)), "b": max(8, round(200 * scale)), "c": max(8, round(400 * scale)),
+            "d": max(16, round(160 * scale)), "e": max(8, round(64 * scale))}
+
+
+def _ticket_texts(rng: random.Random, n: int) -> list[str]:
+    topics = ["an invoice that charged twice", "a parcel that never arrived", "a password reset loop",
+              "a refund for a cancelled order", "a broken login page", "upgrading the plan", "a damaged item"]
+    return [f"Ticket {rng.randrange(10**6)}: the customer writes about {rng.choice(topics)} and asks for help "
+            f"within {rng.randint(1, 9)} days. Is this about billing?" for _ in range(n)]
+
+
+def build_workload(tok: Any, sizes: dict[str, int], sweep: list[int], args: argparse.Namespace) -> Workload:
+    rng = random.Random(args.seed)
+    short = [exact_prompt(128, rng, tok) for _ in range(sizes["a"] + sizes["c"])]
+    # Fresh prompts at every sweep point so no engine answers from a cache filled earlier;
+    # every point has at least as many requests as its concurrency.
+    p512 = {c: [exact_prompt(512, rng, tok) for _ in range(max(sizes["b"], c))] for c in sweep}
+    lo, hi = (int(x) for x in args.suffix_range.split(","))
+    prefix_prompts, prefix_lengths = shared_prefix_prompts(args.prefix_tokens, (lo, hi), sizes["e"], rng, tok)
+    return Workload(short, sizes["a"], p512, exact_prompt(128, rng, tok), exact_prompt(512, rng, tok),
+                    [_ticket_texts(rng, 20) for _ in range(sizes["d"])], prefix_prompts, prefix_lengths)
 
 
 @contextmanager
-def start(name: str, args: argparse.Namespace) -> Iterator[tuple[str | None, float]]:
-    """(base URL or None if the peer is unavailable, seconds to ready)."""
-    port = free_port()
-    if name == "prelude":
-        cmd = [sys.executable, "-m", "prelude.cli", "serve", "--port", str(port), "--log-level", "warning",
-               "--dtype", args.dtype]
-    elif name == "transformers":
-        cmd = [sys.executable, "-m", "prelude.bench.peers.transformers_server", "--port", str(port), "--dtype", args.dtype]
+def start_peers(names: list[str], opts: PeerOptions, skipped: dict[str, str]) -> Iterator[list[Peer]]:
+    """Starts the peers one after another (each startup timed alone), keeps them all up."""
+    with ExitStack() as stack:
+        peers: list[Peer] = []
+        for name in names:
+            port = free_port()
+            try:
+                spec = peer_spec(name, port, opts)
+                t0 = time.perf_counter()
+                base = stack.enter_context(server_process(list(spec.command), port, timeout_s=600,
+                                                          ready_path=spec.ready_path))
+                peers.append(Peer(spec, base, time.perf_counter() - t0))
+                print(f"{name}: ready in {peers[-1].startup_s:.2f} s", flush=True)
+            except (PeerUnavailable, RuntimeError, TimeoutError) as exc:
+                skipped[name] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+                print(f"{name} skipped: {exc}", flush=True)
+        yield peers
+
+
+def _spec(args: argparse.Namespace, concurrency: int, label: str) -> LoadSpec:
+    rate = args.rate if concurrency > 1 else None
+    return LoadSpec(concurrency, rate, args.warmup, args.seed, None if args.no_progress else label)
+
+
+async def interleaved_c1(peers: list[Peer], prompts: list[str], warm: str, warmup: int) -> dict[str, LoadResult]:
+    """One request at a time, alternating peers request by request, so slow drift of the
+    machine lands on every peer alike."""
+    senders = {p.spec.name: completion_sender(p.base, p.spec.model, 1) for p in peers}
+    records: dict[str, list[Any]] = {name: [] for name in senders}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0)) as client:
+        for name, send in senders.items():
+            for _ in range(warmup):
+                await send(client, warm)
+        for prompt in prompts:
+            for name, send in senders.items():
+                records[name].append(await send(client, prompt))
+    # At c=1 the run's busy time per peer is the sum of its requests' E2E.
+    return {name: LoadResult(rs, sum(r.e2e_s for r in rs)) for name, rs in records.items()}
+
+
+def run_scenarios(peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    completers = [p for p in peers if COMPLETIONS in p.spec.serves]
+    if "a" in scenarios and completers:
+        res = asyncio.run(interleaved_c1(completers, wl.short[: wl.n_a], wl.warm_short, args.warmup))
+        out["a"] = {"peers": {n: summarize(r, 128) for n, r in res.items()}}
+        _show("a", out["a"]["peers"], ("e2e_p50_ms", "ttft_p50_ms", "rpm"))
+    if "b" in scenarios and completers:
+        out["b"] = {"points": {}}
+        for c, prompts in wl.sweep.items():
+            point: dict[str, Any] = {}
+            for p in completers:
+                if p.spec.name == "llama.cpp" and c > args.llama_sweep_max:
+                    continue  # one request at a time: more concurrency only queues (see --llama-sweep-max)
+                send = completion_sender(p.base, p.spec.model, 1)
+                res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long]))
+                point[p.spec.name] = summarize(res, 512)
+            out["b"]["points"][str(c)] = point
+            _show(f"b c={c}", point, ("req_s", "e2e_p50_ms", "e2e_p95_ms"))
+    if "c" in scenarios and completers:
+        out["c"] = {"peers": {}}
+        for p in completers:
+            send = completion_sender(p.base, p.spec.model, 32)
+            res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short]))
+            out["c"]["peers"][p.spec.name] = summarize(res, 128)
+        _show("c", out["c"]["peers"], ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms"))
+    if "d" in scenarios:
+        for key, task, path in (("d_classify", CLASSIFY, "/classify"), ("d_embed", EMBEDDINGS, "/v1/embeddings")):
+            out[key] = {"peers": {}}
+            for p in (p for p in peers if task in p.spec.serves):
+                model = p.spec.model
+
+                def body(texts: list[str], model: str | None = model, task: str = task) -> dict[str, Any]:
+                    b: dict[str, Any] = {"input": texts}
+                    if task == CLASSIFY:
+                        b["labels"] = LABELS
+                    if model:
+                        b["model"] = model
+                    return b
+
+                send = json_sender(p.base, path, body, len)
+                res = asyncio.run(run_load(send, wl.texts, _spec(args, 16, f"{key} {p.spec.name}"), wl.texts[:1]))
+                out[key]["peers"][p.spec.name] = summarize(res, 0)
+            _show(key, out[key]["peers"], ("items_s", "e2e_p50_ms"))
+    if "e" in scenarios and completers:
+        lo, hi = (int(x) for x in args.suffix_range.split(","))
+        out["e"] = {"prefix_tokens": args.prefix_tokens, "suffix_range": [lo, hi], "max_tokens": args.prefix_max_tokens,
+                    "concurrency": args.prefix_concurrency, "peers": {}}
+        mean_len = sum(wl.prefix_lengths) / len(wl.prefix_lengths)
+        for p in completers:
+            send = completion_sender(p.base, p.spec.model, args.prefix_max_tokens)
+            # No warm-up: the first request pays for the cold prefix on every peer alike.
+            spec = _spec(args, args.prefix_concurrency, f"e {p.spec.name}")
+            res = asyncio.run(run_load(send, wl.prefix_prompts, LoadSpec(spec.concurrency, spec.rate, 0, spec.seed,
+                                                                         spec.progress)))
+            out["e"]["peers"][p.spec.name] = summarize(res, mean_len)
+        _show("e", out["e"]["peers"], ("req_s", "ttft_p50_ms", "e2e_p95_ms"))
+    return out
+
+
+def _show(label: str, peers: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> None:
+    for name, s in peers.items():
+        figures = "  ".join(f"{k}={s[k]:.1f}" for k in keys)
+        print(f"[{label}] {name:<22} {figures}  errors={s['errors']}", flush=True)
+
+
+def goals(result: dict[str, Any]) -> list[dict[str, str]]:
+    """The issue's goals, each with the measured ratio and met / short / not measured."""
+    sc, ceiling, start = result["scenarios"], result.get("ceiling", {}), result["startup_s"]
+    rows: list[dict[str, str]] = []
+
+    def add(goal: str, value: float | None, ok: bool | None, fmt: str = "{:.2f}x") -> None:
+        rows.append({"goal": goal, "measured": "not measured" if value is None else fmt.format(value),
+                     "status": "not measured" if ok is None else ("met" if ok else "short")})
+
+    a = sc.get("a", {}).get("peers", {})
+    pre = a.get("prelude", {}).get("e2e_p50_ms")
+    e2e_raw = pre / ceiling["forward_short_ms"] if pre and ceiling else None
+    add("128/1 c=1: prelude E2E p50 <= 1.10x raw forward", e2e_raw, None if e2e_raw is None else e2e_raw <= 1.10)
+    for peer, target in (("llama.cpp", 4.0), ("transformers", 1.3)):
+        other = a.get(peer, {}).get("e2e_p50_ms")
+        r = other / pre if pre and other else None
+        add(f"128/1 c=1: {peer} E2E / prelude E2E >= {target}", r, None if r is None else r >= target)
+    points = sc.get("b", {}).get("points", {})
+    best = max((pt["prelude"]["req_s"] for pt in points.values() if "prelude" in pt), default=None)
+    r = best / ceiling["best_long_req_s"] if best and ceiling else None
+    add("512/1: prelude best req/s >= 0.9x raw batched ceiling", r, None if r is None else r >= 0.9)
+    c = sc.get("c", {}).get("peers", {})
+    if "prelude" in c and "llama.cpp" in c and c["llama.cpp"]["output_tok_s"] > 0:
+        r = c["prelude"]["output_tok_s"] / c["llama.cpp"]["output_tok_s"]
+        add("decode 128/32 c=4: prelude output tok/s / llama.cpp >= 1", r, r >= 1.0)
     else:
-        from prelude.model.loader import default_model_path
+        add("decode 128/32 c=4: prelude output tok/s / llama.cpp >= 1", None, None)
+    s = start.get("prelude")
+    add("prelude startup to ready <= 3 s", s, None if s is None else s <= 3.0, "{:.2f} s")
+    return rows
 
-        if not args.llama_python:
-            print("llama.cpp peer skipped: pass --llama-python with a Python that has llama-cpp-python[server]")
-            yield None, 0.0
-            return
-        cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", str(default_model_path()), "--port", str(port),
-               "--host", "127.0.0.1", "--n_ctx", "2048", "--n_threads", "2"]
-    t0 = time.perf_counter()
-    ready_path = "/v1/models" if name == "llama.cpp" else "/health"  # llama-cpp-python has no /health
+
+def machine() -> str:
+    import os
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
     try:
-        with server_process(cmd, port, timeout_s=600, ready_path=ready_path) as base:
-            yield base, time.perf_counter() - t0
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"{name} skipped: {exc}")
-        yield None, 0.0
-
-
-def raw_forward_ms(tokens: list[int], dtype: str, iters: int) -> float:
-    from prelude.bench.oneshot_bench import raw_forward_seconds
-
-    box: list[list[float]] = []
-    t = threading.Thread(target=lambda: box.append(raw_forward_seconds(tokens, dtype, iters)))
-    t.start()
-    t.join()
-    return 1000 * statistics.median(box[0])
-
-
-def run_scenarios(
-    r: dict[str, Any], base: str, model: str | None, p128: list[str], p512: dict[int, list[str]], n_a: int,
-    sweep: list[int],
-) -> None:
-    res, wall = asyncio.run(run_load(base, model, p128[:n_a], 1, 1))
-    e2e = [x["e2e"] for x in res]
-    r["a_oneshot_128_1_c1"] = {"e2e_p50_ms": 1000 * pct(e2e, 50), "e2e_p95_ms": 1000 * pct(e2e, 95),
-                               "ttft_p50_ms": 1000 * pct([x["ttft"] for x in res], 50),
-                               "input_tok_s": 128 * len(res) / wall, "rpm": 60 * len(res) / wall}
-    r["b_sweep_512_1"] = {}
-    for c in sweep:
-        res, wall = asyncio.run(run_load(base, model, p512[c], 1, c))
-        e2e = [x["e2e"] for x in res]
-        r["b_sweep_512_1"][c] = {"req_s": len(res) / wall, "p50_ms": 1000 * pct(e2e, 50), "p95_ms": 1000 * pct(e2e, 95)}
-    res, wall = asyncio.run(run_load(base, model, p128[n_a:], 32, 4))
-    r["c_decode_128_32_c4"] = {"ttft_p50_ms": 1000 * pct([x["ttft"] for x in res], 50),
-                               "tpot_p50_ms": 1000 * pct([x["decode"] / 31 for x in res], 50),
-                               "output_tok_s": 32 * len(res) / wall}
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0
+    return (f"{cpu}, {len(os.sched_getaffinity(0))} cores, {mem:.0f} GiB, torch {torch.__version__}, "
+            f"python {platform.python_version()}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prelude bench serve")
-    ap.add_argument("--peers", default="prelude,transformers,llama.cpp")
-    ap.add_argument("--llama-python", default=None, help="a python with llama-cpp-python[server] installed")
+    ap.add_argument("--peers", default=",".join(PEER_NAMES), help=f"comma list of: {', '.join(PEER_NAMES)}")
+    ap.add_argument("--llama-python", default=None, help="a python with llama-cpp-python[server] (own venv)")
+    ap.add_argument("--llama-sweep-max", type=int, default=16,
+                    help="highest sweep concurrency sent to llama.cpp (its server runs one request at a time)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--scale", type=float, default=0.25, help="fraction of the paper's request counts")
-    ap.add_argument("--sweep", default="1,4,16")
+    ap.add_argument("--sweep", default="1,4,16,64,96,128,200")
+    ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: closed loop)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per peer and scenario")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-tokens", type=int, default=3072)
+    ap.add_argument("--suffix-range", default="256,768")
+    ap.add_argument("--prefix-concurrency", type=int, default=4)
+    ap.add_argument("--prefix-max-tokens", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--json", default="bench_results/serve.json")
+    ap.add_argument("--ceiling-iters", type=int, default=12)
+    ap.add_argument("--out", default="bench_results/serve", help="path stem for .json, .md and _sweep.png")
+    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    scenarios = set(args.scenarios.split(","))
+    if unknown := scenarios - set(SCENARIOS):
+        ap.error(f"unknown scenarios: {sorted(unknown)}")
     from prelude.model.loader import load_model_files
 
     tok = load_model_files(None).tokenizer
-    rng = random.Random(0)
-    n_a, n_b, n_c = max(5, int(100 * args.scale)), max(8, int(200 * args.scale)), max(8, int(400 * args.scale))
-    p128 = [prompt_of(128, rng, tok) for _ in range(n_a + n_c)]
     sweep = [int(x) for x in args.sweep.split(",")]
-    # Fresh prompts for every sweep point (the same ones for every peer), so no engine
-    # can answer from a cache filled by an earlier point.
-    p512 = {c: [prompt_of(512, rng, tok) for _ in range(n_b)] for c in sweep}
-    out: dict[str, Any] = {"scale": args.scale, "dtype": args.dtype, "peers": {}}
-    for name in args.peers.split(","):
-        with start(name, args) as (base, ready_s):
-            if base is None:
-                continue
-            model = "SmolLM2-135M-Instruct" if name == "prelude" else None
-            r: dict[str, Any] = {"startup_s": ready_s}
-            try:
-                run_scenarios(r, base, model, p128, p512, n_a, sweep)
-            except httpx.HTTPError as exc:  # a peer that breaks mid-run is reported, not hidden
-                r["error"] = f"{type(exc).__name__}: {exc}"
-                print(f"{name} failed: {r['error']}")
-            out["peers"][name] = r
-            print(name, json.dumps(r), flush=True)
-    ids = tok.encode(p128[0], add_special_tokens=False)
-    out["raw_forward_128_ms"] = raw_forward_ms(ids, args.dtype, 20)
-    pre = out["peers"].get("prelude")
-    if pre:
-        e2e = pre["a_oneshot_128_1_c1"]["e2e_p50_ms"]
-        out["ratios"] = {"prelude_e2e_over_raw": e2e / out["raw_forward_128_ms"]}
-        for peer, r in out["peers"].items():
-            if peer != "prelude" and "error" not in r:
-                out["ratios"][f"{peer}_e2e_over_prelude"] = r["a_oneshot_128_1_c1"]["e2e_p50_ms"] / e2e
-                out["ratios"][f"prelude_decode_tok_s_over_{peer}"] = (
-                    pre["c_decode_128_32_c4"]["output_tok_s"] / r["c_decode_128_32_c4"]["output_tok_s"])
-    print(json.dumps(out.get("ratios", {}), indent=2))
-    write_json(args.json, out)
+    sizes = _sizes(args.scale)
+    wl = build_workload(tok, sizes, sweep, args)
+    opts = PeerOptions(dtype=args.dtype, llama_python=args.llama_python)
+    names = args.peers.split(",")
+    result: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+        "command": "prelude bench serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "scale": args.scale, "sizes": sizes, "dtype": args.dtype, "rate": args.rate, "startup_s": {}, "skipped": {},
+    }
+    with start_peers(names, opts, result["skipped"]) as peers:
+        result["startup_s"] = {p.spec.name: p.startup_s for p in peers}
+        result["scenarios"] = run_scenarios(peers, wl, args, scenarios)
+    # The ceiling is measured with every server stopped: it owns the cores, as they did.
+    short_ids = tok.encode(wl.short[0], add_special_tokens=False)
+    long_ids = [tok.encode(p, add_special_tokens=False) for p in next(iter(wl.sweep.values()))[:8]]
+    result["ceiling"] = measure_ceilings(short_ids, long_ids, args.dtype, args.ceiling_iters)
+    result["goals"] = goals(result)
+    out = Path(args.out)
+    write_json(out.with_suffix(".json"), result)
+    report = markdown(result)
+    out.with_suffix(".md").write_text(report + "\n")
+    png = plot_sweep(result, out.parent / (out.name + "_sweep.png"))
+    print(report)
+    print(f"wrote {out.with_suffix('.md')}" + (f" and {png}" if png else ""))
     return 0
 
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import httpx
 
@@ -40,7 +40,7 @@ def server_process(
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         else:
             raise TimeoutError(f"server on {base} did not become healthy")
         yield base

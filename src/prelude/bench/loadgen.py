@@ -1,0 +1,195 @@
+"""An async load generator for OpenAI-compatible servers.
+
+Closed loop (a fixed number of requests in flight) or open loop (Poisson arrivals at a
+rate, optionally capped in flight), warm-up requests outside the measurement, a fixed
+seed for arrival times, streaming TTFT, and a progress bar. A failed request is kept as
+a failed record (counted and reported), never dropped or retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    concurrency: int  # most requests in flight (closed loop: always this many)
+    rate: float | None = None  # Poisson arrivals per second; None = closed loop
+    warmup: int = 1  # requests sent and discarded before timing starts
+    seed: int = 0
+    progress: str | None = None  # progress bar label; None hides the bar
+
+
+@dataclass(frozen=True)
+class Record:
+    ok: bool
+    e2e_s: float
+    ttft_s: float
+    output_tokens: int = 0
+    items: int = 1  # texts in a pooling request, 1 otherwise
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    records: list[Record]
+    wall_s: float
+
+
+Sender = Callable[[httpx.AsyncClient, Any], Awaitable[Record]]
+
+
+def completion_sender(base: str, model: str | None, max_tokens: int) -> Sender:
+    """Streams /v1/completions for a text prompt; TTFT is the first chunk carrying text.
+    Output tokens come from the stream's usage when the server sends it, else one per
+    text chunk."""
+
+    async def send(client: httpx.AsyncClient, prompt: str) -> Record:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if model:
+            body["model"] = model
+        t0 = time.perf_counter()
+        first: float | None = None
+        chunks, usage_tokens = 0, None
+        try:
+            async with client.stream("POST", base + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return Record(False, time.perf_counter() - t0, 0.0, error=f"HTTP {r.status_code}: {r.text[:200]}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return Record(False, time.perf_counter() - t0, 0.0, error=str(event["error"])[:200])
+                    if any(c.get("text") for c in event.get("choices") or []):
+                        chunks += 1
+                        if first is None:
+                            first = time.perf_counter()
+                    if event.get("usage"):
+                        usage_tokens = event["usage"].get("completion_tokens")
+        except httpx.HTTPError as exc:
+            return Record(False, time.perf_counter() - t0, 0.0, error=f"{type(exc).__name__}: {exc}")
+        end = time.perf_counter()
+        return Record(True, end - t0, (first or end) - t0, usage_tokens if usage_tokens is not None else chunks)
+
+    return send
+
+
+def json_sender(base: str, path: str, body_of: Callable[[Any], dict[str, Any]], items_of: Callable[[Any], int]) -> Sender:
+    """POSTs a non-streaming JSON request (embeddings, classify); TTFT = E2E."""
+
+    async def send(client: httpx.AsyncClient, payload: Any) -> Record:
+        t0 = time.perf_counter()
+        try:
+            r = await client.post(base + path, json=body_of(payload))
+        except httpx.HTTPError as exc:
+            return Record(False, time.perf_counter() - t0, 0.0, error=f"{type(exc).__name__}: {exc}")
+        dt = time.perf_counter() - t0
+        if r.status_code != 200:
+            return Record(False, dt, 0.0, error=f"HTTP {r.status_code}: {r.text[:200]}")
+        return Record(True, dt, dt, items=items_of(payload))
+
+    return send
+
+
+async def run_load(send: Sender, payloads: Sequence[Any], spec: LoadSpec, warmup: Sequence[Any] = ()) -> LoadResult:
+    """Sends every payload once under `spec`; the clock starts after the warm-up."""
+    limits = httpx.Limits(max_connections=spec.concurrency + 4, max_keepalive_connections=spec.concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+        for payload in list(warmup)[: spec.warmup]:
+            await send(client, payload)
+        bar = tqdm(total=len(payloads), desc=spec.progress, disable=spec.progress is None, file=sys.stderr,
+                   leave=False, dynamic_ncols=True)
+        records: list[Record] = []
+
+        async def one(payload: Any) -> None:
+            rec = await send(client, payload)
+            records.append(rec)
+            bar.update(1)
+            if not rec.ok:
+                bar.set_postfix(errors=sum(not r.ok for r in records))
+
+        t0 = time.perf_counter()
+        if spec.rate is None:
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            for p in payloads:
+                queue.put_nowait(p)
+
+            async def worker() -> None:
+                while not queue.empty():
+                    await one(queue.get_nowait())
+
+            await asyncio.gather(*(worker() for _ in range(min(spec.concurrency, len(payloads)))))
+        else:
+            rng = random.Random(spec.seed)
+            gate = asyncio.Semaphore(spec.concurrency)
+
+            async def gated(payload: Any) -> None:
+                async with gate:
+                    await one(payload)
+
+            tasks = []
+            for p in payloads:
+                tasks.append(asyncio.create_task(gated(p)))
+                await asyncio.sleep(rng.expovariate(spec.rate))
+            await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+        bar.close()
+        return LoadResult(records, wall)
+
+
+def percentile(xs: Sequence[float], p: float) -> float:
+    """Linear-interpolated percentile; NaN for no samples."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(result: LoadResult, input_tokens: float) -> dict[str, Any]:
+    """Per-run figures: rates over the wall clock of the run, latencies over successes.
+    `input_tokens` is the mean prompt length of the payloads."""
+    ok = [r for r in result.records if r.ok]
+    wall = result.wall_s
+    e2e = [r.e2e_s for r in ok]
+    ttft = [r.ttft_s for r in ok]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out = {
+        "requests": len(result.records),
+        "errors": len(result.records) - len(ok),
+        "wall_s": wall,
+        "req_s": len(ok) / wall,
+        "rpm": 60 * len(ok) / wall,
+        "items_s": sum(r.items for r in ok) / wall,
+        "input_tok_s": input_tokens * len(ok) / wall,
+        "output_tok_s": sum(r.output_tokens for r in ok) / wall,
+        "mean_output_tokens": statistics.fmean([r.output_tokens for r in ok]) if ok else math.nan,
+        "e2e_p50_ms": 1000 * percentile(e2e, 50),
+        "e2e_p95_ms": 1000 * percentile(e2e, 95),
+        "e2e_mean_ms": 1000 * statistics.fmean(e2e) if e2e else math.nan,
+        "ttft_p50_ms": 1000 * percentile(ttft, 50),
+        "ttft_p95_ms": 1000 * percentile(ttft, 95),
+        "tpot_p50_ms": 1000 * percentile(tpot, 50),
+        "tpot_p95_ms": 1000 * percentile(tpot, 95),
+    }
+    errors = [r.error for r in result.records if not r.ok]
+    if errors:
+        out["first_error"] = errors[0]
+    return out

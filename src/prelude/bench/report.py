@@ -1,0 +1,126 @@
+"""Turns a `prelude bench serve` result into a markdown report and PNG plots."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+DASH = "—"
+
+
+def _f(x: Any, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return DASH
+    return f"{x:,.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _errors(s: dict[str, Any]) -> str:
+    return f"{s['errors']} ({s.get('first_error', '')[:60]})" if s.get("errors") else "0"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    sc = result["scenarios"]
+    lines = [f"# prelude bench serve — {result['when']}", "", f"Machine: {result['machine']}.",
+             f"Command: `{result['command']}`", ""]
+    if result.get("skipped"):
+        lines += ["Skipped peers: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items()), ""]
+    lines += ["## Startup to ready (process start to first 200 from its health route)", ""]
+    lines += _table(["peer", "seconds"], [[p, _f(s, 2)] for p, s in result["startup_s"].items()]) + [""]
+    ceiling = result.get("ceiling", {})
+    if "a" in sc:
+        n = next(iter(sc["a"]["peers"].values()), {}).get("requests", 0)
+        lines += [f"## (a) OneShot 128-in/1-out, c=1, {n} requests per peer, interleaved", ""]
+        pre = sc["a"]["peers"].get("prelude", {}).get("e2e_p50_ms")
+        rows = []
+        for p, s in sc["a"]["peers"].items():
+            vs = _f(s["e2e_p50_ms"] / pre, 2) + "x" if pre and p != "prelude" else DASH
+            rows.append([p, _f(s["ttft_p50_ms"]), _f(s["e2e_p50_ms"]), _f(s["e2e_p95_ms"]), _f(s["input_tok_s"], 0),
+                         _f(s["rpm"], 0), vs, _errors(s)])
+        if ceiling:
+            rows.append(["raw forward (no server)", DASH, _f(ceiling["forward_short_ms"]), DASH, DASH, DASH, DASH, DASH])
+        lines += _table(["peer", "TTFT p50 ms", "E2E p50 ms", "E2E p95 ms", "input tok/s", "RPM",
+                         "E2E / prelude", "errors"], rows) + [""]
+    if "b" in sc:
+        points = sc["b"]["points"]
+        peers = sorted({p for pt in points.values() for p in pt}, key=list(result["startup_s"]).index)
+        lines += ["## (b) 512-in/1-out sweep: req/s (E2E p50 / p95 ms)", ""]
+        rows = []
+        for c, pt in points.items():
+            rows.append([str(c)] + [
+                f"{_f(pt[p]['req_s'], 2)} ({_f(pt[p]['e2e_p50_ms'], 0)} / {_f(pt[p]['e2e_p95_ms'], 0)})"
+                + (f" [{pt[p]['errors']} errors]" if pt[p].get("errors") else "") if p in pt else DASH
+                for p in peers])
+        lines += _table(["concurrency", *peers], rows)
+        if ceiling:
+            lines += ["", f"Raw batched forward ceiling: {_f(ceiling['best_long_req_s'], 2)} req/s "
+                      f"(batch {ceiling['best_batch']}; by batch: "
+                      + ", ".join(f"{b}: {_f(v, 2)}" for b, v in ceiling["batched_long_req_s"].items()) + ")"]
+        lines += [""]
+    if "c" in sc:
+        lines += ["## (c) Decode control 128-in/32-out, c=4", ""]
+        rows = [[p, _f(s["ttft_p50_ms"]), _f(s["tpot_p50_ms"]), _f(s["output_tok_s"]), _f(s["mean_output_tokens"]),
+                 _errors(s)] for p, s in sc["c"]["peers"].items()]
+        lines += _table(["peer", "TTFT p50 ms", "TPOT p50 ms", "output tok/s", "tokens/request", "errors"], rows)
+        lines += [""]
+    for key, title in (("d_classify", "(d) Classify, c=16, 20 texts per request"),
+                       ("d_embed", "(d) Embed, c=16, 20 texts per request")):
+        if key in sc:
+            lines += [f"## {title}", ""]
+            rows = [[p, _f(s["items_s"]), _f(s["e2e_p50_ms"]), _f(s["e2e_p95_ms"]), _errors(s)]
+                    for p, s in sc[key]["peers"].items()]
+            lines += _table(["peer", "items/s", "E2E p50 ms", "E2E p95 ms", "errors"], rows) + [""]
+    if "e" in sc:
+        e = sc["e"]
+        lines += [f"## (e) Shared prefix: {e['prefix_tokens']}-token system prompt + {e['suffix_range'][0]}-"
+                  f"{e['suffix_range'][1]} unique tokens, {e['max_tokens']} output token(s), c={e['concurrency']}", ""]
+        rows = [[p, _f(s["req_s"], 2), _f(s["ttft_p50_ms"], 0), _f(s["ttft_p95_ms"], 0), _f(s["e2e_p95_ms"], 0),
+                 _f(s["input_tok_s"], 0), _errors(s)] for p, s in e["peers"].items()]
+        lines += _table(["peer", "req/s", "TTFT p50 ms", "TTFT p95 ms", "E2E p95 ms", "input tok/s", "errors"], rows)
+        lines += [""]
+    if result.get("goals"):
+        lines += ["## Goals (ratios from this run)", ""]
+        lines += _table(["goal", "measured", "status"],
+                        [[g["goal"], g["measured"], g["status"]] for g in result["goals"]]) + [""]
+    return "\n".join(lines)
+
+
+def plot_sweep(result: dict[str, Any], path: Path) -> Path | None:
+    """Throughput and P50/P95 latency against concurrency for the 512-in/1-out sweep."""
+    points = result["scenarios"].get("b", {}).get("points")
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peers = sorted({p for pt in points.values() for p in pt}, key=list(result["startup_s"]).index)
+    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for p in peers:
+        runs = [(int(c), pt[p]) for c, pt in points.items() if p in pt]  # keys are str(concurrency)
+        cs = [c for c, _ in runs]
+        ax_t.plot(cs, [s["req_s"] for _, s in runs], marker="o", label=p)
+        p50 = [s["e2e_p50_ms"] / 1000 for _, s in runs]
+        p95 = [s["e2e_p95_ms"] / 1000 for _, s in runs]
+        line, = ax_l.plot(cs, p50, marker="o", label=f"{p} P50")
+        ax_l.plot(cs, p95, marker="x", linestyle="--", color=line.get_color(), label=f"{p} P95")
+    ceiling = result.get("ceiling", {}).get("best_long_req_s")
+    if ceiling:
+        ax_t.axhline(ceiling, color="gray", linestyle=":", label="raw forward ceiling")
+    for ax, title, ylabel in ((ax_t, "throughput", "requests/s"), (ax_l, "E2E latency", "seconds")):
+        ax.set_xscale("log")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"512-in/1-out {title}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
