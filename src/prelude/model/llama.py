@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from prelude.config import ModelConfig
 from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
+from prelude.model.linear import Projection, prepack_enabled
 from prelude.model.rope import RotaryEmbedding
 
 
@@ -26,21 +27,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer:
     """Weights of one layer; q/k/v and gate/up are fused into single matmuls."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, prepack: bool) -> None:
         w = lambda name: weights[prefix + name]  # noqa: E731
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
-        self.qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
-        self.qkv_bias = (
+        qkv_bias = (
             torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
             if prefix + "self_attn.q_proj.bias" in weights
             else None
         )
-        self.o_proj = w("self_attn.o_proj.weight")
+        self.qkv = Projection(
+            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+            qkv_bias, prepack)
+        self.o_proj = Projection(w("self_attn.o_proj.weight"), None, prepack)
         self.q_norm = weights.get(prefix + "self_attn.q_norm.weight")
         self.k_norm = weights.get(prefix + "self_attn.k_norm.weight")
-        self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
-        self.down = w("mlp.down_proj.weight")
+        self.gate_up = Projection(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, prepack)
+        self.down = Projection(w("mlp.down_proj.weight"), None, prepack)
 
 
 class LlamaForCausalLM:
@@ -60,7 +63,10 @@ class LlamaForCausalLM:
         self.device = torch.device(device)
         cast = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         self.embed = cast["model.embed_tokens.weight"]
-        self.layers = [DecoderLayer(cast, f"model.layers.{i}.", config) for i in range(config.num_hidden_layers)]
+        prepack = prepack_enabled(dtype, self.device)
+        self.layers = [
+            DecoderLayer(cast, f"model.layers.{i}.", config, prepack) for i in range(config.num_hidden_layers)
+        ]
         self.norm = cast["model.norm.weight"]
         # A *ForSequenceClassification checkpoint has a `score` head instead of an LM head.
         self.score = cast.get("score.weight")
@@ -68,6 +74,7 @@ class LlamaForCausalLM:
             self.lm_head: torch.Tensor | None = cast["lm_head.weight"]
         else:
             self.lm_head = self.embed if config.tie_word_embeddings or self.score is None else None
+        self._lm_head_proj = Projection(self.lm_head, None, prepack) if self.lm_head is not None else None
         self.attention = attention or get_attention_backend("torch")
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype, self.device)
         self.q_size = config.num_attention_heads * config.head_dim
@@ -87,7 +94,7 @@ class LlamaForCausalLM:
         h = self.embed.index_select(0, input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
@@ -97,10 +104,10 @@ class LlamaForCausalLM:
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = self.rope.apply(q, k, positions)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(-1, self.q_size), layer.o_proj)
+            h = h + layer.o_proj(attn.reshape(-1, self.q_size))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     is_encoder = False
@@ -113,9 +120,9 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project the selected rows [R, hidden] to float32 logits [R, vocab]."""
-        if self.lm_head is None:
+        if self._lm_head_proj is None:
             raise RuntimeError("this checkpoint has no language-model head")
-        return F.linear(hidden, self.lm_head).float()
+        return self._lm_head_proj(hidden).float()
 
     @torch.inference_mode()
     def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""Weight projections y = x W^T (+ b), with oneDNN-prepacked weights on CPU where it pays.
+
+Reordering a bfloat16 weight once into oneDNN's blocked layout (the op inductor's
+freezing pass uses) made the small-row GEMMs of decode ~2x faster on the development CPU
+(a SmolLM2 layer at 1 row: 0.26 -> 0.14 ms; 4 rows: 0.53 -> 0.28 ms; the 49,152-row LM
+head at 1-4 rows: 6.1 -> 2.5 ms) and prefill GEMMs ~5% faster, bit-identical outputs.
+Anything else (GPU, float32, no oneDNN, PRELUDE_PREPACK=0) uses plain F.linear.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def prepack_enabled(dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and os.environ.get("PRELUDE_PREPACK", "1") != "0"
+    )
+
+
+class Projection:
+    """A frozen linear layer. `weight` [out, in] stays readable as `.weight`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self._packed: torch.Tensor | None = None
+        if prepack:
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            except (RuntimeError, AttributeError):  # op missing in this torch build: plain GEMM
+                self._packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None or x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 0:
+            return x.new_empty((0, self.out_features))
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")

@@ -1,0 +1,33 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prelude.model.linear import Projection, prepack_enabled
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+@pytest.mark.parametrize("rows", [0, 1, 4, 37])
+def test_prepacked_bf16_projection_matches_plain_linear(rows: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    b = torch.randn(96, dtype=torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    proj = Projection(w, b, prepack=True)
+    assert proj._packed is not None
+    out = proj(x)
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=0, atol=0)
+    # A 1-D input (one hidden row) takes the plain path and agrees too.
+    one = torch.randn(64, dtype=torch.bfloat16)
+    torch.testing.assert_close(proj(one), F.linear(one, w, b))
+
+
+def test_prepack_only_for_cpu_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert not prepack_enabled(torch.float32, cpu)
+    assert not prepack_enabled(torch.bfloat16, torch.device("meta"))
+    monkeypatch.setenv("PRELUDE_PREPACK", "0")
+    assert not prepack_enabled(torch.bfloat16, cpu)
+    w = torch.randn(8, 4)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(Projection(w, None, prepack=False)(x), F.linear(x, w))
