@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from prelude.config import ModelConfig
 from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
+from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.linear import Projection, prepack_enabled
 from prelude.model.rope import RotaryEmbedding
 
@@ -134,10 +135,8 @@ class LlamaForCausalLM:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.config.num_hidden_layers)
-        ]
+        tensors = zeroed_kv_tensors(2 * self.config.num_hidden_layers, shape, self.dtype, self.device)
+        return list(zip(tensors[0::2], tensors[1::2], strict=True))
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         per_token = 2 * self.config.num_key_value_heads * self.config.head_dim * self.dtype.itemsize

@@ -61,16 +61,18 @@ class FastTokenizer:
         # the merge table even when the vocabulary also lists them.
         specials = {t.content: t.id for t in spec.added}
         added_ids = set(specials.values())
-        ranks = {_token_bytes(tok, decoder): i for tok, i in spec.vocab.items() if i not in added_ids}
+        # Each entry's bytes are computed once (start-up time): the id -> bytes table
+        # serves decoding, and the BPE ranks are its inverse without the added tokens.
+        size = max([*spec.vocab.values(), *(t.id for t in spec.added)]) + 1
+        table: list[bytes] = [b""] * size
+        for tok, i in spec.vocab.items():
+            table[i] = _token_bytes(tok, decoder)
+        ranks = {table[i]: i for i in spec.vocab.values() if i not in added_ids}
         if len(ranks) != len(spec.vocab) - len(added_ids & set(spec.vocab.values())):
             raise Unsupported("two vocabulary entries share the same bytes")
         self._enc = tiktoken.Encoding(
             name=f"fasttoken-{Path(path).stem}", pat_str=spec.pattern, mergeable_ranks=ranks, special_tokens=specials
         )
-        size = max([*spec.vocab.values(), *(t.id for t in spec.added)]) + 1
-        table: list[bytes] = [b""] * size
-        for tok, i in spec.vocab.items():
-            table[i] = _token_bytes(tok, decoder)
         for t in spec.added:
             table[t.id] = _token_bytes(t.content, decoder)
         self._bytes: tuple[bytes, ...] = tuple(table)
