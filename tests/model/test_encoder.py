@@ -35,8 +35,9 @@ def _encoder(hf: "transformers.PreTrainedModel", tmp: Path) -> BertEncoder:
 def test_tiny_bert_hidden_states_match(tmp_path: Path) -> None:
     hf = _tiny_bert(classifier=False)
     enc = _encoder(hf, tmp_path)
-    rows = [[2, 5, 9, 3], [2, 7, 7, 7, 11, 3]]
-    types = [[0, 0, 1, 1], None]
+    # Rows of different lengths (padded together inside the forward), one of a single token.
+    rows = [[2, 5, 9, 3], [2, 7, 7, 7, 11, 3], [4]]
+    types = [[0, 0, 1, 1], None, None]
     hidden, starts = enc.forward_rows(rows, types)
     for row, t, s in zip(rows, types, starts):
         with torch.no_grad():
