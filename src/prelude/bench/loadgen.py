@@ -38,6 +38,7 @@ class Record:
     e2e_s: float
     ttft_s: float
     output_tokens: int = 0
+    chunks: int = 0  # streamed chunks that carried text (TPOT needs more than one)
     items: int = 1  # texts in a pooling request, 1 otherwise
     error: str = ""
 
@@ -84,7 +85,7 @@ def completion_sender(base: str, model: str | None, max_tokens: int) -> Sender:
         except httpx.HTTPError as exc:
             return Record(False, time.perf_counter() - t0, 0.0, error=f"{type(exc).__name__}: {exc}")
         end = time.perf_counter()
-        return Record(True, end - t0, (first or end) - t0, usage_tokens if usage_tokens is not None else chunks)
+        return Record(True, end - t0, (first or end) - t0, usage_tokens if usage_tokens is not None else chunks, chunks)
 
     return send
 
@@ -170,7 +171,8 @@ def summarize(result: LoadResult, input_tokens: float) -> dict[str, Any]:
     wall = result.wall_s
     e2e = [r.e2e_s for r in ok]
     ttft = [r.ttft_s for r in ok]
-    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    # A server that sends all text in one chunk has no measurable time per output token.
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.chunks > 1]
     out = {
         "requests": len(result.records),
         "errors": len(result.records) - len(ok),

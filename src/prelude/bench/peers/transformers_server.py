@@ -2,9 +2,9 @@
 
 `python -m prelude.bench.peers.transformers_server --port P [--dtype bfloat16]` serves
 the default model (its converted HF directory) with `/v1/completions` (string prompt,
-max_tokens, temperature 0 or sampling, ignore_eos, stream), `/classify` (label-token
-classification of a list of texts: one padded forward, softmax over the labels' first
-tokens) and `/health`. One request at a time, `model.generate` per completion: no
+max_tokens, temperature 0 or sampling, ignore_eos, stream: token by token through a
+generate streamer), `/classify` (label-token classification of a list of texts: one
+padded forward, softmax over the labels' first tokens) and `/health`. One request at a time, `model.generate` per completion: no
 batching across requests, no KV paging. Benchmark peer only.
 """
 
@@ -22,6 +22,24 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
+from transformers.generation.streamers import BaseStreamer
+
+
+class _TokenQueue(BaseStreamer):
+    """Hands generated token ids from the worker thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[int | None]) -> None:
+        self.loop, self.queue, self.prompt_seen = loop, queue, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate first hands over the prompt
+            self.prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, token)
+
+    def end(self) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
 def build(dtype: str) -> FastAPI:
@@ -47,13 +65,18 @@ def build(dtype: str) -> FastAPI:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
 
-    def generate(prompt: str, max_tokens: int, temperature: float, ignore_eos: bool) -> tuple[str, int, int]:
+    def generate(prompt: str, max_tokens: int, temperature: float, ignore_eos: bool,
+                 streamer: BaseStreamer | None = None) -> tuple[str, int, int]:
         ids = tok(prompt, return_tensors="pt")
         n = max(1, max_tokens)
-        with torch.inference_mode():
-            out = model.generate(**ids, max_new_tokens=n, min_new_tokens=n if ignore_eos else None,
-                                 do_sample=temperature > 0, temperature=temperature or None,
-                                 pad_token_id=tok.eos_token_id)
+        try:
+            with torch.inference_mode():
+                out = model.generate(**ids, max_new_tokens=n, min_new_tokens=n if ignore_eos else None,
+                                     do_sample=temperature > 0, temperature=temperature or None,
+                                     pad_token_id=tok.eos_token_id, streamer=streamer)
+        finally:
+            if streamer is not None:  # a failed generate must still end the stream
+                streamer.end()
         new = out[0, ids["input_ids"].shape[1]:]
         return tok.decode(new, skip_special_tokens=True), ids["input_ids"].shape[1], new.shape[0]
 
@@ -71,18 +94,33 @@ def build(dtype: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, Any]) -> Any:
-        text, n_in, n_out = await on_worker(
-            generate, body["prompt"], int(body.get("max_tokens", 16)), float(body.get("temperature", 1.0)),
-            bool(body.get("ignore_eos", False)))
+        args = (body["prompt"], int(body.get("max_tokens", 16)), float(body.get("temperature", 1.0)),
+                bool(body.get("ignore_eos", False)))
+        if body.get("stream"):
+            return StreamingResponse(_stream(args), media_type="text/event-stream")
+        text, n_in, n_out = await on_worker(generate, *args)
         usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
         choice = {"index": 0, "text": text, "finish_reason": "length"}
-        if body.get("stream"):
-            async def events() -> Any:
-                yield f"data: {json.dumps({'choices': [choice], 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
         return JSONResponse({"object": "text_completion", "created": int(time.time()), "choices": [choice],
                              "usage": usage})
+
+    async def _stream(args: tuple[Any, ...]) -> Any:
+        """Streams each new token's text as generate produces it (the usual HF streamer
+        recipe), then a usage chunk."""
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        job = asyncio.ensure_future(on_worker(generate, *args, _TokenQueue(asyncio.get_running_loop(), queue)))
+        ids: list[int] = []
+        sent = ""
+        while (token := await queue.get()) is not None:
+            ids.append(token)
+            text = tok.decode(ids, skip_special_tokens=True)
+            if len(text) > len(sent) and not text.endswith("\ufffd"):  # whole characters only
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text[len(sent):]}]})}\n\n"
+                sent = text
+        _, n_in, n_out = await job
+        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
 
     @app.post("/classify")
     async def classify_route(body: dict[str, Any]) -> Any:
