@@ -107,10 +107,15 @@ def json_sender(base: str, path: str, body_of: Callable[[Any], dict[str, Any]], 
     return send
 
 
-async def run_load(send: Sender, payloads: Sequence[Any], spec: LoadSpec, warmup: Sequence[Any] = ()) -> LoadResult:
-    """Sends every payload once under `spec`; the clock starts after the warm-up."""
+async def run_load(
+    send: Sender, payloads: Sequence[Any], spec: LoadSpec, warmup: Sequence[Any] = (),
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> LoadResult:
+    """Sends every payload once under `spec`; the clock starts after the warm-up.
+    `transport` replaces the network (tests)."""
     limits = httpx.Limits(max_connections=spec.concurrency + 4, max_keepalive_connections=spec.concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits,
+                                 transport=transport) as client:
         for payload in list(warmup)[: spec.warmup]:
             await send(client, payload)
         bar = tqdm(total=len(payloads), desc=spec.progress, disable=spec.progress is None, file=sys.stderr,

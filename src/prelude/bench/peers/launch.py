@@ -39,7 +39,10 @@ class PeerSpec:
 
 def _has_module(python: str, module: str) -> bool:
     if python == sys.executable:
-        return importlib.util.find_spec(module) is not None
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # its parent package is missing
+            return False
     try:
         done = subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=120)
     except OSError:  # no such python

