@@ -1,37 +1,57 @@
 """The machine's ceiling: the model's own forward with no server, engine or scheduler.
 
 Trunk + last-token logits + argmax for whole prompts, exactly what a 1-output-token
-request needs, timed in this process. A fresh thread builds the model and runs every
-forward (torch's OpenMP team belongs to the thread that first used it).
+request needs, timed in this process. One worker thread builds the model and runs every
+forward (torch's OpenMP team belongs to the thread that first used it), so the ceiling
+can be measured between server requests, in the same minutes as they are.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-T = TypeVar("T")
 
+class RawModel:
+    """The default model on its own thread; `with RawModel(dtype) as raw: ...`."""
 
-def _on_fresh_thread(fn: Callable[[], T]) -> T:
-    box: list[T] = []
-    errors: list[BaseException] = []
+    def __init__(self, dtype: str) -> None:
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prelude-ceiling")
+        self._engine = self._worker.submit(_build_engine, dtype).result()
 
-    def run() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:  # re-raised on the caller's thread
-            errors.append(exc)
+    def __enter__(self) -> RawModel:
+        return self
 
-    t = threading.Thread(target=run, name="prelude-ceiling")
-    t.start()
-    t.join()
-    if errors:
-        raise errors[0]
-    return box[0]
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+        self._engine = None
+
+    def forward_seconds(self, prompts: Sequence[Sequence[int]], iters: int = 1, warmup: int = 0) -> list[float]:
+        """Seconds of one batched forward of `prompts` (varlen, no padding), per iteration."""
+        return self._worker.submit(_forward_seconds, self._engine, prompts, iters, warmup).result()
+
+    def ceilings(
+        self, prompt_short: Sequence[int], prompts_long: Sequence[Sequence[int]], iters: int,
+        batch_sizes: Sequence[int] = (1, 2, 4, 8),
+    ) -> dict[str, Any]:
+        """Median ms of the short prompt alone, and requests/s of batched forwards of the
+        long prompts at each batch size (distinct prompts per row); the best is the ceiling."""
+        short_ms = 1000 * statistics.median(self.forward_seconds([prompt_short], iters, warmup=2))
+        batched: dict[int, float] = {}
+        for b in batch_sizes:
+            if b > len(prompts_long):
+                break
+            t = statistics.median(self.forward_seconds(prompts_long[:b], max(3, iters // b), warmup=1))
+            batched[b] = b / t
+        best = max(batched, key=batched.__getitem__)
+        return {"forward_short_ms": short_ms, "batched_long_req_s": batched, "best_batch": best,
+                "best_long_req_s": batched[best]}
 
 
 def _build_engine(dtype: str) -> Any:
@@ -41,18 +61,17 @@ def _build_engine(dtype: str) -> Any:
     return LLMEngine.from_config(EngineConfig(dtype=dtype, cache=CacheConfig(num_blocks=64)))
 
 
-def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, warmup: int = 2) -> list[float]:
-    """Wall time of one batched forward of `prompts` (varlen, no padding), per iteration."""
+def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, warmup: int) -> list[float]:
     import torch
 
     from prelude.engine.batch import OneShotRow
 
     rows = [OneShotRow(f"raw{i}", list(p), None, None) for i, p in enumerate(prompts)]
+    last = torch.tensor([sum(len(p) for p in prompts[: i + 1]) - 1 for i in range(len(prompts))])
     times: list[float] = []
     for i in range(iters + warmup):
         t0 = time.perf_counter()
-        hidden, starts = engine.runner.forward_oneshot(rows)
-        last = torch.tensor([s + len(p) - 1 for s, p in zip(starts, prompts)])
+        hidden, _ = engine.runner.forward_oneshot(rows)
         engine.model.compute_logits(hidden[last]).argmax(-1)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -60,28 +79,15 @@ def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, 
 
 
 def raw_forward_seconds(ids: Sequence[int], dtype: str, iters: int) -> list[float]:
-    """Per-iteration seconds of one prompt's forward on a fresh engine."""
-    return _on_fresh_thread(lambda: _forward_seconds(_build_engine(dtype), [ids], iters))
+    """Per-iteration seconds of one prompt's forward on a fresh model."""
+    with RawModel(dtype) as raw:
+        return raw.forward_seconds([ids], iters, warmup=3)
 
 
 def measure_ceilings(
     prompt_short: Sequence[int], prompts_long: Sequence[Sequence[int]], dtype: str, iters: int,
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
 ) -> dict[str, Any]:
-    """Median ms of the short prompt alone, and requests/s of batched forwards of the long
-    prompts at each batch size (distinct prompts per row); the best batch is the ceiling."""
-
-    def run() -> dict[str, Any]:
-        engine = _build_engine(dtype)
-        short_ms = 1000 * statistics.median(_forward_seconds(engine, [prompt_short], iters))
-        batched: dict[int, float] = {}
-        for b in batch_sizes:
-            if b > len(prompts_long):
-                break
-            t = statistics.median(_forward_seconds(engine, prompts_long[:b], max(3, iters // b)))
-            batched[b] = b / t
-        best = max(batched, key=batched.__getitem__)
-        return {"forward_short_ms": short_ms, "batched_long_req_s": batched, "best_batch": best,
-                "best_long_req_s": batched[best]}
-
-    return _on_fresh_thread(run)
+    """RawModel.ceilings on a fresh model."""
+    with RawModel(dtype) as raw:
+        return raw.ceilings(prompt_short, prompts_long, iters, batch_sizes)

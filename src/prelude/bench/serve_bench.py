@@ -8,8 +8,9 @@ Scenarios (request counts scaled by --scale for 2-core machines):
   c) decode control 128-in/32-out, c=4: TTFT, TPOT, output tok/s;
   d) classify (label tokens) and embed items/s at c=16, 20 texts per request;
   e) shared-prefix preset: one long system prompt + a unique tail per request.
-The machine's ceiling is measured in the same run: the raw forward of a 128-token prompt
-and raw batched forwards of 512-token prompts, no server. Peers: see peers/launch.py; a
+The machine's ceiling is measured in the same run, in this process, with no server: the
+raw forward of each 128-token prompt of (a), interleaved with the peers' requests, and
+raw batched forwards of 512-token prompts right before the sweep. Peers: see peers/launch.py; a
 peer that can not start here is skipped with its reason, never faked. Closed loop by
 default; --rate switches to Poisson arrivals (capped at each scenario's concurrency).
 Writes JSON, a markdown report and a PNG of the sweep.
@@ -32,12 +33,13 @@ from typing import Any
 
 import httpx
 
-from prelude.bench.ceiling import measure_ceilings
+from prelude.bench.ceiling import RawModel
 from prelude.bench.loadgen import (
     LoadResult,
     LoadSpec,
     completion_sender,
     json_sender,
+    percentile,
     run_load,
     summarize,
 )
@@ -130,29 +132,46 @@ def _spec(args: argparse.Namespace, concurrency: int, label: str) -> LoadSpec:
     return LoadSpec(concurrency, rate, args.warmup, args.seed, None if args.no_progress else label)
 
 
-async def interleaved_c1(peers: list[Peer], prompts: list[str], warm: str, warmup: int) -> dict[str, LoadResult]:
-    """One request at a time, alternating peers request by request, so slow drift of the
-    machine lands on every peer alike."""
+async def interleaved_c1(
+    peers: list[Peer], prompts: list[str], warm: str, warmup: int, raw: RawModel, tok: Any
+) -> tuple[dict[str, LoadResult], list[float]]:
+    """One request at a time, alternating peers request by request, with the raw forward
+    of the same prompt in between, so slow drift of the machine lands on all alike.
+    Returns each peer's results and the raw forward seconds per prompt."""
     senders = {p.spec.name: completion_sender(p.base, p.spec.model, 1) for p in peers}
     records: dict[str, list[Any]] = {name: [] for name in senders}
+    raw_s: list[float] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0)) as client:
         for name, send in senders.items():
             for _ in range(warmup):
                 await send(client, warm)
+        await asyncio.to_thread(raw.forward_seconds, [tok.encode(warm, add_special_tokens=False)], 1, warmup)
         for prompt in prompts:
+            ids = tok.encode(prompt, add_special_tokens=False)
+            raw_s += await asyncio.to_thread(raw.forward_seconds, [ids])
             for name, send in senders.items():
                 records[name].append(await send(client, prompt))
     # At c=1 the run's busy time per peer is the sum of its requests' E2E.
-    return {name: LoadResult(rs, sum(r.e2e_s for r in rs)) for name, rs in records.items()}
+    return {name: LoadResult(rs, sum(r.e2e_s for r in rs)) for name, rs in records.items()}, raw_s
 
 
-def run_scenarios(peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str]) -> dict[str, Any]:
+def run_scenarios(
+    peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str], raw: RawModel, tok: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(scenario results, ceiling). The ceiling is measured right before the sweep, and
+    the single-prompt raw forward interleaved with the requests of (a)."""
     out: dict[str, Any] = {}
     completers = [p for p in peers if COMPLETIONS in p.spec.serves]
+    short_ids = tok.encode(wl.short[0], add_special_tokens=False)
+    long_ids = [tok.encode(p, add_special_tokens=False) for p in next(iter(wl.sweep.values()))[:8]]
+    ceiling = raw.ceilings(short_ids, long_ids, args.ceiling_iters)
     if "a" in scenarios and completers:
-        res = asyncio.run(interleaved_c1(completers, wl.short[: wl.n_a], wl.warm_short, args.warmup))
-        out["a"] = {"peers": {n: summarize(r, 128) for n, r in res.items()}}
+        res, raw_s = asyncio.run(interleaved_c1(completers, wl.short[: wl.n_a], wl.warm_short, args.warmup, raw, tok))
+        out["a"] = {"peers": {n: summarize(r, 128) for n, r in res.items()},
+                    "raw_forward_ms": {"p50": 1000 * percentile(raw_s, 50), "p95": 1000 * percentile(raw_s, 95)}}
+        ceiling["forward_short_ms"] = out["a"]["raw_forward_ms"]["p50"]
         _show("a", out["a"]["peers"], ("e2e_p50_ms", "ttft_p50_ms", "rpm"))
+        print(f"[a] raw forward p50 {ceiling['forward_short_ms']:.1f} ms", flush=True)
     if "b" in scenarios and completers:
         out["b"] = {"points": {}}
         for c, prompts in wl.sweep.items():
@@ -203,7 +222,7 @@ def run_scenarios(peers: list[Peer], wl: Workload, args: argparse.Namespace, sce
                                                                          spec.progress)))
             out["e"]["peers"][p.spec.name] = summarize(res, mean_len)
         _show("e", out["e"]["peers"], ("req_s", "ttft_p50_ms", "e2e_p95_ms"))
-    return out
+    return out, ceiling
 
 
 def _show(label: str, peers: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> None:
@@ -301,11 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     with start_peers(names, opts, result["skipped"]) as peers:
         result["startup_s"] = {p.spec.name: p.startup_s for p in peers}
-        result["scenarios"] = run_scenarios(peers, wl, args, scenarios)
-    # The ceiling is measured with every server stopped: it owns the cores, as they did.
-    short_ids = tok.encode(wl.short[0], add_special_tokens=False)
-    long_ids = [tok.encode(p, add_special_tokens=False) for p in next(iter(wl.sweep.values()))[:8]]
-    result["ceiling"] = measure_ceilings(short_ids, long_ids, args.dtype, args.ceiling_iters)
+        # Loaded after the servers started, so their start-up timings stay undisturbed.
+        with RawModel(args.dtype) as raw:
+            result["scenarios"], result["ceiling"] = run_scenarios(peers, wl, args, scenarios, raw, tok)
     result["goals"] = goals(result)
     out = Path(args.out)
     write_json(out.with_suffix(".json"), result)
