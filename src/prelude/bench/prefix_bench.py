@@ -20,7 +20,8 @@ import httpx
 from prelude.bench.results import write_json
 from prelude.bench.server_proc import prelude_server
 
-WORDS = ["policy", "rubric", "judge", "score", "answer", "evidence", "relevant", "helpful", "harmless", "accurate", "complete", "concise", "safety", "criterion", "document", "query", "reasoning", "factual", "grounded", "citation", "format", "style", "tone"]
+WORDS = ("policy rubric judge score answer evidence relevant helpful harmless accurate complete concise "
+         "safety criterion document query reasoning factual grounded citation format style tone").split()
 
 
 def _ids(tokenizer: Any, n: int, rng: random.Random) -> list[int]:

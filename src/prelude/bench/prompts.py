@@ -9,7 +9,11 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-_WORDS = ["alpha", "beta", "gamma", "delta", "policy", "judge", "score", "rubric", "model", "token", "cache", "queue", "latency", "throughput", "evidence", "answer", "question", "context", "document", "relevant", "helpful", "careful", "review", "summary", "report", "ticket", "billing", "refund", "customer", "order", "shipping", "account", "password", "error", "timeout", "server", "client", "request", "response"]
+_WORDS = (
+    "alpha beta gamma delta policy judge score rubric model token cache queue latency throughput evidence "
+    "answer question context document relevant helpful careful review summary report ticket billing refund "
+    "customer order shipping account password error timeout server client request response"
+).split()  # noqa: SIM905 (one readable string)
 
 
 class TextTokenizer(Protocol):

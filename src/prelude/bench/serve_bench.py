@@ -133,7 +133,7 @@ def _spec(args: argparse.Namespace, concurrency: int, label: str) -> LoadSpec:
 
 
 async def interleaved_c1(
-    peers: list[Peer], prompts: list[str], warm: str, warmup: int, raw: RawModel, tok: Any
+    peers: list[Peer], prompts: list[str], warm: str, warmup: int, raw: RawModel, tok: Any, pause_s: float = 0.1
 ) -> tuple[dict[str, LoadResult], list[float]]:
     """One request at a time, alternating peers request by request, with the raw forward
     of the same prompt in between, so slow drift of the machine lands on all alike.
@@ -149,8 +149,13 @@ async def interleaved_c1(
         for prompt in prompts:
             ids = tok.encode(prompt, add_special_tokens=False)
             raw_s += await asyncio.to_thread(raw.forward_seconds, [ids])
+            # OpenMP threads spin for a while after a forward: a pause lets this process's
+            # (or the previous server's) go idle before the next one computes, as if each
+            # ran alone. The pauses are outside every measurement.
+            await asyncio.sleep(pause_s)
             for name, send in senders.items():
                 records[name].append(await send(client, prompt))
+                await asyncio.sleep(pause_s)
     # At c=1 the run's busy time per peer is the sum of its requests' E2E.
     return {name: LoadResult(rs, sum(r.e2e_s for r in rs)) for name, rs in records.items()}, raw_s
 

@@ -12,16 +12,18 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tokenizers import Tokenizer as RustTokenizer
 
 from prelude.bench.results import write_json
 from prelude.tokenizer.fasttoken.core import FastTokenizer
 
-WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "with", "as", "was", "on", "be", "by", "this", "are", "from", "at", "or", "an", "have", "not", "they", "which", "one", "you", "had", "but", "all", "were", "when", "there", "can", "more", "if", "no", "out", "so", "what", "time", "up", "other", "about", "into", "than", "them", "could", "model", "serving", "request", "token", "latency", "throughput", "judge", "router", "classifier", "reward", "embedding", "rubric", "policy", "cache", "prefix", "decode", "schedule", "batch", "memory", "kernel", "graph", "attention", "engine", "python"]
+WORDS = ("the of and to in is that for it with as was on be by this are from at or an have not they which one "
+         "you had but all were when there can more if no out so what time up other about into than them could "
+         "model serving request token latency throughput judge router classifier reward embedding rubric policy "
+         "cache prefix decode schedule batch memory kernel graph attention engine python").split()
 HAN = "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下过子说产种面而方后多定行学法所民得经"
 CODE_LINES = (
     "def {n}(x, y=None):\n", "    if y is None:\n", "        return [{n}_i * 2 for {n}_i in range(x)]\n",
