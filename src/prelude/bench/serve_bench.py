@@ -10,9 +10,9 @@ Scenarios (request counts scaled by --scale for 2-core machines):
   e) shared-prefix preset: one long system prompt + a unique tail per request.
 The machine's ceiling is measured in the same run, in this process, with no server: the
 raw forward of each 128-token prompt of (a), interleaved with the peers' requests, and
-raw batched forwards of 512-token prompts right before the sweep. Peers: see peers/launch.py; a
-peer that can not start here is skipped with its reason, never faked. Closed loop by
-default; --rate switches to Poisson arrivals (capped at each scenario's concurrency).
+raw batched forwards of 512-token prompts when the scenarios start. Peers: see
+peers/launch.py; a peer that can not start here is skipped with its reason, never faked.
+Closed loop by default; --rate switches to Poisson arrivals (capped at each scenario's concurrency).
 Writes JSON, a markdown report and a PNG of the sweep.
 """
 
@@ -163,8 +163,8 @@ async def interleaved_c1(
 def run_scenarios(
     peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str], raw: RawModel, tok: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(scenario results, ceiling). The ceiling is measured right before the sweep, and
-    the single-prompt raw forward interleaved with the requests of (a)."""
+    """(scenario results, ceiling). The batched ceiling is measured first, the
+    single-prompt raw forward interleaved with the requests of (a)."""
     out: dict[str, Any] = {}
     completers = [p for p in peers if COMPLETIONS in p.spec.serves]
     short_ids = tok.encode(wl.short[0], add_special_tokens=False)
