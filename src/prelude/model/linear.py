@@ -25,22 +25,28 @@ def prepack_enabled(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Projection:
-    """A frozen linear layer. `weight` [out, in] stays readable as `.weight`."""
+    """A frozen linear layer over `weight` [out, in]. Prepacked, the plain copy is
+    dropped: the packed one replaces it, so weights are not held twice."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False) -> None:
-        self.weight = weight
+        self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.out_features = weight.shape[0]
         self._packed: torch.Tensor | None = None
         if prepack:
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                self.weight = None
             except (RuntimeError, AttributeError):  # op missing in this torch build: plain GEMM
                 self._packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None or x.dim() != 2:
+        if self._packed is None:
+            assert self.weight is not None
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] == 0:
-            return x.new_empty((0, self.out_features))
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 0:
+            out = rows.new_empty((0, self.out_features))
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._packed, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
