@@ -59,7 +59,8 @@ def _result() -> dict:
                             "llama.cpp": _summary(e2e_p50_ms=450.0)}},
             "b": {"points": {"1": {"prelude": _summary(req_s=1.4), "transformers": _summary(req_s=1.3)},
                              "4": {"prelude": _summary(req_s=1.9), "transformers": _summary(req_s=1.3, errors=2,
-                                                                                          first_error="HTTP 500")}}},
+                                                                                          first_error="HTTP 500")}},
+                  "ceiling_req_s": {"1": 1.8, "4": 2.1}},
             "c": {"peers": {"prelude": _summary(output_tok_s=60.0), "llama.cpp": _summary(output_tok_s=30.0)}},
         },
     }
@@ -89,7 +90,9 @@ def test_markdown_and_plot(tmp_path: Path) -> None:
     assert "| prelude | 100.0 | 100.0 |" in text
     assert "1.40x" in text and "4.50x" in text  # E2E ratios to prelude
     assert "[2 errors]" in text and "sentence-transformers: not installed" in text
-    assert "Raw batched forward ceiling: 2.00 req/s (batch 2" in text
+    assert "Raw batched forward ceiling: 2.00 req/s, the best seen" in text
+    assert "raw ceiling (measured before the point)" in text and "| 4 | 1.90 (100 / 120) | " in text
+    assert text.split("| 4 | ", 1)[1].split("\n", 1)[0].endswith("| 2.10 |")
     # The same report renders from the JSON round trip (integer keys become strings).
     assert markdown(json.loads(json.dumps(result))).count("|") == text.count("|")
     png = plot_sweep(result, tmp_path / "sweep.png")

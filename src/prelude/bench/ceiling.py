@@ -36,6 +36,18 @@ class RawModel:
         """Seconds of one batched forward of `prompts` (varlen, no padding), per iteration."""
         return self._worker.submit(_forward_seconds, self._engine, prompts, iters, warmup).result()
 
+    def batched(
+        self, prompts_long: Sequence[Sequence[int]], iters: int, batch_sizes: Sequence[int] = (1, 2, 4, 8)
+    ) -> dict[int, float]:
+        """Requests/s of one batched forward of the first b long prompts, per batch size b."""
+        batched: dict[int, float] = {}
+        for b in batch_sizes:
+            if b > len(prompts_long):
+                break
+            t = statistics.median(self.forward_seconds(prompts_long[:b], max(3, iters // b), warmup=1))
+            batched[b] = b / t
+        return batched
+
     def ceilings(
         self, prompt_short: Sequence[int], prompts_long: Sequence[Sequence[int]], iters: int,
         batch_sizes: Sequence[int] = (1, 2, 4, 8),
@@ -43,12 +55,7 @@ class RawModel:
         """Median ms of the short prompt alone, and requests/s of batched forwards of the
         long prompts at each batch size (distinct prompts per row); the best is the ceiling."""
         short_ms = 1000 * statistics.median(self.forward_seconds([prompt_short], iters, warmup=2))
-        batched: dict[int, float] = {}
-        for b in batch_sizes:
-            if b > len(prompts_long):
-                break
-            t = statistics.median(self.forward_seconds(prompts_long[:b], max(3, iters // b), warmup=1))
-            batched[b] = b / t
+        batched = self.batched(prompts_long, iters, batch_sizes)
         best = max(batched, key=batched.__getitem__)
         return {"forward_short_ms": short_ms, "batched_long_req_s": batched, "best_batch": best,
                 "best_long_req_s": batched[best]}

@@ -49,16 +49,17 @@ def markdown(result: dict[str, Any]) -> str:
         points = sc["b"]["points"]
         peers = sorted({p for pt in points.values() for p in pt}, key=list(result["startup_s"]).index)
         lines += ["## (b) 512-in/1-out sweep: req/s (E2E p50 / p95 ms)", ""]
+        at_point = sc["b"].get("ceiling_req_s", {})
         rows = []
         for c, pt in points.items():
             rows.append([str(c)] + [
                 f"{_f(pt[p]['req_s'], 2)} ({_f(pt[p]['e2e_p50_ms'], 0)} / {_f(pt[p]['e2e_p95_ms'], 0)})"
                 + (f" [{pt[p]['errors']} errors]" if pt[p].get("errors") else "") if p in pt else DASH
-                for p in peers])
-        lines += _table(["concurrency", *peers], rows)
+                for p in peers] + ([_f(at_point.get(c), 2)] if at_point else []))
+        lines += _table(["concurrency", *peers] + (["raw ceiling (measured before the point)"] if at_point else []), rows)
         if ceiling:
-            lines += ["", f"Raw batched forward ceiling: {_f(ceiling['best_long_req_s'], 2)} req/s "
-                      f"(batch {ceiling['best_batch']}; by batch: "
+            lines += ["", f"Raw batched forward ceiling: {_f(ceiling['best_long_req_s'], 2)} req/s, the best seen "
+                      f"(at the start, by batch: "
                       + ", ".join(f"{b}: {_f(v, 2)}" for b, v in ceiling["batched_long_req_s"].items()) + ")"]
         lines += [""]
     if "c" in sc:
