@@ -54,10 +54,10 @@ def test_sentence_transformers_peer_embeds() -> None:
 
 @needs_default_model
 def test_raw_ceiling_measures_every_batch_size() -> None:
-    from prelude.bench.ceiling import measure_ceilings
+    from prelude.bench.ceiling import RawModel
 
-    out = measure_ceilings(list(range(100, 132)), [list(range(200 + i, 264 + i)) for i in range(4)], "float32",
-                           iters=2, batch_sizes=(1, 2, 4, 8))
-    assert out["forward_short_ms"] > 0
-    assert sorted(out["batched_long_req_s"]) == [1, 2, 4]  # 8 > the 4 prompts given
-    assert out["best_long_req_s"] == max(out["batched_long_req_s"].values())
+    with RawModel("float32") as raw:
+        assert all(t > 0 for t in raw.forward_seconds([list(range(100, 132))], iters=2))
+        batched = raw.batched([list(range(200 + i, 264 + i)) for i in range(4)], iters=2, batch_sizes=(1, 2, 4, 8))
+    assert sorted(batched) == [1, 2, 4]  # 8 > the 4 prompts given
+    assert all(v > 0 for v in batched.values())

@@ -48,18 +48,6 @@ class RawModel:
             batched[b] = b / t
         return batched
 
-    def ceilings(
-        self, prompt_short: Sequence[int], prompts_long: Sequence[Sequence[int]], iters: int,
-        batch_sizes: Sequence[int] = (1, 2, 4, 8),
-    ) -> dict[str, Any]:
-        """Median ms of the short prompt alone, and requests/s of batched forwards of the
-        long prompts at each batch size (distinct prompts per row); the best is the ceiling."""
-        short_ms = 1000 * statistics.median(self.forward_seconds([prompt_short], iters, warmup=2))
-        batched = self.batched(prompts_long, iters, batch_sizes)
-        best = max(batched, key=batched.__getitem__)
-        return {"forward_short_ms": short_ms, "batched_long_req_s": batched, "best_batch": best,
-                "best_long_req_s": batched[best]}
-
 
 def _build_engine(dtype: str) -> Any:
     from prelude.config import CacheConfig, EngineConfig
@@ -89,12 +77,3 @@ def raw_forward_seconds(ids: Sequence[int], dtype: str, iters: int) -> list[floa
     """Per-iteration seconds of one prompt's forward on a fresh model."""
     with RawModel(dtype) as raw:
         return raw.forward_seconds([ids], iters, warmup=3)
-
-
-def measure_ceilings(
-    prompt_short: Sequence[int], prompts_long: Sequence[Sequence[int]], dtype: str, iters: int,
-    batch_sizes: Sequence[int] = (1, 2, 4, 8),
-) -> dict[str, Any]:
-    """RawModel.ceilings on a fresh model."""
-    with RawModel(dtype) as raw:
-        return raw.ceilings(prompt_short, prompts_long, iters, batch_sizes)

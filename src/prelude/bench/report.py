@@ -41,7 +41,7 @@ def markdown(result: dict[str, Any]) -> str:
             vs = _f(s["e2e_p50_ms"] / pre, 2) + "x" if pre and p != "prelude" else DASH
             rows.append([p, _f(s["ttft_p50_ms"]), _f(s["e2e_p50_ms"]), _f(s["e2e_p95_ms"]), _f(s["input_tok_s"], 0),
                          _f(s["rpm"], 0), vs, _errors(s)])
-        if ceiling:
+        if "forward_short_ms" in ceiling:
             rows.append(["raw forward (no server)", DASH, _f(ceiling["forward_short_ms"]), DASH, DASH, DASH, DASH, DASH])
         lines += _table(["peer", "TTFT p50 ms", "E2E p50 ms", "E2E p95 ms", "input tok/s", "RPM",
                          "E2E / prelude", "errors"], rows) + [""]
