@@ -29,7 +29,12 @@ _STARTED = _process_start()
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 (float16: GPU only)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
+                   help="torch (SDPA, any device) | triton (this project's kernels, CUDA)")
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -58,13 +63,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202
-    from prelude.config import CacheConfig, EngineConfig, PolicyConfig, SchedulerConfig
+    from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, PolicyConfig, SchedulerConfig
 
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
-        dtype=args.dtype,
         seed=args.seed,
+        executor=ExecutorConfig(
+            device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+        ),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory_gib,

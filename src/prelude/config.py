@@ -125,11 +125,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ExecutorConfig:
+    """Where and how the model runs; the executor resolves `auto` against the machine."""
+
+    device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bfloat16) | float32 | bfloat16 | float16 (GPU only)
+    attention_backend: str = "torch"  # torch (any device) | triton (CUDA)
+    enforce_eager: bool = False  # no CUDA graphs
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a HF dir or a .gguf file; None = embedded default
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16
     seed: int = 0
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prelude import SamplingParams
-from prelude.engine.batch import OneShotBatch
+from prelude.forward_batch import OneShotBatch
 from prelude.engine.engine import LLMEngine
 from prelude.engine.request import ExecClass, PoolingParams, PoolingTask, RequestOutput
 

@@ -29,7 +29,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, arrival: float, slo
     max_tokens = max(2, max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, ttft_slo_ms=slo_ms)
     return admit(rid, [1 + (i % 50) for i in range(prompt_len)], params, max_model_len=4096, vocab_size=100,
-                 eos_token_ids=frozenset(), shared_generator=GEN, arrival_time=arrival)
+                 eos_token_ids=frozenset(), seed_source=GEN, arrival_time=arrival)
 
 
 def make_scheduler(policy: str, *, num_blocks: int = 512, budget: int = 64, decode_batch: int | None = None,

@@ -6,9 +6,9 @@ from typing import Any, Sequence
 
 import torch
 
-from prelude.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
-from prelude.model.llama import LlamaForCausalLM
+from prelude.executor.runner import ModelRunner
 
 EOS = 256
 VOCAB = 260
@@ -71,8 +71,10 @@ def tiny_engine(
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-    model = LlamaForCausalLM(config, weights, torch.float32)
+    executor = ExecutorConfig(device="cpu", dtype="float32")
+    runner = ModelRunner.create(config, weights, executor, block_size)
     engine_cfg = EngineConfig(
+        executor=executor,
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
             max_cached_blocks=max_cached_blocks,
@@ -82,4 +84,4 @@ def tiny_engine(
             force_decode=force_decode,
         ),
     )
-    return LLMEngine(model, ByteTokenizer(), engine_cfg, "tiny-llama")
+    return LLMEngine(runner, ByteTokenizer(), engine_cfg, "tiny-llama")

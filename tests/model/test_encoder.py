@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from prelude import SamplingParams
-from prelude.config import EngineConfig
+from prelude.config import EngineConfig, ExecutorConfig
 from prelude.engine.engine import LLMEngine
 from prelude.engine.request import PoolingParams, PoolingTask
+from prelude.executor.runner import ModelRunner
+from prelude.forward_batch import HeadSpec, OneShotRow
 from prelude.model.encoder import BertEncoder, EncoderConfig
 
 transformers = pytest.importorskip("transformers")
@@ -32,13 +34,21 @@ def _encoder(hf: "transformers.PreTrainedModel", tmp: Path) -> BertEncoder:
     return BertEncoder(EncoderConfig.from_dir(tmp, cfg), dict(hf.state_dict()), torch.float32)
 
 
+def _forward(enc: BertEncoder, rows: list[list[int]], types: list[list[int] | None]) -> tuple[torch.Tensor, list[int]]:
+    """The encoder's forward through the runner: packed rows, token types from pooling params."""
+    runner = ModelRunner(enc, block_size=16)
+    oneshot = [OneShotRow(str(i), r, None, HeadSpec(pooling=PoolingParams(
+        PoolingTask.EMBED, token_type_ids=tuple(t) if t else None))) for i, (r, t) in enumerate(zip(rows, types))]
+    return runner.forward_oneshot(oneshot)
+
+
 def test_tiny_bert_hidden_states_match(tmp_path: Path) -> None:
     hf = _tiny_bert(classifier=False)
     enc = _encoder(hf, tmp_path)
     # Rows of different lengths (padded together inside the forward), one of a single token.
     rows = [[2, 5, 9, 3], [2, 7, 7, 7, 11, 3], [4]]
     types = [[0, 0, 1, 1], None, None]
-    hidden, starts = enc.forward_rows(rows, types)
+    hidden, starts = _forward(enc, rows, types)
     for row, t, s in zip(rows, types, starts):
         with torch.no_grad():
             ref = hf(torch.tensor([row]), token_type_ids=torch.tensor([t]) if t else None).last_hidden_state[0]
@@ -50,7 +60,7 @@ def test_tiny_cross_encoder_head_matches(tmp_path: Path) -> None:
     enc = _encoder(hf, tmp_path)
     assert enc.config.id2label == ("LABEL_0",)
     row, types = [2, 5, 9, 3, 8, 8, 3], [0, 0, 0, 0, 1, 1, 1]
-    hidden, _ = enc.forward_rows([row], [types])
+    hidden, _ = _forward(enc, [row], [types])
     with torch.no_grad():
         ref = hf(torch.tensor([row]), token_type_ids=torch.tensor([types])).logits[0]
     assert torch.allclose(enc.classify(hidden), ref, atol=1e-4)
@@ -61,7 +71,7 @@ def test_minilm_equals_sentence_transformers() -> None:
     st_mod = pytest.importorskip("sentence_transformers")
     from prelude.model.loader import embedded_model_path
 
-    engine = LLMEngine.from_config(EngineConfig(model="all-MiniLM-L6-v2", dtype="float32"))
+    engine = LLMEngine.from_config(EngineConfig(model="all-MiniLM-L6-v2", executor=ExecutorConfig(device="cpu", dtype="float32")))
     texts = ["Hello world", "The quick brown fox jumps over the lazy dog.", "中文句子", "emoji 😀 and code: x = 1",
              "a much longer sentence " * 20]
     for i, t in enumerate(texts):

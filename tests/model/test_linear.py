@@ -5,7 +5,27 @@ import torch.nn.functional as F
 from prelude.model.linear import Projection, prepack_enabled
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+def _cpu_can_prepack_bf16() -> bool:
+    """oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; AVX2-only CPUs lack it."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), None)
+        return True
+    except RuntimeError:
+        return False
+
+
+def test_projection_falls_back_to_plain_linear_where_prepack_is_unsupported() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    proj = Projection(w, None, prepack=True)
+    assert (proj._packed is not None) == _cpu_can_prepack_bf16()
+    assert torch.equal(proj(x), F.linear(x, w))
+
+
+@pytest.mark.skipif(not _cpu_can_prepack_bf16(), reason="this CPU cannot prepack bf16 weights (needs AVX-512)")
 @pytest.mark.parametrize("rows", [0, 1, 4, 37])
 def test_prepacked_bf16_projection_matches_plain_linear(rows: int) -> None:
     torch.manual_seed(0)

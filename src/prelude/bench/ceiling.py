@@ -50,16 +50,16 @@ class RawModel:
 
 
 def _build_engine(dtype: str) -> Any:
-    from prelude.config import CacheConfig, EngineConfig
+    from prelude.config import CacheConfig, EngineConfig, ExecutorConfig
     from prelude.engine.engine import LLMEngine
 
-    return LLMEngine.from_config(EngineConfig(dtype=dtype, cache=CacheConfig(num_blocks=64)))
+    return LLMEngine.from_config(EngineConfig(executor=ExecutorConfig(device="cpu", dtype=dtype), cache=CacheConfig(num_blocks=64)))
 
 
 def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, warmup: int) -> list[float]:
     import torch
 
-    from prelude.engine.batch import OneShotRow
+    from prelude.forward_batch import OneShotRow
 
     rows = [OneShotRow(f"raw{i}", list(p), None, None) for i, p in enumerate(prompts)]
     last = torch.tensor([sum(len(p) for p in prompts[: i + 1]) - 1 for i in range(len(prompts))])
@@ -67,7 +67,7 @@ def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, 
     for i in range(iters + warmup):
         t0 = time.perf_counter()
         hidden, _ = engine.runner.forward_oneshot(rows)
-        engine.model.compute_logits(hidden[last]).argmax(-1)
+        engine.runner.model.compute_logits(hidden[last]).argmax(-1)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times

@@ -27,7 +27,7 @@ def admit(
     max_model_len: int,
     vocab_size: int,
     eos_token_ids: frozenset[int],
-    shared_generator: torch.Generator,
+    seed_source: torch.Generator,
     can_generate: bool = True,
     pooling: PoolingParams | None = None,
     force_decode: bool = False,
@@ -68,9 +68,9 @@ def admit(
     exec_class = pick_exec_class(params, max_tokens, pooling)
     if force_decode and can_generate:
         exec_class = ExecClass.DECODE  # ablation: everything takes the decode-shaped path
-    generator = shared_generator
-    if params.seed is not None:
-        generator = torch.Generator().manual_seed(params.seed)
+    # A request without a seed draws one from the engine's seeded source: runs of the
+    # same traffic repeat, and the sampler needs no generator object per request.
+    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=seed_source))
     arrival = time.monotonic() if arrival_time is None else arrival_time
     return Request(
         request_id=request_id,
@@ -80,7 +80,7 @@ def admit(
         ttft_deadline=arrival + params.ttft_slo_ms / 1000 if params.ttft_slo_ms else None,
         max_output_tokens=max_tokens,
         eos_token_ids=frozenset() if params.ignore_eos else eos_token_ids,
-        generator=generator,
+        sampling_seed=seed,
         exec_class=exec_class,
         pooling=pooling,
     )

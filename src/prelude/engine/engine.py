@@ -16,7 +16,7 @@ import torch
 
 from prelude.config import EngineConfig
 from prelude.engine.admission import admit
-from prelude.engine.batch import BatchOutput, OneShotBatch
+from prelude.forward_batch import BatchOutput, OneShotBatch
 from prelude.engine.metrics import RequestMetrics, request_metrics
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
@@ -32,31 +32,15 @@ from prelude.engine.request import (
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager
-from prelude.model.encoder import BertEncoder
-from prelude.model.llama import LlamaForCausalLM
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.engine")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16: on this CPU class it is ~3x faster than float32 (DESIGN.md §5)
-    and greedy outputs of the default model stay sane (tests compare float32 exactly)."""
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name == "auto":
-        return torch.bfloat16
-    if name not in table:
-        raise ValueError(f"unsupported dtype {name!r}; use auto, float32 or bfloat16")
-    if table[name] is torch.float16 and device.type == "cpu":
-        raise ValueError("float16 is not supported on the CPU; use bfloat16 or float32")
-    return table[name]
-
-
 class LLMEngine:
     def __init__(
         self,
-        model: LlamaForCausalLM | BertEncoder,
+        runner: ModelRunner,
         tokenizer: Tokenizer,
         config: EngineConfig,
         model_name: str,
@@ -64,78 +48,68 @@ class LLMEngine:
         self.config = config
         self.model_name = config.served_model_name or model_name
         self.tokenizer = tokenizer
-        block_size = config.cache.block_size
-        mcfg = model.config
-        if model.is_encoder:
+        self.runner = runner
+        self.info = info = runner.info
+        block_size = runner.block_size
+        limit = config.scheduler.max_model_len or info.max_position_embeddings
+        if info.is_encoder:
             num_blocks = 1  # encoders keep no KV: every request is OneShot
-            limit = config.scheduler.max_model_len or mcfg.max_position_embeddings
-            self.max_model_len = min(limit, mcfg.max_position_embeddings)
+            self.max_model_len = min(limit, info.max_position_embeddings)
         else:
             num_blocks = config.cache.num_blocks or max(
-                1, int(config.cache.kv_cache_memory_gib * 2**30) // model.kv_bytes_per_block(block_size)
+                1, int(config.cache.kv_cache_memory_gib * 2**30) // info.kv_bytes_per_block
             )
-            limit = config.scheduler.max_model_len or mcfg.max_position_embeddings
-            if mcfg.sliding_window:
+            if info.sliding_window:
                 # Full attention equals sliding-window attention only within the window.
-                limit = min(limit, mcfg.sliding_window)
-            self.max_model_len = min(limit, num_blocks * block_size, model.rope.cos.shape[0])
-        self.model = model
-        self.runner = ModelRunner(model, num_blocks, block_size)
+                limit = min(limit, info.sliding_window)
+            self.max_model_len = min(limit, num_blocks * block_size, info.max_positions)
+        runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(
             num_blocks, block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching and not model.is_encoder,
+            enable_prefix_caching=config.cache.enable_prefix_caching and not info.is_encoder,
             max_cached_blocks=config.cache.max_cached_blocks,
         )
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(
-            sched_cfg, self.kv, make_policy(sched_cfg.policy, sched_cfg.policy_options), mcfg.vocab_size, mcfg.hidden_size
+            sched_cfg, self.kv, make_policy(sched_cfg.policy, sched_cfg.policy_options), info.vocab_size, info.hidden_size
         )
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(mcfg, "eos_token_ids", ()))
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(info.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, OutputStream] = {}
         self._ready: list[RequestOutput] = []  # outputs that need no forward (max_tokens=0)
         self._rng = torch.Generator().manual_seed(config.seed)
         self.idle = False
         self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)
-        if not model.is_encoder:
+        if not info.is_encoder:
             logger.info(
-                "KV cache: %d blocks x %d tokens (%.2f GiB), max_model_len %d",
-                num_blocks, block_size, num_blocks * model.kv_bytes_per_block(block_size) / 2**30, self.max_model_len,
+                "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d",
+                num_blocks, block_size, num_blocks * info.kv_bytes_per_block / 2**30, info.device, self.max_model_len,
             )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        from prelude.model.encoder import EncoderConfig
-        from prelude.model.loader import load_model_files
+        from prelude.executor.loading import load_runner
 
         t0 = time.perf_counter()
-        loaded = load_model_files(config.model)
-        device = torch.device("cpu")
-        dtype = resolve_dtype(config.dtype, device)
-        model: LlamaForCausalLM | BertEncoder
-        if isinstance(loaded.config, EncoderConfig):
-            model = BertEncoder(loaded.config, loaded.weights, dtype)
-        else:
-            max_pos = loaded.config.max_position_embeddings
-            if config.scheduler.max_model_len:
-                max_pos = max(max_pos, config.scheduler.max_model_len)
-            model = LlamaForCausalLM(loaded.config, loaded.weights, dtype, device, max_positions=max_pos)
-        engine = cls(model, loaded.tokenizer, config, loaded.name)
-        logger.info("loaded %s (%s) in %.2f s", loaded.name, dtype, time.perf_counter() - t0)
+        loaded = load_runner(config)
+        runner = loaded.runner
+        engine = cls(runner, loaded.tokenizer, config, loaded.name)
+        logger.info("loaded %s (%s on %s) in %.2f s", loaded.name, runner.info.dtype, runner.info.device,
+                    time.perf_counter() - t0)
         return engine
 
     @property
     def labels(self) -> tuple[str, ...]:
         """Names of the classification head's outputs (empty without a head)."""
-        return self.model.config.id2label
+        return self.info.labels
 
     @property
     def can_generate(self) -> bool:
-        return self.model.can_generate
+        return self.info.can_generate
 
     @property
     def is_encoder(self) -> bool:
-        return self.model.is_encoder
+        return self.info.is_encoder
 
     # --- requests -------------------------------------------------------------------
 
@@ -150,13 +124,13 @@ class LLMEngine:
 
             raise AdmissionError("this model has no classification head; pass candidate labels instead")
         if pooling is not None and pooling.pooling is None:
-            pooling = replace(pooling, pooling=self.model.default_pooling)
+            pooling = replace(pooling, pooling=self.info.default_pooling)
         if params.ttft_slo_ms is None and self.config.scheduler.default_ttft_slo_ms is not None:
             params = replace(params, ttft_slo_ms=self.config.scheduler.default_ttft_slo_ms)
         return admit(
             request_id, prompt_token_ids, params,
-            max_model_len=self.max_model_len, vocab_size=self.model.config.vocab_size,
-            eos_token_ids=self.eos_token_ids, shared_generator=self._rng,
+            max_model_len=self.max_model_len, vocab_size=self.info.vocab_size,
+            eos_token_ids=self.eos_token_ids, seed_source=self._rng,
             can_generate=self.can_generate, pooling=pooling,
             force_decode=self.config.scheduler.force_decode,
         )

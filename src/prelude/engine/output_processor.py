@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from prelude.engine.batch import HeadOutput
+from prelude.forward_batch import HeadOutput
 from prelude.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from prelude.tokenizer.base import Tokenizer
 from prelude.tokenizer.detokenizer import IncrementalDetokenizer

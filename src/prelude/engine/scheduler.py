@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from prelude.config import SchedulerConfig
-from prelude.engine.batch import (
+from prelude.forward_batch import (
     BatchRow,
     DecodeBatch,
     ForwardBatch,
@@ -70,7 +70,7 @@ def sample_spec(req: Request) -> SampleSpec | None:
         return None  # nothing (more) to generate: a head-only request
     # The token lists are shared, not copied: the batch is consumed before
     # postprocessing appends the next token.
-    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.generator)
+    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed)
 
 
 def is_decoding(req: Request) -> bool:

@@ -9,7 +9,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from prelude.config import CacheConfig, EngineConfig, SchedulerConfig
+from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
 from prelude.engine.request import FinishReason, SamplingParams, TokenLogprob
 
@@ -40,6 +40,9 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
+        device: str = "auto",
+        attention_backend: str = "torch",
+        enforce_eager: bool = False,
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -53,8 +56,10 @@ class LLM:
         if engine is None:
             config = EngineConfig(
                 model=model,
-                dtype=dtype,
                 seed=seed,
+                executor=ExecutorConfig(
+                    device=device, dtype=dtype, attention_backend=attention_backend, enforce_eager=enforce_eager,
+                ),
                 cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory_gib, num_blocks=num_kv_blocks),
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -1,10 +1,26 @@
-"""ModelRunner.execute(ForwardBatch) -> BatchOutput: one path per execution class."""
+"""ModelRunner.execute(ForwardBatch) -> BatchOutput: one path per execution class.
+
+The runner owns everything that lives on the device: the model (built through the model
+registry), its paged KV tensors, the attention backend and, on CUDA, the graphs. A step's
+integer inputs are packed on the host into one buffer (pinned on CUDA) and copied once,
+non-blocking; the results come back in one copy (see `HostCopy`).
+"""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 
-from prelude.engine.batch import (
+from prelude.config import ExecutorConfig
+from prelude.executor.device import resolve_device, resolve_dtype
+from prelude.executor.host_copy import HostCopy, HostValue
+from prelude.executor.model_info import ModelInfo
+from prelude.executor.model_registry import build_model
+from prelude.executor.sampler import sample
+from prelude.forward_batch import (
     BatchOutput,
     BatchRow,
     DecodeBatch,
@@ -17,121 +33,211 @@ from prelude.engine.batch import (
     SampledToken,
     SampleSpec,
 )
-from prelude.engine.request import PoolingTask, TokenLogprob
-from prelude.executor.sampler import sample
 from prelude.model import heads
+from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
-from prelude.model.encoder import BertEncoder
-from prelude.model.llama import LlamaForCausalLM
+from prelude.model.base import KVCaches, Model
+from prelude.params import PoolingTask, TokenLogprob
 
-_EMPTY_TABLE = torch.zeros(0, dtype=torch.long)
+logger = logging.getLogger("prelude.executor")
+
+
+def pack_int64(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor]:
+    """Copy several int lists to the device in one transfer; returns one view per list."""
+    sizes = [len(p) for p in parts]
+    host = torch.tensor([v for p in parts for v in p], dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return list(flat.split(sizes))
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A forward's device inputs and where each row starts in the flattened batch."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    starts: list[int]
+    token_type_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _RowLayout:
+    """Host-side description of one row before the single copy to the device."""
+
+    ids: Sequence[int]
+    positions: Sequence[int]
+    slots: Sequence[int]  # -1: K/V not kept
+    block_table: Sequence[int]
+    context_len: int
+    own_kv_in_cache: bool
+    decode: bool
 
 
 class ModelRunner:
-    """Owns the model and its paged KV tensors; knows nothing of requests' lifecycles."""
+    """Owns the device, the model, its paged KV tensors and the attention backend;
+    knows nothing of requests' lifecycles."""
 
-    def __init__(self, model: LlamaForCausalLM | BertEncoder, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: Model, block_size: int, config: ExecutorConfig | None = None) -> None:
         self.model = model
+        self.device = model.device
         self.block_size = block_size
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        self.config = config or ExecutorConfig(device=str(model.device))
+        self.kv_caches: KVCaches = []
+        cfg = model.config
+        self.info = ModelInfo(
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            max_positions=model.max_positions,
+            max_position_embeddings=int(cfg.max_position_embeddings),
+            sliding_window=getattr(cfg, "sliding_window", None),
+            kv_bytes_per_block=model.kv_bytes_per_block(block_size),
+            labels=tuple(cfg.id2label),
+            can_generate=model.can_generate,
+            is_encoder=model.is_encoder,
+            default_pooling=model.default_pooling,
+            eos_token_ids=tuple(getattr(cfg, "eos_token_ids", ())),
+            device=str(self.device),
+            dtype=str(model.dtype).removeprefix("torch."),
+        )
 
-    # --- paged (Decode / Mixed) -----------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        model_config: object,
+        weights: dict[str, torch.Tensor],
+        config: ExecutorConfig,
+        block_size: int,
+        max_positions: int | None = None,
+    ) -> "ModelRunner":
+        """Build the model on the configured device from host weights (which the caller
+        drops afterwards: no host copy of a GPU model is kept)."""
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        attention = get_attention_backend(config.attention_backend, device)
+        model = build_model(model_config, weights, dtype, device, attention, max_positions)  # type: ignore[arg-type]
+        return cls(model, block_size, config)
 
-    def _slots(self, row: BatchRow) -> list[int]:
-        bs = self.block_size
-        table = row.block_table
-        return [table[p // bs] * bs + p % bs for p in range(row.start_pos, row.start_pos + len(row.token_ids))]
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
 
-    def build_metadata(self, rows: tuple[BatchRow, ...]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten rows into input ids, positions, attention metadata, and row start indices."""
+    # --- inputs -------------------------------------------------------------------------
+
+    def _inputs(self, layouts: list[_RowLayout], write_kv: bool) -> StepInputs:
+        """Flatten rows into device inputs with one host-to-device copy."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        prefills: list[PrefillSlice] = []
-        dec_index: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
+        tables: list[int] = []
+        table_spans: list[tuple[int, int]] = []
         starts: list[int] = []
-        for row in rows:
+        dec_index: list[int] = []
+        dec_lens: list[int] = []
+        dec_tables: list[Sequence[int]] = []
+        for lay in layouts:
             start = len(ids)
-            n = len(row.token_ids)
-            ids.extend(row.token_ids)
-            positions.extend(range(row.start_pos, row.start_pos + n))
-            slots.extend(self._slots(row))
-            context_len = row.start_pos + n
-            if n == 1:
-                dec_index.append(start)
-                dec_tables.append(row.block_table)
-                dec_lens.append(context_len)
-            else:
-                nb = (context_len + self.block_size - 1) // self.block_size
-                table = torch.tensor(row.block_table[:nb], dtype=torch.long)
-                prefills.append(PrefillSlice(start, n, context_len, table))
             starts.append(start)
+            ids.extend(lay.ids)
+            positions.extend(lay.positions)
+            slots.extend(lay.slots)
+            if lay.decode:
+                dec_index.append(start)
+                dec_lens.append(lay.context_len)
+                dec_tables.append(lay.block_table)
+            else:
+                table_spans.append((len(tables), len(lay.block_table)))
+                tables.extend(lay.block_table)
+        width = max((len(t) for t in dec_tables), default=0)
+        padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
+        kept = [i for i, s in enumerate(slots) if s >= 0]
+        any_kept = write_kv and bool(kept)
+        all_kept = len(kept) == len(slots)
+        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept) = pack_int64(
+            self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
+            kept if any_kept and not all_kept else [],
+        )
+        prefills = []
+        span = iter(table_spans)
+        for lay, start in zip(layouts, starts):
+            if lay.decode:
+                continue
+            off, n = next(span)
+            prefills.append(PrefillSlice(start, len(lay.ids), lay.context_len, d_tables[off : off + n],
+                                         own_kv_in_cache=lay.own_kv_in_cache))
         decodes = None
         if dec_index:
-            width = max(len(t) for t in dec_tables)
-            padded = torch.zeros(len(dec_tables), width, dtype=torch.long)
-            for i, t in enumerate(dec_tables):
-                padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
             decodes = DecodeRows(
-                query_index=torch.tensor(dec_index, dtype=torch.long),
-                block_tables=padded,
-                context_lens=torch.tensor(dec_lens, dtype=torch.long),
+                query_index=d_dec_index,
+                block_tables=d_dec_tables.view(len(dec_index), width),
+                context_lens=d_dec_lens,
                 max_context_len=max(dec_lens),
             )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=d_slots if any_kept else None,
             prefills=tuple(prefills),
             decodes=decodes,
             block_size=self.block_size,
+            kept_tokens=None if all_kept or not any_kept else d_kept,
         )
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, starts
+        return StepInputs(d_ids, d_pos, meta, starts)
+
+    def _paged_layout(self, row: BatchRow) -> _RowLayout:
+        bs = self.block_size
+        n = len(row.token_ids)
+        context_len = row.start_pos + n
+        table = row.block_table
+        slots = [table[p // bs] * bs + p % bs for p in range(row.start_pos, context_len)]
+        nb = (context_len + bs - 1) // bs
+        return _RowLayout(row.token_ids, range(row.start_pos, context_len), slots,
+                          table if n == 1 else table[:nb], context_len, True, decode=n == 1)
+
+    def _oneshot_layout(self, r: OneShotRow) -> _RowLayout:
+        """A prompt suffix after its cached prefix; only the blocks it publishes are written."""
+        bs = self.block_size
+        n = len(r.token_ids)
+        published_end = r.num_cached + len(r.publish_blocks) * bs
+        slots = [r.publish_blocks[(p - r.num_cached) // bs] * bs + p % bs if p < published_end else -1
+                 for p in range(r.num_cached, n)]
+        table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks else ()
+        return _RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
+
+    def build_paged_inputs(self, rows: Sequence[BatchRow]) -> StepInputs:
+        return self._inputs([self._paged_layout(r) for r in rows], write_kv=True)
+
+    def build_oneshot_inputs(self, rows: Sequence[OneShotRow]) -> StepInputs:
+        inputs = self._inputs([self._oneshot_layout(r) for r in rows], write_kv=True)
+        if not self.model.is_encoder:
+            return inputs
+        types = [t for r in rows for t in (r.head.pooling.token_type_ids if r.head and r.head.pooling
+                                           and r.head.pooling.token_type_ids else [0] * len(r.token_ids))]
+        (d_types,) = pack_int64(self.device, types)
+        return StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.starts, d_types)
+
+    # --- forwards -----------------------------------------------------------------------
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
+                                  inputs.token_type_ids)
 
     def forward_rows(self, rows: tuple[BatchRow, ...]) -> tuple[torch.Tensor, list[int]]:
         """Run the trunk on paged rows; returns hidden states [T, H] and each row's start."""
-        ids, positions, meta, starts = self.build_metadata(rows)
-        return self.model.forward(ids, positions, meta, self.kv_caches), starts
+        inputs = self.build_paged_inputs(rows)
+        return self.forward(inputs), inputs.starts
 
-    # --- OneShot: whole prompts, nothing written to the pool -------------------------
-
-    def forward_oneshot(self, rows: list[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
+    def forward_oneshot(self, rows: Sequence[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
         """Flattened varlen prompt suffixes. A row attends to its cached prefix blocks and
         to its own K/V, which are temporaries except the full blocks it publishes."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        slices: list[PrefillSlice] = []
-        starts: list[int] = []
-        bs = self.block_size
-        for r in rows:
-            n = len(r.token_ids)
-            start = len(ids)
-            starts.append(start)
-            table = torch.tensor(r.prefix_blocks + r.publish_blocks, dtype=torch.long) if r.prefix_blocks else _EMPTY_TABLE
-            slices.append(PrefillSlice(start, n - r.num_cached, n, table, own_kv_in_cache=False))
-            ids.extend(r.token_ids[r.num_cached :])
-            positions.extend(range(r.num_cached, n))
-            published_end = r.num_cached + len(r.publish_blocks) * bs
-            for p in range(r.num_cached, n):
-                slots.append(r.publish_blocks[(p - r.num_cached) // bs] * bs + p % bs if p < published_end else -1)
-        slot_mapping = torch.tensor(slots, dtype=torch.long) if any(s >= 0 for s in slots) else None
-        meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=tuple(slices), decodes=None, block_size=bs)
-        hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, self.kv_caches
-        )
-        return hidden, starts
+        inputs = self.build_oneshot_inputs(rows)
+        return self.forward(inputs), inputs.starts
 
     # --- one entry point, one path per class ------------------------------------------
 
+    @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> BatchOutput:
         if isinstance(batch, OneShotBatch):
-            if self.model.is_encoder:
-                types = [list(r.head.pooling.token_type_ids) if r.head and r.head.pooling and r.head.pooling.token_type_ids
-                         else None for r in batch.rows]
-                hidden, starts = self.model.forward_rows([r.token_ids for r in batch.rows], types)
-            else:
-                hidden, starts = self.forward_oneshot(list(batch.rows))
+            hidden, starts = self.forward_oneshot(batch.rows)
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
             rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
         else:
@@ -148,40 +254,51 @@ class ModelRunner:
     ) -> BatchOutput:
         """Project only what each row asked for: last-token logits, prompt logprobs, heads."""
         sampled: dict[str, SampledToken] = {}
-        head_out: dict[str, HeadOutput] = {}
         want = [(rid, starts[i] + len(tok) - 1, spec) for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
         if want:
-            logits = self.model.compute_logits(hidden[torch.tensor([idx for _, idx, _ in want], dtype=torch.long)])
+            (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
+            logits = self.model.compute_logits(hidden.index_select(0, index))
             for (rid, _, _), tok in zip(want, sample(logits, [s for _, _, s in want])):
                 sampled[rid] = tok
-        for i, (rid, tokens, _, head) in enumerate(rows):
-            if head is not None:
-                head_out[rid] = self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head)
-        return BatchOutput(sampled=sampled, heads=head_out)
+        copy = HostCopy()
+        pending = {rid: self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head, copy)
+                   for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}
+        copy.fetch()
+        return BatchOutput(sampled=sampled, heads={rid: build() for rid, build in pending.items()})
 
-    def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec) -> HeadOutput:
-        prompt_lps: list[TokenLogprob | None] | None = None
-        if head.prompt_logprobs is not None:
-            prompt_lps = [None]
-            if len(tokens) > 1:
-                actual, rank, vals, ids = heads.prompt_token_logprobs(
-                    self.model.compute_logits(hidden[:-1]), tokens, head.prompt_logprobs
-                )
-                ranks = rank.tolist()
-                top_ids = ids.tolist() if ids is not None else None
-                top_vals = vals.tolist() if vals is not None else None
-                for j, lp in enumerate(actual.tolist()):
-                    top = () if top_ids is None else tuple(zip(top_ids[j], top_vals[j]))  # type: ignore[index]
-                    prompt_lps.append(TokenLogprob(tokens[j + 1], lp, top, ranks[j]))
+    def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec, copy: HostCopy):  # noqa: ANN202
+        """Queue a row's head tensors on `copy`; returns a builder run after the copy."""
+        prompt: tuple[HostValue, HostValue, HostValue | None, HostValue | None] | None = None
+        if head.prompt_logprobs is not None and len(tokens) > 1:
+            actual, rank, vals, ids = heads.prompt_token_logprobs(
+                self.model.compute_logits, hidden[:-1], tokens, head.prompt_logprobs
+            )
+            prompt = (copy.add(actual), copy.add(rank), copy.add(vals) if vals is not None else None,
+                      copy.add(ids) if ids is not None else None)
         p = head.pooling
-        if p is None:
-            return HeadOutput(prompt_logprobs=prompt_lps)
-        if p.task is PoolingTask.LABELS:
-            scores = heads.label_logprobs(self.model.compute_logits(hidden[-1:])[0], p.label_token_ids)
-            return HeadOutput(prompt_logprobs=prompt_lps, scores=scores.tolist())
-        if p.task is PoolingTask.CLASSIFY:
-            return HeadOutput(prompt_logprobs=prompt_lps, scores=self.model.classify(hidden).tolist())
-        pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
-        if p.normalize:
-            pooled = heads.normalize(pooled)
-        return HeadOutput(prompt_logprobs=prompt_lps, embedding=pooled.tolist())
+        scores: HostValue | None = None
+        embedding: HostValue | None = None
+        if p is not None and p.task is PoolingTask.LABELS:
+            scores = copy.add(heads.label_logprobs(self.model.compute_logits(hidden[-1:])[0], p.label_token_ids))
+        elif p is not None and p.task is PoolingTask.CLASSIFY:
+            scores = copy.add(self.model.classify(hidden))
+        elif p is not None:
+            pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
+            embedding = copy.add(heads.normalize(pooled) if p.normalize else pooled)
+
+        def build() -> HeadOutput:
+            prompt_lps: list[TokenLogprob | None] | None = None
+            if head.prompt_logprobs is not None:
+                prompt_lps = [None]
+                if prompt is not None:
+                    actual, rank, vals, ids = (v.get() if v is not None else None for v in prompt)
+                    for j, lp in enumerate(actual):  # type: ignore[arg-type]
+                        top = () if ids is None else tuple((int(i), v) for i, v in zip(ids[j], vals[j]))  # type: ignore[index]
+                        prompt_lps.append(TokenLogprob(tokens[j + 1], lp, top, int(rank[j])))  # type: ignore[index]
+            return HeadOutput(
+                prompt_logprobs=prompt_lps,
+                scores=scores.get() if scores is not None else None,
+                embedding=embedding.get() if embedding is not None else None,
+            )
+
+        return build

@@ -1,97 +1,173 @@
-"""Turn last-token logits into next tokens: penalties, temperature, top-k/p, min-p, seeds.
+"""Turn last-token logits into next tokens on the logits' device: penalties, temperature,
+top-k/p, min-p and per-request seeds, with one device-to-host copy per call.
 
-Lives in executor/ (not model/) because it reads the engine's per-row sampling specs.
+Randomness is a counter-based hash of (request seed, output position, token id), not a
+stateful generator: a row's draw depends on nothing else in the batch, so answers are
+reproducible on any device, in any batch, eager or replayed from a CUDA graph. A token
+is drawn by the exponential race (argmax of p_i / E_i with E_i ~ Exp(1)), which samples
+exactly from p without a data-dependent multinomial.
 
-Rows are processed as one [R, V] tensor; only per-row generators force a small loop.
 Logprobs are reported from the raw model distribution (before penalties and
 temperature), as vLLM and OpenAI do.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from prelude.engine.batch import SampledToken, SampleSpec
-from prelude.engine.request import TokenLogprob
+from prelude.forward_batch import SampledToken, SampleSpec
+from prelude.params import TokenLogprob
 
 
-def _apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> None:
-    for i, spec in enumerate(specs):
-        p = spec.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(spec.prompt_token_ids) | set(spec.output_token_ids)), dtype=torch.long)
-            if seen.numel():
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and spec.output_token_ids:
-            ids, counts = torch.tensor(spec.output_token_ids, dtype=torch.long).unique(return_counts=True)
-            logits[i, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores."""
+    return c - (1 << 64) if c >= 1 << 63 else c
 
 
-def _filter(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p as masks on a [R, V] tensor."""
-    temps = torch.tensor([max(s.params.temperature, 1e-5) for s in specs], dtype=logits.dtype)
-    logits = logits / temps.unsqueeze(1)
-    top_ks = [s.params.top_k for s in specs]
-    top_ps = [s.params.top_p for s in specs]
-    min_ps = [s.params.min_p for s in specs]
-    vocab = logits.shape[1]
-    if any(0 < k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
-        remove |= torch.arange(vocab).unsqueeze(0) >= ks.unsqueeze(1)
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
-        # Drop a token once the mass before it already reaches top_p (the best token always stays).
-        before = probs.cumsum(-1) - probs
-        remove |= before >= torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
-    if any(m > 0 for m in min_ps):
-        probs = logits.softmax(-1)
-        floor = probs.max(-1, keepdim=True).values * torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1)
-        logits = logits.masked_fill(probs < floor, float("-inf"))
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+_POS = _i64(0xD6E8FEB86659FD93)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    # int64 multiplication wraps modulo 2**64 on every torch device, as the mixer needs.
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, V] float64 uniforms in (0, 1), a pure function of (seed, position, token id)."""
+    row = _splitmix(seeds * _GOLDEN + positions * _POS)
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _splitmix(row.unsqueeze(1) + (tokens.unsqueeze(0) + 1) * _GOLDEN)
+    return (_shr(x, 11).to(torch.float64) + 0.5) * 2.0**-53
+
+
+@dataclass(frozen=True)
+class _RowParams:
+    """Per-row sampling parameters as device tensors, built once per call."""
+
+    temperature: torch.Tensor  # [R] float32 (0 rows are greedy)
+    top_k: torch.Tensor  # [R] int64, vocab = off
+    top_p: torch.Tensor  # [R] float32
+    min_p: torch.Tensor  # [R] float32
+    seeds: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64: output position of the token being drawn
+    greedy: torch.Tensor  # [R] bool
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def _row_params(specs: Sequence[SampleSpec], vocab: int, device: torch.device) -> _RowParams:
+    return _RowParams(
+        temperature=_to_device([0.0 if s.params.greedy else s.params.temperature for s in specs], torch.float32, device),
+        top_k=_to_device([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in specs], torch.int64, device),
+        top_p=_to_device([s.params.top_p for s in specs], torch.float32, device),
+        min_p=_to_device([s.params.min_p for s in specs], torch.float32, device),
+        seeds=_to_device([s.seed for s in specs], torch.int64, device),
+        positions=_to_device([len(s.output_token_ids) for s in specs], torch.int64, device),
+        greedy=_to_device([s.params.greedy for s in specs], torch.bool, device),
+    )
+
+
+def _apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties as scatters over [R, V]."""
+    device = logits.device
+    rep_rows = [i for i, s in enumerate(specs) if s.params.repetition_penalty != 1.0]
+    if rep_rows:
+        rows: list[int] = []
+        toks: list[int] = []
+        for i in rep_rows:
+            seen = set(specs[i].prompt_token_ids) | set(specs[i].output_token_ids)
+            rows.extend([i] * len(seen))
+            toks.extend(seen)
+        seen_mask = torch.zeros_like(logits, dtype=torch.bool)
+        seen_mask[_to_device(rows, torch.int64, device), _to_device(toks, torch.int64, device)] = True
+        penalty = _to_device([s.params.repetition_penalty for s in specs], torch.float32, device).unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen_mask, penalized, logits)
+    add_rows = [i for i, s in enumerate(specs) if (s.params.presence_penalty or s.params.frequency_penalty)
+                and s.output_token_ids]
+    if add_rows:
+        rows = [i for i in add_rows for _ in specs[i].output_token_ids]
+        toks = [t for i in add_rows for t in specs[i].output_token_ids]
+        counts = torch.zeros_like(logits)
+        counts.index_put_(
+            (_to_device(rows, torch.int64, device), _to_device(toks, torch.int64, device)),
+            torch.ones(len(toks), dtype=logits.dtype, device=device), accumulate=True,
+        )
+        freq = _to_device([s.params.frequency_penalty for s in specs], torch.float32, device).unsqueeze(1)
+        pres = _to_device([s.params.presence_penalty for s in specs], torch.float32, device).unsqueeze(1)
+        logits = logits - freq * counts - pres * (counts > 0).to(logits.dtype)
     return logits
 
 
-def _draw(probs: torch.Tensor, specs: Sequence[SampleSpec]) -> list[int]:
-    out: list[int] = []
-    for i, spec in enumerate(specs):
-        out.append(int(torch.multinomial(probs[i], 1, generator=spec.generator).item()))
-    return out
+def _filtered_probs(logits: torch.Tensor, p: _RowParams, truncate: bool, use_min_p: bool) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as masks; all rows at once, no host sync.
+    `truncate` / `use_min_p` come from the requests' parameters (host knowledge), so the
+    sort is skipped when no row asks for top-k or top-p."""
+    vocab = logits.shape[1]
+    logits = logits / p.temperature.clamp_min(1e-5).unsqueeze(1)
+    if not truncate:
+        probs = logits.softmax(-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        remove = ranks >= p.top_k.unsqueeze(1)
+        sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+        # Drop a token once the mass before it already reaches top_p (the best token always stays).
+        remove |= (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p.unsqueeze(1)
+        probs = torch.zeros_like(sorted_probs).scatter(1, order, sorted_probs.masked_fill(remove, 0.0))
+    if use_min_p:
+        probs = probs.masked_fill(probs < probs.amax(-1, keepdim=True) * p.min_p.unsqueeze(1), 0.0)
+    return probs
 
 
 def sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampledToken]:
-    """logits: float32 [R, V], one row per spec."""
-    raw_logprobs = None
-    if any(s.params.logprobs is not None for s in specs):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-    work = logits.clone()
-    _apply_penalties(work, specs)
-    chosen: list[int | None] = [None] * len(specs)
-    random_rows = [i for i, s in enumerate(specs) if not s.params.greedy]
-    greedy_rows = [i for i, s in enumerate(specs) if s.params.greedy]
-    if greedy_rows:
-        ids = work[greedy_rows].argmax(-1).tolist()
-        for row, tok in zip(greedy_rows, ids):
-            chosen[row] = tok
-    if random_rows:
-        sub = [specs[i] for i in random_rows]
-        probs = _filter(work[random_rows], sub).softmax(-1)
-        for row, tok in zip(random_rows, _draw(probs, sub)):
-            chosen[row] = tok
+    """logits: float32 [R, V] on the runner's device, one row per spec."""
+    device = logits.device
+    vocab = logits.shape[1]
+    p = _row_params(specs, vocab, device)
+    work = _apply_penalties(logits, specs)
+    chosen = work.argmax(-1)
+    if not all(s.params.greedy for s in specs):
+        truncate = any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in specs)
+        probs = _filtered_probs(work, p, truncate, any(s.params.min_p > 0 for s in specs))
+        race = probs / -torch.log(uniform_noise(p.seeds, p.positions, vocab)).to(probs.dtype)
+        chosen = torch.where(p.greedy, chosen, race.argmax(-1))
+    want_k = [s.params.logprobs for s in specs]
+    if all(k is None for k in want_k):
+        ids = chosen.tolist()  # the one device-to-host copy
+        return [SampledToken(token_id=t, logprob=None) for t in ids]
+    raw = torch.log_softmax(logits, dim=-1)
+    k_max = max(k or 0 for k in want_k)
+    parts = [chosen.to(torch.float32).unsqueeze(1), raw.gather(1, chosen.unsqueeze(1))]
+    if k_max > 0:
+        vals, idx = raw.topk(k_max, dim=-1)
+        parts += [idx.to(torch.float32), vals]
+    # Token ids are exact in float32 below 2**24; every vocabulary here is smaller.
+    packed = torch.cat(parts, dim=1).cpu().tolist()  # the one device-to-host copy
     results: list[SampledToken] = []
-    for i, spec in enumerate(specs):
-        tok = chosen[i]
-        assert tok is not None
+    for row, k in zip(packed, want_k):
+        tok = int(row[0])
         lp = None
-        if raw_logprobs is not None and spec.params.logprobs is not None:
-            row = raw_logprobs[i]
-            top: tuple[tuple[int, float], ...] = ()
-            if spec.params.logprobs > 0:
-                vals, idx = row.topk(spec.params.logprobs)
-                top = tuple(zip(idx.tolist(), vals.tolist()))
-            lp = TokenLogprob(token_id=tok, logprob=float(row[tok]), top=top)
+        if k is not None:
+            top = tuple((int(i), v) for i, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k])) if k else ()
+            lp = TokenLogprob(token_id=tok, logprob=row[1], top=top)
         results.append(SampledToken(token_id=tok, logprob=lp))
     return results

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from prelude.model.attention.metadata import AttentionMetadata
+from prelude.model.base import KVCaches
+
 
 @dataclass(frozen=True)
 class EncoderConfig:
@@ -81,10 +84,14 @@ class BertEncoder:
     is_encoder = True
     can_generate = False
 
-    def __init__(self, config: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.config = config
         self.dtype = dtype
-        w = {k.removeprefix("bert."): v.to(dtype) for k, v in weights.items()}
+        self.device = torch.device(device)
+        w = {k.removeprefix("bert."): v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         self.w = w
         self.default_pooling = config.default_pooling
         self.layers = range(config.num_hidden_layers)
@@ -104,26 +111,35 @@ class BertEncoder:
     def _lin(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         return F.linear(x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
 
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
     @torch.inference_mode()
-    def forward_rows(self, prompts: list[list[int]], type_ids: list[list[int] | None]) -> tuple[torch.Tensor, list[int]]:
-        """Each prompt attends bidirectionally to itself; returns flattened hidden [T, H].
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Each row (a `meta.prefills` slice) attends bidirectionally to itself; returns
+        flattened hidden [T, H]. No KV is kept: `kv_caches` is empty.
 
         Projections run once over every token of every row; attention runs on the rows
         padded to the longest, keys masked (one SDPA per layer). Running the rows one by
         one made 20 short texts cost 20 small forwards: 2x slower than sentence-transformers."""
         cfg = self.config
-        lens = [len(p) for p in prompts]
-        starts = [0]
-        for n in lens[:-1]:
-            starts.append(starts[-1] + n)
-        batch, longest = len(prompts), max(lens)
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        types = torch.tensor([t for p, ty in zip(prompts, type_ids) for t in (ty if ty is not None else [0] * len(p))],
-                             dtype=torch.long)
-        positions = torch.cat([torch.arange(n) for n in lens])
+        dev = input_ids.device
+        lens = [row.query_len for row in meta.prefills]
+        batch, longest = len(lens), max(lens)
+        ids = input_ids
+        types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
         # Token i of row b sits at b * longest + i in the padded layout.
-        padded_at = torch.cat([torch.arange(n) + b * longest for b, n in enumerate(lens)])
-        keys_valid = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]  # [B,1,1,L]
+        padded_at = torch.cat([torch.arange(n, device=dev) + b * longest for b, n in enumerate(lens)])
+        row_lens = torch.tensor(lens, device=dev)
+        keys_valid = (torch.arange(longest, device=dev)[None, :] < row_lens[:, None])[:, None, None, :]  # [B,1,1,L]
         h = (
             self.w["embeddings.word_embeddings.weight"][ids]
             + self.w["embeddings.position_embeddings.weight"][positions]
@@ -142,7 +158,7 @@ class BertEncoder:
             h = self._ln(self._lin(a, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
             m = _act(cfg.hidden_act, self._lin(h, p + "intermediate.dense"))
             h = self._ln(self._lin(m, p + "output.dense") + h, p + "output.LayerNorm")
-        return h, starts
+        return h
 
     @torch.inference_mode()
     def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:

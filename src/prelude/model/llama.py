@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from prelude.config import ModelConfig
 from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
+from prelude.model.base import KVCaches
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.linear import Projection, prepack_enabled
 from prelude.model.rope import RotaryEmbedding
@@ -88,9 +89,11 @@ class LlamaForCausalLM:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KVCaches,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final-normed hidden states [T, hidden]."""
+        """input_ids, positions: [T]. Returns final-normed hidden states [T, hidden].
+        `token_type_ids` exists for the shared forward signature; decoders have none."""
         cfg = self.config
         h = self.embed.index_select(0, input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -113,6 +116,10 @@ class LlamaForCausalLM:
 
     is_encoder = False
     default_pooling = "last"
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.rope.cos.shape[0])
 
     @property
     def can_generate(self) -> bool:

@@ -28,8 +28,13 @@ class AttentionBackend(Protocol):
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention}
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
+def get_attention_backend(name: str = "torch", device: torch.device | None = None) -> AttentionBackend:
+    """`torch` runs everywhere; other backends name the devices they support."""
     try:
-        return _BACKENDS[name]()
+        backend = _BACKENDS[name]()
     except KeyError:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}") from None
+    supported = getattr(backend, "devices", ("cpu", "cuda"))
+    if device is not None and device.type not in supported:
+        raise ValueError(f"attention backend {name!r} runs on {', '.join(supported)}, not {device.type}")
+    return backend

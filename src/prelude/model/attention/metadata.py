@@ -42,3 +42,6 @@ class AttentionMetadata:
     prefills: tuple[PrefillSlice, ...]
     decodes: DecodeRows | None
     block_size: int
+    # Indices of the tokens whose K/V are kept (slot >= 0), computed on the host so that no
+    # backend has to look at the slots to find them (a host sync on a GPU); None: all kept.
+    kept_tokens: torch.Tensor | None = None

@@ -15,13 +15,14 @@ from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, Pref
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    kept: torch.Tensor | None = None,
 ) -> None:
-    """Scatter the new tokens' K/V ([T, H_kv, D]) into their cache slots."""
+    """Scatter the new tokens' K/V ([T, H_kv, D]) into their cache slots; `kept` selects
+    the tokens whose K/V are kept (None: all)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    if bool((slots < 0).any()):  # some tokens' K/V are not kept
-        keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
+    if kept is not None:
+        slots, k, v = slots.index_select(0, kept), k.index_select(0, kept), v.index_select(0, kept)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
@@ -104,7 +105,7 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         if meta.slot_mapping is not None:
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kept_tokens)
         out = torch.empty_like(q)
         for row in meta.prefills:
             out[row.query_start : row.query_start + row.query_len] = _prefill_row(

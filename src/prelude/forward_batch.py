@@ -1,4 +1,7 @@
-"""The typed unit of work the scheduler hands the executor each step.
+"""The typed unit of work the scheduler hands the executor each step, and what comes back.
+
+A leaf module (it imports only `prelude.params`): the engine builds these values and the
+executor consumes them, and neither imports the other's internals through them.
 
 The batch type tells the executor the lifetime contract before it launches anything:
 a `DecodeBatch` holds one new token per running sequence; a `MixedBatch` holds prompt
@@ -11,9 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from prelude.engine.request import PoolingParams, SamplingParams, TokenLogprob
+from prelude.params import PoolingParams, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,10 @@ class SampleSpec:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None
+    # The request's sampling seed; the sampler mixes it with the output position, so a
+    # token depends only on (seed, position, distribution): reproducible on any device,
+    # with or without CUDA graphs, whatever else shares the batch.
+    seed: int = 0
 
 
 @dataclass(frozen=True)

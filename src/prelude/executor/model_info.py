@@ -1,0 +1,22 @@
+"""What the engine may know of the model: a frozen summary, no model class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int  # rows of the LM head (may exceed the tokenizer's table: padded vocabularies)
+    hidden_size: int
+    max_positions: int  # positions the model can encode (rotary table / position embeddings)
+    max_position_embeddings: int  # the checkpoint's declared context length
+    sliding_window: int | None
+    kv_bytes_per_block: int  # at the runner's block size, every layer, K and V
+    labels: tuple[str, ...]  # classification head outputs; empty without a head
+    can_generate: bool
+    is_encoder: bool
+    default_pooling: str
+    eos_token_ids: tuple[int, ...]
+    device: str
+    dtype: str

@@ -1,0 +1,47 @@
+"""What the executor needs from any model kind: one forward signature for decoders and
+encoders, heads that project only the rows asked for, and the KV layout it allocates."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from prelude.model.attention.metadata import AttentionMetadata
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Model(Protocol):
+    config: Any
+    dtype: torch.dtype
+    device: torch.device
+    is_encoder: bool
+    default_pooling: str
+
+    @property
+    def can_generate(self) -> bool: ...
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the model can encode (rotary table or learned position embeddings)."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Flattened rows [T] -> hidden states [T, H]; `meta.prefills` delimits the rows."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def classify(self, hidden_row: torch.Tensor) -> torch.Tensor: ...
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCaches: ...
+
+    def kv_bytes_per_block(self, block_size: int) -> int: ...
