@@ -274,6 +274,54 @@ def test_registry_builds_triton_backend(interp: Run) -> None:
     interp(check_registry_builds_triton_backend)
 
 
+def _tiny_qwen3_weights(cfg: "ModelConfig", gen: torch.Generator) -> dict[str, torch.Tensor]:
+    h, q, kv, ff = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    r = lambda *shape: torch.randn(*shape, generator=gen) * 0.2  # noqa: E731
+    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h), "model.norm.weight": 1 + r(h), "lm_head.weight": r(cfg.vocab_size, h)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "input_layernorm.weight": 1 + r(h), p + "post_attention_layernorm.weight": 1 + r(h),
+            p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
+            p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
+            p + "self_attn.q_norm.weight": 1 + r(cfg.head_dim), p + "self_attn.k_norm.weight": 1 + r(cfg.head_dim),
+            p + "mlp.gate_proj.weight": r(ff, h), p + "mlp.up_proj.weight": r(ff, h), p + "mlp.down_proj.weight": r(h, ff),
+        }
+    return w
+
+
+def check_model_forward_matches_torch_backend() -> None:
+    # The whole trunk (RoPE'd, q/k-normed, strided k/v views) on one mixed batch over
+    # random cached prefixes, once per backend: hidden states and written caches agree.
+    from prelude.config import ModelConfig
+    from prelude.model.attention import get_attention_backend
+    from prelude.model.llama import LlamaForCausalLM
+
+    _kernels()
+    cfg = ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
+                      max_position_embeddings=128)
+    weights = _tiny_qwen3_weights(cfg, torch.Generator().manual_seed(1))
+    rows = [Row(0, 6), Row(9, 1), Row(5, 7), Row(8, 4, own_in_cache=False, publish=True), Row(3, 1)]
+    b = make_batch(rows, 4, 2, head_dim=16, block_size=4)
+    ids = torch.randint(0, cfg.vocab_size, (sum(r.new for r in rows),), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(r.prefix, r.prefix + r.new) for r in rows])
+    results = []
+    for name in ("triton", "torch"):
+        model = LlamaForCausalLM(cfg, weights, torch.float32, attention=get_attention_backend(name))
+        caches = [(b.k_cache.clone() * (i + 1), b.v_cache.clone() - i) for i in range(cfg.num_hidden_layers)]
+        results.append((model.forward(ids, positions, b.meta, caches), caches))
+    (h_t, caches_t), (h_r, caches_r) = results
+    assert_close(h_t, h_r)
+    for (kt, vt), (kr, vr) in zip(caches_t, caches_r):
+        torch.testing.assert_close(kt, kr, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vt, vr, atol=1e-5, rtol=1e-5)
+
+
+def test_model_forward_matches_torch_backend(interp: Run) -> None:
+    interp(check_model_forward_matches_torch_backend)
+
+
 # --- the kernels directly ------------------------------------------------------------------
 
 
