@@ -202,6 +202,29 @@ def test_prefill_block_boundaries_and_prefixes(interp: Run) -> None:
     interp(check_prefill_block_boundaries_and_prefixes)
 
 
+def check_prefill_padding_rows_and_tiles() -> None:
+    # What a captured graph would launch: extra rows with query_len 0, a larger
+    # max_query_len, other tile sizes; the real rows' answers do not change.
+    tri, backend = _kernels(), _backend()
+    b = make_batch([Row(0, 5), Row(6, 20), Row(3, 2, own_in_cache=False)], 4, 2)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    tri.write_kv(kc, vc, b.k, b.v, b.meta.slot_mapping)
+    rows = backend.prefill_rows(b.meta.prefills, b.q.device)
+    exact = torch.zeros_like(b.q)
+    tri.prefill_attention(b.q, b.k, b.v, kc, vc, exact, rows, 0.25)
+    pad = lambda t: torch.cat([t, torch.zeros(2, *t.shape[1:], dtype=t.dtype)])  # noqa: E731
+    padded = tri.PrefillRows(pad(rows.query_start), pad(rows.query_lens), pad(rows.context_lens),
+                             pad(rows.own_kv_in_cache), pad(rows.block_tables), max_query_len=64)
+    for block_m, block_n in [(None, 32), (16, 16), (32, 64)]:
+        out = torch.zeros_like(b.q)
+        tri.prefill_attention(b.q, b.k, b.v, kc, vc, out, padded, 0.25, block_m=block_m, block_n=block_n)
+        assert_close(out, exact, atol=1e-5)
+
+
+def test_prefill_padding_rows_and_tiles(interp: Run) -> None:
+    interp(check_prefill_padding_rows_and_tiles)
+
+
 def check_oneshot_rows(publish: bool) -> None:
     rows = [Row(p, n, own_in_cache=False, publish=publish) for p, n in [(0, 9), (4, 5), (7, 18), (8, 2)]]
     b = make_batch(rows, 4, 2)

@@ -234,10 +234,13 @@ def prefill_attention(
     out: torch.Tensor,
     rows: PrefillRows,
     scale: float,
-    block_m: int = 16,
+    block_m: int | None = None,
     block_n: int = 32,
 ) -> None:
-    """Attention of every prefill row's new tokens; writes out[query tokens] ([T, Hq, D])."""
+    """Attention of every prefill row's new tokens; writes out[query tokens] ([T, Hq, D]).
+
+    Padding rows (query_lens 0) and a max_query_len above the real one are allowed: the
+    extra programs return at once, so a captured graph can serve smaller batches."""
     _check_cache(k_cache, v_cache)
     _check_unit_stride(q, k, v, out, rows.query_start, rows.query_lens, rows.context_lens, rows.own_kv_in_cache,
                        rows.block_tables, *([rows.segment_ids] if rows.segment_ids is not None else []))
@@ -246,6 +249,8 @@ def prefill_attention(
         return
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[2]
+    if block_m is None:  # short queries (decode-like, OneShot tails) waste less with 16
+        block_m = 16 if rows.max_query_len <= 16 else 64
     grid = (num_rows, triton.cdiv(rows.max_query_len, block_m), num_heads)
     segments = rows.segment_ids
     _prefill_kernel[grid](
