@@ -297,18 +297,24 @@ def test_registry_builds_triton_backend(interp: Run) -> None:
     interp(check_registry_builds_triton_backend)
 
 
-def _tiny_qwen3_weights(cfg: "ModelConfig", gen: torch.Generator) -> dict[str, torch.Tensor]:
-    h, q, kv, ff = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+def _tiny_qwen3_weights(cfg: Any, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    h, ff, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     r = lambda *shape: torch.randn(*shape, generator=gen) * 0.2  # noqa: E731
-    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h), "model.norm.weight": 1 + r(h), "lm_head.weight": r(cfg.vocab_size, h)}
+    w = {
+        "model.embed_tokens.weight": r(cfg.vocab_size, h),
+        "model.norm.weight": 1 + r(h),
+        "lm_head.weight": r(cfg.vocab_size, h),
+    }
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         w |= {
             p + "input_layernorm.weight": 1 + r(h), p + "post_attention_layernorm.weight": 1 + r(h),
             p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
             p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
-            p + "self_attn.q_norm.weight": 1 + r(cfg.head_dim), p + "self_attn.k_norm.weight": 1 + r(cfg.head_dim),
-            p + "mlp.gate_proj.weight": r(ff, h), p + "mlp.up_proj.weight": r(ff, h), p + "mlp.down_proj.weight": r(h, ff),
+            p + "self_attn.q_norm.weight": 1 + r(d), p + "self_attn.k_norm.weight": 1 + r(d),
+            p + "mlp.gate_proj.weight": r(ff, h), p + "mlp.up_proj.weight": r(ff, h),
+            p + "mlp.down_proj.weight": r(h, ff),
         }
     return w
 
