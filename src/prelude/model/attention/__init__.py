@@ -25,7 +25,15 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention}
+def _triton() -> AttentionBackend:
+    # Imported on demand: triton is optional (a test extra), and importing it decides once
+    # whether its kernels are compiled or interpreted (TRITON_INTERPRET).
+    from prelude.model.attention.triton_backend import TritonAttention
+
+    return TritonAttention()
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention, "triton": _triton}
 
 
 def get_attention_backend(name: str = "torch", device: torch.device | None = None) -> AttentionBackend:
