@@ -68,10 +68,11 @@ def tiny_engine(
     force_decode: bool = False,
     prefix_caching: bool = True,
     max_cached_blocks: int | None = None,
+    attention_backend: str = "torch",
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-    executor = ExecutorConfig(device="cpu", dtype="float32")
+    executor = ExecutorConfig(device="cpu", dtype="float32", attention_backend=attention_backend)
     runner = ModelRunner.create(config, weights, executor, block_size)
     engine_cfg = EngineConfig(
         executor=executor,

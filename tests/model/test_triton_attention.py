@@ -132,7 +132,9 @@ def make_batch(
             padded[i, : t.numel()] = t
         decodes = DecodeRows(torch.tensor(dec_index), padded, torch.tensor(dec_lens), max(dec_lens))
     slot_mapping = torch.tensor(slots, dtype=torch.long) if any(s >= 0 for s in slots) else None
-    meta = AttentionMetadata(slot_mapping, tuple(prefills), decodes, block_size)
+    kept = [i for i, s in enumerate(slots) if s >= 0]
+    kept_tokens = torch.tensor(kept, dtype=torch.long) if slot_mapping is not None and len(kept) < len(slots) else None
+    meta = AttentionMetadata(slot_mapping, tuple(prefills), decodes, block_size, kept_tokens=kept_tokens)
     return Batch(q, k, v, k_cache, v_cache, meta)
 
 
@@ -351,6 +353,41 @@ def test_model_forward_matches_torch_backend(interp: Run) -> None:
     interp(check_model_forward_matches_torch_backend)
 
 
+def check_engine_outputs_match_torch_backend() -> None:
+    # The whole engine on the triton backend: the runner's packed PrefillTensors feed the
+    # kernels (chunked prefill, decode rows, OneShot rows over a cached prefix).
+    from prelude.params import PoolingParams, PoolingTask, SamplingParams
+    from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+    _kernels()
+    hf = hf_tiny_llama()
+    shared = list(range(40, 60))
+    outs = []
+    for backend in ("triton", "torch"):
+        engine = tiny_engine(hf, max_num_batched_tokens=16, attention_backend=backend)
+        engine.add_request("g0", shared + [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        engine.add_request("g1", [7, 8, 9, 10, 11], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        got: dict[str, list[int] | tuple[float, ...] | None] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.setdefault(o.request_id, [])
+                got[o.request_id] += list(o.new_token_ids)  # type: ignore[operator]
+        engine.add_request("c", shared + [5], SamplingParams(max_tokens=0),
+                           PoolingParams(PoolingTask.LABELS, label_token_ids=(1, 2, 3)))
+        while engine.has_unfinished():
+            for o in engine.step():
+                got["c"] = o.scores
+        engine.check_integrity()
+        outs.append(got)
+    tri, ref = outs
+    assert tri["g0"] == ref["g0"] and tri["g1"] == ref["g1"]
+    torch.testing.assert_close(torch.tensor(tri["c"]), torch.tensor(ref["c"]), atol=1e-4, rtol=1e-4)
+
+
+def test_engine_outputs_match_torch_backend(interp: Run) -> None:
+    interp(check_engine_outputs_match_torch_backend)
+
+
 # --- the kernels directly ------------------------------------------------------------------
 
 
@@ -522,7 +559,8 @@ def test_compiled_kernels_on_cuda(dtype: torch.dtype) -> None:
     b = make_batch(rows, 16, 4, head_dim=128, block_size=16, dtype=dtype)
     dev = torch.device("cuda")
     meta = b.meta
-    meta_dev = AttentionMetadata(meta.slot_mapping.to(dev), meta.prefills, meta.decodes, meta.block_size)
+    meta_dev = AttentionMetadata(meta.slot_mapping.to(dev), meta.prefills, meta.decodes, meta.block_size,
+                                 kept_tokens=meta.kept_tokens)
     kc, vc = b.k_cache.to(dev), b.v_cache.to(dev)
     out = TritonAttention().forward(b.q.to(dev), b.k.to(dev), b.v.to(dev), kc, vc, meta_dev, 0.088)
     f = lambda x: x.float()  # noqa: E731

@@ -35,7 +35,7 @@ from prelude.forward_batch import (
 )
 from prelude.model import heads
 from prelude.model.attention import get_attention_backend
-from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
+from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
 from prelude.model.base import KVCaches, Model
 from prelude.params import PoolingTask, TokenLogprob
 
@@ -154,10 +154,16 @@ class ModelRunner:
         kept = [i for i, s in enumerate(slots) if s >= 0]
         any_kept = write_kv and bool(kept)
         all_kept = len(kept) == len(slots)
-        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept) = pack_int64(
-            self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
-            kept if any_kept and not all_kept else [],
-        )
+        pre = [(start, lay) for lay, start in zip(layouts, starts) if not lay.decode]
+        pre_width = max((len(lay.block_table) for _, lay in pre), default=0)
+        pre_columns = [start for start, _ in pre] + [len(lay.ids) for _, lay in pre] + \
+            [lay.context_len for _, lay in pre] + [int(lay.own_kv_in_cache) for _, lay in pre]
+        pre_tables = [b for _, lay in pre for b in (*lay.block_table, *([0] * (pre_width - len(lay.block_table))))]
+        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept, d_pre, d_pre_tables) = \
+            pack_int64(
+                self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
+                kept if any_kept and not all_kept else [], pre_columns, pre_tables,
+            )
         prefills = []
         span = iter(table_spans)
         for lay, start in zip(layouts, starts):
@@ -174,12 +180,18 @@ class ModelRunner:
                 context_lens=d_dec_lens,
                 max_context_len=max(dec_lens),
             )
+        prefill_tensors = None
+        if pre:
+            cols = d_pre.view(4, len(pre))
+            prefill_tensors = PrefillTensors(cols[0], cols[1], cols[2], cols[3], d_pre_tables.view(len(pre), pre_width),
+                                             max_query_len=max(len(lay.ids) for _, lay in pre))
         meta = AttentionMetadata(
             slot_mapping=d_slots if any_kept else None,
             prefills=tuple(prefills),
             decodes=decodes,
             block_size=self.block_size,
             kept_tokens=None if all_kept or not any_kept else d_kept,
+            prefill_tensors=prefill_tensors,
         )
         return StepInputs(d_ids, d_pos, meta, starts)
 

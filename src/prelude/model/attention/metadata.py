@@ -35,6 +35,19 @@ class DecodeRows:
 
 
 @dataclass(frozen=True)
+class PrefillTensors:
+    """The prefill slices again, as device tensors built by the runner in the step's one
+    host-to-device copy: what batched kernels (Triton) read without touching the host."""
+
+    query_start: torch.Tensor  # [R] int64
+    query_lens: torch.Tensor  # [R] int64
+    context_lens: torch.Tensor  # [R] int64
+    own_kv_in_cache: torch.Tensor  # [R] int64 (0/1)
+    block_tables: torch.Tensor  # [R, max_blocks] int64, padded with block 0
+    max_query_len: int
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     # [T] int64: cache slot (block * block_size + offset) of each new token, -1 for a token
     # whose K/V are not kept; None when nothing is written (a OneShot forward).
@@ -45,3 +58,4 @@ class AttentionMetadata:
     # Indices of the tokens whose K/V are kept (slot >= 0), computed on the host so that no
     # backend has to look at the slots to find them (a host sync on a GPU); None: all kept.
     kept_tokens: torch.Tensor | None = None
+    prefill_tensors: PrefillTensors | None = None  # set by the runner; None: build from `prefills`

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
+from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
 from prelude.model.attention.triton_kernels import (
     PrefillRows,
     decode_num_splits,
@@ -37,8 +37,21 @@ class _LaunchInputs:
     decode: _DecodeTensors | None
 
 
+def prefill_rows_from_tensors(t: PrefillTensors) -> PrefillRows:
+    """The runner's device tensors as the kernel's int32 rows (device-side casts, no sync)."""
+    return PrefillRows(
+        query_start=t.query_start.to(torch.int32),
+        query_lens=t.query_lens.to(torch.int32),
+        context_lens=t.context_lens.to(torch.int32),
+        own_kv_in_cache=t.own_kv_in_cache.to(torch.int32),
+        block_tables=t.block_tables.to(torch.int32),
+        max_query_len=t.max_query_len,
+    )
+
+
 def prefill_rows(slices: tuple[PrefillSlice, ...], device: torch.device) -> PrefillRows:
-    """The kernel's row tensors for the metadata's prefill slices (host-side, per forward)."""
+    """The kernel's row tensors for the metadata's prefill slices (host-side, per forward;
+    used when the metadata carries no `prefill_tensors`)."""
     width = max([1] + [s.block_table.numel() for s in slices])
     tables = torch.zeros(len(slices), width, dtype=torch.int32)
     for i, s in enumerate(slices):
@@ -87,7 +100,8 @@ class TritonAttention:
         slots = meta.slot_mapping.to(device, non_blocking=True) if meta.slot_mapping is not None else None
         inputs = _LaunchInputs(
             slot_mapping=slots,
-            prefill=prefill_rows(meta.prefills, device) if meta.prefills else None,
+            prefill=(prefill_rows_from_tensors(meta.prefill_tensors) if meta.prefill_tensors is not None
+                     else prefill_rows(meta.prefills, device) if meta.prefills else None),
             decode=decode_tensors(meta.decodes, num_kv_heads, device) if meta.decodes is not None else None,
         )
         self._prepared = (meta, inputs)
