@@ -35,6 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
                    help="torch (SDPA, any device) | triton (this project's kernels, CUDA)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch independent work while the previous step runs (default: on with CUDA)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -73,6 +75,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
         ),
+        overlap=args.overlap,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory_gib,

@@ -140,6 +140,8 @@ class EngineConfig:
     served_model_name: str | None = None
     seed: int = 0
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    # Post-process step N after step N+1 is launched (see LLMEngine.step). None: on with CUDA.
+    overlap: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

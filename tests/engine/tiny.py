@@ -69,6 +69,7 @@ def tiny_engine(
     prefix_caching: bool = True,
     max_cached_blocks: int | None = None,
     attention_backend: str = "torch",
+    overlap: bool | None = None,
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
@@ -76,6 +77,7 @@ def tiny_engine(
     runner = ModelRunner.create(config, weights, executor, block_size)
     engine_cfg = EngineConfig(
         executor=executor,
+        overlap=overlap,
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
             max_cached_blocks=max_cached_blocks,

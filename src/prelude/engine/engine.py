@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,11 +30,20 @@ from prelude.engine.request import (
     SamplingParams,
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
-from prelude.executor.runner import ModelRunner
+from prelude.executor.runner import LaunchedStep, ModelRunner
 from prelude.kv.kv_manager import KVCacheManager
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.engine")
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A launched step whose results have not been post-processed yet."""
+
+    plan: ScheduleResult
+    launched: LaunchedStep
+    started: float
 
 
 class LLMEngine:
@@ -79,6 +88,10 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # outputs that need no forward (max_tokens=0)
         self._rng = torch.Generator().manual_seed(config.seed)
         self.idle = False
+        # Overlap pays where the device runs asynchronously to the host; on a CPU the host
+        # is the device, so there is nothing to hide.
+        self.overlap = config.overlap if config.overlap is not None else info.device.startswith("cuda")
+        self._in_flight: InFlight | None = None
         self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)
         if not info.is_encoder:
             logger.info(
@@ -173,7 +186,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests or self._ready)
+        return bool(self._requests or self._ready or self._in_flight)
 
     @property
     def num_unfinished(self) -> int:
@@ -182,19 +195,29 @@ class LLMEngine:
     # --- the step loop --------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute -> postprocess."""
+        """One iteration: schedule -> execute -> postprocess.
+
+        Overlap is a choice (`EngineConfig.overlap`, on with CUDA): `launch` returns while
+        the device computes, and the step stays in flight into the next iteration. That
+        iteration schedules only work that does not depend on the in-flight results
+        (OneShot rows), launches it, and only then post-processes the step in flight."""
         outputs, self._ready = self._ready, []
-        plan = self.scheduler.schedule()
-        self.idle = plan.batch is None  # work may be held back on purpose (batching windows)
-        if plan.batch is None:
-            return outputs
-        t0 = time.perf_counter()
-        result = self.runner.execute(plan.batch)
-        self.scheduler.observe_step(plan.batch, time.perf_counter() - t0)
-        outputs.extend(self._postprocess(plan, result))
+        in_flight, self._in_flight = self._in_flight, None
+        plan = self.scheduler.schedule(independent_only=in_flight is not None)
+        launched = InFlight(plan, self.runner.launch(plan.batch), time.perf_counter()) if plan.batch else None
+        if in_flight is not None:
+            outputs.extend(self._postprocess(in_flight))
+        if launched is not None and self.overlap:
+            self._in_flight = launched
+        elif launched is not None:
+            outputs.extend(self._postprocess(launched))
+        self.idle = plan.batch is None and in_flight is None  # work may be held back on purpose
         return outputs
 
-    def _postprocess(self, plan: ScheduleResult, result: BatchOutput) -> list[RequestOutput]:
+    def _postprocess(self, step: InFlight) -> list[RequestOutput]:
+        plan, result = step.plan, step.launched.wait()
+        assert plan.batch is not None
+        self.scheduler.observe_step(plan.batch, time.perf_counter() - step.started)
         now = time.monotonic()
         if isinstance(plan.batch, OneShotBatch):
             outputs = self._postprocess_oneshot(plan.batch, plan.oneshot, result, now)
@@ -211,6 +234,8 @@ class LLMEngine:
             self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks))
         outputs = []
         for req in requests:
+            if self._requests.get(req.request_id) is not req:
+                continue  # aborted while its step was in flight
             req.first_token_time = req.finish_time = now
             sampled = result.sampled.get(req.request_id)
             outputs.append(oneshot_output(
@@ -227,7 +252,9 @@ class LLMEngine:
         """Advance computed counts, publish filled blocks, append sampled tokens."""
         outputs = []
         for request_id, n in plan.scheduled.items():
-            req = self._requests[request_id]
+            req = self._requests.get(request_id)
+            if req is None:
+                continue  # aborted while its step was in flight
             req.num_computed_tokens += n
             if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
                 self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens)

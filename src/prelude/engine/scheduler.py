@@ -248,8 +248,13 @@ class Scheduler:
 
         return remaining
 
-    def schedule(self, now: float | None = None) -> ScheduleResult:
+    def schedule(self, now: float | None = None, independent_only: bool = False) -> ScheduleResult:
+        """The next step's batch. `independent_only`: a step is still in flight, so only
+        work that needs none of its results may go (OneShot rows, which own no running
+        sequence); running sequences wait for their previous token."""
         now = time.monotonic() if now is None else now
+        if independent_only:
+            return self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
         decode_work = bool(self.waiting or self.running)
         if self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
             self._last_was_oneshot = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ from prelude.executor.device import resolve_device, resolve_dtype
 from prelude.executor.host_copy import HostCopy, HostValue
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
-from prelude.executor.sampler import sample
+from prelude.executor.sampler import sample_deferred
 from prelude.forward_batch import (
     BatchOutput,
     BatchRow,
@@ -30,7 +30,6 @@ from prelude.forward_batch import (
     MixedBatch,
     OneShotBatch,
     OneShotRow,
-    SampledToken,
     SampleSpec,
 )
 from prelude.model import heads
@@ -50,6 +49,19 @@ def pack_int64(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
     return list(flat.split(sizes))
+
+
+class LaunchedStep:
+    """A step queued on the device; `wait` blocks until its one result copy has landed."""
+
+    def __init__(self, build: Callable[[], BatchOutput]) -> None:
+        self._build = build
+        self._result: BatchOutput | None = None
+
+    def wait(self) -> BatchOutput:
+        if self._result is None:
+            self._result = self._build()
+        return self._result
 
 
 @dataclass(frozen=True)
@@ -247,7 +259,9 @@ class ModelRunner:
     # --- one entry point, one path per class ------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> BatchOutput:
+    def launch(self, batch: ForwardBatch) -> "LaunchedStep":
+        """Queue the forward, sampling, heads and the one result copy; on CUDA this returns
+        while the device still works, so the host can schedule the next step meanwhile."""
         if isinstance(batch, OneShotBatch):
             hidden, starts = self.forward_oneshot(batch.rows)
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
@@ -258,25 +272,32 @@ class ModelRunner:
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
         return self._outputs(hidden, starts, rows)
 
+    def execute(self, batch: ForwardBatch) -> BatchOutput:
+        return self.launch(batch).wait()
+
     def _outputs(
         self,
         hidden: torch.Tensor,
         starts: list[int],
         rows: list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
-    ) -> BatchOutput:
+    ) -> "LaunchedStep":
         """Project only what each row asked for: last-token logits, prompt logprobs, heads."""
-        sampled: dict[str, SampledToken] = {}
+        copy = HostCopy()
         want = [(rid, starts[i] + len(tok) - 1, spec) for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
+        sampled_build = None
         if want:
             (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
             logits = self.model.compute_logits(hidden.index_select(0, index))
-            for (rid, _, _), tok in zip(want, sample(logits, [s for _, _, s in want])):
-                sampled[rid] = tok
-        copy = HostCopy()
+            sampled_build = sample_deferred(logits, [s for _, _, s in want], copy)
         pending = {rid: self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head, copy)
                    for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}
-        copy.fetch()
-        return BatchOutput(sampled=sampled, heads={rid: build() for rid, build in pending.items()})
+        copy.start()
+
+        def build() -> BatchOutput:
+            sampled = dict(zip([rid for rid, _, _ in want], sampled_build())) if sampled_build else {}
+            return BatchOutput(sampled=sampled, heads={rid: b() for rid, b in pending.items()})
+
+        return LaunchedStep(build)
 
     def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec, copy: HostCopy):  # noqa: ANN202
         """Queue a row's head tensors on `copy`; returns a builder run after the copy."""

@@ -1,5 +1,5 @@
 """Turn last-token logits into next tokens on the logits' device: penalties, temperature,
-top-k/p, min-p and per-request seeds, with one device-to-host copy per call.
+top-k/p, min-p and per-request seeds, with one device-to-host copy per step (shared with the heads' results, see host_copy.py).
 
 Randomness is a counter-based hash of (request seed, output position, token id), not a
 stateful generator: a row's draw depends on nothing else in the batch, so answers are
@@ -14,10 +14,11 @@ temperature), as vLLM and OpenAI do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from prelude.executor.host_copy import HostCopy
 from prelude.forward_batch import SampledToken, SampleSpec
 from prelude.params import TokenLogprob
 
@@ -138,8 +139,11 @@ def _filtered_probs(logits: torch.Tensor, p: _RowParams, truncate: bool, use_min
     return probs
 
 
-def sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampledToken]:
-    """logits: float32 [R, V] on the runner's device, one row per spec."""
+def sample_deferred(
+    logits: torch.Tensor, specs: Sequence[SampleSpec], copy: HostCopy
+) -> Callable[[], list[SampledToken]]:
+    """Queue the sampling of `logits` (float32 [R, V], one row per spec) on its device and
+    its results on `copy`; the returned builder reads them once the copy has landed."""
     device = logits.device
     vocab = logits.shape[1]
     p = _row_params(specs, vocab, device)
@@ -151,23 +155,31 @@ def sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampledTok
         race = probs / -torch.log(uniform_noise(p.seeds, p.positions, vocab)).to(probs.dtype)
         chosen = torch.where(p.greedy, chosen, race.argmax(-1))
     want_k = [s.params.logprobs for s in specs]
+    ids = copy.add(chosen)
     if all(k is None for k in want_k):
-        ids = chosen.tolist()  # the one device-to-host copy
-        return [SampledToken(token_id=t, logprob=None) for t in ids]
+        return lambda: [SampledToken(token_id=int(t), logprob=None) for t in ids.get()]
     raw = torch.log_softmax(logits, dim=-1)
     k_max = max(k or 0 for k in want_k)
-    parts = [chosen.to(torch.float32).unsqueeze(1), raw.gather(1, chosen.unsqueeze(1))]
-    if k_max > 0:
-        vals, idx = raw.topk(k_max, dim=-1)
-        parts += [idx.to(torch.float32), vals]
-    # Token ids are exact in float32 below 2**24; every vocabulary here is smaller.
-    packed = torch.cat(parts, dim=1).cpu().tolist()  # the one device-to-host copy
-    results: list[SampledToken] = []
-    for row, k in zip(packed, want_k):
-        tok = int(row[0])
-        lp = None
-        if k is not None:
-            top = tuple((int(i), v) for i, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k])) if k else ()
-            lp = TokenLogprob(token_id=tok, logprob=row[1], top=top)
-        results.append(SampledToken(token_id=tok, logprob=lp))
-    return results
+    chosen_lp = copy.add(raw.gather(1, chosen.unsqueeze(1)).squeeze(1))
+    top = copy.add(torch.cat(raw.topk(k_max, dim=-1)[::-1], dim=1)) if k_max > 0 else None  # [R, 2k]: ids, values
+
+    def build() -> list[SampledToken]:
+        results: list[SampledToken] = []
+        tops = top.get() if top is not None else None
+        for i, (tok, lp, k) in enumerate(zip(ids.get(), chosen_lp.get(), want_k)):
+            logprob = None
+            if k is not None:
+                alts = tuple((int(t), v) for t, v in zip(tops[i][:k], tops[i][k_max : k_max + k])) if k else ()  # type: ignore[index]
+                logprob = TokenLogprob(token_id=int(tok), logprob=lp, top=alts)
+            results.append(SampledToken(token_id=int(tok), logprob=logprob))
+        return results
+
+    return build
+
+
+def sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampledToken]:
+    """Sample now: `sample_deferred` and wait for its one copy."""
+    copy = HostCopy()
+    build = sample_deferred(logits, specs, copy)
+    copy.start()
+    return build()
