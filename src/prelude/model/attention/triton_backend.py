@@ -38,13 +38,14 @@ class _LaunchInputs:
 
 
 def prefill_rows_from_tensors(t: PrefillTensors) -> PrefillRows:
-    """The runner's device tensors as the kernel's int32 rows (device-side casts, no sync)."""
+    """The runner's device tensors as the kernel's rows, as they are (int64, no copy): the
+    kernels read either width, and a CUDA graph's static buffers stay the ones read."""
     return PrefillRows(
-        query_start=t.query_start.to(torch.int32),
-        query_lens=t.query_lens.to(torch.int32),
-        context_lens=t.context_lens.to(torch.int32),
-        own_kv_in_cache=t.own_kv_in_cache.to(torch.int32),
-        block_tables=t.block_tables.to(torch.int32),
+        query_start=t.query_start,
+        query_lens=t.query_lens,
+        context_lens=t.context_lens,
+        own_kv_in_cache=t.own_kv_in_cache,
+        block_tables=t.block_tables,
         max_query_len=t.max_query_len,
     )
 
