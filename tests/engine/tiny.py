@@ -70,10 +70,14 @@ def tiny_engine(
     max_cached_blocks: int | None = None,
     attention_backend: str = "torch",
     overlap: bool | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    enforce_eager: bool = False,
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-    executor = ExecutorConfig(device="cpu", dtype="float32", attention_backend=attention_backend)
+    executor = ExecutorConfig(device=device, dtype=dtype, attention_backend=attention_backend,
+                              enforce_eager=enforce_eager)
     runner = ModelRunner.create(config, weights, executor, block_size)
     engine_cfg = EngineConfig(
         executor=executor,

@@ -73,6 +73,8 @@ class LLMEngine:
                 limit = min(limit, info.sliding_window)
             self.max_model_len = min(limit, num_blocks * block_size, info.max_positions)
         runner.allocate_kv_cache(num_blocks)
+        if not info.is_encoder:
+            runner.capture_graphs(self.max_model_len)  # a no-op off CUDA or with enforce_eager
         self.kv = KVCacheManager(
             num_blocks, block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching and not info.is_encoder,

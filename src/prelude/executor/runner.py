@@ -1,7 +1,8 @@
 """ModelRunner.execute(ForwardBatch) -> BatchOutput: one path per execution class.
 
 The runner owns everything that lives on the device: the model (built through the model
-registry), its paged KV tensors, the attention backend and, on CUDA, the graphs. A step's
+registry), its paged KV tensors, the attention backend and, on CUDA, the graphs (see
+graphs.py: steps that fit a captured bucket are replayed, the rest run eagerly). A step's
 integer inputs are packed on the host into one buffer (pinned on CUDA) and copied once,
 non-blocking; the results come back in one copy (see `HostCopy`).
 """
@@ -16,6 +17,7 @@ import torch
 
 from prelude.config import ExecutorConfig
 from prelude.executor.device import resolve_device, resolve_dtype
+from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.host_copy import HostCopy, HostValue
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
@@ -98,6 +100,8 @@ class ModelRunner:
         self.block_size = block_size
         self.config = config or ExecutorConfig(device=str(model.device))
         self.kv_caches: KVCaches = []
+        self._scratch_slot = 0
+        self.graphs: GraphRunner | None = None
         cfg = model.config
         self.info = ModelInfo(
             vocab_size=int(cfg.vocab_size),
@@ -133,7 +137,31 @@ class ModelRunner:
         return cls(model, block_size, config)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
+        """`num_blocks` for the KV manager, plus one scratch block that no request owns:
+        padding rows of a replayed graph write their K/V there."""
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks + 1, self.block_size)
+        self._scratch_slot = num_blocks * self.block_size
+
+    def capture_graphs(self, max_model_len: int, capture: Capture | None = None,
+                       config: GraphConfig | None = None) -> None:
+        """Capture the bucketed forwards (CUDA, unless enforce_eager); `capture=EMULATE`
+        builds the same buckets on any device (tests)."""
+        if capture is None:
+            if self.device.type != "cuda" or self.config.enforce_eager:
+                return
+            capture = Capture.CUDA
+        if self.model.is_encoder or not self.kv_caches:
+            return
+        reads_row_tensors = getattr(self.model, "attention", None) is not None and \
+            self.model.attention.name == "triton"  # type: ignore[attr-defined]
+        config = config or GraphConfig(capture_prefill=reads_row_tensors)
+        if config.capture_prefill and not reads_row_tensors:
+            raise ValueError("prefill graphs need an attention backend that reads PrefillTensors (triton)")
+        self.graphs = GraphRunner(
+            lambda ids, pos, meta: self.model.forward(ids, pos, meta, self.kv_caches),
+            config, self.device, self.block_size,
+            max_blocks_per_row=-(-max_model_len // self.block_size), scratch_slot=self._scratch_slot, capture=capture,
+        )
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -242,6 +270,10 @@ class ModelRunner:
     # --- forwards -----------------------------------------------------------------------
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and inputs.token_type_ids is None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            if hidden is not None:
+                return hidden
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
                                   inputs.token_type_ids)
 
