@@ -104,6 +104,8 @@ class PolicyConfig:
     laps_boundary: int | None = 256  # None: fitted at run time from measured step times
     laps_long_chunk: int = 512
     laps_deadline_free: bool = False
+    # LAPS wait-depth targets; the engine sets the executor's CUDA-graph batch sizes here.
+    depth_buckets: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -197,3 +197,15 @@ def test_greedy_outputs_identical_under_every_policy() -> None:
                                                   max_model_len=engine.max_model_len, policy=policy)
         results[policy] = {rid: out.new_token_ids for rid, out in run(engine, reqs).items()}
     assert all(r == results["fcfs"] for r in results.values())
+
+
+def test_laps_wait_depth_uses_the_given_bucket_list() -> None:
+    from prelude.config import PolicyConfig
+    from prelude.engine.policies import make_policy
+    from prelude.engine.policies.laps import LAPSPrefill
+
+    policy = make_policy("laps", PolicyConfig(depth_buckets=(3, 6, 12)))
+    prefill = policy.prefill
+    assert isinstance(prefill, LAPSPrefill)
+    assert prefill.depth_buckets == (3, 6, 12)
+    assert prefill.awd.depth == 6  # the initial depth (8) floored to a real bucket

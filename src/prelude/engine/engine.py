@@ -72,15 +72,18 @@ class LLMEngine:
                 # Full attention equals sliding-window attention only within the window.
                 limit = min(limit, info.sliding_window)
             self.max_model_len = min(limit, num_blocks * block_size, info.max_positions)
-        runner.allocate_kv_cache(num_blocks)
-        if not info.is_encoder:
-            runner.capture_graphs(self.max_model_len)  # a no-op off CUDA or with enforce_eager
         self.kv = KVCacheManager(
             num_blocks, block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching and not info.is_encoder,
             max_cached_blocks=config.cache.max_cached_blocks,
         )
+        runner.allocate_kv_cache(num_blocks)
+        if not info.is_encoder:
+            runner.capture_graphs(self.max_model_len)  # a no-op off CUDA or with enforce_eager
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
+        if runner.graphs is not None:  # LAPS batches toward the shapes that replay
+            sched_cfg = replace(sched_cfg, policy_options=replace(
+                sched_cfg.policy_options, depth_buckets=runner.graphs.decode_batch_sizes))
         self.scheduler = Scheduler(
             sched_cfg, self.kv, make_policy(sched_cfg.policy, sched_cfg.policy_options), info.vocab_size, info.hidden_size
         )

@@ -19,7 +19,8 @@ def _prefill(name: str, o: PolicyConfig) -> PrefillPolicy:
     makers: dict[str, Callable[[], PrefillPolicy]] = {
         "fcfs": FCFSPrefill,
         "srpt": lambda: SRPTPrefill(o.srpt_starvation_s),
-        "laps": lambda: LAPSPrefill(o.laps_boundary, o.laps_long_chunk, deadline_free=o.laps_deadline_free),
+        "laps": lambda: LAPSPrefill(o.laps_boundary, o.laps_long_chunk, deadline_free=o.laps_deadline_free,
+                                    **({"depth_buckets": o.depth_buckets} if o.depth_buckets else {})),
     }
     if name not in makers:
         raise ValueError(f"unknown prefill policy {name!r}; known: {sorted(makers)}")

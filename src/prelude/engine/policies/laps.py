@@ -32,12 +32,12 @@ def length_bucket(n: int) -> int:
     return next((b for b in LENGTH_BUCKETS if n <= b), LENGTH_BUCKETS[-1])
 
 
-def depth_floor(d: int) -> int:
-    return max(b for b in DEPTH_BUCKETS if b <= max(1, d))
+def depth_floor(d: int, buckets: tuple[int, ...] = DEPTH_BUCKETS) -> int:
+    return max((b for b in buckets if b <= max(1, d)), default=buckets[0])
 
 
-def depth_above(d: int) -> int:
-    return next((b for b in DEPTH_BUCKETS if b > d), DEPTH_BUCKETS[-1])
+def depth_above(d: int, buckets: tuple[int, ...] = DEPTH_BUCKETS) -> int:
+    return next((b for b in buckets if b > d), buckets[-1])
 
 
 class StepTimeModel:
@@ -88,8 +88,10 @@ class LAPSPrefill:
         deadline_free: bool = False,
         min_batch_tokens: int = 512,  # deadline-free mode: dispatch once a batch holds this many
         boundary_bounds: tuple[int, int] = (64, 2048),
+        depth_buckets: tuple[int, ...] = DEPTH_BUCKETS,  # the executor's graph batch sizes when it has graphs
     ) -> None:
         self.fixed_boundary = boundary
+        self.depth_buckets = tuple(sorted(depth_buckets))
         self.boundary = boundary or 256
         self.long_chunk = long_chunk
         self.w_min, self.w_max = window_bounds_s
@@ -97,7 +99,7 @@ class LAPSPrefill:
         self.deadline_free = deadline_free
         self.min_batch_tokens = min_batch_tokens
         self.boundary_bounds = boundary_bounds
-        self.awd = AWDState(window_s=self.w_min, depth=initial_depth, service_s=0.05)
+        self.awd = AWDState(window_s=self.w_min, depth=depth_floor(initial_depth, self.depth_buckets), service_s=0.05)
         self.model = StepTimeModel()
         self.dispatches: list[tuple[int, str]] = []  # (depth, reason) of recent short dispatches
 
@@ -155,10 +157,10 @@ class LAPSPrefill:
             # Reached the target: wait about as long as that took, and aim one bucket higher
             # if it filled within the window.
             if fill < self.awd.window_s:
-                self.awd.depth = depth_above(self.awd.depth)
+                self.awd.depth = depth_above(self.awd.depth, self.depth_buckets)
             self.awd.window_s = min(max(fill, self.w_min), self.w_max)
         else:
-            self.awd.depth = depth_floor(d)
+            self.awd.depth = depth_floor(d, self.depth_buckets)
 
     def plan(self, requests: Sequence[Request], now: float, remaining: Remaining, budget: int) -> list[PrefillChoice]:
         ordered = by_arrival(requests)
