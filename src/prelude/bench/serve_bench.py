@@ -291,6 +291,11 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--device" in argv and argv[argv.index("--device") + 1].startswith("cuda"):
+        from prelude.bench.gpu_bench import main as gpu_main  # the GPU scenarios (issue 11)
+
+        return gpu_main(argv)
     ap = argparse.ArgumentParser(prog="prelude bench serve")
     ap.add_argument("--peers", default=",".join(PEER_NAMES), help=f"comma list of: {', '.join(PEER_NAMES)}")
     ap.add_argument("--llama-python", default=None, help="a python with llama-cpp-python[server] (own venv)")

@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,19 +43,19 @@ class _TokenQueue(BaseStreamer):
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
-def build(dtype: str) -> FastAPI:
+def build(dtype: str, model: str | None = None, device: str = "cpu") -> FastAPI:
     import transformers
 
     from prelude.model.loader import load_model_files
 
-    model_dir = load_model_files(None).model_dir
+    model_dir = Path(model) if model else load_model_files(None).model_dir
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     # One worker thread loads the weights and runs every forward: generate is not safe to
     # run concurrently, and torch's OpenMP team belongs to the thread that first used it
     # (a forward from a fresh thread was ~30% slower here). A strong baseline, not a straw man.
     worker = ThreadPoolExecutor(max_workers=1)
     model = worker.submit(
-        lambda: transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
     ).result()
     app = FastAPI()
 
@@ -67,7 +68,7 @@ def build(dtype: str) -> FastAPI:
 
     def generate(prompt: str, max_tokens: int, temperature: float, ignore_eos: bool,
                  streamer: BaseStreamer | None = None) -> tuple[str, int, int]:
-        ids = tok(prompt, return_tensors="pt")
+        ids = tok(prompt, return_tensors="pt").to(device)
         n = max(1, max_tokens)
         try:
             with torch.inference_mode():
@@ -82,7 +83,7 @@ def build(dtype: str) -> FastAPI:
 
     def classify(texts: list[str], labels: list[str]) -> list[dict[str, Any]]:
         label_ids = [tok.encode(label, add_special_tokens=False)[0] for label in labels]
-        batch = tok(texts, return_tensors="pt", padding=True)
+        batch = tok(texts, return_tensors="pt", padding=True).to(device)
         with torch.inference_mode():
             logits = model(**batch, logits_to_keep=1).logits[:, -1, :]
         probs = torch.softmax(logits[:, label_ids].float(), dim=-1)
@@ -135,8 +136,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", default=None, help="a HF model directory (default: the embedded SmolLM2)")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    uvicorn.run(build(args.dtype), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(build(args.dtype, args.model, args.device), host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

