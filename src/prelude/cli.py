@@ -112,14 +112,51 @@ def _serve(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     # The engine is built on its own thread, the one that will run every forward.
     front = AsyncEngine(lambda: LLMEngine.from_config(config))
-    app = build_app(front, api_key=args.api_key)
+    app = build_app(front, api_key=args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
+                    limits=_server_limits(args), metrics_require_key=args.metrics_require_key)
     log.info("ready: serving %s on http://%s:%d in %.2f s from start",
              front.model_name, args.host, args.port, time.perf_counter() - _STARTED)
     try:
-        run_server(app, args.host, args.port, log_level=args.log_level)
+        return run_server(app, args.host, args.port, engine=front)
     finally:
         front.shutdown()
-    return 0
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """HTTP-side flags: auth, limits, drain, logs (grouped; engine flags are above)."""
+    g = p.add_argument_group("server: auth, limits, drain, logs")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="bearer token every route but /health (and /metrics) needs (or PRELUDE_API_KEY)")
+    g.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests waiting to start past which new ones get 429 (default: unbounded)")
+    g.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20, help="413 above (default 32 MiB)")
+    g.add_argument("--max-request-tokens", type=int, default=262_144,
+                   help="prompt tokens x n of one request, 400 above")
+    g.add_argument("--max-batch-inputs", type=int, default=2048,
+                   help="prompts / inputs / documents of one request, 400 above")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which a request is aborted (408 or an error event; default: none)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before an error ends them")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object per line, with one line per finished request")
+
+
+def _server_limits(args: argparse.Namespace):  # noqa: ANN202
+    from prelude.entrypoints.openai.limits import ServerLimits
+
+    return ServerLimits(
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_request_body_bytes,
+        max_request_tokens=args.max_request_tokens,
+        max_batch_inputs=args.max_batch_inputs,
+        request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
     _add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_server_args(serve)
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve")
     bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve"])
@@ -151,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from prelude.log_format import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     return _serve(args)
 
 

@@ -119,7 +119,8 @@ def test_tokenize_detokenize_models_health(served) -> None:  # noqa: ANN001
     _assert_openai_error(_post(base, "/detokenize", {"tokens": [10**6]}))
     assert httpx.get(base + "/health").status_code == 200
     metrics = httpx.get(base + "/metrics").text
-    assert "prelude_prefix_cache_hit_rate" in metrics and "prelude_kv_blocks_total 256" in metrics
+    assert "prelude:prefix_cache_queries_total" in metrics
+    assert 'prelude:kv_blocks{model_name="tiny-llama",state="free"} 256.0' in metrics
     assert httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"] == 256
 
 

@@ -328,7 +328,7 @@ async def test_models_health_version(client: httpx.AsyncClient, engine: FakeEngi
     health = await client.get("/health")
     assert (health.status_code, health.json()) == (200, {})
     engine.healthy = False
-    assert_error(await client.get("/health"), 503, "server_error")
+    assert_error(await client.get("/health"), 503, "service_unavailable_error")
     assert (await client.get("/version")).json()["version"]
 
 

@@ -9,23 +9,31 @@ its request, which frees its KV blocks at the start of the next step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 from prelude.engine.engine import LLMEngine
-from prelude.engine.metrics import RequestMetrics
+from prelude.engine.errors import EngineDeadError, StepFailed
+from prelude.engine.metrics import EngineObserver, RequestMetrics
 from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.async_engine")
+T = TypeVar("T")
 
 
 class EngineStepError(RuntimeError):
     """The model step failed; the requests in that step are failed with this error."""
+
+
+# Loop iterations in a row that may fail before the engine thread gives up: one failure
+# is survived (the requests concerned are failed), a loop that keeps failing is dead.
+_MAX_CONSECUTIVE_LOOP_FAILURES = 3
 
 
 @dataclass
@@ -44,9 +52,10 @@ class AsyncEngine:
         """
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: deque[tuple[str, Request | str]] = deque()
+        self._inbox: deque[tuple[str, object]] = deque()
         self._sinks: dict[str, _Sink] = {}
         self._stopping = False
+        self._dead: str | None = None  # why the engine loop stopped for good
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.engine: LLMEngine = engine if isinstance(engine, LLMEngine) else None  # type: ignore[assignment]
@@ -78,8 +87,39 @@ class AsyncEngine:
     def request_metrics(self) -> list[RequestMetrics]:
         return list(self.engine.finished_metrics)
 
+    def set_observer(self, observer: EngineObserver) -> None:
+        """Subscribe to finished requests and steps (called on the engine thread)."""
+        self.engine.observer = observer
+
+    async def call_on_engine_thread(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` between two steps, where engine state is consistent."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+            self._inbox.append(("call", (fn, future)))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    async def integrity(self) -> dict[str, object]:
+        """The block pool's integrity check and where every block is (debug route, soak)."""
+
+        def check(engine: LLMEngine) -> dict[str, object]:
+            error = None
+            try:
+                engine.check_integrity()
+            except AssertionError as exc:
+                error = str(exc)
+            pool = engine.kv.pool
+            free, cached = pool.num_free_blocks, pool.num_evictable_blocks
+            return {"ok": error is None, "error": error, "blocks_total": pool.num_blocks, "blocks_free": free,
+                    "blocks_cached_unreferenced": cached, "blocks_held": pool.num_blocks - free - cached,
+                    "requests_in_engine": engine.num_unfinished}
+
+        return await self.call_on_engine_thread(check)
+
     def is_healthy(self) -> bool:
-        return self._thread.is_alive()
+        return self._dead is None and self._thread.is_alive()
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -111,6 +151,8 @@ class AsyncEngine:
         req = self.engine.prepare(request_id, prompt_token_ids, params, pooling)  # AdmissionError -> caller
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._sinks[request_id] = sink
@@ -145,6 +187,18 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id))
         self._wake.set()
 
+    def fail_all(self, error: BaseException) -> int:
+        """End every request in flight with `error` (e.g. a drain past its timeout) and
+        abort it in the engine; returns how many there were."""
+        with self._lock:
+            ids = list(self._sinks)
+            for rid in ids:
+                self._inbox.append(("abort", rid))
+        for rid in ids:
+            self._deliver(rid, error)
+        self._wake.set()
+        return len(ids)
+
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
@@ -167,6 +221,13 @@ class AsyncEngine:
             items = list(self._inbox)
             self._inbox.clear()
         for kind, payload in items:
+            if kind == "call":
+                fn, future = payload  # type: ignore[misc]
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - the caller's
+                    future.set_exception(exc)
+                continue
             if kind == "abort":
                 self.engine.abort(payload)  # type: ignore[arg-type]
                 continue
@@ -177,6 +238,63 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - reported to that caller only
                 self._deliver(req.request_id, exc)
 
+    def _log_activity(self) -> None:
+        m = self.engine.metrics()
+        logger.info(
+            "running %d, waiting %d, KV free %d/%d, prefix hit rate %.1f%% (%d reused / %d computed tokens)",
+            m["requests_running"], m["requests_waiting"], m["kv_blocks_free"], m["kv_blocks_total"],
+            100 * m["prefix_cache_hit_rate"], m["prefix_reused_tokens_total"], m["prefix_computed_tokens_total"],
+        )
+
+    def _iteration(self) -> None:
+        """One turn of the loop: apply the inbox, run a step, deliver its outputs."""
+        self._drain_inbox()
+        if not self.engine.has_unfinished():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            return
+        try:
+            outputs = self.engine.step()
+        except StepFailed as exc:  # contained by the engine: only that step's requests fail
+            logger.error("engine step failed; failing its %d requests: %r", len(exc.request_ids), exc.cause,
+                         exc_info=exc.cause)
+            error = EngineStepError(str(exc))
+            for rid in exc.request_ids:
+                self._deliver(rid, error)
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        if self.engine.idle and not outputs:
+            # The policy holds work back (a batching window): nap briefly, or until news.
+            self._wake.wait(timeout=0.002)
+            self._wake.clear()
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """After an unexpected loop failure: every waiting handler gets an error, and the
+        engine forgets every request (its blocks freed), so nothing waits forever."""
+        error = EngineStepError(f"engine loop failed: {type(exc).__name__}: {exc}")
+        with self._lock:
+            ids = list(self._sinks)
+        for rid in ids:
+            self._deliver(rid, error)
+        try:
+            self.engine.abort_all()
+        except Exception:  # noqa: BLE001 - the next iteration's failure count decides
+            logger.exception("abort_all failed after a loop failure")
+
+    def _die(self, reason: str) -> None:
+        """The loop stops for good: refuse new requests, fail every waiting one."""
+        with self._lock:
+            self._dead = reason
+            ids = list(self._sinks)
+            calls = [payload for kind, payload in self._inbox if kind == "call"]
+            self._inbox.clear()
+        error = EngineDeadError(f"the engine loop has stopped: {reason}")
+        for _, future in calls:  # type: ignore[misc]
+            future.set_exception(error)
+        for rid in ids:
+            self._deliver(rid, error)
+
     def _run(self, factory: Callable[[], LLMEngine] | None) -> None:
         try:
             if factory is not None:
@@ -186,36 +304,29 @@ class AsyncEngine:
             return
         finally:
             self._built.set()
-        last_log, logged = time.monotonic(), None
-        while not self._stopping:
-            if time.monotonic() - last_log > 30:  # a short activity line, when it changed
-                last_log = time.monotonic()
-                m = self.engine.metrics()
-                snapshot = (m["prefix_cache_queries_total"], m["kv_blocks_free"])
-                if snapshot != logged:
-                    logged = snapshot
-                    logger.info(
-                        "running %d, waiting %d, KV free %d/%d, prefix hit rate %.1f%% (%d reused / %d computed tokens)",
-                        m["requests_running"], m["requests_waiting"], m["kv_blocks_free"], m["kv_blocks_total"],
-                        100 * m["prefix_cache_hit_rate"], m["prefix_reused_tokens_total"],
-                        m["prefix_computed_tokens_total"],
-                    )
-            self._drain_inbox()
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - keep serving; fail what was in flight
-                logger.exception("engine step failed; failing in-flight requests")
-                error = EngineStepError(f"engine step failed: {exc}")
-                for rid in self.engine.abort_all():
-                    self._deliver(rid, error)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
-            if self.engine.idle and not outputs:
-                # The policy holds work back (a batching window): nap briefly, or until news.
-                self._wake.wait(timeout=0.002)
-                self._wake.clear()
+        last_log, logged, failures = time.monotonic(), None, 0
+        try:
+            while not self._stopping:
+                try:
+                    if time.monotonic() - last_log > 30:  # a short activity line, when it changed
+                        last_log = time.monotonic()
+                        m = self.engine.metrics()
+                        snapshot = (m["prefix_cache_queries_total"], m["kv_blocks_free"])
+                        if snapshot != logged:
+                            logged = snapshot
+                            self._log_activity()
+                    self._iteration()
+                    failures = 0
+                except Exception as exc:  # noqa: BLE001 - the thread must never die silently
+                    failures += 1
+                    logger.exception("engine loop iteration failed (%d in a row)", failures)
+                    self._fail_everything(exc)
+                    if failures >= _MAX_CONSECUTIVE_LOOP_FAILURES:
+                        self._die(f"{failures} loop failures in a row, the last: {type(exc).__name__}: {exc}")
+                        return
+        except BaseException as exc:  # noqa: BLE001 - e.g. SystemExit raised inside a step
+            self._die(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if self._dead is None:
+                self._die("the engine was shut down" if self._stopping else "the engine thread exited")

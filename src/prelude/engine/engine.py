@@ -17,7 +17,8 @@ import torch
 from prelude.config import EngineConfig
 from prelude.engine.admission import admit
 from prelude.forward_batch import BatchOutput, OneShotBatch
-from prelude.engine.metrics import RequestMetrics, request_metrics
+from prelude.engine.errors import StepFailed
+from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
 from prelude.engine.request import (
@@ -98,6 +99,7 @@ class LLMEngine:
         self.overlap = config.overlap if config.overlap is not None else info.device.startswith("cuda")
         self._in_flight: InFlight | None = None
         self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)
+        self.observer: EngineObserver | None = None  # e.g. the server's Prometheus metrics
         if not info.is_encoder:
             logger.info(
                 "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d",
@@ -207,22 +209,53 @@ class LLMEngine:
         iteration schedules only work that does not depend on the in-flight results
         (OneShot rows), launches it, and only then post-processes the step in flight."""
         outputs, self._ready = self._ready, []
+        failed: list[str] = []
+        cause: BaseException | None = None
         in_flight, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule(independent_only=in_flight is not None)
-        launched = InFlight(plan, self.runner.launch(plan.batch), time.perf_counter()) if plan.batch else None
-        if in_flight is not None:
-            outputs.extend(self._postprocess(in_flight))
+        launched = None
+        if plan.batch is not None:
+            try:
+                launched = InFlight(plan, self.runner.launch(plan.batch), time.perf_counter())
+            except Exception as exc:  # noqa: BLE001 - contained: only this step's requests fail
+                failed, cause = failed + self._fail_step(plan), exc
+        for step in (in_flight, None if self.overlap else launched):
+            if step is None:
+                continue
+            try:
+                result = step.launched.wait()
+            except Exception as exc:  # noqa: BLE001 - the forward raised when its result was awaited
+                failed, cause = failed + self._fail_step(step.plan), exc
+                continue
+            outputs.extend(self._postprocess(step, result))
         if launched is not None and self.overlap:
             self._in_flight = launched
-        elif launched is not None:
-            outputs.extend(self._postprocess(launched))
         self.idle = plan.batch is None and in_flight is None  # work may be held back on purpose
+        if cause is not None:
+            self._ready = outputs  # the other step's outputs go out with the next step
+            raise StepFailed(failed, cause)
         return outputs
 
-    def _postprocess(self, step: InFlight) -> list[RequestOutput]:
-        plan, result = step.plan, step.launched.wait()
+    def _fail_step(self, plan: ScheduleResult) -> list[str]:
+        """Release everything a failed step held and drop its requests; their ids."""
+        if isinstance(plan.batch, OneShotBatch):
+            for row in plan.batch.rows:  # publish nothing: the blocks may hold partial KV
+                self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks))
+            failed = [req.request_id for req in plan.oneshot if self._requests.get(req.request_id) is req]
+        else:
+            failed = [rid for rid in plan.scheduled if rid in self._requests]
+        for rid in failed:
+            self.abort(rid)
+        return failed
+
+    def _postprocess(self, step: InFlight, result: BatchOutput) -> list[RequestOutput]:
+        plan = step.plan
         assert plan.batch is not None
-        self.scheduler.observe_step(plan.batch, time.perf_counter() - step.started)
+        seconds = time.perf_counter() - step.started
+        self.scheduler.observe_step(plan.batch, seconds)
+        if self.observer is not None:
+            kind, num_tokens = batch_kind(plan.batch)
+            self.observer.step_finished(kind, seconds, num_tokens)
         now = time.monotonic()
         if isinstance(plan.batch, OneShotBatch):
             outputs = self._postprocess_oneshot(plan.batch, plan.oneshot, result, now)
@@ -250,7 +283,7 @@ class LLMEngine:
             ))
             req.status = RequestStatus.FINISHED
             del self._requests[req.request_id]
-            self.finished_metrics.append(request_metrics(req))
+            self._record_finished(req)
         return outputs
 
     def _postprocess_paged(self, plan: ScheduleResult, result: BatchOutput, now: float) -> list[RequestOutput]:
@@ -287,9 +320,15 @@ class LLMEngine:
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_time = time.monotonic()
-        self.finished_metrics.append(request_metrics(req))
+        self._record_finished(req)
         del self._requests[req.request_id]
         del self._streams[req.request_id]
+
+    def _record_finished(self, req: Request) -> None:
+        record = request_metrics(req)
+        self.finished_metrics.append(record)
+        if self.observer is not None:
+            self.observer.request_finished(record)
 
     def metrics(self) -> dict[str, float]:
         """Counters for /metrics and logs (read on the engine thread or between steps)."""
@@ -297,6 +336,9 @@ class LLMEngine:
         return {
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting) + len(self.scheduler.oneshot_waiting),
+            "requests_running_decode": len(self.scheduler.running),
+            "requests_waiting_decode": len(self.scheduler.waiting),
+            "requests_waiting_oneshot": len(self.scheduler.oneshot_waiting),
             "kv_blocks_total": self.kv.pool.num_blocks,
             "kv_blocks_free": self.kv.pool.num_free_blocks,
             "kv_blocks_cached_evictable": self.kv.pool.num_evictable_blocks,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+from prelude.engine.batch import DecodeBatch, MixedBatch, OneShotBatch
 from prelude.engine.request import Request
 
 
@@ -20,6 +22,29 @@ class RequestMetrics:
     ttft_slo_ms: float | None
     slo_met: bool | None  # None when the request had no TTFT target
     preemptions: int
+    queue_s: float | None = None  # arrival to first scheduled
+    finish_reason: str | None = None
+
+
+class EngineObserver(Protocol):
+    """Told of every finished request and every step (on the engine thread): the server's
+    Prometheus metrics subscribe here. Implementations must be cheap and must not raise."""
+
+    def request_finished(self, metrics: RequestMetrics) -> None: ...
+
+    def step_finished(self, kind: str, seconds: float, num_tokens: int) -> None: ...
+
+
+def batch_kind(batch: object) -> tuple[str, int]:
+    """(oneshot | decode | prefill | mixed, tokens computed) of one step's batch."""
+    if isinstance(batch, OneShotBatch):
+        return "oneshot", sum(len(r.token_ids) - r.num_cached for r in batch.rows)
+    if isinstance(batch, DecodeBatch):
+        return "decode", len(batch.rows)
+    if isinstance(batch, MixedBatch):
+        tokens = sum(len(r.token_ids) for r in batch.prefill_rows) + len(batch.decode_rows)
+        return ("mixed" if batch.decode_rows else "prefill"), tokens
+    return "other", 0
 
 
 def request_metrics(req: Request) -> RequestMetrics:
@@ -42,4 +67,6 @@ def request_metrics(req: Request) -> RequestMetrics:
         ttft_slo_ms=slo,
         slo_met=None if slo is None or ttft is None else ttft * 1000 <= slo,
         preemptions=req.num_preemptions,
+        queue_s=None if req.scheduled_time is None else req.scheduled_time - req.arrival_time,
+        finish_reason=None if req.finish_reason is None else req.finish_reason.value,
     )

@@ -80,6 +80,7 @@ class Request:
     head_done: bool = False  # prompt logprobs / pooled outputs already delivered
     deferred_steps: int = 0  # steps waited for a leader to fill a shared cold prefix
     ttft_deadline: float | None = None  # absolute (monotonic) time the first token is due
+    scheduled_time: float | None = None  # first taken into a step (queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
     # MLFQ decode state (see engine/policies/mlfq.py)

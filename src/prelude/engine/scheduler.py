@@ -179,6 +179,7 @@ class Scheduler:
         for req in taken:
             self.oneshot_waiting.remove(req)
             req.status = RequestStatus.RUNNING
+            req.scheduled_time = req.scheduled_time or now
         if not rows:  # every candidate deferred: let the next step run them
             return ScheduleResult(batch=None)
         return ScheduleResult(batch=OneShotBatch(tuple(rows)), oneshot=taken)
@@ -350,6 +351,7 @@ class Scheduler:
         self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
+        req.scheduled_time = req.scheduled_time or time.monotonic()
         return n
 
     def observe_step(self, batch: ForwardBatch, seconds: float) -> None:

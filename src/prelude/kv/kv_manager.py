@@ -112,6 +112,11 @@ class KVCacheManager:
             self.stats.published_blocks += max(0, cached - len(prefix_blocks))
         self.pool.release(reversed(prefix_blocks + publish_blocks))
 
+    def drop_step(self, prefix_blocks: list[int], publish_blocks: list[int]) -> None:
+        """The forward failed: drop the step's holds and publish nothing (the blocks it
+        was writing may hold partial KV)."""
+        self.pool.release(reversed(prefix_blocks + publish_blocks))
+
     # --- decode requests --------------------------------------------------------------
 
     def num_new_blocks(self, request_id: str, total_tokens: int) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import asdict
 from typing import Any
@@ -10,11 +9,17 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prelude.engine.client import EngineClient
+from prelude.entrypoints.openai.drain import DrainingServer
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from prelude.entrypoints.openai.fanout import ClientDisconnected
+from prelude.entrypoints.openai.fields import check_unknown_fields
+from prelude.entrypoints.openai.gate import AdmissionGate, GatedEngine
+from prelude.entrypoints.openai.limits import ServerLimits, off_loop_if_large
+from prelude.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
+from prelude.entrypoints.openai.observe import RequestObserver, request_record
+from prelude.entrypoints.openai.prom import CONTENT_TYPE, ServerMetrics
 from prelude.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ClassifyRequest,
@@ -27,7 +32,7 @@ from prelude.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from prelude.entrypoints.openai.serving_chat import create_chat_completion
-from prelude.entrypoints.openai.serving_completions import create_completion
+from prelude.entrypoints.openai.serving_completions import SSEResponse, create_completion
 from prelude.entrypoints.openai.serving_pooling import (
     create_classification,
     create_embeddings,
@@ -40,29 +45,10 @@ from prelude.entrypoints.openai.serving_tokens import detokenize, tokenize
 VERSION = "0.1.0"
 
 
-class BearerAuth:
-    """`Authorization: Bearer <key>` on every /v1 route.
-
-    A plain ASGI middleware rather than `@app.middleware("http")`: Starlette's
-    BaseHTTPMiddleware re-pipes every streamed chunk through a memory stream and an
-    extra task, which costs per token and muddles disconnect handling.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    def _authorized(self, scope: Scope) -> bool:
-        given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-        return secrets.compare_digest(given, self._expected)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
-            response = error_response("invalid or missing API key", 401)
-            response.headers["WWW-Authenticate"] = "Bearer"
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+def _tokenizer_counters(engine: EngineClient) -> Any:
+    """Counters the tokenizer keeps (e.g. fallbacks to HF), exported when it has any."""
+    read = getattr(engine.tokenizer, "counters", None)
+    return read if callable(read) else None
 
 
 def _check_model(engine: EngineClient, name: str | None) -> None:
@@ -72,34 +58,55 @@ def _check_model(engine: EngineClient, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app over `engine`; with `api_key`, /v1 routes need it as a bearer token."""
+def build_app(
+    engine: EngineClient,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    metrics_require_key: bool = False,
+) -> FastAPI:
+    """The OpenAI-compatible app over `engine`. With `api_key`, every route but /health
+    (and /metrics unless `metrics_require_key`) needs it as a bearer token."""
+    limits = limits or ServerLimits()
     app = FastAPI(title="Prelude", version=VERSION)
     install_error_handlers(app)
+    metrics = ServerMetrics(engine, extra=_tokenizer_counters(engine))
+    if hasattr(engine, "set_observer"):
+        engine.set_observer(metrics)
+    gate = AdmissionGate(limits.max_waiting_requests)
+    app.state.limits, app.state.gate, app.state.metrics = limits, gate, metrics
+    # add_middleware wraps: the last added is outermost. Outer to inner: observe (ids,
+    # log line, counts, 401s included), auth, body cap, the app.
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        open_paths = {"/health"} if metrics_require_key else {"/health", "/metrics"}
+        app.add_middleware(BearerAuth, api_key=api_key, open_paths=frozenset(open_paths))
+    app.add_middleware(RequestObserver, count=metrics.count_request)
     created = int(time.time())
 
     @app.get("/health")
     async def health() -> Response:
+        if gate.draining:
+            return error_response("the server is shutting down", 503, code="server_shutting_down")
         if engine.is_healthy():
             return JSONResponse({})
-        return error_response("the engine loop is not running", 503)
+        return error_response("the engine loop is not running", 503, code="engine_dead")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        # Prometheus text exposition, written directly: a handful of gauges and counters.
-        lines = []
-        for name, value in engine.metrics().items():
-            kind = "counter" if name.endswith("_total") else "gauge"
-            lines.append(f"# TYPE prelude_{name} {kind}")
-            lines.append(f"prelude_{name} {value}")
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    async def metrics_route() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/request_metrics")
     async def request_metrics() -> dict[str, Any]:
         """Recently finished requests' TTFT/TPOT/JCT/SLO records, for benchmarks."""
         return {"object": "list", "data": [asdict(m) for m in engine.request_metrics()]}
+
+    @app.get("/debug/integrity")
+    async def integrity() -> dict[str, Any]:
+        """The KV block pool's integrity check and where every block is (soak tests)."""
+        check = getattr(engine, "integrity", None)
+        if check is None:
+            raise APIError("this engine has no integrity check", 404)
+        return await check()
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -113,12 +120,28 @@ def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
         }]}
 
     async def _served(handler: Any, body: Any, request: Request) -> Any:
-        """Run one engine-backed handler; a client gone before the answer gets no body."""
+        """Run one engine-backed handler behind the admission gate; a client gone before
+        the answer gets no body (and is logged as a cancel, not an error)."""
         _check_model(engine, body.model)
+        check_unknown_fields(body, request.url.path)
+        ticket = gate.enter()  # 429 / 503 before any work
+        record = request_record(request.state)
+        gated = GatedEngine(engine, ticket, limits.request_timeout_s, record)
         try:
-            return await handler(engine, body, request)
+            response = await handler(gated, body, request)
         except ClientDisconnected:
+            ticket.close()
+            if record is not None:
+                record.cancelled = True
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        except BaseException:
+            ticket.close()
+            raise
+        if isinstance(response, SSEResponse):
+            response.on_close(ticket.close)  # the stream still runs
+        else:
+            ticket.close()
+        return response
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -153,18 +176,23 @@ def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
         return await _served(create_reward, body, request)
 
     @app.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         _check_model(engine, body.model)
-        return tokenize(engine, body)
+        check_unknown_fields(body, request.url.path)
+        return await off_loop_if_large(request, tokenize, engine, body)
 
     @app.post("/detokenize")
-    async def detokenize_route(body: DetokenizeRequest) -> dict[str, str]:
+    async def detokenize_route(body: DetokenizeRequest, request: Request) -> dict[str, str]:
         _check_model(engine, body.model)
-        return detokenize(engine, body)
+        check_unknown_fields(body, request.url.path)
+        return await off_loop_if_large(request, detokenize, engine, body)
 
     return app
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve `app` with uvicorn until interrupted (blocking)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+def run_server(app: FastAPI, host: str, port: int, engine: Any = None) -> int:
+    """Serve `app` until SIGTERM / SIGINT, then drain gracefully (blocking); the exit code."""
+    config = uvicorn.Config(app, host=host, port=port, timeout_keep_alive=30, access_log=False, log_config=None)
+    server = DrainingServer(config, app.state.gate, app.state.limits.shutdown_timeout_s, engine)
+    server.run()
+    return 0

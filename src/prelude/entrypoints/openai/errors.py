@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prelude.engine.client import AdmissionError
+from prelude.engine.errors import EngineDeadError
 from prelude.engine.request import SamplingParamsError
 
 logger = logging.getLogger("prelude.server")
@@ -26,17 +27,21 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    503: "service_unavailable_error",
 }
 
 
 class APIError(Exception):
     """Raised by handlers for a client-visible error; becomes an OpenAI error body."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -54,6 +59,8 @@ def error_body_for(exc: BaseException) -> tuple[dict[str, Any], int]:
         return error_body(exc.message, exc.status, exc.param, exc.code), exc.status
     if isinstance(exc, (SamplingParamsError, AdmissionError)):
         return error_body(str(exc), 400), 400
+    if isinstance(exc, EngineDeadError):
+        return error_body(str(exc), 503, code="engine_dead"), 503
     return error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500
 
 
@@ -73,9 +80,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     @app.exception_handler(SamplingParamsError)
     @app.exception_handler(AdmissionError)
+    @app.exception_handler(EngineDeadError)
     async def _client_error(_: Request, exc: Exception) -> JSONResponse:
         body, status = error_body_for(exc)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -48,7 +48,7 @@ def fan_out(prompts: list[list[int]], params: SamplingParams) -> list[Job]:
     jobs = []
     for p_idx, ids in enumerate(prompts):
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else (params.seed + i) % 2**64  # stays a valid seed
             jobs.append(Job(p_idx * params.n + i, p_idx, ids, replace(params, n=1, seed=seed)))
     return jobs
 

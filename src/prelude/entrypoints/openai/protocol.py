@@ -1,5 +1,7 @@
-"""Request models of the OpenAI-compatible API (pydantic). Unknown fields are ignored, as
-OpenAI does; known fields of the wrong type or out of range are rejected with a 400."""
+"""Request models of the OpenAI-compatible API (pydantic). Unknown fields are kept in
+`model_extra` and judged by fields.py (refused when they would change the answer's
+meaning, otherwise ignored with a warning); known fields of the wrong type or out of
+range are rejected with a 400."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Request):
@@ -24,7 +26,7 @@ class _SamplingFields(_Request):
     top_k: int | None = None
     min_p: float | None = None
     n: int = Field(default=1, ge=1, le=128)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)  # a torch generator seed
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -14,6 +14,7 @@ from starlette.requests import Request as HTTPRequest
 from prelude.engine.client import EngineClient
 from prelude.engine.request import RequestOutput
 from prelude.entrypoints.openai.errors import APIError
+from prelude.entrypoints.openai.limits import ServerLimits, limits_of, off_loop_if_large
 from prelude.entrypoints.openai.fanout import Choice, Job, collect_choices, fan_out, merged_outputs
 from prelude.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from prelude.entrypoints.openai.sampling import chat_logprobs, sampling_params, usage
@@ -104,7 +105,7 @@ class _Chat:
                 "model": self.engine.model_name, "choices": choices, **extra}
 
 
-def _admit(engine: EngineClient, req: ChatCompletionRequest) -> _Chat:
+def _admit(engine: EngineClient, req: ChatCompletionRequest, limits: ServerLimits) -> _Chat:
     """Validate everything before any work starts, so bad input is a clean 400."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -113,6 +114,7 @@ def _admit(engine: EngineClient, req: ChatCompletionRequest) -> _Chat:
     params = sampling_params(req, max_tokens, top_logprobs)
     prompt = render_chat(engine, req.messages, req.add_generation_prompt, req.continue_final_message,
                          req.chat_template_kwargs)
+    limits.check_tokens([len(prompt)], req.n, param="messages")
     jobs = fan_out([prompt], params)
     engine.validate(prompt, jobs[0].params)
     return _Chat(engine, jobs, len(prompt), top_logprobs, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
@@ -120,7 +122,7 @@ def _admit(engine: EngineClient, req: ChatCompletionRequest) -> _Chat:
 
 async def create_chat_completion(engine: EngineClient, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
     stream_usage = StreamUsage.of(req)
-    c = _admit(engine, req)
+    c = await off_loop_if_large(http, _admit, engine, req, limits_of(http))
     if req.stream:
         return SSEResponse(sse_stream(_stream_chunks(c, stream_usage)))
     choices = await collect_choices(engine, c.id, c.jobs, http)

@@ -7,7 +7,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Callable
 
 import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 from prelude.engine.client import EngineClient
 from prelude.engine.request import RequestOutput
 from prelude.entrypoints.openai.errors import APIError, error_body_for, logger
+from prelude.entrypoints.openai.limits import ServerLimits, limits_of, off_loop_if_large
 from prelude.entrypoints.openai.fanout import Choice, Job, collect_choices, fan_out, merged_outputs
 from prelude.entrypoints.openai.protocol import CompletionRequest, _SamplingFields
 from prelude.entrypoints.openai.sampling import (
@@ -41,6 +42,11 @@ class SSEResponse(StreamingResponse):
     def __init__(self, events: AsyncGenerator[str, None]) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._events = events
+        self._on_close: list[Callable[[], None]] = []
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the stream has ended, however it ended."""
+        self._on_close.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -48,6 +54,8 @@ class SSEResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):  # runs even when the request task is cancelled
                 await self._events.aclose()
+            for callback in self._on_close:
+                callback()
 
 
 def sse_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[str, None]:
@@ -167,14 +175,16 @@ class _Completion:
                 "model": self.engine.model_name, "choices": choices, **extra}
 
 
-def _admit(engine: EngineClient, req: CompletionRequest) -> _Completion:
+def _admit(engine: EngineClient, req: CompletionRequest, limits: ServerLimits) -> _Completion:
     """Validate everything before any work starts, so bad input is a clean 400."""
     _check_unsupported(req)
     prompt_k = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_k = max(prompt_k or 0, req.logprobs)
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_k)
+    limits.check_inputs(len(_prompt_items(req.prompt)), "prompt")
     prompt_ids, prompt_texts = _prompts(engine, req)
+    limits.check_tokens([len(ids) for ids in prompt_ids], req.n)
     jobs = fan_out(prompt_ids, params)
     for job in jobs[:: params.n]:  # one check per prompt
         engine.validate(job.prompt_ids, job.params)
@@ -184,7 +194,7 @@ def _admit(engine: EngineClient, req: CompletionRequest) -> _Completion:
 
 async def create_completion(engine: EngineClient, req: CompletionRequest, http: HTTPRequest) -> Any:
     stream_usage = StreamUsage.of(req)
-    c = _admit(engine, req)
+    c = await off_loop_if_large(http, _admit, engine, req, limits_of(http))
     if req.stream:
         return SSEResponse(sse_stream(_stream_chunks(c, stream_usage)))
     choices = await collect_choices(engine, c.id, c.jobs, http)

@@ -20,6 +20,7 @@ from prelude.engine.client import EngineClient
 from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput, SamplingParams
 from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.fanout import until_disconnect
+from prelude.entrypoints.openai.limits import limits_of, off_loop_if_large
 from prelude.entrypoints.openai.protocol import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -62,6 +63,9 @@ def _input_list(value: Any, param: str) -> list[str | list[int]]:
 async def _encode_all(
     engine: EngineClient, prefix: str, prompts: list[list[int]], pooling: list[PoolingParams], http: HTTPRequest
 ) -> list[RequestOutput]:
+    limits = limits_of(http)
+    limits.check_inputs(len(prompts), "input")
+    limits.check_tokens([len(ids) for ids in prompts], param="input")
     for ids, p in zip(prompts, pooling):  # refuse the whole batch before any work starts
         if not ids:
             raise APIError("an input is empty")
@@ -77,6 +81,13 @@ def _tokens(engine: EngineClient, item: str | list[int], chat: bool = False) -> 
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": item}], add_generation_prompt=True)
         return engine.tokenizer.encode(text, add_special_tokens=False)
     return engine.tokenizer.encode(item, add_special_tokens=True)
+
+
+async def _tokenized(http: HTTPRequest, engine: EngineClient, items: list[str | list[int]],
+                     chat: bool = False) -> list[list[int]]:
+    """Token ids of each input; the count is checked first, big bodies are tokenized off the loop."""
+    limits_of(http).check_inputs(len(items), "input")
+    return await off_loop_if_large(http, lambda: [_tokens(engine, item, chat) for item in items])
 
 
 def _usage(prompts: list[list[int]]) -> dict[str, int]:
@@ -103,7 +114,7 @@ def _label_token_ids(engine: EngineClient, labels: list[str]) -> tuple[int, ...]
 async def create_embeddings(engine: EngineClient, req: EmbeddingRequest, http: HTTPRequest) -> dict[str, Any]:
     if req.dimensions is not None:
         raise APIError("dimensions is not supported: this model has a fixed embedding size", param="dimensions")
-    prompts = [_tokens(engine, item) for item in _input_list(req.input, "input")]
+    prompts = await _tokenized(http, engine, _input_list(req.input, "input"))
     pooling = PoolingParams(PoolingTask.EMBED, pooling=req.pooling, normalize=req.normalize)
     outs = await _encode_all(engine, f"embd-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
     data = []
@@ -119,7 +130,7 @@ async def create_embeddings(engine: EngineClient, req: EmbeddingRequest, http: H
 
 
 async def create_classification(engine: EngineClient, req: ClassifyRequest, http: HTTPRequest) -> dict[str, Any]:
-    prompts = [_tokens(engine, item, req.use_chat_template) for item in _input_list(req.input, "input")]
+    prompts = await _tokenized(http, engine, _input_list(req.input, "input"), req.use_chat_template)
     if req.labels is not None:
         # Label-token classification: softmax over the labels' next-token logprobs.
         names = list(req.labels)
@@ -143,7 +154,7 @@ async def create_classification(engine: EngineClient, req: ClassifyRequest, http
 async def create_reward(engine: EngineClient, req: RewardRequest, http: HTTPRequest) -> dict[str, Any]:
     if len(engine.labels) != 1:
         raise APIError("reward needs a model whose head has exactly one output")
-    prompts = [_tokens(engine, item) for item in _input_list(req.input, "input")]
+    prompts = await _tokenized(http, engine, _input_list(req.input, "input"))
     pooling = PoolingParams(PoolingTask.CLASSIFY)
     outs = await _encode_all(engine, f"reward-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
     data = [{"index": i, "object": "reward", "score": (out.scores or (0.0,))[0]} for i, out in enumerate(outs)]
@@ -195,6 +206,7 @@ async def create_score(engine: EngineClient, req: ScoreRequest, http: HTTPReques
         first = first * len(second)
     if len(first) != len(second):
         raise APIError("text_1 must be one text or as many texts as text_2", param="text_1")
+    limits_of(http).check_inputs(len(second), "text_2")
     scores, prompts = await relevance_scores(engine, list(zip(first, second)), req.template, http)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": engine.model_name,
@@ -213,6 +225,7 @@ def _document_text(doc: str | dict[str, Any], i: int) -> str:
 async def create_rerank(engine: EngineClient, req: RerankRequest, http: HTTPRequest) -> dict[str, Any]:
     if not req.documents:
         raise APIError("documents must not be empty", param="documents")
+    limits_of(http).check_inputs(len(req.documents), "documents")
     docs = [_document_text(d, i) for i, d in enumerate(req.documents)]
     scores, prompts = await relevance_scores(engine, [(req.query, d) for d in docs], req.template, http)
     order = sorted(range(len(docs)), key=lambda i: scores[i], reverse=True)

@@ -1,0 +1,64 @@
+"""Unknown request fields: refuse the ones that would change what the answer means,
+ignore the rest with one warning line, as vLLM does.
+
+Accepting `response_format` or `tools` and answering with free text would hand a client
+a different kind of answer than it asked for, with a 200.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel
+
+from prelude.entrypoints.openai.errors import APIError
+
+logger = logging.getLogger("prelude.server")
+
+
+def _harmless_response_format(v: Any) -> bool:
+    return isinstance(v, dict) and v.get("type") == "text" and len(v) == 1
+
+
+# Field -> predicate of the values that change nothing (the field's "off" values).
+_ANSWER_CHANGING: dict[str, Any] = {
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or _harmless_response_format(v),
+    "logit_bias": lambda v: not v,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "best_of": lambda v: v in (None, 1),
+    "use_beam_search": lambda v: not v,
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "min_tokens": lambda v: v in (None, 0),
+    "bad_words": lambda v: not v,
+    "allowed_token_ids": lambda v: v is None,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "prompt_embeds": lambda v: v is None,
+    "logits_processors": lambda v: not v,
+    "prediction": lambda v: v is None,
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "n_best": lambda v: v is None,
+}
+
+
+def check_unknown_fields(body: BaseModel, route: str) -> None:
+    """400 naming the first answer-changing field that is set; one warning for the rest."""
+    extra = body.model_extra or {}
+    for name, value in extra.items():
+        harmless = _ANSWER_CHANGING.get(name)
+        if harmless is not None and not harmless(value):
+            raise APIError(f"{name} is not supported by this server; the request was not run "
+                           "(ignoring it would change what the answer means)", param=name,
+                           code="unsupported_parameter")
+    ignored = sorted(n for n in extra if n not in _ANSWER_CHANGING)
+    if ignored:
+        logger.warning("%s: ignoring unknown fields %s", route, ", ".join(ignored))

@@ -1,0 +1,165 @@
+"""Admission at the HTTP door: a bound on requests waiting to start (429), refusal while
+draining (503), and the count of requests in flight that a graceful drain waits for.
+
+Everything here runs on the server's event loop thread, so plain counters suffice: a
+check and its reservation happen in one synchronous stretch, with no await between them,
+so a burst can not slip past the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from prelude.entrypoints.openai.errors import APIError
+from prelude.entrypoints.openai.observe import RequestRecord
+
+
+class Ticket:
+    """One admitted HTTP request: counted as waiting until its first engine output, and
+    as active until its response is done. Both releases are idempotent."""
+
+    def __init__(self, gate: AdmissionGate) -> None:
+        self._gate = gate
+        self._waiting = True
+        self._active = True
+
+    def started(self) -> None:
+        """The engine produced something for this request: it no longer waits."""
+        if self._waiting:
+            self._waiting = False
+            self._gate.waiting -= 1
+
+    def close(self) -> None:
+        self.started()
+        if self._active:
+            self._active = False
+            self._gate.active -= 1
+            if self._gate.active == 0:
+                self._gate.idle.set()
+
+
+@dataclass
+class AdmissionGate:
+    """`max_waiting`: None = unbounded. `retry_after_s` goes into 429's Retry-After header."""
+
+    max_waiting: int | None = None
+    retry_after_s: int = 1
+    waiting: int = 0
+    active: int = 0
+    draining: bool = False
+    rejected_overload: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def enter(self) -> Ticket:
+        """Admit one request or raise APIError 429 (full) / 503 (draining)."""
+        if self.draining:
+            raise APIError("the server is shutting down and accepts no new requests", 503,
+                           code="server_shutting_down")
+        if self.max_waiting is not None and self.waiting >= self.max_waiting:
+            self.rejected_overload += 1
+            raise APIError(
+                f"the server is overloaded: {self.waiting} requests are already waiting "
+                f"(--max-waiting-requests {self.max_waiting}); retry later",
+                429, code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)},
+            )
+        self.waiting += 1
+        self.active += 1
+        self.idle.clear()
+        return Ticket(self)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no admitted request is in flight; False if `timeout_s` passed first."""
+        if self.active == 0:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while self.active > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.idle.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                return self.active == 0
+        return True
+
+
+class RequestTimeout(APIError):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request did not finish within the server's {seconds:g} s request timeout; "
+                         "it was aborted", 408, code="request_timeout")
+
+
+class GatedEngine:
+    """The EngineClient one HTTP request sees: every engine call marks its ticket started
+    at the first output, and, with a deadline, is cut off (and so aborted, its blocks
+    freed) when the deadline passes. Everything else is the wrapped engine's."""
+
+    def __init__(self, engine: Any, ticket: Ticket, timeout_s: float | None,
+                 record: RequestRecord | None = None) -> None:
+        self._engine = engine
+        self._ticket = ticket
+        self._record = record
+        self._t0 = time.monotonic()
+        self._timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def _saw(self, out: Any, first: bool) -> None:
+        """Count one engine output into the request's log record."""
+        self._ticket.started()
+        r = self._record
+        if r is None:
+            return
+        if r.first_output_s is None:
+            r.first_output_s = time.monotonic() - self._t0
+        if first:
+            r.prompt_tokens += out.num_prompt_tokens
+        r.output_tokens += len(out.new_token_ids)
+
+    def _left(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        if self._record is not None:
+            self._record.saw_class("oneshot" if params.max_tokens is not None and params.max_tokens <= 1 else "decode")
+        stream = self._engine.generate(request_id, prompt_token_ids, params)
+        first = True
+        try:
+            while True:
+                left = self._left()
+                try:
+                    if left is None:
+                        out = await stream.__anext__()
+                    else:
+                        out = await asyncio.wait_for(stream.__anext__(), timeout=left)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(self._timeout_s or 0.0) from None
+                self._saw(out, first)
+                first = False
+                yield out
+        finally:
+            await stream.aclose()  # early close aborts the engine request
+
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: Any) -> Any:
+        if self._record is not None:
+            self._record.saw_class("oneshot")
+        try:
+            left = self._left()
+            if left is None:
+                out = await self._engine.encode(request_id, prompt_token_ids, pooling)
+            else:
+                try:
+                    out = await asyncio.wait_for(self._engine.encode(request_id, prompt_token_ids, pooling), left)
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(self._timeout_s or 0.0) from None
+        finally:
+            self._ticket.started()
+        self._saw(out, True)
+        return out

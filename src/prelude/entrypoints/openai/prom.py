@@ -1,0 +1,142 @@
+"""Prometheus metrics through prometheus_client, one registry per app.
+
+Names follow vLLM's where an equivalent exists, under a `prelude:` prefix instead of
+`vllm:` (so an existing dashboard needs only the prefix changed): running/waiting
+requests, KV cache usage, prefix-cache queries/hits, TTFT/TPOT/E2E/queue-time
+histograms, prompt/generation tokens, finished requests by reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prelude.engine.metrics import RequestMetrics
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets for the same histograms (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _EngineGauges(Collector):
+    """Gauges and engine-owned counters, read from the engine at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, float]], model_name: str,
+                 extra: Callable[[], dict[str, float]] | None = None) -> None:
+        self._read = read
+        self._model = model_name
+        self._extra = extra
+
+    def _gauge(self, name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name", *labels])
+        g.add_metric([self._model, *labels.values()], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([self._model], value)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._read()
+        get = lambda key: float(m.get(key, 0.0))  # noqa: E731 - fakes report fewer keys
+        running = GaugeMetricFamily("prelude:num_requests_running", "Requests in model execution (by class).",
+                                    labels=["model_name", "exec_class"])
+        running.add_metric([self._model, "decode"], get("requests_running_decode"))
+        yield running
+        waiting = GaugeMetricFamily("prelude:num_requests_waiting", "Requests waiting to be scheduled (by class).",
+                                    labels=["model_name", "exec_class"])
+        waiting.add_metric([self._model, "decode"], get("requests_waiting_decode"))
+        waiting.add_metric([self._model, "oneshot"], get("requests_waiting_oneshot"))
+        yield waiting
+        total, free, cached = get("kv_blocks_total"), get("kv_blocks_free"), get("kv_blocks_cached_evictable")
+        used = max(0.0, total - free - cached)
+        yield self._gauge("prelude:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent of blocks held.",
+                          used / total if total else 0.0)
+        blocks = GaugeMetricFamily("prelude:kv_blocks", "KV blocks by state: used (held by requests), free, "
+                                   "cached (unreferenced, reusable by prefix hits)", labels=["model_name", "state"])
+        for state, value in (("used", used), ("free", free), ("cached", cached)):
+            blocks.add_metric([self._model, state], value)
+        yield blocks
+        yield self._counter("prelude:prefix_cache_queries", "Prefix-cache lookups (requests).",
+                            get("prefix_cache_queries_total"))
+        yield self._counter("prelude:prefix_cache_hits", "Prefix-cache lookups that reused blocks.",
+                            get("prefix_cache_hits_total"))
+        yield self._counter("prelude:prefix_cache_reused_tokens", "Prompt tokens served from the prefix cache.",
+                            get("prefix_reused_tokens_total"))
+        yield self._counter("prelude:prefix_cache_computed_tokens", "Prompt tokens computed (not reused).",
+                            get("prefix_computed_tokens_total"))
+        yield self._counter("prelude:prefix_cache_evicted_blocks", "Cached blocks evicted.",
+                            get("prefix_evicted_blocks_total"))
+        yield self._counter("prelude:prefix_cache_deferred_requests", "Requests deferred one step for a leader.",
+                            get("prefix_deferred_requests_total"))
+        for name, value in (self._extra() if self._extra else {}).items():
+            yield self._counter(f"prelude:{name}", name.replace("_", " "), value)
+
+
+class ServerMetrics:
+    """The app's registry. The engine thread reports finished requests and steps
+    (EngineObserver); the HTTP layer counts requests by route, status and class."""
+
+    def __init__(self, engine: Any, extra: Callable[[], dict[str, float]] | None = None) -> None:
+        self.model_name = engine.model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+        self.http_requests = Counter("prelude:http_requests", "HTTP requests by route, status and execution class.",
+                                     ["route", "status", "exec_class"], registry=r)
+        self.request_success = Counter("prelude:request_success", "Finished requests by finish reason.",
+                                       [*labels, "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("prelude:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("prelude:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.ttft = Histogram("prelude:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("prelude:time_per_output_token_seconds", "Time per output token after the first.",
+                              labels, buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("prelude:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("prelude:request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.step = Histogram("prelude:step_duration_seconds", "Duration of one engine step by batch kind.",
+                              [*labels, "kind"], buckets=_STEP_BUCKETS, registry=r)
+        self.step_tokens = Counter("prelude:step_tokens", "Tokens computed by engine steps, by batch kind.",
+                                   [*labels, "kind"], registry=r)
+        r.register(_EngineGauges(engine.metrics, self.model_name, extra))
+
+    # --- EngineObserver (engine thread) ------------------------------------------------
+
+    def request_finished(self, m: RequestMetrics) -> None:
+        model = self.model_name
+        self.request_success.labels(model, m.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(model).inc(m.prompt_tokens)
+        self.generation_tokens.labels(model).inc(m.output_tokens)
+        if m.ttft_s is not None:
+            self.ttft.labels(model).observe(m.ttft_s)
+        if m.tpot_s is not None:
+            self.tpot.labels(model).observe(m.tpot_s)
+        if m.jct_s is not None:
+            self.e2e.labels(model).observe(m.jct_s)
+        if m.queue_s is not None:
+            self.queue.labels(model).observe(m.queue_s)
+
+    def step_finished(self, kind: str, seconds: float, num_tokens: int) -> None:
+        self.step.labels(self.model_name, kind).observe(seconds)
+        self.step_tokens.labels(self.model_name, kind).inc(num_tokens)
+
+    # --- HTTP -----------------------------------------------------------------------
+
+    def count_request(self, route: str, status: int, exec_class: str) -> None:
+        self.http_requests.labels(route, str(status), exec_class).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
