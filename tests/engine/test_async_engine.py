@@ -45,9 +45,12 @@ def test_concurrent_streams_match_sequential(hf_model) -> None:  # noqa: ANN001
 
 
 def test_closing_a_stream_aborts_and_frees(hf_model) -> None:  # noqa: ANN001
+    """Fails with a no-op `LLMEngine.abort`: the generations are long (ignore_eos, 400
+    tokens), so without the abort they would run to the end and be recorded as finished;
+    with it none of them finishes and every block is back."""
     engine = tiny_engine(hf_model)
     front = AsyncEngine(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
     async def run() -> None:
         streams = [front.generate(f"a{i}", [1, 2, 3, i], params) for i in range(4)]
@@ -55,7 +58,7 @@ def test_closing_a_stream_aborts_and_frees(hf_model) -> None:  # noqa: ANN001
             await s.__anext__()
         for s in streams:
             await s.aclose()
-        for _ in range(200):  # the engine thread applies the aborts at its next step
+        for _ in range(3000):  # the engine thread applies the aborts at its next step
             if not engine.has_unfinished():
                 break
             await asyncio.sleep(0.01)
@@ -63,6 +66,7 @@ def test_closing_a_stream_aborts_and_frees(hf_model) -> None:  # noqa: ANN001
     asyncio.run(run())
     assert not engine.has_unfinished()
     front.shutdown()
+    assert not [m.request_id for m in engine.finished_metrics]  # aborted, none ran to its end
     engine.check_integrity()
     assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 

@@ -60,9 +60,20 @@ def test_admission_classes(hf_model: Any) -> None:
     assert forced.prepare("e", [1, 2], SamplingParams(max_tokens=1)).exec_class is ExecClass.DECODE
 
 
-def test_oneshot_burst_leaves_the_block_pool_untouched(hf_model: Any) -> None:
-    """OneShot traffic next to running decodes: pool state identical step by step."""
-    engine = tiny_engine(hf_model, num_blocks=64, prefix_caching=False)
+def _held_kv(engine: LLMEngine) -> list[torch.Tensor]:
+    """Copies of the KV of every block a request holds (the running decodes')."""
+    held = sorted({b for table in engine.kv.holders().values() for b in table})
+    index = torch.tensor(held, dtype=torch.long)
+    return [t[index].clone() for layer in engine.runner.kv_caches for t in layer]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "default-cache"])
+def test_oneshot_burst_leaves_the_block_pool_untouched(hf_model: Any, prefix_caching: bool) -> None:
+    """OneShot traffic next to running decodes. Without the prefix cache the pool state is
+    identical step by step; with it (the default) a OneShot step may only add cached,
+    unreferenced blocks (its published prompt blocks): no request's blocks change, and
+    the KV of every block a decode holds is bit-identical."""
+    engine = tiny_engine(hf_model, num_blocks=64, prefix_caching=prefix_caching)
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i, p in enumerate(prompts(3, seed=1)):
         engine.add_request(f"d{i}", p, greedy)
@@ -84,16 +95,27 @@ def test_oneshot_burst_leaves_the_block_pool_untouched(hf_model: Any) -> None:
     while engine.has_unfinished():
         pool = engine.kv.pool
         before = (list(pool._free), list(pool._ref_counts), {k: list(v) for k, v in engine.kv.holders().items()})
+        kv_before = _held_kv(engine)
         plan_is_oneshot = bool(engine.scheduler.oneshot_waiting) and not engine.scheduler._last_was_oneshot
         outs = engine.step()
         done += sum(o.finished for o in outs)
         if plan_is_oneshot:
             after = (list(pool._free), list(pool._ref_counts), {k: list(v) for k, v in engine.kv.holders().items()})
-            assert after == before  # a OneShot step allocates, frees and writes nothing
+            if not prefix_caching:
+                assert after == before  # a OneShot step allocates, frees and writes nothing
+            else:
+                assert after[1] == before[1] and after[2] == before[2]  # no reference kept, no table touched
+                taken = set(before[0]) - set(after[0])
+                assert all(pool.is_cached(b) and pool.ref_count(b) == 0 for b in taken)
+                assert pool.num_evictable_blocks >= len(taken)
+            for a, b in zip(kv_before, _held_kv(engine), strict=True):
+                assert torch.equal(a, b)  # the decodes' KV is untouched
             kinds.add(OneShotBatch)
         engine.check_integrity()
     assert done == 43 and OneShotBatch in kinds
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks  # every block free or cached
+    if not prefix_caching:
+        assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
 def test_oneshot_generation_equals_decode_path(hf_model: Any) -> None:

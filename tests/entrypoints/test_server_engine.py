@@ -3,6 +3,7 @@ KV blocks freed after a burst of streams the clients abandon."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -56,9 +57,17 @@ def test_openai_client_completion_chat_and_stream(served) -> None:  # noqa: ANN0
     engine.check_integrity()
 
 
+def _finished_ids(engine: LLMEngine) -> set[str]:
+    return {m.request_id for m in engine.finished_metrics}
+
+
 def test_abandoned_streams_free_their_blocks(served) -> None:  # noqa: ANN001
+    """Fails with a no-op `LLMEngine.abort`: 240-token ignore_eos generations would run
+    to their end and be recorded as finished; aborted, none of them is."""
     base, engine = served
-    body = {"prompt": "abandon me", "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0}
+    _wait_idle(engine)
+    before = _finished_ids(engine)
+    body = {"prompt": "abandon me", "max_tokens": 240, "stream": True, "ignore_eos": True, "temperature": 0}
 
     def open_and_drop() -> None:
         with httpx.Client(timeout=10) as c:
@@ -73,10 +82,31 @@ def test_abandoned_streams_free_their_blocks(served) -> None:  # noqa: ANN001
         t.start()
     for t in threads:
         t.join()
-    _wait_idle(engine)
+    _wait_idle(engine, 60)
     assert not engine.has_unfinished()
+    assert _finished_ids(engine) == before  # every generation was aborted, none finished
     engine.check_integrity()
     assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
     # ... and the server still serves.
     r = httpx.post(base + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=10)
     assert r.status_code == 200
+
+
+def test_non_streaming_client_that_leaves_is_aborted_and_logged_as_cancel(served, caplog) -> None:  # noqa: ANN001
+    base, engine = served
+    _wait_idle(engine)
+    before = _finished_ids(engine)
+    body = {"prompt": "leave early", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    with caplog.at_level(logging.INFO):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json=body, timeout=0.3)
+        _wait_idle(engine, 60)
+        for _ in range(100):  # the access line is written once the handler has returned
+            if any("cancelled" in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.05)
+    assert not engine.has_unfinished() and _finished_ids(engine) == before
+    engine.check_integrity()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("cancelled") and " 499 " in line for line in lines), lines
+    assert not any("unhandled error" in line for line in lines), lines
