@@ -11,7 +11,7 @@ import torch
 
 from prelude import SamplingParams
 from prelude.engine.async_engine import AsyncEngine, EngineStepError
-from prelude.engine.batch import OneShotBatch
+from prelude.forward_batch import OneShotBatch
 from prelude.engine.errors import EngineDeadError, StepFailed
 from prelude.engine.request import PoolingParams, PoolingTask
 from prelude.model import heads
@@ -200,8 +200,8 @@ def test_prompt_logprobs_are_projected_in_chunks() -> None:
         rows_seen.append(h.shape[0])
         return h @ weight.T
 
-    whole = heads.prompt_token_logprobs(hidden, logits, tokens, 3, chunk=1000)
-    chunked = heads.prompt_token_logprobs(hidden, logits, tokens, 3, chunk=8)
+    whole = heads.prompt_token_logprobs(logits, hidden, tokens, 3, chunk=1000)
+    chunked = heads.prompt_token_logprobs(logits, hidden, tokens, 3, chunk=8)
     assert max(rows_seen[1:]) == 8 and len(rows_seen) == 1 + 5  # [n, V] never built at once
     for a, b in zip(whole, chunked, strict=True):
         assert a is not None and b is not None and torch.allclose(a.float(), b.float())

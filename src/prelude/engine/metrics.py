@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from prelude.engine.batch import DecodeBatch, MixedBatch, OneShotBatch
+from prelude.forward_batch import DecodeBatch, MixedBatch, OneShotBatch
 from prelude.engine.request import Request
 
 
