@@ -97,3 +97,20 @@ def test_integrity_check_catches_a_leak() -> None:
     kv.pool.allocate(1)  # nobody records holding it
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+def test_oneshot_hold_counts_pinned_prefix_blocks_as_taken() -> None:
+    """Pinning an evictable prefix takes it out of the available blocks: the publish
+    budget is checked after the pin (found by the soak: NoFreeBlocksError mid-schedule)."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    prompt = tokens(24)
+    assert kv.allocate("a", 24)
+    kv.cache_computed("a", prompt, 24)
+    kv.free("a")  # six cached, evictable blocks; 8 available in all
+    prefix = kv.match(prompt + [1])
+    assert len(prefix) == 6 and kv.num_available_blocks == 8
+    held = kv.hold_for_step(prefix, publish=3)  # 3 <= 8 before the pin, but only 2 after it
+    assert held == []  # nothing published this time, and nothing raised
+    kv.end_step(prompt + [1], prefix, held)
+    kv.check_integrity()
+    assert kv.num_available_blocks == 8

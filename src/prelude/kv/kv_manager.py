@@ -98,9 +98,11 @@ class KVCacheManager:
     def hold_for_step(self, prefix_blocks: list[int], publish: int) -> list[int] | None:
         """Pin a OneShot row's prefix and allocate `publish` blocks to write its own full
         prompt blocks into; None (nothing taken) if the pool has no room for them."""
+        self.pool.acquire(prefix_blocks)
+        # Checked after pinning: pinned prefix blocks that were evictable are no longer
+        # available, so checking before could promise blocks the pool no longer has.
         if publish and publish > self.pool.num_available_blocks:
             publish = 0
-        self.pool.acquire(prefix_blocks)
         return self.pool.allocate(publish) if publish else []
 
     def end_step(self, tokens: list[int], prefix_blocks: list[int], publish_blocks: list[int]) -> None:
