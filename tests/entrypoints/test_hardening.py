@@ -225,3 +225,11 @@ async def test_prometheus_exposition_with_vllm_names() -> None:
                 for s in families["prelude:http_requests"].samples if s.name.endswith("_total")}
     assert requests[("/v1/completions", "200", "oneshot")] == 1
     assert requests[("/v1/completions", "400", "none")] == 1
+
+
+async def test_tokenizer_fallback_counter_is_exported() -> None:
+    engine = FakeEngine()
+    engine.tokenizer.fallback_count = 3  # type: ignore[attr-defined]  # fasttoken's accessor
+    async with _client(build_app(engine)) as c:
+        text = (await c.get("/metrics")).text
+    assert 'prelude:tokenizer_fallbacks_total{model_name="fake-model"} 3.0' in text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -45,10 +45,13 @@ from prelude.entrypoints.openai.serving_tokens import detokenize, tokenize
 VERSION = "0.1.0"
 
 
-def _tokenizer_counters(engine: EngineClient) -> Any:
-    """Counters the tokenizer keeps (e.g. fallbacks to HF), exported when it has any."""
-    read = getattr(engine.tokenizer, "counters", None)
-    return read if callable(read) else None
+def _tokenizer_counters(engine: EngineClient) -> Callable[[], dict[str, float]] | None:
+    """fasttoken's safety net, exported as `prelude:tokenizer_fallbacks_total`: encodes
+    that HF answered because the fast core failed (absent for tokenizers without one)."""
+    tokenizer = engine.tokenizer
+    if not hasattr(tokenizer, "fallback_count"):
+        return None
+    return lambda: {"tokenizer_fallbacks": float(tokenizer.fallback_count)}
 
 
 def _check_model(engine: EngineClient, name: str | None) -> None:
