@@ -32,11 +32,14 @@ def _ids(tokenizer: Any, n: int, rng: random.Random) -> list[int]:
 
 
 def _metrics(base: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split()
-            out[name.removeprefix("prelude_")] = float(value)
+    """Prometheus samples by name without the `prelude:` prefix, summed over label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("prelude:")
+            out[name] = out.get(name, 0.0) + sample.value
     return out
 
 
@@ -90,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             before = _metrics(base)
             rps = asyncio.run(_run(base, burst, len(burst)))
             after = _metrics(base)
-        computed = after["prefix_computed_tokens_total"] - before["prefix_computed_tokens_total"]
-        reused = after["prefix_reused_tokens_total"] - before["prefix_reused_tokens_total"]
+        computed = after["prefix_cache_computed_tokens_total"] - before["prefix_cache_computed_tokens_total"]
+        reused = after["prefix_cache_reused_tokens_total"] - before["prefix_cache_reused_tokens_total"]
         result[f"burst_{mode}"] = {
             "req_per_s": rps, "computed_prompt_tokens": computed, "reused_prompt_tokens": reused,
             "prefix_computations": (computed - len(burst) * args.item_tokens) / args.prefix_tokens,
-            "deferred": after["prefix_deferred_requests_total"],
+            "deferred": after["prefix_cache_deferred_requests_total"],
         }
 
     print(f"judge ({args.prefix_tokens}-token rubric + {args.item_tokens}-token item, 1 out, c=16):")
