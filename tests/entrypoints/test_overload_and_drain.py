@@ -145,7 +145,7 @@ def test_prelude_serve_exits_0_after_sigterm_drain() -> None:
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "prelude.cli", "serve", "--port", str(port),
-                             "--shutdown-timeout", "60", "--log-level", "warning"],
+                             "--shutdown-timeout", "300", "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -157,14 +157,14 @@ def test_prelude_serve_exits_0_after_sigterm_drain() -> None:
                 time.sleep(0.1)
         started = threading.Event()
         with ThreadPoolExecutor(2) as pool:
-            body = {"prompt": "Count to twenty:", "max_tokens": 24, "ignore_eos": True, "stream": True}
+            body = {"prompt": "Count to twenty:", "max_tokens": 8, "ignore_eos": True, "stream": True}
             future = pool.submit(_stream, base, body, started)
             assert started.wait(120)
             proc.send_signal(signal.SIGTERM)
-            status, events = future.result(timeout=120)
+            status, events = future.result(timeout=300)
         assert status == 200 and events[-1] == "[DONE]"
-        assert events[-2]["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(timeout=60) == 0
+        assert events[-2].get("choices", [{}])[0].get("finish_reason") == "length", events[-3:]
+        assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
