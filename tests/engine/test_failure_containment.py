@@ -32,16 +32,16 @@ class _Boom(RuntimeError):
 
 def _fail_oneshot_steps(engine: Any, times: int = 1) -> list[int]:
     """Make the next `times` OneShot forwards raise, as an out-of-memory would."""
-    real = engine.runner.execute
+    real = engine.runner.launch
     left = [times]
 
-    def execute(batch: Any) -> Any:
+    def launch(batch: Any) -> Any:
         if isinstance(batch, OneShotBatch) and left[0] > 0:
             left[0] -= 1
             raise _Boom("simulated out of memory")
         return real(batch)
 
-    engine.runner.execute = execute
+    engine.runner.launch = launch
     return left
 
 
@@ -69,7 +69,7 @@ def test_failed_oneshot_step_releases_its_held_blocks(hf_model: Any) -> None:
     engine.check_integrity()
     assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks  # nothing leaked
     # ... and the engine still serves the same prompts.
-    engine.runner.execute = type(engine.runner).execute.__get__(engine.runner)
+    engine.runner.launch = type(engine.runner).launch.__get__(engine.runner)
     engine.add_request("after", shared + [7, 8, 9], SamplingParams(max_tokens=0, prompt_logprobs=0))
     outs = []
     while engine.has_unfinished():
@@ -83,11 +83,16 @@ def test_failed_decode_step_frees_the_tables_of_its_requests(hf_model: Any) -> N
     for i in range(3):
         engine.add_request(f"d{i}", [5, 6, 7, i], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
-    real = engine.runner.execute
-    engine.runner.execute = lambda batch: (_ for _ in ()).throw(_Boom("kernel error"))
+    real = engine.runner.launch
+
+    class _FailsOnWait:  # a device error surfaces when the result is awaited
+        def wait(self) -> Any:
+            raise _Boom("kernel error")
+
+    engine.runner.launch = lambda batch: _FailsOnWait()
     with pytest.raises(StepFailed) as failed:
         engine.step()
-    engine.runner.execute = real
+    engine.runner.launch = real
     assert sorted(failed.value.request_ids) == ["d0", "d1", "d2"]
     engine.check_integrity()
     assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
