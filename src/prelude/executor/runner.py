@@ -20,6 +20,7 @@ from prelude.executor.host_copy import HostCopy, HostValue
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
 from prelude.executor.sampler import sample
+from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import (
     BatchOutput,
     BatchRow,
@@ -86,6 +87,7 @@ class ModelRunner:
         self.block_size = block_size
         self.config = config or ExecutorConfig(device=str(model.device))
         self.kv_caches: KVCaches = []
+        self.emittable_vocab: int | None = None  # the tokenizer's table: head rows past it are never sampled
         cfg = model.config
         self.info = ModelInfo(
             vocab_size=int(cfg.vocab_size),
@@ -119,6 +121,10 @@ class ModelRunner:
         attention = get_attention_backend(config.attention_backend, device)
         model = build_model(model_config, weights, dtype, device, attention, max_positions)  # type: ignore[arg-type]
         return cls(model, block_size, config)
+
+    def limit_sampled_vocab(self, emittable: int) -> None:
+        """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""
+        self.emittable_vocab = emittable
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.model.allocate_kv_cache(num_blocks, self.block_size)
@@ -269,7 +275,7 @@ class ModelRunner:
         want = [(rid, starts[i] + len(tok) - 1, spec) for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
         if want:
             (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
-            logits = self.model.compute_logits(hidden.index_select(0, index))
+            logits = mask_padded_vocab(self.model.compute_logits(hidden.index_select(0, index)), self.emittable_vocab)
             for (rid, _, _), tok in zip(want, sample(logits, [s for _, _, s in want])):
                 sampled[rid] = tok
         copy = HostCopy()

@@ -94,6 +94,11 @@ def build_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
             kind = "counter" if name.endswith("_total") else "gauge"
             lines.append(f"# TYPE prelude_{name} {kind}")
             lines.append(f"prelude_{name} {value}")
+        # fasttoken's safety net: encodes HF answered because the Rust core panicked.
+        fallbacks = getattr(engine.tokenizer, "fallback_count", None)
+        if fallbacks is not None:
+            lines.append("# TYPE prelude_tokenizer_fallbacks_total counter")
+            lines.append(f"prelude_tokenizer_fallbacks_total {fallbacks}")
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/request_metrics")

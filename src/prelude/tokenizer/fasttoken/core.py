@@ -27,6 +27,9 @@ from prelude.tokenizer.fasttoken.spec import Unsupported, read_spec
 
 logger = logging.getLogger("prelude.fasttoken")
 
+# Bumped whenever encode/decode behaviour changes: cached gate verdicts are keyed on it.
+FASTTOKEN_VERSION = "2"
+
 # Input classes logged per tokenizer before it stops logging new ones.
 _MAX_LOGGED_CLASSES = 64
 
