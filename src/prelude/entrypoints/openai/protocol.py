@@ -22,7 +22,9 @@ def first_unencodable(value: Any, path: str = "") -> tuple[str, str] | None:
         return (path, found.group()) if found else None
     if isinstance(value, dict):
         for key, item in value.items():
-            sub = f"{path}.{key}" if path else str(key)
+            # The path goes into the error body: a surrogate in a key is spelled out escaped.
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+            sub = f"{path}.{name}" if path else name
             hit = first_unencodable(key, sub) or first_unencodable(item, sub)
             if hit:
                 return hit
