@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import tiktoken
+from tokenizers import normalizers
 
 from prelude.tokenizer.fasttoken.byte_gaps import ByteGapEncoder, missing_single_bytes
 from prelude.tokenizer.fasttoken.spec import Unsupported, read_spec
@@ -28,7 +29,7 @@ from prelude.tokenizer.fasttoken.spec import Unsupported, read_spec
 logger = logging.getLogger("prelude.fasttoken")
 
 # Bumped whenever encode/decode behaviour changes: cached gate verdicts are keyed on it.
-FASTTOKEN_VERSION = "2"
+FASTTOKEN_VERSION = "3"
 
 # Input classes logged per tokenizer before it stops logging new ones.
 _MAX_LOGGED_CLASSES = 64
@@ -96,6 +97,7 @@ class FastTokenizer:
         # The same table with special tokens empty: skip_special_tokens costs nothing.
         self._bytes_skip: tuple[bytes, ...] = tuple(b"" if i in self._special_ids else b for i, b in enumerate(table))
         self._texts: tuple[str, ...] = tuple(b.decode("utf-8", errors="replace") for b in table)
+        self._nfc = normalizers.NFC() if spec.nfc else None
         self._prefix_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._prefix_cache_size = prefix_cache_size
         # Most texts hold no added token: one C-level regex search decides, and the
@@ -138,8 +140,11 @@ class FastTokenizer:
         return self._delegate.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
 
     def _normalize(self, text: str) -> str:
-        if self._spec.nfc and not unicodedata.is_normalized("NFC", text):
-            return unicodedata.normalize("NFC", text)
+        # Python's quick check says whether anything could change (fast, in C); the change
+        # itself is HF's: its Unicode tables are older than Python's, and a mark newer than
+        # them (U+0898, Unicode 14) is not reordered there, so Python's NFC would differ.
+        if self._nfc is not None and not unicodedata.is_normalized("NFC", text):
+            return self._nfc.normalize_str(text)
         return text
 
     def _wrap(self, ids: list[int], add_special_tokens: bool) -> list[int]:
