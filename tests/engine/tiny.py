@@ -45,16 +45,29 @@ class ByteTokenizer:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
 
 
-def hf_tiny_llama(seed: int = 0) -> Any:
+def hf_tiny_llama(seed: int = 0, vocab_size: int = VOCAB) -> Any:
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         eos_token_id=EOS, bos_token_id=None, tie_word_embeddings=False,
     )
     return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+def hf_tiny_qwen3(vocab_size: int, seed: int = 0) -> Any:
+    """A random-weight Qwen3-shaped model (q/k norm) whose head has `vocab_size` rows."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return transformers.Qwen3ForCausalLM(cfg).float().eval()
 
 
 def tiny_engine(
@@ -73,6 +86,7 @@ def tiny_engine(
     device: str = "cpu",
     dtype: str = "float32",
     enforce_eager: bool = False,
+    tokenizer: Any = None,
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
@@ -91,4 +105,4 @@ def tiny_engine(
             force_decode=force_decode,
         ),
     )
-    return LLMEngine(runner, ByteTokenizer(), engine_cfg, "tiny-llama")
+    return LLMEngine(runner, tokenizer if tokenizer is not None else ByteTokenizer(), engine_cfg, "tiny-llama")

@@ -121,3 +121,93 @@ def test_prefix_reuse_equals_full_encode(smol_json: Path) -> None:
         assert fast.encode_with_prefix(rubric, suffix) == fast.encode(rubric + suffix)
     for prefix, suffix in [("no newline at end", " then"), ("ends\n", " space first"), ("ends\n", "\nnewline")]:
         assert fast.encode_with_prefix(prefix, suffix) == fast.encode(prefix + suffix)  # unsafe joints re-encode
+
+
+def _real_panic() -> BaseException:
+    """A genuine pyo3 PanicException from tiktoken's core (a piece whose byte has no rank)."""
+    import tiktoken
+
+    core = tiktoken.Encoding("panics", pat_str=".", mergeable_ranks={b"a": 0}, special_tokens={})._core_bpe
+    try:
+        core.encode_single_piece(b"b")
+    except BaseException as exc:  # noqa: BLE001 - PanicException derives from BaseException
+        return exc
+    raise AssertionError("tiktoken did not panic")
+
+
+class PanickingCore:
+    """Stands in for the Rust core: panics on every text holding a 'Q'."""
+
+    def __init__(self, core: object, panic: BaseException) -> None:
+        self._core, self._panic = core, panic
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        if "Q" in text:
+            raise self._panic
+        return self._core.encode_ordinary(text)  # type: ignore[attr-defined]
+
+
+def test_a_core_panic_is_answered_by_hf_counted_and_logged_once(
+    smol_json: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fast, hf = FastTokenizer(smol_json), RustTokenizer.from_file(str(smol_json))
+    panic = _real_panic()
+    assert not isinstance(panic, Exception)  # what makes it dangerous: `except Exception` misses it
+    fast._core = PanickingCore(fast._core, panic)  # type: ignore[assignment]
+    texts = ["Quite so", "Q and A<|im_end|>", "ok", "Quiet Q", "中文Q"]
+    with caplog.at_level("WARNING", logger="prelude.fasttoken"):
+        for text in texts:
+            for special in (True, False):
+                assert fast.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special).ids
+        assert fast.encode_batch(texts * 5) == [e.ids for e in hf.encode_batch(texts * 5)]
+        assert fast.encode_with_prefix("rubric\n", "Quiz") == hf.encode("rubric\nQuiz").ids
+    assert fast.fallback_count == 2 * 4 + 5 * 4 + 1
+    logged = [r for r in caplog.records if "panicked" in r.getMessage()]
+    # One line per input class (the set of Unicode categories), never the text itself:
+    # Ll+Lu+Zs ("Quite so", "Quiet Q"), Ll+Lu+Pc+Sm+Zs, Lo+Lu, Cc+Ll+Lu (the prefixed text).
+    assert len(logged) == 4
+    assert all("Quite" not in r.getMessage() for r in logged)
+    # The gate does not let the safety net hide a flawed core.
+    assert "panicked" in (compare(fast, RustTokenizer.from_file(str(smol_json)), ("Q",)) or "")
+
+
+def test_gate_refuses_a_core_without_the_byte_gap_path(smol_json: Path) -> None:
+    """SmolLM2 lacks single-byte tokens (e.g. 0xF2): the tokenizer as it was before the fix
+    (every text through tiktoken) is now refused by the built-in corpus."""
+    fast = FastTokenizer(smol_json)
+    assert fast._gaps is not None
+    fast._gaps = None
+    assert "panicked" in (compare(fast, RustTokenizer.from_file(str(smol_json))) or "")
+
+
+def test_rare_code_points_from_the_issue_equal_hf(smol_json: Path) -> None:
+    fast, hf = FastTokenizer(smol_json), RustTokenizer.from_file(str(smol_json))
+    assert fast.encode("\U00081832") == [219, 250, 127] == hf.encode("\U00081832").ids
+    for text in ["\U0005b3e8ⅈT\ue671眥", "\uf552ٗ밡0\U00081832", "\ue6fa锟볡U\U000780a1", ".\x04.", "\U00081832" * 40]:
+        assert fast.encode(text) == hf.encode(text).ids
+    assert fast.fallback_count == 0
+
+
+def test_verdict_is_keyed_on_versions_and_a_corrupt_one_is_rechecked(
+    smol_json: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiktoken
+
+    from prelude.tokenizer.fasttoken import gate
+
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))
+    assert check(smol_json)[1] == "equal"
+    digest = gate.tokenizer_hash(smol_json)
+    path = gate._verdict_file(digest)
+    assert path.exists()
+    monkeypatch.setattr(tiktoken, "__version__", "0.0.0-other")
+    assert gate._verdict_file(digest) != path
+    assert check(smol_json)[1] == "equal"  # a new tiktoken earns its own verdict
+    monkeypatch.undo()
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))
+    for corrupt in ["{not json", "[]", '{"equal": "yes"}', ""]:
+        path.write_text(corrupt)
+        fast, reason = check(smol_json)
+        assert fast is not None and reason == "equal"  # checked again, not crashed
+        assert json.loads(path.read_text())["equal"] is True  # and the verdict rewritten
+    assert check(smol_json)[1] == "equal (cached verdict)"

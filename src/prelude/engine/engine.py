@@ -59,6 +59,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or model_name
         self.tokenizer = tokenizer
         self.runner = runner
+        runner.limit_sampled_vocab(tokenizer.vocab_size)
         self.info = info = runner.info
         block_size = runner.block_size
         limit = config.scheduler.max_model_len or info.max_position_embeddings

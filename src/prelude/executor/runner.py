@@ -22,6 +22,7 @@ from prelude.executor.host_copy import HostCopy, HostValue
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
 from prelude.executor.sampler import sample_deferred
+from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import (
     BatchOutput,
     BatchRow,
@@ -102,6 +103,7 @@ class ModelRunner:
         self.kv_caches: KVCaches = []
         self._scratch_slot = 0
         self.graphs: GraphRunner | None = None
+        self.emittable_vocab: int | None = None  # the tokenizer's table: head rows past it are never sampled
         cfg = model.config
         self.info = ModelInfo(
             vocab_size=int(cfg.vocab_size),
@@ -135,6 +137,10 @@ class ModelRunner:
         attention = get_attention_backend(config.attention_backend, device)
         model = build_model(model_config, weights, dtype, device, attention, max_positions)  # type: ignore[arg-type]
         return cls(model, block_size, config)
+
+    def limit_sampled_vocab(self, emittable: int) -> None:
+        """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""
+        self.emittable_vocab = emittable
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the KV manager, plus one scratch block that no request owns:
@@ -319,7 +325,7 @@ class ModelRunner:
         sampled_build = None
         if want:
             (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
-            logits = self.model.compute_logits(hidden.index_select(0, index))
+            logits = mask_padded_vocab(self.model.compute_logits(hidden.index_select(0, index)), self.emittable_vocab)
             sampled_build = sample_deferred(logits, [s for _, _, s in want], copy)
         pending = {rid: self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head, copy)
                    for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prelude.engine.client import AdmissionError
 from prelude.engine.errors import EngineDeadError
 from prelude.engine.request import SamplingParamsError
+from prelude.entrypoints.openai.protocol import UNENCODABLE_TEXT
 
 logger = logging.getLogger("prelude.server")
 
@@ -44,8 +45,15 @@ class APIError(Exception):
         self.headers = headers
 
 
+def _encodable(text: str | None) -> str | None:
+    """The text with anything UTF-8 cannot hold (lone surrogates echoed from a request)
+    escaped: an error body that cannot be encoded would reset the connection instead."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": _TYPES.get(status, "server_error"),
+                      "param": _encodable(param), "code": _encodable(code)}}
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -71,6 +79,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if first.get("type") == UNENCODABLE_TEXT:
+        return str(first.get("msg")), str((first.get("ctx") or {}).get("param"))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param

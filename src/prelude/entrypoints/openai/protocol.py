@@ -5,13 +5,56 @@ range are rejected with a 400."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+# JSON may spell a lone UTF-16 surrogate ("\ud800"); Python then holds a str that no
+# tokenizer can take and that cannot even be written back out as UTF-8.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+UNENCODABLE_TEXT = "unencodable_text"  # the validation error type the error handler names
+
+
+def first_unencodable(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(dotted path, character) of the first string in a JSON value holding a surrogate."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return (path, found.group()) if found else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            # The path goes into the error body: a surrogate in a key is spelled out escaped.
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+            sub = f"{path}.{name}" if path else name
+            hit = first_unencodable(key, sub) or first_unencodable(item, sub)
+            if hit:
+                return hit
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            hit = first_unencodable(item, f"{path}.{i}" if path else str(i))
+            if hit:
+                return hit
+    return None
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8_text_only(cls, data: Any) -> Any:
+        # Every route's text is checked here, once, before any field sees it: the error
+        # names the field (a nested model re-checks its part, which is then clean).
+        hit = first_unencodable(data)
+        if hit is not None:
+            raise PydanticCustomError(
+                UNENCODABLE_TEXT,
+                "{param}: the text holds a lone surrogate (U+{code}), which is not a Unicode character "
+                "and cannot be encoded as UTF-8",
+                {"param": hit[0] or "body", "code": f"{ord(hit[1]):04X}"},
+            )
+        return data
 
 
 class StreamOptions(_Request):

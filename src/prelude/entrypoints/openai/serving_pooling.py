@@ -78,7 +78,10 @@ def _tokens(engine: EngineClient, item: str | list[int], chat: bool = False) -> 
     if isinstance(item, list):
         return item
     if chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": item}], add_generation_prompt=True)
+        try:
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": item}], add_generation_prompt=True)
+        except ValueError as exc:  # the model has no chat template: the request asked for one
+            raise APIError(str(exc), param="use_chat_template") from exc
         return engine.tokenizer.encode(text, add_special_tokens=False)
     return engine.tokenizer.encode(item, add_special_tokens=True)
 

@@ -9,8 +9,10 @@ id -> bytes table.
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 import re
+import threading
 import unicodedata
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +21,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import tiktoken
+from tokenizers import normalizers
 
+from prelude.tokenizer.fasttoken.byte_gaps import ByteGapEncoder, missing_single_bytes
 from prelude.tokenizer.fasttoken.spec import Unsupported, read_spec
+
+logger = logging.getLogger("prelude.fasttoken")
+
+# Bumped whenever encode/decode behaviour changes: cached gate verdicts are keyed on it.
+FASTTOKEN_VERSION = "3"
+
+# Input classes logged per tokenizer before it stops logging new ones.
+_MAX_LOGGED_CLASSES = 64
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -51,6 +63,7 @@ class FastTokenizer:
 
     def __init__(self, path: Path, delegate: Any | None = None, prefix_cache_size: int = 64) -> None:
         spec = read_spec(path)
+        self._path = Path(path)
         self._spec = spec
         self._delegate = delegate
         decoder = _byte_decoder()
@@ -73,6 +86,10 @@ class FastTokenizer:
         self._enc = tiktoken.Encoding(
             name=f"fasttoken-{Path(path).stem}", pat_str=spec.pattern, mergeable_ranks=ranks, special_tokens=specials
         )
+        missing = missing_single_bytes(ranks)
+        if missing and spec.unk_token is not None:
+            raise Unsupported("bytes without a token of their own and an unk token (HF would emit unk)")
+        self._gaps = ByteGapEncoder(missing, spec.pre_tokenizer, self._enc._core_bpe, decoder) if missing else None
         for t in spec.added:
             table[t.id] = _token_bytes(t.content, decoder)
         self._bytes: tuple[bytes, ...] = tuple(table)
@@ -80,6 +97,7 @@ class FastTokenizer:
         # The same table with special tokens empty: skip_special_tokens costs nothing.
         self._bytes_skip: tuple[bytes, ...] = tuple(b"" if i in self._special_ids else b for i, b in enumerate(table))
         self._texts: tuple[str, ...] = tuple(b.decode("utf-8", errors="replace") for b in table)
+        self._nfc = normalizers.NFC() if spec.nfc else None
         self._prefix_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._prefix_cache_size = prefix_cache_size
         # Most texts hold no added token: one C-level regex search decides, and the
@@ -91,6 +109,12 @@ class FastTokenizer:
         # Threads start on first use; an unused pool costs nothing.
         self._workers = os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="fasttoken")
+        # The safety net: a panic in the Rust core is answered by HF instead (counted, and
+        # logged once per input class). The lock guards only that rare path.
+        self._fallbacks = 0
+        self._logged_classes: set[tuple[str, ...]] = set()
+        self._fallback_lock = threading.Lock()
+        self._hf: Any | None = None
 
     # --- the Tokenizer protocol --------------------------------------------------------
 
@@ -116,8 +140,11 @@ class FastTokenizer:
         return self._delegate.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
 
     def _normalize(self, text: str) -> str:
-        if self._spec.nfc and not unicodedata.is_normalized("NFC", text):
-            return unicodedata.normalize("NFC", text)
+        # Python's quick check says whether anything could change (fast, in C); the change
+        # itself is HF's: its Unicode tables are older than Python's, and a mark newer than
+        # them (U+0898, Unicode 14) is not reordered there, so Python's NFC would differ.
+        if self._nfc is not None and not unicodedata.is_normalized("NFC", text):
+            return self._nfc.normalize_str(text)
         return text
 
     def _wrap(self, ids: list[int], add_special_tokens: bool) -> list[int]:
@@ -125,31 +152,76 @@ class FastTokenizer:
             return [*self._spec.prefix_ids, *ids, *self._spec.suffix_ids]
         return ids
 
+    def _ordinary(self, text: str) -> list[int]:
+        """BPE of text holding no added token."""
+        gaps = self._gaps
+        if gaps is not None and gaps.affects(text):
+            return gaps.encode(text)
+        return self._core.encode_ordinary(text)
+
     def _encode_raw(self, text: str) -> list[int]:
         """Added tokens are cut out first (longest match at each position, as HF does),
         the text between them goes through BPE; no per-call set crosses into Rust."""
         if self._special_re is None:
-            return self._core.encode_ordinary(text)
+            return self._ordinary(text)
         out: list[int] | None = None
         pos = 0
         for m in self._special_re.finditer(text):
             if out is None:
                 out = []
             if m.start() > pos:
-                out.extend(self._core.encode_ordinary(text[pos : m.start()]))
+                out.extend(self._ordinary(text[pos : m.start()]))
             out.append(self._added_ids[m.group()])
             pos = m.end()
         if out is None:
-            return self._core.encode_ordinary(text)
+            return self._ordinary(text)
         if pos < len(text):
-            out.extend(self._core.encode_ordinary(text[pos:]))
+            out.extend(self._ordinary(text[pos:]))
         return out
 
+    # --- the safety net ----------------------------------------------------------------
+
+    @property
+    def fallback_count(self) -> int:
+        """Encodes answered by HF because the Rust core panicked (for /metrics)."""
+        return self._fallbacks
+
+    def _hf_backend(self) -> Any:
+        if self._hf is None:
+            backend = getattr(self._delegate, "backend", None)
+            self._hf = backend if backend is not None else _load_hf(self._path)
+        return self._hf
+
+    def _fall_back(self, text: str, add_special_tokens: bool, exc: BaseException) -> list[int]:
+        # The class, not the text: which Unicode categories it holds (no user data in logs).
+        kind = tuple(sorted({unicodedata.category(ch) for ch in text}))
+        with self._fallback_lock:
+            self._fallbacks += 1
+            first = kind not in self._logged_classes and len(self._logged_classes) < _MAX_LOGGED_CLASSES
+            if first:
+                self._logged_classes.add(kind)
+        if first:
+            logger.warning("fasttoken core panicked (%s) on a text of %d characters in categories %s; "
+                           "HF tokenizers answers such calls", exc, len(text), ",".join(kind))
+        return self._hf_backend().encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _guarded(self, text: str, add_special_tokens: bool, encode: Any) -> list[int]:
+        """`encode()`, with a Rust panic (a BaseException, not an Exception) answered by HF."""
+        try:
+            return encode()
+        except Exception:
+            raise
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            return self._fall_back(text, add_special_tokens, exc)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._wrap(self._encode_raw(self._normalize(text)), add_special_tokens)
+        return self._guarded(text, add_special_tokens,
+                             lambda: self._wrap(self._encode_raw(self._normalize(text)), add_special_tokens))
 
     def _encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self._encode_raw(self._normalize(t)) for t in texts]
+        return [self._guarded(t, False, lambda t=t: self._encode_raw(self._normalize(t))) for t in texts]
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Parallel encode over a persistent pool: the Rust core releases the GIL. Small
@@ -170,6 +242,10 @@ class FastTokenizer:
         the whole text is encoded."""
         if not prefix.endswith("\n") or suffix[:1].isspace() or self._spec.nfc:
             return self.encode(prefix + suffix, add_special_tokens)
+        return self._guarded(prefix + suffix, add_special_tokens,
+                             lambda: self._encode_with_prefix(prefix, suffix, add_special_tokens))
+
+    def _encode_with_prefix(self, prefix: str, suffix: str, add_special_tokens: bool) -> list[int]:
         head = self._prefix_cache.get(prefix)
         if head is None:
             head = tuple(self._encode_raw(prefix))
@@ -181,18 +257,23 @@ class FastTokenizer:
         return self._wrap([*head, *self._encode_raw(suffix)], add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Ids past the table (a padded model head) decode to nothing, as in HF."""
         table = self._bytes_skip if skip_special_tokens else self._bytes
-        if len(ids) < 2:  # itemgetter returns a bare item for one index
-            data = table[ids[0]] if ids else b""
-        else:
-            data = b"".join(itemgetter(*ids)(table))  # one C call gathers every token's bytes
+        try:
+            if len(ids) < 2:  # itemgetter returns a bare item for one index
+                data = table[ids[0]] if ids else b""
+            else:
+                data = b"".join(itemgetter(*ids)(table))  # one C call gathers every token's bytes
+        except IndexError:
+            size = len(table)
+            data = b"".join(table[i] for i in ids if i < size)
         return data.decode("utf-8", errors="replace")
 
     def token_text(self, token_id: int) -> str:
-        return self._texts[token_id]
+        return self._texts[token_id] if token_id < len(self._texts) else ""
 
     def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
+        return self._bytes[token_id] if token_id < len(self._bytes) else b""
 
     def new_detokenizer(self, skip_special_tokens: bool = True) -> "ByteStreamDetokenizer":
         return ByteStreamDetokenizer(self._bytes, self._special_ids if skip_special_tokens else frozenset())
@@ -208,9 +289,15 @@ class ByteStreamDetokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        if token_id in self._skip:
+        if token_id in self._skip or token_id >= len(self._table):  # past the table: nothing, as in HF
             return ""
         return self._decoder.decode(self._table[token_id])
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+
+def _load_hf(path: Path) -> Any:
+    from tokenizers import Tokenizer as RustTokenizer
+
+    return RustTokenizer.from_file(str(path))

@@ -1,9 +1,12 @@
 """The equality gate: fasttoken serves a model only after matching HF `tokenizers`.
 
 Checks encode (with and without special tokens), decode (with and without skipping
-special tokens) and streaming decode on a built-in corpus. The verdict is cached per
-tokenizer.json content hash (a small JSON file under the cache dir), so later starts
-skip the check. Any mismatch or unsupported configuration falls back to HF, loudly.
+special tokens, and ids past the table) and streaming decode on a built-in corpus; a
+panic in the Rust core counts as a difference even though fasttoken's safety net would
+answer it. The verdict is cached per tokenizer.json content hash and the fasttoken,
+tiktoken and tokenizers versions (a small JSON file under the cache dir), so later starts
+skip the check; an unreadable verdict is re-checked. Any mismatch or unsupported
+configuration falls back to HF, loudly.
 """
 
 from __future__ import annotations
@@ -15,14 +18,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import tiktoken
+import tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
-from prelude.tokenizer.fasttoken.core import FastTokenizer
+from prelude.tokenizer.fasttoken.core import FASTTOKEN_VERSION, FastTokenizer
 from prelude.tokenizer.fasttoken.spec import Unsupported
 
 logger = logging.getLogger("prelude.fasttoken")
 
-GATE_VERSION = "1"
+GATE_VERSION = "2"
 
 CORPUS: tuple[str, ...] = (
     "Hello world", "The quick brown fox jumps over the lazy dog.", " leading space", "trailing space ",
@@ -39,6 +44,12 @@ CORPUS: tuple[str, ...] = (
     "<|im_start|>user\nhi<|im_end|>", "text with <|endoftext|> inside", "<|im_start|><|im_end|>",
     "<s> </s> <unk> [CLS] [SEP]", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>",
     "Zürich's 3rd-place finish (2023) — “quoted” ‘text’ … ellipsis",
+    # Classes that once made the core panic: private use and unassigned planes (lead bytes
+    # 0xF1/0xF2 have no token in SmolLM2), control bytes without a token, NUL, and a
+    # dropped byte between two bytes that merge.
+    "\U00081832", "\U0005b3e8ⅈT\ue671眥", "\uf552ٗ밡0\U00081832", "\ue6fa锟볡U\U000780a1",
+    "\U00081832\U00081832 \U0004ffff\U000bfffd", "\ue000\uf8ff\U000f0000\U0010fffd \U000e0080\U0003fffe",
+    "\u0898\u0316 marks newer than HF's NFC tables", "\x00 NUL \x04\x06\x13\x14\x16\x1d ctrl", ".\x04. !\x1d! a\x13b", "\u0085\u2028\u2029\x0b\x0c\x1c\x1f",
 )
 
 
@@ -46,29 +57,58 @@ def tokenizer_hash(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:24]
 
 
+def _versions_key() -> str:
+    """A verdict holds only for the code that earned it: gate, fasttoken, tiktoken, tokenizers."""
+    versions = f"gate={GATE_VERSION};fasttoken={FASTTOKEN_VERSION};tiktoken={tiktoken.__version__};" \
+               f"tokenizers={tokenizers.__version__}"
+    return hashlib.sha256(versions.encode()).hexdigest()[:12]
+
+
 def _verdict_file(digest: str) -> Path:
     base = os.environ.get("PRELUDE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "prelude"
     )
-    return Path(base) / "fasttoken" / f"{digest}-v{GATE_VERSION}.json"
+    return Path(base) / "fasttoken" / f"{digest}-{_versions_key()}.json"
+
+
+def _read_verdict(path: Path) -> dict[str, Any] | None:
+    """The cached verdict, or None when there is none or it cannot be read (then re-check)."""
+    try:
+        verdict = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring the unreadable fasttoken verdict %s (%s); checking again", path, exc)
+        return None
+    if not isinstance(verdict, dict) or not isinstance(verdict.get("equal"), bool):
+        logger.warning("ignoring the malformed fasttoken verdict %s; checking again", path)
+        return None
+    return verdict
 
 
 def compare(fast: FastTokenizer, hf: RustTokenizer, corpus: tuple[str, ...] = CORPUS) -> str | None:
     """The first difference between fasttoken and HF on the corpus, or None."""
+    past_table = fast.vocab_size + 7  # a padded model head can emit ids the tokenizer lacks
     for text in corpus:
         for special in (True, False):
             want = hf.encode(text, add_special_tokens=special).ids
+            panics = fast.fallback_count
             got = fast.encode(text, add_special_tokens=special)
+            if fast.fallback_count != panics:
+                return f"the fasttoken core panicked on {text[:40]!r}"
             if got != want:
                 return f"encode(add_special_tokens={special}) differs on {text[:40]!r}: {got[:12]} vs {want[:12]}"
         ids = hf.encode(text, add_special_tokens=True).ids
         for skip in (True, False):
             if fast.decode(ids, skip) != hf.decode(ids, skip_special_tokens=skip):
                 return f"decode(skip_special_tokens={skip}) differs on {text[:40]!r}"
-        stream = fast.new_detokenizer(skip_special_tokens=True)
-        streamed = "".join(stream.push(i) for i in ids) + stream.flush()
-        if streamed != hf.decode(ids, skip_special_tokens=True):
-            return f"streaming decode differs on {text[:40]!r}"
+            padded = [*ids, past_table]
+            if fast.decode(padded, skip) != hf.decode(padded, skip_special_tokens=skip):
+                return f"decode(skip_special_tokens={skip}) of an id past the table differs on {text[:40]!r}"
+            stream = fast.new_detokenizer(skip_special_tokens=skip)
+            streamed = "".join(stream.push(i) for i in ids) + stream.flush()
+            if streamed != hf.decode(ids, skip_special_tokens=skip):
+                return f"streaming decode(skip_special_tokens={skip}) differs on {text[:40]!r}"
     return None
 
 
@@ -76,10 +116,9 @@ def check(tokenizer_json: Path, delegate: Any | None = None, use_cache: bool = T
     """(fasttoken, "equal") when it passes the gate, else (None, the reason)."""
     digest = tokenizer_hash(tokenizer_json)
     verdict_path = _verdict_file(digest)
-    cached = None
-    if use_cache and verdict_path.exists():
-        cached = json.loads(verdict_path.read_text())
-        if not cached.get("equal"):
+    cached = _read_verdict(verdict_path) if use_cache else None
+    if cached is not None:
+        if not cached["equal"]:
             return None, f"cached verdict: {cached.get('reason')}"
     try:
         fast = FastTokenizer(tokenizer_json, delegate)

@@ -41,6 +41,8 @@ class TokenizerSpec:
     nfc: bool
     prefix_ids: tuple[int, ...]  # post-processor tokens before a single sequence
     suffix_ids: tuple[int, ...]
+    unk_token: str | None  # what HF emits for a byte with no vocabulary entry (None: drops it)
+    pre_tokenizer: dict[str, Any]  # the raw JSON, to rebuild HF's own splitter when needed
 
 
 def _pattern(pre: dict[str, Any] | None) -> str:
@@ -130,4 +132,6 @@ def read_spec(path: Path) -> TokenizerSpec:
         nfc=normalizer is not None,
         prefix_ids=prefix,
         suffix_ids=suffix,
+        unk_token=model.get("unk_token"),
+        pre_tokenizer=data["pre_tokenizer"],
     )
