@@ -32,7 +32,7 @@ def _fragments(specials: list[str]) -> st.SearchStrategy[str]:
         st.text(st.characters(categories=["Cc", "Cf"], **_UTF8), min_size=1, max_size=4),  # NUL, controls
         st.text(st.sampled_from(WHITESPACE), min_size=1, max_size=6),
         st.text(st.sampled_from("aZ09 .,'!-é中\n"), max_size=16),  # ordinary text around the rest
-        st.sampled_from(["'s", "'LL", " 123", "x1", "  \n", "<|", "|>", "<|im_start|", "\U00081832", "\u0898\u0316"]),
+        st.sampled_from(["'s", "'LL", " 123", "x1", "  \n", "<|", "|>", "<|im_start|", "\U00081832", "\u0898\u0316", "\u0338"]),
         st.sampled_from(specials),
         st.builds(lambda s, n: s * n, st.text(any_char, min_size=1, max_size=3), st.integers(20, 300)),  # runs
     )

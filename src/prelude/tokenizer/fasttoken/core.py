@@ -29,7 +29,7 @@ from prelude.tokenizer.fasttoken.spec import Unsupported, read_spec
 logger = logging.getLogger("prelude.fasttoken")
 
 # Bumped whenever encode/decode behaviour changes: cached gate verdicts are keyed on it.
-FASTTOKEN_VERSION = "3"
+FASTTOKEN_VERSION = "4"
 
 # Input classes logged per tokenizer before it stops logging new ones.
 _MAX_LOGGED_CLASSES = 64
@@ -153,15 +153,17 @@ class FastTokenizer:
         return ids
 
     def _ordinary(self, text: str) -> list[int]:
-        """BPE of text holding no added token."""
+        """BPE of text holding no added token, normalized first (as HF normalizes each
+        stretch between added tokens, not the whole text: '>' + U+0338 would compose)."""
+        text = self._normalize(text)
         gaps = self._gaps
         if gaps is not None and gaps.affects(text):
             return gaps.encode(text)
         return self._core.encode_ordinary(text)
 
     def _encode_raw(self, text: str) -> list[int]:
-        """Added tokens are cut out first (longest match at each position, as HF does),
-        the text between them goes through BPE; no per-call set crosses into Rust."""
+        """Added tokens are cut out of the raw text first (longest match at each position,
+        as HF does), the text between them goes through BPE; no per-call set crosses into Rust."""
         if self._special_re is None:
             return self._ordinary(text)
         out: list[int] | None = None
@@ -218,10 +220,10 @@ class FastTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._guarded(text, add_special_tokens,
-                             lambda: self._wrap(self._encode_raw(self._normalize(text)), add_special_tokens))
+                             lambda: self._wrap(self._encode_raw(text), add_special_tokens))
 
     def _encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self._guarded(t, False, lambda t=t: self._encode_raw(self._normalize(t))) for t in texts]
+        return [self._guarded(t, False, lambda t=t: self._encode_raw(t)) for t in texts]
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Parallel encode over a persistent pool: the Rust core releases the GIL. Small

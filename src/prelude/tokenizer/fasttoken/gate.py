@@ -49,7 +49,7 @@ CORPUS: tuple[str, ...] = (
     # dropped byte between two bytes that merge.
     "\U00081832", "\U0005b3e8ⅈT\ue671眥", "\uf552ٗ밡0\U00081832", "\ue6fa锟볡U\U000780a1",
     "\U00081832\U00081832 \U0004ffff\U000bfffd", "\ue000\uf8ff\U000f0000\U0010fffd \U000e0080\U0003fffe",
-    "\u0898\u0316 marks newer than HF's NFC tables", "\x00 NUL \x04\x06\x13\x14\x16\x1d ctrl", ".\x04. !\x1d! a\x13b", "\u0085\u2028\u2029\x0b\x0c\x1c\x1f",
+    "\u0898\u0316 marks newer than HF's NFC tables", "<|endoftext|>\u0338<|im_end|>\u0301", "\x00 NUL \x04\x06\x13\x14\x16\x1d ctrl", ".\x04. !\x1d! a\x13b", "\u0085\u2028\u2029\x0b\x0c\x1c\x1f",
 )
 
 

@@ -120,7 +120,7 @@ def read_spec(path: Path) -> TokenizerSpec:
     for t in data.get("added_tokens", []):
         if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
             raise Unsupported(f"added token {t['content']!r} with strip/single-word rules")
-        if t.get("normalized") and not t.get("special") and normalizer is not None:
+        if t.get("normalized") and normalizer is not None:  # matched on normalized text: not modelled
             raise Unsupported(f"normalized added token {t['content']!r}")
         added.append(AddedToken(int(t["id"]), str(t["content"]), bool(t.get("special"))))
     prefix, suffix = _post(data.get("post_processor"))
