@@ -30,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 (float16: GPU only)")
+                   help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16/AMX, else float32 (float16: GPU only)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
                    help="torch (SDPA, any device) | triton (this project's kernels, CUDA)")

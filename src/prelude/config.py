@@ -131,7 +131,7 @@ class ExecutorConfig:
     """Where and how the model runs; the executor resolves `auto` against the machine."""
 
     device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bfloat16) | float32 | bfloat16 | float16 (GPU only)
+    dtype: str = "auto"  # auto (bf16 on GPU and bf16-native CPUs, else float32) | float32 | bfloat16 | float16 (GPU only)
     attention_backend: str = "torch"  # torch (any device) | triton (CUDA)
     enforce_eager: bool = False  # no CUDA graphs
 

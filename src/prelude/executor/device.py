@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+# ISA extensions with a native bfloat16 dot product, the ones oneDNN's bf16 GEMM needs to
+# beat float32. Without them, bf16 GEMMs are converted/emulated and lose by a wide margin.
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_isa_flags() -> frozenset[str]:
+    """The CPU's vector/matrix ISA extensions, as torch's cpuinfo names them (avx2,
+    avx512_f, avx512_bf16, amx_bf16, ...). Falls back to /proc/cpuinfo's flags."""
+    try:
+        caps = torch._C._cpu._get_cpu_capability()  # cpuinfo's view; private but stable since 2.3
+        return frozenset(k for k, v in caps.items() if v is True)
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                # /proc/cpuinfo spells them avx512f, avx512_bf16, amx_bf16.
+                return frozenset(f.replace("avx512f", "avx512_f") for f in flags)
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    return bool((cpu_isa_flags() if flags is None else flags) & _NATIVE_BF16_FLAGS)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,12 +49,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on every device: on this CPU class it is ~3x faster than
-    float32 (DESIGN.md §5), on a GPU it is the native tensor-core type; tests compare
-    float32 exactly."""
-    if name == "auto":
+def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+    """bfloat16 on a GPU (the tensor-core type) and on a CPU with a native bf16 dot product
+    (AVX512-BF16 or AMX: oneDNN's prepacked bf16 GEMM, ~3x float32 there). float32 on any
+    other CPU: on an AVX2-only EPYC, bf16 forwards measured 5-8x slower than float32 for
+    128- and 512-token prefills and 1.7x slower for a batch-8 decode step (README design notes)."""
+    if device.type != "cpu":
         return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16(flags) else torch.float32
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` picks by device and CPU capability (see `auto_dtype`); tests compare float32 exactly."""
+    if name == "auto":
+        return auto_dtype(device)
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use auto, float32, bfloat16 or float16")
     if _DTYPES[name] is torch.float16 and device.type == "cpu":
