@@ -37,6 +37,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch independent work while the previous step runs (default: on with CUDA)")
+    p.add_argument("--compile", default="off", choices=["off", "background", "ahead"],
+                   help="CPU decoders: compile the layers' math with inductor, cached on disk; background: serve "
+                        "eagerly until each compiled shape is ready; ahead: before ready (default off: no gain "
+                        "on a CPU whose GEMMs dominate, see README)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -73,7 +77,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         seed=args.seed,
         executor=ExecutorConfig(
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager,
+            enforce_eager=args.enforce_eager, compile=args.compile,
         ),
         overlap=args.overlap,
         cache=CacheConfig(

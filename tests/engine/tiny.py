@@ -87,11 +87,12 @@ def tiny_engine(
     dtype: str = "float32",
     enforce_eager: bool = False,
     tokenizer: Any = None,
+    compile: str = "off",
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     executor = ExecutorConfig(device=device, dtype=dtype, attention_backend=attention_backend,
-                              enforce_eager=enforce_eager)
+                              enforce_eager=enforce_eager, compile=compile)
     runner = ModelRunner.create(config, weights, executor, block_size)
     engine_cfg = EngineConfig(
         executor=executor,

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from prelude.config import ExecutorConfig
+from prelude.executor.compiled import COMPILE_MODES, CompiledForwards, EagerForwards, ForwardProvider
 from prelude.executor.device import resolve_device, resolve_dtype
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.host_copy import HostCopy, HostValue
@@ -39,6 +40,8 @@ from prelude.model import heads
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
 from prelude.model.base import KVCaches, Model
+from prelude.model.decoder_segments import DecoderSegments
+from prelude.model.loader import cache_root
 from prelude.params import PoolingTask, TokenLogprob
 
 logger = logging.getLogger("prelude.executor")
@@ -120,6 +123,41 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(model.dtype).removeprefix("torch."),
         )
+        self.forwards: ForwardProvider = self._forward_provider()
+
+    def _forward_provider(self) -> ForwardProvider:
+        """Compiled segments where asked for and possible; the eager forward otherwise."""
+        mode = self.config.compile
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
+        eager = EagerForwards(self.model.forward)
+        if mode == "off":
+            return eager
+        why_not = None
+        if self.device.type != "cpu":
+            why_not = "compiled segments are for the CPU (GPUs use CUDA graphs)"
+        elif self.model.is_encoder:
+            why_not = "encoders run eagerly"
+        elif not getattr(self.model, "weights_are_plain", False):
+            why_not = "prepacked oneDNN weights (CPU bfloat16) are faster than the compiled plain GEMMs"
+        if why_not:
+            logger.info("--compile %s ignored: %s", mode, why_not)
+            return eager
+        compiled = CompiledForwards(self.model.forward, self.model.config, self.model.dtype, self._compile_example,
+                                    cache_root())
+        compiled.start()
+        if mode == "ahead":
+            compiled.wait()
+        return compiled
+
+    def _compile_example(self, num_tokens: int, segments: DecoderSegments) -> None:
+        """A throwaway forward of a fresh `num_tokens`-token prompt on scratch KV (nothing
+        is written or read there): the shapes a compile needs, none of the server's state."""
+        scratch = self.model.allocate_kv_cache(1, self.block_size)
+        lay = _RowLayout([0] * num_tokens, range(num_tokens), [-1] * num_tokens, (), num_tokens, False, decode=False)
+        inputs = self._inputs([lay], write_kv=False)
+        with torch.inference_mode():
+            self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch, segments=segments)
 
     @classmethod
     def create(
@@ -280,8 +318,8 @@ class ModelRunner:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if hidden is not None:
                 return hidden
-        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
-                                  inputs.token_type_ids)
+        forward = self.forwards.forward_for(inputs.input_ids.shape[0])
+        return forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.token_type_ids)
 
     def forward_rows(self, rows: tuple[BatchRow, ...]) -> tuple[torch.Tensor, list[int]]:
         """Run the trunk on paged rows; returns hidden states [T, H] and each row's start."""

@@ -14,16 +14,22 @@ from prelude.config import ModelConfig
 from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.base import KVCaches
+from prelude.model.decoder_segments import (
+    EAGER_SEGMENTS,
+    DecoderSegments,
+    HeadWeights,
+    LayerShape,
+    Linear,
+    TailWeights,
+)
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.linear import Projection, prepack_enabled
 from prelude.model.rope import RotaryEmbedding
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as HF: normalize in float32, scale in the model dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def _operand(p: Projection) -> Linear:
+    """The plain weight where there is one, else the prepacked projection itself."""
+    return p.weight if p.weight is not None else p
 
 
 class DecoderLayer:
@@ -46,6 +52,9 @@ class DecoderLayer:
         self.k_norm = weights.get(prefix + "self_attn.k_norm.weight")
         self.gate_up = Projection(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, prepack)
         self.down = Projection(w("mlp.down_proj.weight"), None, prepack)
+        self.head = HeadWeights(self.input_norm, _operand(self.qkv), self.qkv.bias if self.qkv.weight is not None else None,
+                                self.q_norm, self.k_norm)
+        self.tail = TailWeights(_operand(self.o_proj), self.post_norm, _operand(self.gate_up), _operand(self.down))
 
 
 class LlamaForCausalLM:
@@ -82,6 +91,15 @@ class LlamaForCausalLM:
         self.q_size = config.num_attention_heads * config.head_dim
         self.kv_size = config.num_key_value_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.shape = LayerShape(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                                config.rms_norm_eps)
+
+    @property
+    def weights_are_plain(self) -> bool:
+        """True when every projection is a plain tensor (none prepacked): what compiled
+        segments accept."""
+        return all(isinstance(t, torch.Tensor) for layer in self.layers for t in (layer.head.qkv, *layer.tail)
+                   if t is not None)
 
     @torch.inference_mode()
     def forward(
@@ -91,28 +109,23 @@ class LlamaForCausalLM:
         meta: AttentionMetadata,
         kv_caches: KVCaches,
         token_type_ids: torch.Tensor | None = None,
+        segments: DecoderSegments = EAGER_SEGMENTS,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final-normed hidden states [T, hidden].
-        `token_type_ids` exists for the shared forward signature; decoders have none."""
-        cfg = self.config
+        `token_type_ids` exists for the shared forward signature; decoders have none.
+        `segments` run the math between attention calls (compiled copies come from the
+        executor); attention itself always runs through the backend, eagerly."""
         h = self.embed.index_select(0, input_ids)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = self.rope.apply(q, k, positions)
+        cos, sin = self.rope.tables(positions)  # gathered once, shared by every layer
+        layers = self.layers
+        q, k, v = segments.first(self.shape, h, layers[0].head, cos, sin)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + layer.o_proj(attn.reshape(-1, self.q_size))
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+            if i + 1 < len(layers):
+                h, q, k, v = segments.between(self.shape, h, attn, layer.tail, layers[i + 1].head, cos, sin)
+            else:
+                h = segments.last(self.shape, h, attn, layer.tail, self.norm)
+        return h
 
     is_encoder = False
     default_pooling = "last"

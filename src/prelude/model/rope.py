@@ -43,6 +43,10 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] of the given positions, to broadcast over heads."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]."""
         cos = self.cos.index_select(0, positions).unsqueeze(1)
