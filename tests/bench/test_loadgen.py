@@ -23,8 +23,8 @@ class FakeServer:
     """Streams `tokens` text chunks per completion, then a usage chunk; counts how many
     requests are in flight at once. Prompts starting with "fail" get HTTP 500."""
 
-    def __init__(self, tokens: int = 3, delay: float = 0.005, usage: bool = True) -> None:
-        self.tokens, self.delay, self.usage = tokens, delay, usage
+    def __init__(self, tokens: int = 3, delay: float = 0.005, usage: bool = True, done: bool = True) -> None:
+        self.tokens, self.delay, self.usage, self.done = tokens, delay, usage, done
         self.in_flight = 0
         self.most_in_flight = 0
         self.bodies: list[dict] = []
@@ -44,7 +44,7 @@ class FakeServer:
             events = [{"choices": [{"index": 0, "text": f"t{i}"}]} for i in range(self.tokens)]
             if self.usage:
                 events.append({"choices": [], "usage": {"completion_tokens": self.tokens}})
-            sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + ("data: [DONE]\n\n" if self.done else "")
             return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
         finally:
             self.in_flight -= 1
@@ -112,3 +112,32 @@ def test_percentile_interpolates() -> None:
     assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
     assert percentile([5], 95) == 5
     assert math.isnan(percentile([], 50))
+
+
+def test_a_stream_cut_before_done_is_a_failure() -> None:
+    res = _run(FakeServer(done=False), ["p0", "p1"], LoadSpec(concurrency=1, warmup=0))
+    assert [r.ok for r in res.records] == [False, False]
+    assert all("[DONE]" in r.error for r in res.records)
+
+
+def test_a_sender_that_raises_is_recorded_and_the_run_goes_on() -> None:
+    async def send(client: httpx.AsyncClient, payload: str) -> Record:
+        if payload == "bad":
+            raise ValueError("unparseable event")
+        return Record(True, 0.001, 0.001)
+
+    res = asyncio.run(run_load(send, ["a", "bad", "b"], LoadSpec(concurrency=2, warmup=0)))
+    assert sorted(r.ok for r in res.records) == [False, True, True]
+    assert "ValueError: unparseable event" in next(r.error for r in res.records if not r.ok)
+
+
+def test_open_loop_latency_counts_from_the_scheduled_arrival() -> None:
+    """Arrivals far faster than one slot serves: later requests wait in the client, and
+    that wait is part of their latency (it used to start after the semaphore)."""
+    server = FakeServer(delay=0.03)
+    res = _run(server, [f"p{i}" for i in range(5)], LoadSpec(concurrency=1, rate=10_000.0, warmup=0, seed=1))
+    assert all(r.ok for r in res.records)
+    e2e = sorted(r.e2e_s for r in res.records)
+    assert e2e[-1] >= 4 * 0.03  # the last arrival queued behind four 30 ms requests
+    assert max(r.queued_s for r in res.records) >= 3 * 0.03
+    assert all(r.ttft_s >= r.queued_s for r in res.records)

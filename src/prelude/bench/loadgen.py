@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -41,6 +41,7 @@ class Record:
     chunks: int = 0  # streamed chunks that carried text (TPOT needs more than one)
     items: int = 1  # texts in a pooling request, 1 otherwise
     error: str = ""
+    queued_s: float = 0.0  # open loop: scheduled arrival -> sent (client-side queueing), inside e2e/ttft
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ Sender = Callable[[httpx.AsyncClient, Any], Awaitable[Record]]
 def completion_sender(base: str, model: str | None, max_tokens: int) -> Sender:
     """Streams /v1/completions for a text prompt; TTFT is the first chunk carrying text.
     Output tokens come from the stream's usage when the server sends it, else one per
-    text chunk."""
+    text chunk. A stream that ends before `data: [DONE]` is a failure (a cut connection
+    must not pass for a fast answer)."""
 
     async def send(client: httpx.AsyncClient, prompt: str) -> Record:
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -64,14 +66,17 @@ def completion_sender(base: str, model: str | None, max_tokens: int) -> Sender:
             body["model"] = model
         t0 = time.perf_counter()
         first: float | None = None
-        chunks, usage_tokens = 0, None
+        chunks, usage_tokens, done = 0, None, False
         try:
             async with client.stream("POST", base + "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
                     return Record(False, time.perf_counter() - t0, 0.0, error=f"HTTP {r.status_code}: {r.text[:200]}")
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    if line == "data: [DONE]":
+                        done = True
+                        continue
+                    if not line.startswith("data: "):
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
@@ -85,6 +90,8 @@ def completion_sender(base: str, model: str | None, max_tokens: int) -> Sender:
         except httpx.HTTPError as exc:
             return Record(False, time.perf_counter() - t0, 0.0, error=f"{type(exc).__name__}: {exc}")
         end = time.perf_counter()
+        if not done:
+            return Record(False, end - t0, 0.0, error="stream ended before [DONE]")
         return Record(True, end - t0, (first or end) - t0, usage_tokens if usage_tokens is not None else chunks, chunks)
 
     return send
@@ -112,7 +119,9 @@ async def run_load(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> LoadResult:
     """Sends every payload once under `spec`; the clock starts after the warm-up.
-    `transport` replaces the network (tests)."""
+    Open loop: a request's latency counts from its scheduled arrival, so time spent
+    waiting for a free slot in the client (the concurrency cap) is not hidden. A sender
+    that raises records a failure; the run goes on. `transport` replaces the network (tests)."""
     limits = httpx.Limits(max_connections=spec.concurrency + 4, max_keepalive_connections=spec.concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits,
                                  transport=transport) as client:
@@ -122,8 +131,15 @@ async def run_load(
                    leave=False, dynamic_ncols=True)
         records: list[Record] = []
 
-        async def one(payload: Any) -> None:
-            rec = await send(client, payload)
+        async def one(payload: Any, scheduled: float | None = None) -> None:
+            start = time.perf_counter()
+            try:
+                rec = await send(client, payload)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not abort the whole run
+                rec = Record(False, time.perf_counter() - start, 0.0, error=f"{type(exc).__name__}: {exc}"[:200])
+            if scheduled is not None:
+                wait = start - scheduled
+                rec = replace(rec, e2e_s=rec.e2e_s + wait, ttft_s=rec.ttft_s + wait if rec.ok else 0.0, queued_s=wait)
             records.append(rec)
             bar.update(1)
             if not rec.ok:
@@ -144,14 +160,17 @@ async def run_load(
             rng = random.Random(spec.seed)
             gate = asyncio.Semaphore(spec.concurrency)
 
-            async def gated(payload: Any) -> None:
+            async def gated(payload: Any, scheduled: float) -> None:
                 async with gate:
-                    await one(payload)
+                    await one(payload, scheduled)
 
             tasks = []
+            next_arrival = t0
             for p in payloads:
-                tasks.append(asyncio.create_task(gated(p)))
-                await asyncio.sleep(rng.expovariate(spec.rate))
+                tasks.append(asyncio.create_task(gated(p, next_arrival)))
+                next_arrival += rng.expovariate(spec.rate)
+                # Sleep to the schedule, not for a gap: event-loop lateness does not accumulate.
+                await asyncio.sleep(max(0.0, next_arrival - time.perf_counter()))
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
         bar.close()
@@ -195,6 +214,7 @@ def summarize(result: LoadResult, input_tokens: float) -> dict[str, Any]:
         "ttft_p95_ms": 1000 * percentile(ttft, 95),
         "tpot_p50_ms": 1000 * percentile(tpot, 50),
         "tpot_p95_ms": 1000 * percentile(tpot, 95),
+        "queued_p50_ms": 1000 * percentile([r.queued_s for r in ok], 50),
     }
     errors = [r.error for r in result.records if not r.ok]
     if errors:
