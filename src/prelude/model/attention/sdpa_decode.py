@@ -1,0 +1,41 @@
+"""Paged decode attention through torch's fused SDPA kernel (GQA without repeating K/V).
+
+Each decode row's blocks are read through its block table into a [B, L, H_kv, D] view
+(one index_select per K and V; a cheap copy at these sizes) and attended by
+`scaled_dot_product_attention(enable_gqa=True)`, which on the CPU runs the fused flash
+kernel: no [B, H, L] score tensor in float32, no separate mask/softmax/matmul ops.
+Measured per layer call on an AVX2 EPYC (float32, SmolLM2 heads 9q/3kv, one thread),
+against grouped matmuls + masked softmax: B=1 ctx 160: 0.15 -> 0.12 ms; B=8 ctx<=160:
+1.28 -> 0.54 ms; B=8 ctx<=1024: 12.9 -> 5.4 ms; B=32 ctx<=300: 10.1 -> 7.1 ms.
+FlexAttention over the paged pool (a block mask per step, no gather) was slower still:
+0.44 / 18.2 / 9.9 ms for the first three (README design notes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prelude.model.attention.metadata import DecodeRows
+
+
+def decode_attention(
+    q: torch.Tensor, rows: DecodeRows, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: [T, Hq, D] of the whole batch; returns [B, Hq, D] for the decode rows."""
+    batch = rows.query_index.numel()
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    length = rows.max_context_len
+    nb = (length + block_size - 1) // block_size
+    index = rows.block_tables[:, :nb].reshape(-1)
+    keys = k_cache.index_select(0, index).view(batch, nb * block_size, num_kv_heads, head_dim)[:, :length]
+    values = v_cache.index_select(0, index).view(batch, nb * block_size, num_kv_heads, head_dim)[:, :length]
+    # One row's context length is the maximum by definition: no padding to mask.
+    mask = None
+    if batch > 1:
+        mask = (torch.arange(length, device=q.device) < rows.context_lens.unsqueeze(1))[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.index_select(0, rows.query_index).unsqueeze(2),  # [B, Hq, 1, D]
+        keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out.squeeze(2)
