@@ -106,6 +106,7 @@ class LLMEngine:
                 "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d",
                 num_blocks, block_size, num_blocks * info.kv_bytes_per_block / 2**30, info.device, self.max_model_len,
             )
+        runner.start_background_work()  # e.g. --compile background: off the loading path
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":

@@ -145,10 +145,16 @@ class ModelRunner:
             return eager
         compiled = CompiledForwards(self.model.forward, self.model.config, self.model.dtype, self._compile_example,
                                     cache_root())
-        compiled.start()
         if mode == "ahead":
+            compiled.start()
             compiled.wait()
         return compiled
+
+    def start_background_work(self) -> None:
+        """Called by the engine once it is built: background compilation starts only then,
+        so it never competes with loading for the GIL and the cores (ready time unchanged)."""
+        if isinstance(self.forwards, CompiledForwards):
+            self.forwards.start()
 
     def _compile_example(self, num_tokens: int, segments: DecoderSegments) -> None:
         """A throwaway forward of a fresh `num_tokens`-token prompt on scratch KV (nothing
