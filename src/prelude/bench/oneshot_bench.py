@@ -92,7 +92,7 @@ def _texts(i: int, n: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prelude bench oneshot")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--requests", type=int, default=32, help="requests per throughput run")
     ap.add_argument("--json", default="bench_results/oneshot.json")

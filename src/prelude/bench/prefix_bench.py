@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--item-tokens", type=int, default=64)
     ap.add_argument("--judge-requests", type=int, default=48)
     ap.add_argument("--burst", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default="bench_results/prefix.json")
     args = ap.parse_args(argv)
     from prelude.model.loader import load_model_files

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-frac", type=float, default=0.2)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-decode-batch", type=int, default=8)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_results/sched.json")
     args = ap.parse_args(argv)
