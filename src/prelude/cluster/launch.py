@@ -1,0 +1,77 @@
+"""Start Ray (or join a cluster) and the engine replica actors; build the front's client."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from prelude.cluster.client import FaultConfig, RayEngineClient
+from prelude.cluster.replica import EngineFactory, EngineReplica
+from prelude.cluster.router import Router, RouterConfig
+from prelude.config import EngineConfig
+
+logger = logging.getLogger("prelude.cluster")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_replicas: int = 2
+    replica_threads: int | None = None  # torch threads per replica (None: Ray's OMP_NUM_THREADS)
+    ray_address: str | None = None  # None: start a local Ray instance
+    router: RouterConfig = field(default_factory=RouterConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    max_restarts: int = -1  # Ray restarts a dead replica this often (-1: always)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError("--data-parallel-size must be at least 1")
+        if self.replica_threads is not None and self.replica_threads < 1:
+            raise ValueError("--replica-threads must be at least 1")
+
+    @property
+    def cpus_per_replica(self) -> int:
+        return self.replica_threads or 1
+
+
+def ensure_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Join `address`, or start a local instance sized so that every replica can be placed
+    (logical CPUs: on a small machine the replicas share the cores, which is the point
+    of --replica-threads)."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus or 1), include_dashboard=False, log_to_driver=True)
+
+
+def start_replicas(factory: EngineFactory, cluster: ClusterConfig, seed: int = 0) -> list[Any]:
+    actor = ray.remote(EngineReplica)
+    return [
+        actor.options(
+            num_cpus=cluster.cpus_per_replica, max_restarts=cluster.max_restarts, max_task_retries=0,
+            max_concurrency=1000,
+        ).remote(factory, i, cluster.replica_threads, seed)
+        for i in range(cluster.num_replicas)
+    ]
+
+
+def start_client(factory: EngineFactory, cluster: ClusterConfig, seed: int = 0) -> RayEngineClient:
+    """Replicas up and answering, and the front's EngineClient over them."""
+    ensure_ray(cluster.ray_address, cluster.num_replicas * cluster.cpus_per_replica)
+    replicas = start_replicas(factory, cluster, seed)
+    infos = ray.get([r.info.remote() for r in replicas])  # waits until every replica built its engine
+    logger.info("%d replicas of %s up", len(replicas), infos[0].model_name)
+    return RayEngineClient(replicas, Router(cluster.router, cluster.num_replicas), infos[0], cluster.faults)
+
+
+def engine_factory(config: EngineConfig) -> EngineFactory:
+    """A picklable factory that builds the engine from its config inside the replica."""
+    from prelude.engine.engine import LLMEngine
+
+    return functools.partial(LLMEngine.from_config, config)

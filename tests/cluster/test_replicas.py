@@ -1,0 +1,158 @@
+"""Two engine replicas on Ray behind the HTTP app answer exactly like one in-process
+engine (greedy): completions, chat, streaming, n > 1, OneShot APIs; aborted streams
+free their blocks on every replica; prefix routing keeps a prefix on one replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import ExitStack
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+pytest.importorskip("transformers")
+ray = pytest.importorskip("ray")
+
+from prelude.cluster.client import RayEngineClient  # noqa: E402
+from prelude.cluster.launch import ClusterConfig, start_client  # noqa: E402
+from prelude.cluster.router import Router, RouterConfig  # noqa: E402
+from prelude.engine.async_engine import AsyncEngine  # noqa: E402
+from prelude.engine.request import SamplingParams  # noqa: E402
+
+from tests.cluster.tiny_replica import tiny_factory  # noqa: E402
+from tests.entrypoints.conftest import running_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(ray_local: None) -> Iterator[tuple[str, str, RayEngineClient]]:
+    """(one-engine server, two-replica server, the replicas' client)."""
+    with ExitStack() as stack:
+        one = stack.enter_context(running_server(AsyncEngine(tiny_factory)))
+        client = start_client(tiny_factory, ClusterConfig(num_replicas=2, replica_threads=1))
+        two = stack.enter_context(running_server(client))
+        yield one, two, client
+
+
+def _post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(base + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _answer(payload: dict[str, Any]) -> Any:
+    """What must be equal: everything but ids and timestamps."""
+    return {k: v for k, v in payload.items() if k not in ("id", "created")}
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal, floats within 1e-4 (replicas run 1 torch thread, the reference 2)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    return a == b
+
+
+def _stream(base: str, path: str, body: dict[str, Any]) -> dict[int, tuple[str, str | None]]:
+    """Each choice's streamed text and finish reason (choices interleave by timing)."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+                reasons[c["index"]] = c.get("finish_reason") or reasons.get(c["index"])
+    return {i: (texts[i], reasons[i]) for i in texts}
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+CASES = [
+    ("/v1/completions", {"prompt": ["hello world", "the quick brown fox"], "max_tokens": 12, "n": 2, **GREEDY}),
+    ("/v1/completions", {"prompt": "abc", "max_tokens": 6, "logprobs": 2, "echo": True, **GREEDY}),
+    ("/v1/completions", {"prompt": "seeded", "max_tokens": 6, "n": 3, "seed": 7, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 10, **GREEDY}),
+    ("/v1/completions", {"prompt": "abc", "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}),  # OneShot
+    ("/v1/embeddings", {"input": ["one", "two"], "pooling": "mean"}),
+    ("/classify", {"input": ["judge this", "and this"], "labels": ["a", "b", "c"]}),
+]
+
+
+@pytest.mark.parametrize("path,body", CASES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
+def test_two_replicas_answer_like_one_engine(pair, path: str, body: dict[str, Any]) -> None:  # noqa: ANN001
+    one, two, _ = pair
+    got, want = _answer(_post(two, path, body)), _answer(_post(one, path, body))
+    assert _close(got, want), (got, want)
+
+
+@pytest.mark.parametrize("path,body", [CASES[0], CASES[3]], ids=["completions", "chat"])
+def test_streams_equal(pair, path: str, body: dict[str, Any]) -> None:  # noqa: ANN001
+    one, two, _ = pair
+    got, want = _stream(two, path, body), _stream(one, path, body)
+    assert got == want and len(got) == body.get("n", 1) * (len(body["prompt"]) if "prompt" in body else 1)
+
+
+def test_bad_request_is_400_and_metrics_and_health(pair) -> None:  # noqa: ANN001
+    _, two, client = pair
+    r = httpx.post(two + "/v1/completions", json={"prompt": "x" * 300, "max_tokens": 5}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(two + "/health").json() == {"status": "ok", "replicas_live": 2, "replicas_total": 2}
+    text = httpx.get(two + "/metrics").text
+    assert 'prelude_router_decisions_total{replica="1",reason="round_robin"}' in text
+    assert text.count("# TYPE prelude_router_decisions_total counter") == 1
+    assert 'prelude_replica_prefix_cache_hit_rate{replica="0"}' in text
+
+
+def test_abandoned_streams_free_blocks_on_every_replica(pair) -> None:  # noqa: ANN001
+    _, two, client = pair
+    body = {"prompt": "a long one", "max_tokens": 200, "stream": True, **GREEDY}
+    for _ in range(6):
+        with httpx.stream("POST", two + "/v1/completions", json=body, timeout=30) as r:
+            next(r.iter_lines())  # the first event, then the client walks away
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and client.metrics()["requests_running"]:
+        time.sleep(0.1)
+    assert client.metrics()["requests_running"] == 0
+    client.check_integrity()
+
+
+def test_prefix_router_keeps_a_prefix_on_one_replica_and_spreads_load(pair) -> None:  # noqa: ANN001
+    _, _, owner = pair
+    router = Router(RouterConfig(policy="prefix", block_size=4, balance_abs_threshold=3), 2)
+    client = RayEngineClient(owner._replicas, router, owner.info)
+    prefixes = ["system prompt number one: ", "another shared preamble!! "]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def one(rid: str, text: str) -> int:
+        n = 0
+        async for out in client.generate(rid, list(text.encode()), params):
+            n += len(out.new_token_ids)
+        return n
+
+    async def run() -> None:
+        # Sequential: each prefix's later requests should follow the first.
+        for i in range(6):
+            for j, p in enumerate(prefixes):
+                assert await one(f"seq-{j}-{i}", p + f"question {i}") == 3
+        # A burst of one prefix: the balance threshold must spread it.
+        assert await asyncio.gather(*(one(f"burst-{i}", prefixes[0] + f"q{i}") for i in range(12))) == [3] * 12
+
+    try:
+        asyncio.run(run())
+        d = router.stats.decisions
+        sequential_home = {r for (r, reason), n in d.items() if reason == "prefix_match"}
+        assert sum(n for (_, reason), n in d.items() if reason == "prefix_match") >= 10
+        assert len(sequential_home) == 2  # the two prefixes live on different replicas
+        assert d[(0, "balance")] + d[(1, "balance")] > 0  # the burst spilled over
+        assert router.estimated_hit_rate(0) > 0.5 and router.estimated_hit_rate(1) > 0.5
+    finally:
+        client.close()
+    owner.check_integrity()
