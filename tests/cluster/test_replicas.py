@@ -27,11 +27,12 @@ from tests.entrypoints.conftest import running_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def pair(ray_local: None) -> Iterator[tuple[str, str, RayEngineClient]]:
+def pair(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, RayEngineClient]]:
     """(one-engine server, two-replica server, the replicas' client)."""
+    factory = tiny_factory(tmp_path_factory.mktemp("tiny"))
     with ExitStack() as stack:
-        one = stack.enter_context(running_server(AsyncEngine(tiny_factory)))
-        client = start_client(tiny_factory, ClusterConfig(num_replicas=2, replica_threads=1))
+        one = stack.enter_context(running_server(AsyncEngine(factory)))
+        client = start_client(factory, ClusterConfig(num_replicas=2, replica_threads=1))
         two = stack.enter_context(running_server(client))
         yield one, two, client
 

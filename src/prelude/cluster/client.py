@@ -200,15 +200,21 @@ class RayEngineClient:
             logger.error("replica %d is down (%s); Ray restarts it", r, type(exc).__name__ if exc else "no answer")
 
     def _watch(self) -> None:
-        """Ping down replicas until Ray has restarted them; a restarted replica lost its
-        cache, so the router forgets what it sent there."""
+        """Ping every replica: Ray raises RayActorError for a dead one (a slow answer is
+        not a death: busy replicas are left alone). Down replicas are pinged until Ray
+        has restarted them; a restarted replica lost its cache, so the router forgets
+        what it sent there."""
         while not self._stopping.wait(self.faults.poll_s):
-            for r, replica in enumerate(self._replicas):
-                if self._up[r]:
-                    continue
+            pings = [(r, self._replicas[r].ping.remote()) for r in range(len(self._replicas))]
+            for r, ref in pings:
                 try:
-                    ray.get(replica.ping.remote(), timeout=self.faults.poll_s)
-                except (GetTimeoutError, *_REPLICA_DOWN):
+                    ray.get(ref, timeout=self.faults.poll_s)
+                except GetTimeoutError:
+                    continue
+                except _REPLICA_DOWN as exc:
+                    self._mark_down(r, exc)
+                    continue
+                if self._up[r]:
                     continue
                 with self._router_lock:
                     self._router.forget(r)
