@@ -117,14 +117,27 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="... and this many times as many as the idlest; then the idlest gets the request")
     g.add_argument("--router-cache-threshold", type=float, default=0.3,
                    help="prefix router: follow a match only if it covers this fraction of the prompt")
+    g.add_argument("--laps-pools", default=None, metavar="S:L",
+                   help="LAPS spatial mode: S replicas for prompts shorter than --laps-boundary, L for longer ones; "
+                        "a pressure controller moves replicas between the pools (each move is logged)")
 
 
 def _cluster_config(args: argparse.Namespace):  # noqa: ANN202
     from prelude.cluster.launch import ClusterConfig
+    from prelude.cluster.pools import PoolConfig
     from prelude.cluster.router import RouterConfig
 
+    pools = None
+    if args.laps_pools:
+        short, _, long = args.laps_pools.partition(":")
+        pools = (int(short), int(long))
+        if args.data_parallel_size is None:
+            args.data_parallel_size = sum(pools)
+    boundary = 256 if args.laps_boundary == "auto" else int(args.laps_boundary)
     return ClusterConfig(
-        num_replicas=args.data_parallel_size,
+        laps_pools=pools,
+        pool=PoolConfig(boundary=boundary, min_pressure=boundary),
+        num_replicas=args.data_parallel_size or 1,
         replica_threads=args.replica_threads,
         ray_address=args.ray_address,
         router=RouterConfig(
@@ -141,12 +154,11 @@ def _front(args: argparse.Namespace):  # noqa: ANN202
     from prelude.engine.engine import LLMEngine
 
     config = _engine_config(args)
-    if args.data_parallel_size is not None or args.ray_address is not None:
+    if args.data_parallel_size is not None or args.ray_address is not None or args.laps_pools:
         from prelude.cluster.launch import engine_factory, start_client
 
-        if args.data_parallel_size is None:
-            args.data_parallel_size = 1
-        return start_client(engine_factory(config), _cluster_config(args), seed=args.seed)
+        cluster = _cluster_config(args)
+        return start_client(engine_factory(config), cluster, seed=args.seed)
     # The engine is built on its own thread, the one that will run every forward.
     return AsyncEngine(lambda: LLMEngine.from_config(config))
 

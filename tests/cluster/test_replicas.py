@@ -157,3 +157,29 @@ def test_prefix_router_keeps_a_prefix_on_one_replica_and_spreads_load(pair) -> N
     finally:
         client.close()
     owner.check_integrity()
+
+
+def test_laps_pools_split_short_and_long_prompts(pair) -> None:  # noqa: ANN001
+    from prelude.cluster.pools import PoolConfig, PoolController
+
+    _, _, owner = pair
+    pools = PoolController(PoolConfig(boundary=32, min_pressure=10_000), [0], [1])
+    client = RayEngineClient(owner._replicas, Router(RouterConfig("least_load"), 2), owner.info, pools=pools)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def one(rid: str, n: int) -> None:
+        async for _ in client.generate(rid, [65 + i % 26 for i in range(n)], params):
+            pass
+
+    async def run() -> None:
+        await asyncio.gather(*(one(f"laps-{i}", 8 if i % 2 else 100) for i in range(8)))
+
+    try:
+        asyncio.run(run())
+        d = client._router.stats.decisions
+        assert d[(0, "least_load")] == 4 and d[(1, "least_load")] == 4  # shorts on 0, longs on 1
+        m = client.metrics()
+        assert m['laps_pool_replicas{pool="short"}'] == 1 and m["laps_pool_moves_total"] == 0
+    finally:
+        client.close()
+    owner.check_integrity()

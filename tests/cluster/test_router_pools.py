@@ -51,7 +51,7 @@ def test_router_config_rejects_unknown_policy() -> None:
 
 
 def test_pool_controller_moves_toward_pressure_with_reason() -> None:
-    c = PoolController(PoolConfig(boundary=100, ratio_threshold=2.0, min_pressure_s=0.1, cooldown_s=1.0), [0, 1], [2, 3])
+    c = PoolController(PoolConfig(boundary=100, ratio_threshold=2.0, min_pressure=0.1, cooldown_s=1.0), [0, 1], [2, 3])
     assert c.pool_of(99) == "short" and c.pool_of(100) == "long"
     assert c.rebalance(0.0, [0.0, 0.0, 0.0, 0.0]) is None  # calm: no move
     move = c.rebalance(1.0, [0.0, 0.1, 2.0, 2.0])  # long pool under pressure

@@ -21,6 +21,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from prelude.cluster.pools import PoolController
 from prelude.cluster.replica import ReplicaInfo
 from prelude.cluster.router import Router
 from prelude.engine.admission import admit
@@ -51,7 +52,7 @@ class FaultConfig:
 class RayEngineClient:
     def __init__(
         self, replicas: Sequence[Any], router: Router, info: ReplicaInfo | None = None,
-        faults: FaultConfig = FaultConfig(),
+        faults: FaultConfig = FaultConfig(), pools: PoolController | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("need at least one replica")
@@ -61,6 +62,8 @@ class RayEngineClient:
         self._router = router
         self._router_lock = threading.Lock()
         self._in_flight = [0] * len(replicas)
+        self._pools = pools  # LAPS spatial mode: short and long prompts on separate replica pools
+        self._unprefilled = [0] * len(replicas)  # prompt tokens sent that have no first token yet
         self._up = [True] * len(replicas)
         self._counts = {"retried_total": 0, "failed_mid_stream_total": 0, "replica_failures_total": 0,
                         "replica_recoveries_total": 0}
@@ -132,6 +135,10 @@ class RayEngineClient:
         if not cands:
             return None
         with self._router_lock:
+            if self._pools is not None:
+                self._pools.rebalance(time.monotonic(), self._unprefilled)
+                pool = [r for r in self._pools.members(self._pools.pool_of(req.num_prompt_tokens)) if self._up[r]]
+                cands = pool or cands  # a pool with no live replica borrows the other's
             return self._router.route(req.prompt_token_ids, self._in_flight, cands).replica
 
     async def _pick(self, req: Request) -> int:
@@ -148,11 +155,14 @@ class RayEngineClient:
         while True:
             r = await self._pick(req)
             self._in_flight[r] += 1
+            self._unprefilled[r] += req.num_prompt_tokens
             streamed = finished = False
             gen = self._replicas[r].generate.options(num_returns="streaming").remote(req)
             try:
                 async for ref in gen:
                     out: RequestOutput = await ref
+                    if not streamed:
+                        self._unprefilled[r] -= req.num_prompt_tokens
                     streamed = True
                     finished = out.finished
                     yield out
@@ -170,6 +180,8 @@ class RayEngineClient:
                 logger.warning("replica %d failed before request %s streamed; retrying elsewhere", r, req.request_id)
             finally:
                 self._in_flight[r] -= 1
+                if not streamed:
+                    self._unprefilled[r] -= req.num_prompt_tokens
                 if not finished:
                     ray.cancel(gen)  # cancels the replica's coroutine, which aborts the request
 
@@ -264,6 +276,10 @@ class RayEngineClient:
             total[f'replica_up{{replica="{r}"}}'] = float(self._up[r])
         with self._router_lock:
             total.update(self._router.metrics())
+            if self._pools is not None:
+                for name, members in self._pools.pools.items():
+                    total[f'laps_pool_replicas{{pool="{name}"}}'] = len(members)
+                total["laps_pool_moves_total"] = len(self._pools.moves)
         total.update({f"cluster_{k}": float(v) for k, v in self._counts.items()})
         return total
 
@@ -274,6 +290,10 @@ class RayEngineClient:
         """LLMEngine.check_integrity on every live replica (each waits until idle)."""
         refs = [rep.check_integrity.remote() for r, rep in enumerate(self._replicas) if self._up[r]]
         ray.get(refs, timeout=self.faults.call_timeout_s * 2)
+
+    def pool_moves(self) -> list[Any]:
+        """LAPS pool moves so far, each with its time, replica, direction and reason."""
+        return list(self._pools.moves) if self._pools is not None else []
 
     def close(self) -> None:
         """Stop watching the replicas (they keep running: another client may own them)."""

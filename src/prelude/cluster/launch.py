@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from prelude.cluster.client import FaultConfig, RayEngineClient
+from prelude.cluster.pools import PoolConfig, PoolController
 from prelude.cluster.replica import EngineFactory, EngineReplica
 from prelude.cluster.router import Router, RouterConfig
 from prelude.config import EngineConfig
@@ -26,12 +27,16 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     max_restarts: int = -1  # Ray restarts a dead replica this often (-1: always)
+    laps_pools: tuple[int, int] | None = None  # (short, long) replicas; None: every replica takes every prompt
+    pool: PoolConfig = field(default_factory=lambda: PoolConfig(min_pressure=256))  # pressure in prompt tokens
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError("--data-parallel-size must be at least 1")
         if self.replica_threads is not None and self.replica_threads < 1:
             raise ValueError("--replica-threads must be at least 1")
+        if self.laps_pools is not None and (min(self.laps_pools) < 1 or sum(self.laps_pools) != self.num_replicas):
+            raise ValueError("--laps-pools S:L needs S, L >= 1 and S + L = --data-parallel-size")
 
     @property
     def cpus_per_replica(self) -> int:
@@ -67,7 +72,11 @@ def start_client(factory: EngineFactory, cluster: ClusterConfig, seed: int = 0) 
     replicas = start_replicas(factory, cluster, seed)
     infos = ray.get([r.info.remote() for r in replicas])  # waits until every replica built its engine
     logger.info("%d replicas of %s up", len(replicas), infos[0].model_name)
-    return RayEngineClient(replicas, Router(cluster.router, cluster.num_replicas), infos[0], cluster.faults)
+    pools = None
+    if cluster.laps_pools is not None:
+        s = cluster.laps_pools[0]
+        pools = PoolController(cluster.pool, range(s), range(s, cluster.num_replicas))
+    return RayEngineClient(replicas, Router(cluster.router, cluster.num_replicas), infos[0], cluster.faults, pools)
 
 
 def engine_factory(config: EngineConfig) -> EngineFactory:

@@ -25,13 +25,14 @@ class PoolMove:
 class PoolConfig:
     boundary: int = 256  # L_m: prompts shorter than this go to the short pool
     ratio_threshold: float = 2.0  # move when one pool's pressure is this many times the other's ...
-    min_pressure_s: float = 0.05  # ... and the busier pool has at least this much queued work per instance
+    min_pressure: float = 0.05  # ... and the busier pool has at least this much queued work per instance (its units)
     cooldown_s: float = 1.0  # at most one move per cooldown (a move takes effect slowly)
 
 
 class PoolController:
     """Instances split into a `short` and a `long` pool. Pressure of a pool = its queued
-    prefill work (seconds, from the step-time model) per instance. When one pool's
+    prefill work per instance (seconds from the step-time model in the simulator; prompt
+    tokens not yet prefilled in the Ray front, which has no cost model). When one pool's
     pressure exceeds the other's by `ratio_threshold`, the least loaded instance of
     the calmer pool moves over (each pool keeps at least one); every move is logged
     with its reason and kept in `moves`."""
@@ -60,15 +61,15 @@ class PoolController:
             return None
         p = self.pressure(work_s)
         hot, cold = ("short", "long") if p["short"] >= p["long"] else ("long", "short")
-        if p[hot] < cfg.min_pressure_s or p[hot] < cfg.ratio_threshold * p[cold] or len(self.pools[cold]) < 2:
+        if p[hot] < cfg.min_pressure or p[hot] < cfg.ratio_threshold * p[cold] or len(self.pools[cold]) < 2:
             return None
         instance = min(self.pools[cold], key=lambda i: work_s[i])
         self.pools[cold].remove(instance)
         self.pools[hot].append(instance)
         self._last_move = now
         move = PoolMove(now, instance, cold, hot,
-                        f"{hot} pool pressure {p[hot]:.3f}s/instance >= {cfg.ratio_threshold:g} x {cold} pool's "
-                        f"{p[cold]:.3f}s/instance")
+                        f"{hot} pool pressure {p[hot]:.3g}/instance >= {cfg.ratio_threshold:g} x {cold} pool's "
+                        f"{p[cold]:.3g}/instance")
         self.moves.append(move)
         logger.info("LAPS pools: instance %d %s -> %s: %s", instance, cold, hot, move.reason)
         return move
