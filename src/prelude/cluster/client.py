@@ -49,30 +49,13 @@ class FaultConfig:
     wait_for_replica_s: float = 30.0  # a request with no live replica waits this long, then 503
 
 
-class RayEngineClient:
-    def __init__(
-        self, replicas: Sequence[Any], router: Router, info: ReplicaInfo | None = None,
-        faults: FaultConfig = FaultConfig(), pools: PoolController | None = None,
-    ) -> None:
-        if not replicas:
-            raise ValueError("need at least one replica")
-        self._replicas = list(replicas)
-        self.faults = faults
-        self.info: ReplicaInfo = info or ray.get(self._replicas[0].info.remote())
-        self._router = router
-        self._router_lock = threading.Lock()
-        self._in_flight = [0] * len(replicas)
-        self._pools = pools  # LAPS spatial mode: short and long prompts on separate replica pools
-        self._unprefilled = [0] * len(replicas)  # prompt tokens sent that have no first token yet
-        self._up = [True] * len(replicas)
-        self._counts = {"retried_total": 0, "failed_mid_stream_total": 0, "replica_failures_total": 0,
-                        "replica_recoveries_total": 0}
-        self._admission_rng = torch.Generator()  # admit() wants one; the replica binds the real sampler
-        self._stopping = threading.Event()
-        self._monitor = threading.Thread(target=self._watch, name="prelude-replica-monitor", daemon=True)
-        self._monitor.start()
+class AdmittingFront:
+    """The EngineClient half every scale-out front shares: the model's facts (from a
+    replica) and admission, done once here with the same checks as LLMEngine.prepare."""
 
-    # --- EngineClient: static facts ---------------------------------------------------
+    def __init__(self, info: ReplicaInfo) -> None:
+        self.info = info
+        self._admission_rng = torch.Generator()  # admit() wants one; the replica binds the real sampler
 
     @property
     def model_name(self) -> str:
@@ -98,16 +81,9 @@ class RayEngineClient:
     def is_encoder(self) -> bool:
         return self.info.is_encoder
 
-    @property
-    def num_replicas(self) -> int:
-        return len(self._replicas)
-
-    # --- admission (once, here) --------------------------------------------------------
-
     def _admit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
     ) -> Request:
-        """The same checks as LLMEngine.prepare, on the front's copy of the replica facts."""
         info = self.info
         if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not info.labels:
             raise AdmissionError("this model has no classification head; pass candidate labels instead")
@@ -127,6 +103,33 @@ class RayEngineClient:
         self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
     ) -> None:
         self._admit("validate", prompt_token_ids, params, pooling)
+
+
+class RayEngineClient(AdmittingFront):
+    def __init__(
+        self, replicas: Sequence[Any], router: Router, info: ReplicaInfo | None = None,
+        faults: FaultConfig = FaultConfig(), pools: PoolController | None = None,
+    ) -> None:
+        if not replicas:
+            raise ValueError("need at least one replica")
+        self._replicas = list(replicas)
+        self.faults = faults
+        super().__init__(info or ray.get(self._replicas[0].info.remote()))
+        self._router = router
+        self._router_lock = threading.Lock()
+        self._in_flight = [0] * len(replicas)
+        self._pools = pools  # LAPS spatial mode: short and long prompts on separate replica pools
+        self._unprefilled = [0] * len(replicas)  # prompt tokens sent that have no first token yet
+        self._up = [True] * len(replicas)
+        self._counts = {"retried_total": 0, "failed_mid_stream_total": 0, "replica_failures_total": 0,
+                        "replica_recoveries_total": 0}
+        self._stopping = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="prelude-replica-monitor", daemon=True)
+        self._monitor.start()
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._replicas)
 
     # --- routing and running -------------------------------------------------------------
 
