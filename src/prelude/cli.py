@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_server_args(serve)
     _add_cluster_args(serve)
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | simulate")
-    bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "simulate"])
+    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate")
+    bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.serve_bench import main as bench_main
         elif args.which == "soak":
             from prelude.bench.soak import main as bench_main
+        elif args.which == "cluster":
+            from prelude.bench.cluster_bench import main as bench_main
         elif args.which == "simulate":
             from prelude.bench.simulate_bench import main as bench_main
         elif args.which == "sched":
