@@ -11,26 +11,28 @@ from typing import Any, Callable
 
 import torch
 
-from prelude.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, ModelConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
-from prelude.model.llama import LlamaForCausalLM
+from prelude.executor.runner import ModelRunner
 
 from tests.engine.tiny import ByteTokenizer, hf_tiny_llama
 
 
 def _load(path: str, engine_kw: dict[str, Any]) -> LLMEngine:
     saved = torch.load(path)
-    model = LlamaForCausalLM(ModelConfig.from_hf_dict(saved["config"]), saved["weights"], torch.float32)
+    executor = ExecutorConfig(device="cpu", dtype="float32", attention_backend="torch")
     kw = {"num_blocks": 256, "block_size": 4, "max_model_len": 256, "max_num_batched_tokens": 64,
           "max_num_seqs": 16, **engine_kw}
+    runner = ModelRunner.create(ModelConfig.from_hf_dict(saved["config"]), saved["weights"], executor, kw["block_size"])
     cfg = EngineConfig(
+        executor=executor,
         cache=CacheConfig(block_size=kw["block_size"], num_blocks=kw["num_blocks"]),
         scheduler=SchedulerConfig(
             max_num_seqs=kw["max_num_seqs"], max_num_batched_tokens=kw["max_num_batched_tokens"],
             max_model_len=kw["max_model_len"], policy=kw.get("policy", "fcfs"),
         ),
     )
-    return LLMEngine(model, ByteTokenizer(), cfg, "tiny-llama")
+    return LLMEngine(runner, ByteTokenizer(), cfg, "tiny-llama")
 
 
 def tiny_factory(directory: Path, **engine_kw: Any) -> Callable[[], LLMEngine]:

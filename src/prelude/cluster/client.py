@@ -51,11 +51,13 @@ class FaultConfig:
 
 class AdmittingFront:
     """The EngineClient half every scale-out front shares: the model's facts (from a
-    replica) and admission, done once here with the same checks as LLMEngine.prepare."""
+    replica) and admission, done once here with the same checks as LLMEngine.prepare
+    (a Request is plain data: it travels to the replica as it is)."""
 
-    def __init__(self, info: ReplicaInfo) -> None:
+    def __init__(self, info: ReplicaInfo, seed: int = 0) -> None:
         self.info = info
-        self._admission_rng = torch.Generator()  # admit() wants one; the replica binds the real sampler
+        # Unseeded requests draw their sampling seed here, at admission, as the engine does.
+        self._seed_source = torch.Generator().manual_seed(seed)
 
     @property
     def model_name(self) -> str:
@@ -94,10 +96,10 @@ class AdmittingFront:
         req = admit(
             request_id, prompt_token_ids, params,
             max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-            shared_generator=self._admission_rng, can_generate=info.can_generate, pooling=pooling,
+            seed_source=self._seed_source, can_generate=info.can_generate, pooling=pooling,
             force_decode=info.force_decode,
         )
-        return replace(req, generator=None)
+        return req
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None

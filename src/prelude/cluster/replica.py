@@ -1,8 +1,7 @@
 """One engine replica: an AsyncEngine inside a Ray actor.
 
-The front admits a request once and ships the prepared Request (without its sampler:
-a torch.Generator does not travel, and unseeded requests must draw from this
-replica's own shared generator, not from copies of one state). Outputs stream back
+The front admits a request once (which also fixes its sampling seed) and ships the
+prepared Request; the replica enqueues it as is. Outputs stream back
 through a Ray streaming generator; cancelling that generator (the client went away)
 cancels the coroutine here, whose cleanup aborts the request and frees its blocks.
 """
@@ -52,9 +51,9 @@ def replica_info(engine: LLMEngine) -> ReplicaInfo:
         labels=engine.labels,
         can_generate=engine.can_generate,
         is_encoder=engine.is_encoder,
-        vocab_size=engine.model.config.vocab_size,
+        vocab_size=engine.info.vocab_size,
         eos_token_ids=engine.eos_token_ids,
-        default_pooling=engine.model.default_pooling,
+        default_pooling=engine.info.default_pooling,
         default_ttft_slo_ms=engine.config.scheduler.default_ttft_slo_ms,
         force_decode=engine.config.scheduler.force_decode,
         block_size=engine.config.cache.block_size,
@@ -73,7 +72,6 @@ class EngineReplica:
 
         self.index = index
         self.front = AsyncEngine(build)
-        self._rng = torch.Generator().manual_seed(seed + index)
         self._in_flight = 0
 
     def info(self) -> ReplicaInfo:
@@ -85,12 +83,10 @@ class EngineReplica:
         return os.getpid()
 
     def _bind(self, req: Request) -> Request:
-        seed = req.params.seed
-        generator = torch.Generator().manual_seed(seed) if seed is not None else self._rng
         # Monotonic clocks of two hosts differ: the replica's clock starts the request.
         now = time.monotonic()
         deadline = None if req.ttft_deadline is None else now + (req.ttft_deadline - req.arrival_time)
-        return replace(req, generator=generator, arrival_time=now, ttft_deadline=deadline)
+        return replace(req, arrival_time=now, ttft_deadline=deadline)
 
     async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Stream a prepared request's increments. A cancelled stream (Ray cancels this
