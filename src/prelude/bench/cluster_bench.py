@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from prelude.cluster.launch import ClusterConfig, engine_factory, ensure_ray, start_client
     from prelude.cluster.router import RouterConfig
-    from prelude.config import EngineConfig, SchedulerConfig
+    from prelude.config import EngineConfig, ExecutorConfig, SchedulerConfig
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, seed=args.seed,
+    config = EngineConfig(model=args.model, executor=ExecutorConfig(device="cpu", dtype=args.dtype), seed=args.seed,
                           scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     ensure_ray(None, 2)
     rng = random.Random(args.seed)

@@ -32,18 +32,18 @@ def fit_step_cost(model: str | None, threads: int | None, dtype: str = "auto") -
     and fit T(L, H). Returns the fit and the samples."""
     import torch
 
-    from prelude.config import CacheConfig, EngineConfig, SchedulerConfig
+    from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
     from prelude.engine.engine import LLMEngine
     from prelude.engine.request import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)
     engine = LLMEngine.from_config(EngineConfig(
-        model=model, dtype=dtype,
+        model=model, executor=ExecutorConfig(device="cpu", dtype=dtype),
         cache=CacheConfig(enable_prefix_caching=False, kv_cache_memory_gib=1.0),
         scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64),
     ))
-    vocab = engine.model.config.vocab_size
+    vocab = engine.info.vocab_size
     samples: list[tuple[list[tuple[int, int]], float]] = []
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     rid = 0
@@ -65,13 +65,14 @@ def fit_step_cost(model: str | None, threads: int | None, dtype: str = "auto") -
             while engine.has_unfinished():
                 engine.step()
             log.warning("fit: prefill of %d tokens took %.3f s", L, samples[-2][1])
-    for B, H in ((8, 128), (32, 256)):
+    for B, H in ((8, 128), (16, 256)):
         for j in range(B):
             rid += 1
             engine.add_request(f"d{rid}", [(3 * i + rid) % vocab for i in range(H)], SamplingParams(
                 max_tokens=4, temperature=0, ignore_eos=True))
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
-            engine.step()
+        started: set[str] = set()  # every request has its first token: the next step is pure decode
+        while len(started) < B:
+            started.update(out.request_id for out in engine.step())
         samples.append(([(1, H + 1)] * B, timed_step()))
         while engine.has_unfinished():
             engine.step()
