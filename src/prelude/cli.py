@@ -155,10 +155,10 @@ def _front(args: argparse.Namespace):  # noqa: ANN202
 
     config = _engine_config(args)
     if args.data_parallel_size is not None or args.ray_address is not None or args.laps_pools:
-        from prelude.cluster.launch import engine_factory, start_client
+        from prelude.cluster.launch import engine_factory, start_client, tokenizer_factory
 
         cluster = _cluster_config(args)
-        return start_client(engine_factory(config), cluster, seed=args.seed)
+        return start_client(engine_factory(config), cluster, seed=args.seed, tokenizer_factory=tokenizer_factory(config))
     # The engine is built on its own thread, the one that will run every forward.
     return AsyncEngine(lambda: LLMEngine.from_config(config))
 

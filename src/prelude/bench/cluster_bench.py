@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from prelude.cluster.launch import ClusterConfig, engine_factory, ensure_ray, start_client
+    from prelude.cluster.launch import ClusterConfig, engine_factory, ensure_ray, start_client, tokenizer_factory
     from prelude.cluster.router import RouterConfig
     from prelude.config import EngineConfig, ExecutorConfig, SchedulerConfig
 
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             n, threads, router = CONFIGS[name]
             cluster = ClusterConfig(num_replicas=n, replica_threads=threads,
                                     router=RouterConfig(policy=router, block_size=config.cache.block_size))
-            client = start_client(engine_factory(config), cluster, seed=args.seed)
+            client = start_client(engine_factory(config), cluster, seed=args.seed,
+                                  tokenizer_factory=tokenizer_factory(config))
             try:
                 seconds = asyncio.run(_drive(client, prompts, args.concurrency, args.max_tokens))
                 m = client.metrics()

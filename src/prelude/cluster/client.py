@@ -69,6 +69,7 @@ class AdmittingFront:
 
     @property
     def tokenizer(self) -> Tokenizer:
+        assert self.info.tokenizer is not None, "the front needs a tokenizer (see launch.start_client)"
         return self.info.tokenizer
 
     @property
@@ -110,13 +111,13 @@ class AdmittingFront:
 class RayEngineClient(AdmittingFront):
     def __init__(
         self, replicas: Sequence[Any], router: Router, info: ReplicaInfo | None = None,
-        faults: FaultConfig = FaultConfig(), pools: PoolController | None = None,
+        faults: FaultConfig = FaultConfig(), pools: PoolController | None = None, seed: int = 0,
     ) -> None:
         if not replicas:
             raise ValueError("need at least one replica")
         self._replicas = list(replicas)
         self.faults = faults
-        super().__init__(info or ray.get(self._replicas[0].info.remote()))
+        super().__init__(info or ray.get(self._replicas[0].info.remote()), seed)
         self._router = router
         self._router_lock = threading.Lock()
         self._in_flight = [0] * len(replicas)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import ray
 
@@ -15,6 +15,7 @@ from prelude.cluster.pools import PoolConfig, PoolController
 from prelude.cluster.replica import EngineFactory, EngineReplica
 from prelude.cluster.router import Router, RouterConfig
 from prelude.config import EngineConfig
+from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.cluster")
 
@@ -66,17 +67,26 @@ def start_replicas(factory: EngineFactory, cluster: ClusterConfig, seed: int = 0
     ]
 
 
-def start_client(factory: EngineFactory, cluster: ClusterConfig, seed: int = 0) -> RayEngineClient:
-    """Replicas up and answering, and the front's EngineClient over them."""
+def start_client(
+    factory: EngineFactory, cluster: ClusterConfig, seed: int = 0,
+    tokenizer_factory: Callable[[], Tokenizer] | None = None,
+) -> RayEngineClient:
+    """Replicas up and answering, and the front's EngineClient over them. The front uses
+    the replicas' tokenizer when it pickles, else builds its own with `tokenizer_factory`."""
     ensure_ray(cluster.ray_address, cluster.num_replicas * cluster.cpus_per_replica)
     replicas = start_replicas(factory, cluster, seed)
     infos = ray.get([r.info.remote() for r in replicas])  # waits until every replica built its engine
+    if infos[0].tokenizer is None:
+        if tokenizer_factory is None:
+            raise ValueError("the replicas' tokenizer does not pickle: pass a tokenizer_factory")
+        infos[0] = replace(infos[0], tokenizer=tokenizer_factory())
     logger.info("%d replicas of %s up", len(replicas), infos[0].model_name)
     pools = None
     if cluster.laps_pools is not None:
         s = cluster.laps_pools[0]
         pools = PoolController(cluster.pool, range(s), range(s, cluster.num_replicas))
-    return RayEngineClient(replicas, Router(cluster.router, cluster.num_replicas), infos[0], cluster.faults, pools)
+    return RayEngineClient(replicas, Router(cluster.router, cluster.num_replicas), infos[0], cluster.faults, pools,
+                           seed=seed)
 
 
 def engine_factory(config: EngineConfig) -> EngineFactory:
@@ -84,3 +94,15 @@ def engine_factory(config: EngineConfig) -> EngineFactory:
     from prelude.engine.engine import LLMEngine
 
     return functools.partial(LLMEngine.from_config, config)
+
+
+def _load_tokenizer(model: str | None) -> Tokenizer:
+    from prelude.model.loader import resolve_model_dir
+    from prelude.tokenizer.loading import load_tokenizer
+
+    return load_tokenizer(resolve_model_dir(model)[0])
+
+
+def tokenizer_factory(config: EngineConfig) -> Callable[[], Tokenizer]:
+    """The front's own tokenizer for `config.model` (the same loader the engine uses)."""
+    return functools.partial(_load_tokenizer, config.model)

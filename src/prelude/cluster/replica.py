@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
@@ -31,7 +32,7 @@ class ReplicaInfo:
 
     model_name: str
     max_model_len: int
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None when it does not pickle (fasttoken): the front loads its own
     labels: tuple[str, ...]
     can_generate: bool
     is_encoder: bool
@@ -43,11 +44,19 @@ class ReplicaInfo:
     block_size: int
 
 
+def _picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - any failure means "load it on the other side"
+        return False
+    return True
+
+
 def replica_info(engine: LLMEngine) -> ReplicaInfo:
     return ReplicaInfo(
         model_name=engine.model_name,
         max_model_len=engine.max_model_len,
-        tokenizer=engine.tokenizer,
+        tokenizer=engine.tokenizer if _picklable(engine.tokenizer) else None,
         labels=engine.labels,
         can_generate=engine.can_generate,
         is_encoder=engine.is_encoder,

@@ -7,13 +7,16 @@ over a handle to the engines). A request is admitted once, in the front.
 
     from ray import serve
     from prelude.entrypoints.ray_serve import build_serve_app
-    serve.run(build_serve_app(factory, autoscaling_config={"min_replicas": 1, "max_replicas": 4}))
+    serve.run(build_serve_app(engine_factory(config), tokenizer_factory=tokenizer_factory(config),
+                              autoscaling_config={"min_replicas": 1, "max_replicas": 4}))
+    # engine_factory / tokenizer_factory: prelude.cluster.launch
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, AsyncIterator
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -23,6 +26,7 @@ from prelude.cluster.replica import EngineFactory, EngineReplica, ReplicaInfo
 from prelude.engine.metrics import RequestMetrics
 from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
 from prelude.entrypoints.openai.api_server import build_app
+from prelude.tokenizer.base import Tokenizer
 
 
 class EngineServer:
@@ -92,18 +96,27 @@ class ServeEngineClient(AdmittingFront):
 
 @serve.ingress()
 class PreludeFront:
-    def __init__(self, engine: DeploymentHandle, api_key: str | None = None) -> None:
+    def __init__(
+        self, engine: DeploymentHandle, api_key: str | None = None,
+        tokenizer_factory: Callable[[], Tokenizer] | None = None,
+    ) -> None:
         self._engine = engine
         self._api_key = api_key
+        self._tokenizer_factory = tokenizer_factory
 
     async def __serve_build_asgi_app__(self) -> Any:
         info = await self._engine.info.remote()
+        if info.tokenizer is None:  # it does not pickle (fasttoken): build the front's own
+            if self._tokenizer_factory is None:
+                raise ValueError("the engine's tokenizer does not pickle: pass tokenizer_factory")
+            info = replace(info, tokenizer=self._tokenizer_factory())
         return build_app(ServeEngineClient(self._engine, info), api_key=self._api_key)
 
 
 def build_serve_app(
     factory: EngineFactory, *, num_replicas: int | None = None, autoscaling_config: dict[str, Any] | None = None,
     replica_threads: int | None = None, max_ongoing_requests: int = 64, api_key: str | None = None,
+    tokenizer_factory: Callable[[], Tokenizer] | None = None,
 ) -> Any:
     """The Serve application: pass `num_replicas` or Serve's `autoscaling_config`."""
     options: dict[str, Any] = {
@@ -117,4 +130,4 @@ def build_serve_app(
         options["num_replicas"] = num_replicas or 1
     engine = serve.deployment(EngineServer, name="PreludeEngine").options(**options)
     front = serve.deployment(PreludeFront, name="PreludeFront", ray_actor_options={"num_cpus": 0})
-    return front.bind(engine.bind(factory, replica_threads), api_key)
+    return front.bind(engine.bind(factory, replica_threads), api_key, tokenizer_factory)
