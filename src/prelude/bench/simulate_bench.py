@@ -142,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         shared = synthetic_trace(count, rate * n, seed=args.seed, short_len=(300, 700), long_fraction=0.0,
                                  output_len=out_len, shared_prefixes=2 * n, prefix_len=256,
                                  short_slo_s=short_slo, long_slo_s=long_slo)
-        pool_cfg = PoolConfig(boundary=args.laps_boundary)
+        # Pressure in units of each pool's TTFT SLO: queued seconds per instance / SLO.
+        pool_cfg = PoolConfig(boundary=args.laps_boundary, short_scale=short_slo, long_scale=long_slo,
+                              min_pressure=0.1, cooldown_s=5 * cost.prefill_seconds(2048))
         for name, cfg in _scenarios(n, max(1, n // 2)).items():
+            if name == "uniform_pools":
+                continue  # the same run as "colocated": every instance takes every prompt
             if n < 2 and name in ("disaggregated", "laps_pools"):
                 continue
             cfg = replace(cfg, pool_config=pool_cfg)

@@ -27,6 +27,10 @@ class PoolConfig:
     ratio_threshold: float = 2.0  # move when one pool's pressure is this many times the other's ...
     min_pressure: float = 0.05  # ... and the busier pool has at least this much queued work per instance (its units)
     cooldown_s: float = 1.0  # at most one move per cooldown (a move takes effect slowly)
+    # Pressure is work per instance divided by the pool's scale, e.g. its TTFT SLO: a long
+    # pool may hold more queued work than a short one before it is under pressure.
+    short_scale: float = 1.0
+    long_scale: float = 1.0
 
 
 class PoolController:
@@ -52,8 +56,9 @@ class PoolController:
         return self.pools[pool]
 
     def pressure(self, work_s: Sequence[float]) -> dict[str, float]:
-        """Queued work per instance of each pool; `work_s[i]` is instance i's."""
-        return {name: sum(work_s[i] for i in ids) / len(ids) for name, ids in self.pools.items()}
+        """Queued work per instance of each pool over the pool's scale; `work_s[i]` is instance i's."""
+        scale = {"short": self.config.short_scale, "long": self.config.long_scale}
+        return {name: sum(work_s[i] for i in ids) / len(ids) / scale[name] for name, ids in self.pools.items()}
 
     def rebalance(self, now: float, work_s: Sequence[float]) -> PoolMove | None:
         cfg = self.config
