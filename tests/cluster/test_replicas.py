@@ -213,7 +213,7 @@ def test_killed_replica_loses_no_request(pair) -> None:  # noqa: ANN001
     """Last in this module: it kills one of the pair's replicas (Ray restarts it)."""
     _, base, client = pair
     victim = client._replicas[0]
-    old_pid = ray.get(victim.pid.remote())
+    old_pid = ray.get(victim.ping.remote())
 
     async def run() -> tuple[list[tuple[str, int]], list[dict[str, Any]]]:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -243,7 +243,7 @@ def test_killed_replica_loses_no_request(pair) -> None:  # noqa: ANN001
     assert states.count("error") >= 1  # the victim held some of the first wave
     assert {"status": "degraded", "replicas_live": 1, "replicas_total": 2} in healths
     assert healths[-1]["status"] == "ok"  # Ray restarted it; the front noticed
-    assert ray.get(victim.pid.remote()) != old_pid
+    assert ray.get(victim.ping.remote()) != old_pid
     assert m["cluster_replica_recoveries_total"] >= 1
     client.check_integrity()
     # The restarted replica serves again.

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from prelude.cluster.pools import PoolController
 from prelude.cluster.replica import ReplicaInfo
@@ -32,14 +32,8 @@ from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.cluster")
 
-# Errors that mean "this replica is gone" (not "this request is bad").
-_REPLICA_DOWN: tuple[type[BaseException], ...] = (RayActorError,)
-try:  # Ray >= 2.10: the actor is temporarily unreachable
-    from ray.exceptions import ActorUnavailableError
-
-    _REPLICA_DOWN = (RayActorError, ActorUnavailableError)
-except ImportError:  # pragma: no cover
-    pass
+# Errors that mean "this replica is gone" (dead, or restarting), not "this request is bad".
+_REPLICA_DOWN: tuple[type[BaseException], ...] = (RayActorError, ActorUnavailableError)
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,3 @@ class EngineReplica:
                 raise TimeoutError(f"replica {self.index} still has unfinished requests")
             await asyncio.sleep(0.02)
         self.front.engine.check_integrity()
-
-    def pid(self) -> int:
-        return os.getpid()

@@ -96,9 +96,6 @@ class _Instance:
     busy: bool = False
     cache: ApproxPrefixTree | None = None
 
-    def queued_tokens(self) -> int:
-        return sum(r.todo for r in self.waiting)
-
 
 @dataclass(frozen=True)
 class SimResult:
