@@ -109,10 +109,13 @@ def test_bad_request_is_400_and_metrics_and_health(pair) -> None:  # noqa: ANN00
     r = httpx.post(two + "/v1/completions", json={"prompt": "x" * 300, "max_tokens": 5}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(two + "/health").json() == {"status": "ok", "replicas_live": 2, "replicas_total": 2}
+    for _ in range(2):  # round robin: one on each replica
+        _post(two, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
     text = httpx.get(two + "/metrics").text
-    assert 'prelude_router_decisions_total{replica="1",reason="round_robin"}' in text
-    assert text.count("# TYPE prelude_router_decisions_total counter") == 1
-    assert 'prelude_replica_prefix_cache_hit_rate{replica="0"}' in text
+    assert 'prelude:router_decisions_total{reason="round_robin",replica="1"}' in text
+    assert sum(line.startswith("# TYPE prelude:router_decisions") for line in text.splitlines()) == 1
+    assert 'prelude:replica_prefix_cache_hit_rate{replica="0"}' in text
+    assert 'prelude:replica_up{replica="1"} 1.0' in text
 
 
 def test_abandoned_streams_free_blocks_on_every_replica(pair) -> None:  # noqa: ANN001
@@ -181,8 +184,8 @@ def test_laps_pools_split_short_and_long_prompts(pair) -> None:  # noqa: ANN001
         asyncio.run(run())
         d = client._router.stats.decisions
         assert d[(0, "least_load")] == 4 and d[(1, "least_load")] == 4  # shorts on 0, longs on 1
-        m = client.metrics()
-        assert m['laps_pool_replicas{pool="short"}'] == 1 and m["laps_pool_moves_total"] == 0
+        m = {(name, tuple(labels.values())): v for name, _, _, labels, v in client.cluster_metrics()}
+        assert m[("laps_pool_replicas", ("short",))] == 1 and m[("laps_pool_moves", ())] == 0
     finally:
         client.close()
     owner.check_integrity()

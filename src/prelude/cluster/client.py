@@ -259,29 +259,47 @@ class RayEngineClient(AdmittingFront):
         return self._gather("metrics")
 
     def metrics(self) -> dict[str, float]:
-        """Engine counters summed over live replicas (hit rate recomputed from the sums),
-        each replica's load and real prefix hit rate, router decisions, fault counters."""
-        per = self.replica_metrics()
+        """Engine counters summed over live replicas (hit rate recomputed from the sums)."""
         total: dict[str, float] = {}
-        for m in per.values():
+        for m in self.replica_metrics().values():
             for k, v in m.items():
                 total[k] = total.get(k, 0.0) + v
+        total.pop("in_flight", None)
         reused, computed = total.get("prefix_reused_tokens_total", 0.0), total.get("prefix_computed_tokens_total", 0.0)
         total["prefix_cache_hit_rate"] = reused / (reused + computed) if reused + computed else 0.0
-        total.pop("in_flight", None)
-        for r, m in per.items():
-            total[f'replica_prefix_cache_hit_rate{{replica="{r}"}}'] = m["prefix_cache_hit_rate"]
-            total[f'replica_requests_in_flight{{replica="{r}"}}'] = self._in_flight[r]
-        for r in range(len(self._replicas)):
-            total[f'replica_up{{replica="{r}"}}'] = float(self._up[r])
-        with self._router_lock:
-            total.update(self._router.metrics())
-            if self._pools is not None:
-                for name, members in self._pools.pools.items():
-                    total[f'laps_pool_replicas{{pool="{name}"}}'] = len(members)
-                total["laps_pool_moves_total"] = len(self._pools.moves)
         total.update({f"cluster_{k}": float(v) for k, v in self._counts.items()})
         return total
+
+    def cluster_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        """(name, counter|gauge, help, labels, value) samples for /metrics: router decisions,
+        each replica's liveness, load and prefix hit rate (real and as the router guesses
+        it), LAPS pools, fault counters."""
+        out: list[tuple[str, str, str, dict[str, str], float]] = []
+        for r, m in self.replica_metrics().items():
+            out.append(("replica_prefix_cache_hit_rate", "gauge", "Prefix-cache hit rate of each replica's engine.",
+                        {"replica": str(r)}, m["prefix_cache_hit_rate"]))
+        for r in range(len(self._replicas)):
+            out.append(("replica_up", "gauge", "1 while the replica answers.", {"replica": str(r)}, float(self._up[r])))
+            out.append(("replica_requests_in_flight", "gauge", "Requests the front has on each replica.",
+                        {"replica": str(r)}, float(self._in_flight[r])))
+        with self._router_lock:
+            stats = self._router.stats
+            for (r, reason), n in sorted(stats.decisions.items()):
+                out.append(("router_decisions", "counter", "Routing decisions by replica and reason.",
+                            {"replica": str(r), "reason": reason}, float(n)))
+            for r in range(len(self._replicas)):
+                out.append(("router_estimated_prefix_hit_rate", "gauge",
+                            "Share of routed prompt tokens the router's tree of that replica already held.",
+                            {"replica": str(r)}, self._router.estimated_hit_rate(r)))
+            if self._pools is not None:
+                for name, members in self._pools.pools.items():
+                    out.append(("laps_pool_replicas", "gauge", "Replicas in each LAPS pool.", {"pool": name},
+                                float(len(members))))
+                out.append(("laps_pool_moves", "counter", "Replicas moved between LAPS pools.", {},
+                            float(len(self._pools.moves))))
+        for k, v in self._counts.items():
+            out.append((f"cluster_{k.removesuffix('_total')}", "counter", k.replace("_", " "), {}, float(v)))
+        return out
 
     def request_metrics(self) -> list[RequestMetrics]:
         return [m for ms in self._gather("request_metrics").values() for m in ms]
