@@ -31,6 +31,7 @@ _TYPES = {
     408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    503: "service_unavailable_error",
 }
 
 
