@@ -243,7 +243,9 @@ def test_killed_replica_loses_no_request(pair) -> None:  # noqa: ANN001
     assert all(n > 0 for s, n in results if s == "error")
     m = client.metrics()
     assert m["cluster_failed_mid_stream_total"] == states.count("error")
-    assert states.count("error") >= 1  # the victim held some of the first wave
+    # The victim held some of the first wave: they moved (nothing streamed yet) or ended
+    # with an error event (under load the kill may land before any of them streamed).
+    assert m["cluster_retried_total"] + states.count("error") >= 1
     assert {"status": "degraded", "replicas_live": 1, "replicas_total": 2} in healths
     assert healths[-1]["status"] == "ok"  # Ray restarted it; the front noticed
     assert ray.get(victim.ping.remote()) != old_pid
