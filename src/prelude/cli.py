@@ -107,15 +107,71 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """Scale-out on Ray (prelude.cluster): every flag of it, in one place."""
+    g = p.add_argument_group("scale-out on Ray")
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="run this many engine replicas as Ray actors behind this server (default: one in-process engine)")
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray instance)")
+    g.add_argument("--replica-threads", type=int, default=None, help="torch threads (and Ray CPUs) per replica")
+    g.add_argument("--router", default="round_robin", choices=["round_robin", "least_load", "prefix"])
+    g.add_argument("--router-balance-abs-threshold", type=int, default=4,
+                   help="prefix router: load is out of balance when the busiest replica has this many more requests ...")
+    g.add_argument("--router-balance-rel-threshold", type=float, default=1.5,
+                   help="... and this many times as many as the idlest; then the idlest gets the request")
+    g.add_argument("--router-cache-threshold", type=float, default=0.3,
+                   help="prefix router: follow a match only if it covers this fraction of the prompt")
+    g.add_argument("--laps-pools", default=None, metavar="S:L",
+                   help="LAPS spatial mode: S replicas for prompts shorter than --laps-boundary, L for longer ones; "
+                        "a pressure controller moves replicas between the pools (each move is logged)")
+
+
+def _cluster_config(args: argparse.Namespace):  # noqa: ANN202
+    from prelude.cluster.launch import ClusterConfig
+    from prelude.cluster.pools import PoolConfig
+    from prelude.cluster.router import RouterConfig
+
+    pools = None
+    if args.laps_pools:
+        short, _, long = args.laps_pools.partition(":")
+        pools = (int(short), int(long))
+        if args.data_parallel_size is None:
+            args.data_parallel_size = sum(pools)
+    boundary = 256 if args.laps_boundary == "auto" else int(args.laps_boundary)
+    return ClusterConfig(
+        laps_pools=pools,
+        pool=PoolConfig(boundary=boundary, min_pressure=boundary),
+        num_replicas=args.data_parallel_size or 1,
+        replica_threads=args.replica_threads,
+        ray_address=args.ray_address,
+        router=RouterConfig(
+            policy=args.router, balance_abs_threshold=args.router_balance_abs_threshold,
+            balance_rel_threshold=args.router_balance_rel_threshold, cache_threshold=args.router_cache_threshold,
+            block_size=args.block_size,
+        ),
+    )
+
+
+def _front(args: argparse.Namespace):  # noqa: ANN202
+    """The EngineClient behind the app: one in-process engine, or replicas on Ray."""
     from prelude.engine.async_engine import AsyncEngine
     from prelude.engine.engine import LLMEngine
+
+    config = _engine_config(args)
+    if args.data_parallel_size is not None or args.ray_address is not None or args.laps_pools:
+        from prelude.cluster.launch import engine_factory, start_client, tokenizer_factory
+
+        cluster = _cluster_config(args)
+        return start_client(engine_factory(config), cluster, seed=args.seed, tokenizer_factory=tokenizer_factory(config))
+    # The engine is built on its own thread, the one that will run every forward.
+    return AsyncEngine(lambda: LLMEngine.from_config(config))
+
+
+def _serve(args: argparse.Namespace) -> int:
     from prelude.entrypoints.openai.api_server import build_app, run_server
 
     log = logging.getLogger("prelude.cli")
-    config = _engine_config(args)
-    # The engine is built on its own thread, the one that will run every forward.
-    front = AsyncEngine(lambda: LLMEngine.from_config(config))
+    front = _front(args)
     app = build_app(front, api_key=args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
                     limits=_server_limits(args), metrics_require_key=args.metrics_require_key)
     log.info("ready: serving %s on http://%s:%d in %.2f s from start",
@@ -169,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
     _add_engine_args(serve)
     _add_server_args(serve)
+    _add_cluster_args(serve)
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak")
-    bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak"])
+    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate")
+    bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -184,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.serve_bench import main as bench_main
         elif args.which == "soak":
             from prelude.bench.soak import main as bench_main
+        elif args.which == "cluster":
+            from prelude.bench.cluster_bench import main as bench_main
+        elif args.which == "simulate":
+            from prelude.bench.simulate_bench import main as bench_main
         elif args.which == "sched":
             from prelude.bench.sched_bench import main as bench_main
         else:

@@ -149,6 +149,13 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
     ) -> AsyncIterator[RequestOutput]:
         req = self.engine.prepare(request_id, prompt_token_ids, params, pooling)  # AdmissionError -> caller
+        async for out in self.submit(req):
+            yield out
+
+    async def submit(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Stream a request admitted elsewhere (a scale-out front admits once, a replica
+        runs it); closing the stream early aborts it, as with generate()."""
+        request_id = req.request_id
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._dead is not None:

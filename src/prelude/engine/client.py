@@ -13,6 +13,11 @@ class AdmissionError(ValueError):
     """A request can not be admitted (e.g. prompt longer than the context): HTTP 400."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """No engine can take or finish the request now (e.g. a scale-out replica died
+    mid-stream, or none is alive): HTTP 503, the client may retry."""
+
+
 class EngineClient(Protocol):
     @property
     def model_name(self) -> str: ...

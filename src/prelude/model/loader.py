@@ -128,23 +128,23 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_model_files(model: str | None) -> LoadedModel:
+def resolve_model_dir(model: str | None) -> tuple[Path, str]:
+    """The HF-style directory a --model value stands for (a GGUF converted once), and its name."""
     name = DEFAULT_MODEL_NAME
     if model is None:
-        model_dir = converted_gguf_dir(default_model_path())
-    else:
-        path = embedded_model_path(model) or Path(model).expanduser()
-        if path == default_model_path_or_none():
-            name = DEFAULT_MODEL_NAME
-            model_dir = converted_gguf_dir(path)
-        elif path.is_file() and path.suffix == ".gguf":
-            model_dir = converted_gguf_dir(path)
-            name = path.stem
-        elif path.is_dir():
-            model_dir = path
-            name = model if embedded_model_path(model) else path.name
-        else:
-            raise FileNotFoundError(f"--model {model!r} is neither a HF model directory nor a .gguf file")
+        return converted_gguf_dir(default_model_path()), name
+    path = embedded_model_path(model) or Path(model).expanduser()
+    if path == default_model_path_or_none():
+        return converted_gguf_dir(path), DEFAULT_MODEL_NAME
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf_dir(path), path.stem
+    if path.is_dir():
+        return path, model if embedded_model_path(model) else path.name
+    raise FileNotFoundError(f"--model {model!r} is neither a HF model directory nor a .gguf file")
+
+
+def load_model_files(model: str | None) -> LoadedModel:
+    model_dir, name = resolve_model_dir(model)
     with open(model_dir / "config.json", encoding="utf-8") as f:
         raw = json.load(f)
     config = EncoderConfig.from_dir(model_dir, raw) if is_encoder_config(raw) else ModelConfig.from_hf_dict(raw)

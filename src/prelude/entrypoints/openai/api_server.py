@@ -91,7 +91,8 @@ def build_app(
         if gate.draining:
             return error_response("the server is shutting down", 503, code="server_shutting_down")
         if engine.is_healthy():
-            return JSONResponse({})
+            # A scale-out client also says how many replicas are live: "degraded" still serves.
+            return JSONResponse(engine.health() if hasattr(engine, "health") else {})
         return error_response("the engine loop is not running", 503, code="engine_dead")
 
     @app.get("/metrics")

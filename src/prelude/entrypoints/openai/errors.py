@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prelude.engine.client import AdmissionError
+from prelude.engine.client import AdmissionError, EngineUnavailableError
 from prelude.engine.errors import EngineDeadError
 from prelude.engine.request import SamplingParamsError
 from prelude.entrypoints.openai.protocol import UNENCODABLE_TEXT
@@ -69,6 +69,8 @@ def error_body_for(exc: BaseException) -> tuple[dict[str, Any], int]:
         return error_body(str(exc), 400), 400
     if isinstance(exc, EngineDeadError):
         return error_body(str(exc), 503, code="engine_dead"), 503
+    if isinstance(exc, EngineUnavailableError):
+        return error_body(str(exc), 503, code="engine_unavailable"), 503
     return error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500
 
 
@@ -91,6 +93,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SamplingParamsError)
     @app.exception_handler(AdmissionError)
     @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineUnavailableError)
     async def _client_error(_: Request, exc: Exception) -> JSONResponse:
         body, status = error_body_for(exc)
         return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))

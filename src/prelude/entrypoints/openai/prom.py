@@ -84,6 +84,24 @@ class _EngineGauges(Collector):
             yield self._counter(f"prelude:{name}", name.replace("_", " "), value)
 
 
+class _ClusterMetrics(Collector):
+    """Scale-out families (router decisions, replicas, LAPS pools) from a client that has
+    `cluster_metrics()` (prelude.cluster.client.RayEngineClient), read at scrape time."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, str, dict[str, str], float]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for name, kind, doc, labels, value in self._read():
+            family = families.get(name)
+            if family is None:
+                cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = families[name] = cls(f"prelude:{name}", doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+        yield from families.values()
+
+
 class ServerMetrics:
     """The app's registry. The engine thread reports finished requests and steps
     (EngineObserver); the HTTP layer counts requests by route, status and class."""
@@ -112,6 +130,8 @@ class ServerMetrics:
         self.step_tokens = Counter("prelude:step_tokens", "Tokens computed by engine steps, by batch kind.",
                                    [*labels, "kind"], registry=r)
         r.register(_EngineGauges(engine.metrics, self.model_name, extra))
+        if hasattr(engine, "cluster_metrics"):
+            r.register(_ClusterMetrics(engine.cluster_metrics))
 
     # --- EngineObserver (engine thread) ------------------------------------------------
 

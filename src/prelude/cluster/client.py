@@ -1,0 +1,324 @@
+"""The Ray-backed EngineClient: the FastAPI app talks to N engine replicas through it.
+
+A request is admitted here, once (tokens checked, budget clamped, class picked), then
+routed to a replica, which runs the prepared Request. Faults use Ray's own machinery:
+replicas are actors with `max_restarts`; a call to a dead one raises RayActorError,
+and a monitor thread pings a down replica until Ray has restarted it. Retries: a
+request that has streamed nothing yet moves to another replica; one whose stream has
+started ends with EngineUnavailableError (an explicit error event; the client decides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Sequence
+
+import ray
+import torch
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+from prelude.cluster.pools import PoolController
+from prelude.cluster.replica import ReplicaInfo
+from prelude.cluster.router import Router
+from prelude.engine.admission import admit
+from prelude.engine.client import AdmissionError, EngineUnavailableError
+from prelude.engine.metrics import RequestMetrics
+from prelude.engine.request import PoolingParams, PoolingTask, Request, RequestOutput, SamplingParams
+from prelude.tokenizer.base import Tokenizer
+
+logger = logging.getLogger("prelude.cluster")
+
+# Errors that mean "this replica is gone" (dead, or restarting), not "this request is bad".
+_REPLICA_DOWN: tuple[type[BaseException], ...] = (RayActorError, ActorUnavailableError)
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    poll_s: float = 0.5  # how often the monitor pings down replicas
+    call_timeout_s: float = 10.0  # metrics / integrity calls to one replica
+    wait_for_replica_s: float = 30.0  # a request with no live replica waits this long, then 503
+
+
+class AdmittingFront:
+    """The EngineClient half every scale-out front shares: the model's facts (from a
+    replica) and admission, done once here with the same checks as LLMEngine.prepare
+    (a Request is plain data: it travels to the replica as it is)."""
+
+    def __init__(self, info: ReplicaInfo, seed: int = 0) -> None:
+        self.info = info
+        # Unseeded requests draw their sampling seed here, at admission, as the engine does.
+        self._seed_source = torch.Generator().manual_seed(seed)
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self.info.tokenizer is not None, "the front needs a tokenizer (see launch.start_client)"
+        return self.info.tokenizer
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.info.labels
+
+    @property
+    def can_generate(self) -> bool:
+        return self.info.can_generate
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.info.is_encoder
+
+    def _admit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
+    ) -> Request:
+        info = self.info
+        if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not info.labels:
+            raise AdmissionError("this model has no classification head; pass candidate labels instead")
+        if pooling is not None and pooling.pooling is None:
+            pooling = replace(pooling, pooling=info.default_pooling)
+        if params.ttft_slo_ms is None and info.default_ttft_slo_ms is not None:
+            params = replace(params, ttft_slo_ms=info.default_ttft_slo_ms)
+        req = admit(
+            request_id, prompt_token_ids, params,
+            max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+            seed_source=self._seed_source, can_generate=info.can_generate, pooling=pooling,
+            force_decode=info.force_decode,
+        )
+        return req
+
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+    ) -> None:
+        self._admit("validate", prompt_token_ids, params, pooling)
+
+
+class RayEngineClient(AdmittingFront):
+    def __init__(
+        self, replicas: Sequence[Any], router: Router, info: ReplicaInfo | None = None,
+        faults: FaultConfig = FaultConfig(), pools: PoolController | None = None, seed: int = 0,
+    ) -> None:
+        if not replicas:
+            raise ValueError("need at least one replica")
+        self._replicas = list(replicas)
+        self.faults = faults
+        super().__init__(info or ray.get(self._replicas[0].info.remote()), seed)
+        self._router = router
+        self._router_lock = threading.Lock()
+        self._in_flight = [0] * len(replicas)
+        self._pools = pools  # LAPS spatial mode: short and long prompts on separate replica pools
+        self._unprefilled = [0] * len(replicas)  # prompt tokens sent that have no first token yet
+        self._up = [True] * len(replicas)
+        self._counts = {"retried_total": 0, "failed_mid_stream_total": 0, "replica_failures_total": 0,
+                        "replica_recoveries_total": 0}
+        self._stopping = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="prelude-replica-monitor", daemon=True)
+        self._monitor.start()
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._replicas)
+
+    # --- routing and running -------------------------------------------------------------
+
+    def _route(self, req: Request) -> int | None:
+        cands = [r for r in range(len(self._replicas)) if self._up[r]]
+        if not cands:
+            return None
+        with self._router_lock:
+            if self._pools is not None:
+                self._pools.rebalance(time.monotonic(), self._unprefilled)
+                pool = [r for r in self._pools.members(self._pools.pool_of(req.num_prompt_tokens)) if self._up[r]]
+                cands = pool or cands  # a pool with no live replica borrows the other's
+            return self._router.route(req.prompt_token_ids, self._in_flight, cands).replica
+
+    async def _pick(self, req: Request) -> int:
+        """A live replica (a failed one is down until Ray has restarted it); waits,
+        bounded, for a restart when none is live."""
+        deadline = time.monotonic() + self.faults.wait_for_replica_s
+        while (r := self._route(req)) is None:
+            if time.monotonic() > deadline:
+                raise EngineUnavailableError("no engine replica is available; retry later")
+            await asyncio.sleep(self.faults.poll_s / 2)
+        return r
+
+    async def _run(self, req: Request) -> AsyncIterator[RequestOutput]:
+        while True:
+            r = await self._pick(req)
+            self._in_flight[r] += 1
+            self._unprefilled[r] += req.num_prompt_tokens
+            streamed = finished = False
+            gen = self._replicas[r].generate.options(num_returns="streaming").remote(req)
+            try:
+                async for ref in gen:
+                    out: RequestOutput = await ref
+                    if not streamed:
+                        self._unprefilled[r] -= req.num_prompt_tokens
+                    streamed = True
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        return
+                raise EngineUnavailableError(f"replica {r} ended request {req.request_id} without a result")
+            except _REPLICA_DOWN as exc:
+                self._mark_down(r, exc)
+                if streamed:
+                    self._counts["failed_mid_stream_total"] += 1
+                    raise EngineUnavailableError(
+                        f"the engine replica serving this request failed after it started streaming: {exc}"
+                    ) from None
+                self._counts["retried_total"] += 1
+                logger.warning("replica %d failed before request %s streamed; retrying elsewhere", r, req.request_id)
+            finally:
+                self._in_flight[r] -= 1
+                if not streamed:
+                    self._unprefilled[r] -= req.num_prompt_tokens
+                if not finished:
+                    ray.cancel(gen)  # cancels the replica's coroutine, which aborts the request
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        req = self._admit(request_id, prompt_token_ids, params, None)  # AdmissionError before any stream
+        return self._run(req)
+
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
+        req = self._admit(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling)
+        async for out in self._run(req):
+            if out.finished:
+                return out
+        raise RuntimeError(f"request {request_id} ended without a result")
+
+    async def abort(self, request_id: str) -> None:
+        for r, replica in enumerate(self._replicas):
+            if self._up[r]:
+                replica.abort.remote(request_id)
+
+    # --- health, metrics ------------------------------------------------------------------
+
+    def _mark_down(self, r: int, exc: BaseException | None = None) -> None:
+        if self._up[r]:
+            self._up[r] = False
+            self._counts["replica_failures_total"] += 1
+            logger.error("replica %d is down (%s); Ray restarts it", r, type(exc).__name__ if exc else "no answer")
+
+    def _watch(self) -> None:
+        """Ping every replica: Ray raises RayActorError for a dead one (a slow answer is
+        not a death: busy replicas are left alone). Down replicas are pinged until Ray
+        has restarted them; a restarted replica lost its cache, so the router forgets
+        what it sent there."""
+        while not self._stopping.wait(self.faults.poll_s):
+            pings = [(r, self._replicas[r].ping.remote()) for r in range(len(self._replicas))]
+            for r, ref in pings:
+                try:
+                    ray.get(ref, timeout=self.faults.poll_s)
+                except GetTimeoutError:
+                    continue
+                except _REPLICA_DOWN as exc:
+                    self._mark_down(r, exc)
+                    continue
+                if self._up[r]:
+                    continue
+                with self._router_lock:
+                    self._router.forget(r)
+                self._up[r] = True
+                self._counts["replica_recoveries_total"] += 1
+                logger.warning("replica %d is back", r)
+
+    def is_healthy(self) -> bool:
+        return any(self._up)
+
+    def health(self) -> dict[str, Any]:
+        """`ok`, `degraded` (some replica down: still serving) or `down`."""
+        live = sum(self._up)
+        status = "ok" if live == len(self._up) else ("degraded" if live else "down")
+        return {"status": status, "replicas_live": live, "replicas_total": len(self._up)}
+
+    def _gather(self, method: str) -> dict[int, Any]:
+        refs = {r: getattr(rep, method).remote() for r, rep in enumerate(self._replicas) if self._up[r]}
+        out = {}
+        for r, ref in refs.items():
+            try:
+                out[r] = ray.get(ref, timeout=self.faults.call_timeout_s)
+            except _REPLICA_DOWN as exc:
+                self._mark_down(r, exc)
+            except GetTimeoutError:
+                pass
+        return out
+
+    def replica_metrics(self) -> dict[int, dict[str, float]]:
+        return self._gather("metrics")
+
+    def metrics(self) -> dict[str, float]:
+        """Engine counters summed over live replicas (hit rate recomputed from the sums)."""
+        total: dict[str, float] = {}
+        for m in self.replica_metrics().values():
+            for k, v in m.items():
+                total[k] = total.get(k, 0.0) + v
+        total.pop("in_flight", None)
+        reused, computed = total.get("prefix_reused_tokens_total", 0.0), total.get("prefix_computed_tokens_total", 0.0)
+        total["prefix_cache_hit_rate"] = reused / (reused + computed) if reused + computed else 0.0
+        total.update({f"cluster_{k}": float(v) for k, v in self._counts.items()})
+        return total
+
+    def cluster_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        """(name, counter|gauge, help, labels, value) samples for /metrics: router decisions,
+        each replica's liveness, load and prefix hit rate (real and as the router guesses
+        it), LAPS pools, fault counters."""
+        out: list[tuple[str, str, str, dict[str, str], float]] = []
+        for r, m in self.replica_metrics().items():
+            out.append(("replica_prefix_cache_hit_rate", "gauge", "Prefix-cache hit rate of each replica's engine.",
+                        {"replica": str(r)}, m["prefix_cache_hit_rate"]))
+        for r in range(len(self._replicas)):
+            out.append(("replica_up", "gauge", "1 while the replica answers.", {"replica": str(r)}, float(self._up[r])))
+            out.append(("replica_requests_in_flight", "gauge", "Requests the front has on each replica.",
+                        {"replica": str(r)}, float(self._in_flight[r])))
+        with self._router_lock:
+            stats = self._router.stats
+            for (r, reason), n in sorted(stats.decisions.items()):
+                out.append(("router_decisions", "counter", "Routing decisions by replica and reason.",
+                            {"replica": str(r), "reason": reason}, float(n)))
+            for r in range(len(self._replicas)):
+                out.append(("router_estimated_prefix_hit_rate", "gauge",
+                            "Share of routed prompt tokens the router's tree of that replica already held.",
+                            {"replica": str(r)}, self._router.estimated_hit_rate(r)))
+            if self._pools is not None:
+                for name, members in self._pools.pools.items():
+                    out.append(("laps_pool_replicas", "gauge", "Replicas in each LAPS pool.", {"pool": name},
+                                float(len(members))))
+                out.append(("laps_pool_moves", "counter", "Replicas moved between LAPS pools.", {},
+                            float(len(self._pools.moves))))
+        for k, v in self._counts.items():
+            out.append((f"cluster_{k.removesuffix('_total')}", "counter", k.replace("_", " "), {}, float(v)))
+        return out
+
+    def request_metrics(self) -> list[RequestMetrics]:
+        return [m for ms in self._gather("request_metrics").values() for m in ms]
+
+    def check_integrity(self) -> None:
+        """LLMEngine.check_integrity on every live replica (each waits until idle)."""
+        refs = [rep.check_integrity.remote() for r, rep in enumerate(self._replicas) if self._up[r]]
+        ray.get(refs, timeout=self.faults.call_timeout_s * 2)
+
+    def pool_moves(self) -> list[Any]:
+        """LAPS pool moves so far, each with its time, replica, direction and reason."""
+        return list(self._pools.moves) if self._pools is not None else []
+
+    def close(self) -> None:
+        """Stop watching the replicas (they keep running: another client may own them)."""
+        self._stopping.set()
+        self._monitor.join(timeout=5)
+
+    def shutdown(self) -> None:
+        self.close()
+        for replica in self._replicas:
+            ray.kill(replica, no_restart=True)

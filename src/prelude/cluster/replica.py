@@ -1,0 +1,133 @@
+"""One engine replica: an AsyncEngine inside a Ray actor.
+
+The front admits a request once (which also fixes its sampling seed) and ships the
+prepared Request; the replica enqueues it as is. Outputs stream back
+through a Ray streaming generator; cancelling that generator (the client went away)
+cancels the coroutine here, whose cleanup aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import time
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable
+
+import torch
+
+from prelude.engine.async_engine import AsyncEngine
+from prelude.engine.engine import LLMEngine
+from prelude.engine.metrics import RequestMetrics
+from prelude.engine.request import Request, RequestOutput
+from prelude.tokenizer.base import Tokenizer
+
+EngineFactory = Callable[[], LLMEngine]
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What the front needs to admit requests the way a replica's engine would."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Tokenizer | None  # None when it does not pickle (fasttoken): the front loads its own
+    labels: tuple[str, ...]
+    can_generate: bool
+    is_encoder: bool
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    default_pooling: str
+    default_ttft_slo_ms: float | None
+    force_decode: bool
+    block_size: int
+
+
+def _picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - any failure means "load it on the other side"
+        return False
+    return True
+
+
+def replica_info(engine: LLMEngine) -> ReplicaInfo:
+    return ReplicaInfo(
+        model_name=engine.model_name,
+        max_model_len=engine.max_model_len,
+        tokenizer=engine.tokenizer if _picklable(engine.tokenizer) else None,
+        labels=engine.labels,
+        can_generate=engine.can_generate,
+        is_encoder=engine.is_encoder,
+        vocab_size=engine.info.vocab_size,
+        eos_token_ids=engine.eos_token_ids,
+        default_pooling=engine.info.default_pooling,
+        default_ttft_slo_ms=engine.config.scheduler.default_ttft_slo_ms,
+        force_decode=engine.config.scheduler.force_decode,
+        block_size=engine.config.cache.block_size,
+    )
+
+
+class EngineReplica:
+    """The Ray actor class (wrapped with ray.remote by the launcher, so this module
+    imports without starting anything)."""
+
+    def __init__(self, factory: EngineFactory, index: int, threads: int | None, seed: int = 0) -> None:
+        def build() -> LLMEngine:
+            if threads:  # torch's thread team belongs to the thread that runs the forwards
+                torch.set_num_threads(threads)
+            return factory()
+
+        self.index = index
+        self.front = AsyncEngine(build)
+        self._in_flight = 0
+
+    def info(self) -> ReplicaInfo:
+        return replica_info(self.front.engine)
+
+    def ping(self) -> int:
+        """Answers once the actor is up (after a restart too): Ray's own liveness, used
+        by the front to learn that a restarted replica is back."""
+        return os.getpid()
+
+    def _bind(self, req: Request) -> Request:
+        # Monotonic clocks of two hosts differ: the replica's clock starts the request.
+        now = time.monotonic()
+        deadline = None if req.ttft_deadline is None else now + (req.ttft_deadline - req.arrival_time)
+        return replace(req, arrival_time=now, ttft_deadline=deadline)
+
+    async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Stream a prepared request's increments. A cancelled stream (Ray cancels this
+        coroutine when the front drops it) aborts the request in AsyncEngine.submit."""
+        self._in_flight += 1
+        stream = self.front.submit(self._bind(req))
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            self._in_flight -= 1
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self.front.abort(request_id)
+
+    def load(self) -> dict[str, float]:
+        m = self.front.metrics()
+        return {"in_flight": float(self._in_flight), "running": m["requests_running"], "waiting": m["requests_waiting"]}
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.front.metrics(), "in_flight": float(self._in_flight)}
+
+    def request_metrics(self) -> list[RequestMetrics]:
+        return self.front.request_metrics()
+
+    async def check_integrity(self, timeout_s: float = 10.0) -> None:
+        """The KV bookkeeping check, once the engine has no work (it reads the pool from
+        this thread, so it waits for the engine thread to go idle)."""
+        deadline = time.monotonic() + timeout_s
+        while self.front.engine.has_unfinished():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {self.index} still has unfinished requests")
+            await asyncio.sleep(0.02)
+        self.front.engine.check_integrity()
