@@ -64,6 +64,14 @@ class OneShotRow:
     num_cached: int = 0
     prefix_blocks: tuple[int, ...] = ()
     publish_blocks: tuple[int, ...] = ()
+    # Multi-item packing: token_ids = a shared part, then items of these lengths. Each
+    # item sees the shared part and itself only, at positions restarting after the shared
+    # part; only the shared part is looked up in and published to the prefix cache.
+    item_lens: tuple[int, ...] = ()
+
+    @property
+    def shared_len(self) -> int:
+        return len(self.token_ids) - sum(self.item_lens)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,10 @@ class SamplingParams:
 class PoolingTask(str, enum.Enum):
     EMBED = "embed"  # pooled hidden state
     CLASSIFY = "classify"  # the model's classification / score / reward head
-    LABELS = "labels"  # next-token logprobs of candidate label tokens after the prompt
+    LABELS = "labels"  # next-token logprobs of candidate label tokens after the prompt (or after each item)
+    # Teacher-forced logprob of each item's whole token sequence after the shared prompt:
+    # whole-label classification, the labels packed as items (see PoolingParams.item_lens).
+    SEQUENCE_LOGPROBS = "sequence_logprobs"
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,29 @@ class PoolingParams:
     normalize: bool = False
     label_token_ids: tuple[int, ...] = ()
     token_type_ids: tuple[int, ...] | None = None  # sentence pairs for BERT-style encoders
+    # Multi-item packing: the prompt is a shared part followed by items of these lengths,
+    # each item seeing the shared part and itself only, its positions restarting where the
+    # shared part ends; every item gets its own outputs, as if it had been sent alone.
+    item_lens: tuple[int, ...] = ()
+    # LABELS: log-softmax over the label ids only, from the gathered label rows of the LM
+    # head (no full-vocabulary projection); False: full-vocabulary logprobs of the ids.
+    label_softmax: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling not in (None, "last", "mean", "cls"):
             raise SamplingParamsError(f"pooling must be last, mean or cls, got {self.pooling!r}")
         if self.task is PoolingTask.LABELS and not self.label_token_ids:
             raise SamplingParamsError("label classification needs at least one label")
+        if self.task is PoolingTask.SEQUENCE_LOGPROBS and not self.item_lens:
+            raise SamplingParamsError("sequence logprobs need at least one item")
+        if any(n < 1 for n in self.item_lens):
+            raise SamplingParamsError("every item needs at least one token")
+        if self.item_lens and self.task not in (PoolingTask.LABELS, PoolingTask.SEQUENCE_LOGPROBS):
+            raise SamplingParamsError("items are packed for label and sequence scoring only")
+
+    def shared_len(self, num_prompt_tokens: int) -> int:
+        """Tokens of the shared part of a packed prompt (all of it without items)."""
+        return num_prompt_tokens - sum(self.item_lens)
 
 
 @dataclass(frozen=True)

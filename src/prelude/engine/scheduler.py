@@ -59,6 +59,14 @@ def reuses_prefix(req: Request) -> bool:
 MAX_DEFER_STEPS = 1
 
 
+def shareable_tokens(req: Request) -> list[int]:
+    """The part of a OneShot prompt the prefix cache may look up and publish: all of it, or
+    for packed items the shared part only (items' K/V sit at restarted positions)."""
+    if req.pooling is not None and req.pooling.item_lens:
+        return req.prompt_token_ids[: req.pooling.shared_len(req.num_prompt_tokens)]
+    return req.prompt_token_ids
+
+
 def head_spec(req: Request) -> HeadSpec | None:
     if req.head_done or (req.pooling is None and req.params.prompt_logprobs is None):
         return None
@@ -158,20 +166,22 @@ class Scheduler:
             if oneshot_group(req) != group:
                 continue
             prompt = req.prompt_token_ids
-            prefix = self._cached_prefix(req, prompt)
+            shareable = shareable_tokens(req)
+            prefix = self._cached_prefix(req, shareable)
             n_cached = len(prefix) * bs
             n, mem = req.num_prompt_tokens - n_cached, self.activation_bytes(req)
             if taken and (n > budget or mem > memory):
                 break  # the first request always goes, even alone over budget
-            if self._defer(req, self.kv.first_uncached_key(prompt, len(prefix)), leaders):
+            if self._defer(req, self.kv.first_uncached_key(shareable, len(prefix)), leaders):
                 continue
-            publish = len(prompt) // bs - len(prefix) if self.kv.prefix is not None else 0
+            publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
             publish_blocks = self.kv.hold_for_step(prefix, publish)
             assert publish_blocks is not None
             self.kv.record(n_cached, n)
             rows.append(OneShotRow(
                 req.request_id, prompt, sample_spec(req), head_spec(req),
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
+                item_lens=req.pooling.item_lens if req.pooling is not None else (),
             ))
             taken.append(req)
             budget -= n

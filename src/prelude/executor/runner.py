@@ -18,6 +18,7 @@ import torch
 from prelude.config import ExecutorConfig
 from prelude.executor.compiled import COMPILE_MODES, CompiledForwards, EagerForwards, ForwardProvider
 from prelude.executor.device import resolve_device, resolve_dtype
+from prelude.executor import label_heads
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.host_copy import HostCopy, HostValue
 from prelude.executor.model_info import ModelInfo
@@ -92,6 +93,7 @@ class _RowLayout:
     context_len: int
     own_kv_in_cache: bool
     decode: bool
+    segments: Sequence[int] | None = None  # per new token; None: one plain causal row
 
 
 class ModelRunner:
@@ -226,12 +228,16 @@ class ModelRunner:
         dec_index: list[int] = []
         dec_lens: list[int] = []
         dec_tables: list[Sequence[int]] = []
+        segmented = any(lay.segments is not None for lay in layouts)
+        segments: list[int] = []
         for lay in layouts:
             start = len(ids)
             starts.append(start)
             ids.extend(lay.ids)
             positions.extend(lay.positions)
             slots.extend(lay.slots)
+            if segmented:
+                segments.extend(lay.segments if lay.segments is not None else [0] * len(lay.ids))
             if lay.decode:
                 dec_index.append(start)
                 dec_lens.append(lay.context_len)
@@ -249,11 +255,11 @@ class ModelRunner:
         pre_columns = [start for start, _ in pre] + [len(lay.ids) for _, lay in pre] + \
             [lay.context_len for _, lay in pre] + [int(lay.own_kv_in_cache) for _, lay in pre]
         pre_tables = [b for _, lay in pre for b in (*lay.block_table, *([0] * (pre_width - len(lay.block_table))))]
-        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept, d_pre, d_pre_tables) = \
-            pack_int64(
-                self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
-                kept if any_kept and not all_kept else [], pre_columns, pre_tables,
-            )
+        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept, d_pre, d_pre_tables,
+         d_segments) = pack_int64(
+            self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
+            kept if any_kept and not all_kept else [], pre_columns, pre_tables, segments,
+        )
         prefills = []
         span = iter(table_spans)
         for lay, start in zip(layouts, starts):
@@ -261,7 +267,7 @@ class ModelRunner:
                 continue
             off, n = next(span)
             prefills.append(PrefillSlice(start, len(lay.ids), lay.context_len, d_tables[off : off + n],
-                                         own_kv_in_cache=lay.own_kv_in_cache))
+                                         own_kv_in_cache=lay.own_kv_in_cache, segmented=lay.segments is not None))
         decodes = None
         if dec_index:
             decodes = DecodeRows(
@@ -282,6 +288,7 @@ class ModelRunner:
             block_size=self.block_size,
             kept_tokens=None if all_kept or not any_kept else d_kept,
             prefill_tensors=prefill_tensors,
+            segment_ids=d_segments if segmented else None,
         )
         return StepInputs(d_ids, d_pos, meta, starts)
 
@@ -303,7 +310,18 @@ class ModelRunner:
         slots = [r.publish_blocks[(p - r.num_cached) // bs] * bs + p % bs if p < published_end else -1
                  for p in range(r.num_cached, n)]
         table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks else ()
-        return _RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
+        if not r.item_lens:
+            return _RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
+        # Packed items: each restarts at the shared part's end and is its own segment.
+        shared = r.shared_len
+        assert r.num_cached <= shared and published_end <= shared, "only the shared part is cached"
+        positions = list(range(r.num_cached, shared))
+        segments = [0] * (shared - r.num_cached)
+        for i, length in enumerate(r.item_lens, start=1):
+            positions.extend(range(shared, shared + length))
+            segments.extend([i] * length)
+        return _RowLayout(r.token_ids[r.num_cached :], positions, slots, table, n, False, decode=False,
+                          segments=segments)
 
     def build_paged_inputs(self, rows: Sequence[BatchRow]) -> StepInputs:
         return self._inputs([self._paged_layout(r) for r in rows], write_kv=True)
@@ -394,7 +412,16 @@ class ModelRunner:
         scores: HostValue | None = None
         embedding: HostValue | None = None
         if p is not None and p.task is PoolingTask.LABELS:
-            scores = copy.add(heads.label_logprobs(self.model.compute_logits(hidden[-1:])[0], p.label_token_ids))
+            rows_at, label_ids = pack_int64(self.device, label_heads.score_rows(len(tokens), p), p.label_token_ids)
+            scores = copy.add(label_heads.label_scores(
+                hidden.index_select(0, rows_at), label_ids, p.label_softmax,
+                self.model.compute_logits, self.model.compute_label_logits,
+            ).reshape(-1))
+        elif p is not None and p.task is PoolingTask.SEQUENCE_LOGPROBS:
+            predictors, targets = label_heads.sequence_rows(tokens, p.item_lens)
+            rows_at, d_targets = pack_int64(self.device, predictors, targets)
+            scores = copy.add(label_heads.sequence_logprobs(
+                hidden.index_select(0, rows_at), d_targets, p.item_lens, self.model.compute_logits))
         elif p is not None and p.task is PoolingTask.CLASSIFY:
             scores = copy.add(self.model.classify(hidden))
         elif p is not None:

@@ -173,6 +173,9 @@ class BertEncoder:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder model has no language-model head")
 
+    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder model has no language-model head")
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []
 

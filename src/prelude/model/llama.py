@@ -146,6 +146,14 @@ class LlamaForCausalLM:
         return self._lm_head_proj(hidden).float()
 
     @torch.inference_mode()
+    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of only the given vocabulary ids: [R, hidden] x ids [K] -> [R, K] (float32).
+        A gather of K rows of the head's weight, not a full-vocabulary projection."""
+        if self.lm_head is None:
+            raise RuntimeError("this checkpoint has no language-model head")
+        return F.linear(hidden, self.lm_head.index_select(0, token_ids)).float()
+
+    @torch.inference_mode()
     def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:
         """Classification / reward head on a sequence's last token, as HF's
         *ForSequenceClassification does: [n, hidden] -> [labels] (float32)."""

@@ -22,6 +22,8 @@ class PrefillSlice:
     # False for OneShot rows: only the cached prefix (context_len - query_len tokens) is in
     # the cache; the row's own K/V are this forward's temporaries.
     own_kv_in_cache: bool = True
+    # The row's new tokens carry segment ids (AttentionMetadata.segment_ids) other than 0.
+    segmented: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,9 @@ class AttentionMetadata:
     # backend has to look at the slots to find them (a host sync on a GPU); None: all kept.
     kept_tokens: torch.Tensor | None = None
     prefill_tensors: PrefillTensors | None = None  # set by the runner; None: build from `prefills`
+    # [T] int64 over the flattened batch, or None: no row is segmented. Multi-item scoring:
+    # segment 0 is shared; a new token of segment s > 0 sees the cached prefix, the
+    # segment-0 new tokens of its row and, causally, the tokens of its own segment only.
+    # Cached-prefix keys count as segment 0. Causality follows the tokens' order in the
+    # row, not their (restarted) RoPE positions. The Triton prefill kernel takes the same ids.
+    segment_ids: torch.Tensor | None = None

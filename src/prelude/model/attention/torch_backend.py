@@ -34,13 +34,37 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
+def segment_mask(segments: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[n, context_len] visibility of a segmented row's n new tokens (ids `segments`)
+    over its keys: the cached prefix (segment 0), then the new tokens themselves."""
+    n = segments.numel()
+    offset = context_len - n
+    key_seg = torch.cat([segments.new_zeros(offset), segments])
+    q_pos = torch.arange(n, device=segments.device).unsqueeze(1) + offset
+    causal = torch.arange(context_len, device=segments.device).unsqueeze(0) <= q_pos
+    same = (key_seg.unsqueeze(0) == 0) | (key_seg.unsqueeze(0) == segments.unsqueeze(1))
+    return causal & same
+
+
 def _prefill_row(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: PrefillSlice,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     s, n = row.query_start, row.query_len
     q_row = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    if row.context_len == n:
+    if row.segmented and segment_ids is not None:
+        if row.own_kv_in_cache:
+            k_row = _gather(k_cache, row.block_table, row.context_len)
+            v_row = _gather(v_cache, row.block_table, row.context_len)
+        elif row.context_len == n:
+            k_row, v_row = k[s : s + n], v[s : s + n]
+        else:
+            cached = row.context_len - n
+            k_row = torch.cat([_gather(k_cache, row.block_table, cached), k[s : s + n]])
+            v_row = torch.cat([_gather(v_cache, row.block_table, cached), v[s : s + n]])
+        mask = segment_mask(segment_ids[s : s + n], row.context_len)
+        causal = False
+    elif row.context_len == n:
         # Fresh prompt: its own K/V are all there is; skip the cache gather.
         k_row, v_row = k[s : s + n], v[s : s + n]
         mask = None
@@ -89,7 +113,7 @@ class TorchAttention:
         out = torch.empty_like(q)
         for row in meta.prefills:
             out[row.query_start : row.query_start + row.query_len] = _prefill_row(
-                q, k, v, row, k_cache, v_cache, scale
+                q, k, v, row, k_cache, v_cache, scale, meta.segment_ids
             )
         if meta.decodes is not None:
             out[meta.decodes.query_index] = decode_attention(q, meta.decodes, k_cache, v_cache, scale)
