@@ -96,7 +96,18 @@ BAD = [
     ("/classify", {"input": []}),
     ("/classify", {"input": "x"}),  # no head and no labels
     ("/classify", {"input": "x", "labels": []}),
-    ("/classify", {"input": "x", "labels": ["ab", "ac"]}),  # same first token
+    ("/classify", {"input": "x", "labels": ["ab", ""]}),  # a label without tokens
+    ("/classify", {"input": "x", "labels": ["ab"], "normalize": "max"}),
+    ("/score", {"text_1": "a"}),
+    ("/v1/score", {"query": "q", "items": ["a"]}),  # no label_token_ids
+    ("/v1/score", {"query": "q", "items": [], "label_token_ids": [1]}),
+    ("/v1/score", {"query": "q", "items": ["a", ""], "label_token_ids": [1]}),
+    ("/v1/score", {"query": "", "items": ["a"], "label_token_ids": [1]}),
+    ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [100000]}),
+    ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": []}),
+    ("/v1/score", {"query": "q" * 300, "items": ["a"], "label_token_ids": [1]}),  # over the context
+    ("/generative_scoring", {"query": "q", "items": ["a"]}),
+    ("/generative_scoring", {"query": "q", "items": ["a"], "label_token_ids": [-1]}),
     ("/v1/rerank", {"query": "q"}),
     ("/v1/rerank", {"query": "q", "documents": []}),
     ("/v1/rerank", {"query": "q", "documents": [{"title": "no text"}]}),

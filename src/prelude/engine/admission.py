@@ -45,6 +45,9 @@ def admit(
     if bad:
         raise AdmissionError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})")
     if pooling is not None:
+        bad = [t for t in pooling.label_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise AdmissionError(f"label token id {bad[0]} is out of vocabulary (size {vocab_size})")
         max_tokens = 0
         if n_prompt > max_model_len:
             raise AdmissionError(

@@ -26,6 +26,7 @@ from prelude.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    GenerativeScoringRequest,
     RerankRequest,
     RewardRequest,
     ScoreRequest,
@@ -40,6 +41,7 @@ from prelude.entrypoints.openai.serving_pooling import (
     create_reward,
     create_score,
 )
+from prelude.entrypoints.openai.serving_score import create_generative_score, create_generative_scoring
 from prelude.entrypoints.openai.serving_tokens import detokenize, tokenize
 
 VERSION = "0.1.0"
@@ -167,7 +169,12 @@ def build_app(
     @app.post("/score")
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request) -> Any:
-        return await _served(create_score, body, request)
+        return await _served(create_generative_score if body.is_generative else create_score, body, request)
+
+    @app.post("/generative_scoring")
+    @app.post("/v1/generative_scoring")
+    async def generative_scoring(body: GenerativeScoringRequest, request: Request) -> Any:
+        return await _served(create_generative_scoring, body, request)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")

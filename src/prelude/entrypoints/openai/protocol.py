@@ -147,16 +147,48 @@ class EmbeddingRequest(_Request):
 class ClassifyRequest(_Request):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    labels: list[str] | None = None  # label-token classification for causal LMs
+    labels: list[str] | None = None  # whole-label classification for causal LMs
+    # How a label's token logprobs combine: their sum (the label's logprob) or their mean.
+    normalize: Literal["sum", "mean"] = "sum"
     use_chat_template: bool = False  # wrap each input as a user turn of the chat template
     user: str | None = None
 
 
 class ScoreRequest(_Request):
+    """Two shapes on one route, told apart by their fields: vLLM's cross-encoder pairs
+    (`text_1`, `text_2`) and SGLang's generative scoring (`query`, `items`,
+    `label_token_ids`)."""
+
     model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
     template: str | None = None
+    user: str | None = None
+    # SGLang's shape
+    query: str | list[int] | None = None
+    items: str | list[str] | list[list[int]] | None = None
+    label_token_ids: list[int] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+    # Prelude: pack the items after the query into one forward (False: one row per item)
+    multi_item: bool = True
+
+    @property
+    def is_generative(self) -> bool:
+        return self.query is not None or self.items is not None or self.label_token_ids is not None
+
+
+class GenerativeScoringRequest(_Request):
+    """vLLM's /generative_scoring: P(label_token_ids[0]) for each query+item."""
+
+    model: str | None = None
+    query: str | list[int]
+    items: list[str] | list[list[int]]
+    label_token_ids: list[int]
+    apply_softmax: bool = True
+    item_first: bool = False
+    add_special_tokens: bool = True
+    multi_item: bool = True
     user: str | None = None
 
 

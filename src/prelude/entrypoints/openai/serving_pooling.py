@@ -12,6 +12,7 @@ import math
 import struct
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from starlette.requests import Request as HTTPRequest
@@ -60,7 +61,7 @@ def _input_list(value: Any, param: str) -> list[str | list[int]]:
     return list(value)
 
 
-async def _encode_all(
+async def encode_all(
     engine: EngineClient, prefix: str, prompts: list[list[int]], pooling: list[PoolingParams], http: HTTPRequest
 ) -> list[RequestOutput]:
     limits = limits_of(http)
@@ -98,20 +99,47 @@ def _usage(prompts: list[list[int]]) -> dict[str, int]:
     return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
 
 
-def _label_token_ids(engine: EngineClient, labels: list[str]) -> tuple[int, ...]:
-    """Each label is scored by its first token; labels must differ in that token."""
+def _label_tokens(engine: EngineClient, labels: list[str]) -> list[list[int]]:
     if not labels:
         raise APIError("labels must not be empty", param="labels")
-    ids = []
+    out = []
     for label in labels:
         toks = engine.tokenizer.encode(label, add_special_tokens=False)
         if not toks:
             raise APIError(f"label {label!r} has no tokens", param="labels")
-        ids.append(toks[0])
+        out.append(toks)
+    return out
+
+
+@dataclass(frozen=True)
+class LabelScoring:
+    """How /classify scores candidate labels after each prompt."""
+
+    pooling: PoolingParams
+    suffix: list[int]  # tokens appended to every prompt (the packed labels), or none
+    lengths: list[int]  # tokens per label
+
+
+def label_scoring(engine: EngineClient, labels: list[str]) -> LabelScoring:
+    """Distinct one-token labels: a softmax over the gathered label rows of the LM head.
+    Otherwise every label's whole token sequence is scored (the sum of its token
+    logprobs; labels may share first tokens), the labels packed as items after the
+    prompt: K labels cost one forward."""
+    toks = _label_tokens(engine, labels)
+    firsts = tuple(t[0] for t in toks)
+    lengths = [len(t) for t in toks]
+    if max(lengths) == 1 and len(set(firsts)) == len(firsts):
+        return LabelScoring(PoolingParams(PoolingTask.LABELS, label_token_ids=firsts, label_softmax=True), [], lengths)
+    pooling = PoolingParams(PoolingTask.SEQUENCE_LOGPROBS, item_lens=tuple(lengths))
+    return LabelScoring(pooling, [t for label in toks for t in label], lengths)
+
+
+def _label_token_ids(engine: EngineClient, labels: list[str]) -> tuple[int, ...]:
+    """First token of each label (the yes/no relevance labels); they must differ."""
+    ids = tuple(t[0] for t in _label_tokens(engine, labels))
     if len(set(ids)) != len(ids):
-        raise APIError("labels must start with different tokens (they are scored by their first token)",
-                       param="labels")
-    return tuple(ids)
+        raise APIError("labels must start with different tokens", param="labels")
+    return ids
 
 
 async def create_embeddings(engine: EngineClient, req: EmbeddingRequest, http: HTTPRequest) -> dict[str, Any]:
@@ -119,7 +147,7 @@ async def create_embeddings(engine: EngineClient, req: EmbeddingRequest, http: H
         raise APIError("dimensions is not supported: this model has a fixed embedding size", param="dimensions")
     prompts = await _tokenized(http, engine, _input_list(req.input, "input"))
     pooling = PoolingParams(PoolingTask.EMBED, pooling=req.pooling, normalize=req.normalize)
-    outs = await _encode_all(engine, f"embd-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    outs = await encode_all(engine, f"embd-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
     data = []
     for i, out in enumerate(outs):
         vec = list(out.embedding or ())
@@ -134,20 +162,28 @@ async def create_embeddings(engine: EngineClient, req: EmbeddingRequest, http: H
 
 async def create_classification(engine: EngineClient, req: ClassifyRequest, http: HTTPRequest) -> dict[str, Any]:
     prompts = await _tokenized(http, engine, _input_list(req.input, "input"), req.use_chat_template)
+    lengths: list[int] | None = None
     if req.labels is not None:
-        # Label-token classification: softmax over the labels' next-token logprobs.
+        # Whole-label classification: softmax over the labels' sequence logprobs.
         names = list(req.labels)
-        pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=_label_token_ids(engine, names))
+        scoring = label_scoring(engine, names)
+        pooling, lengths = scoring.pooling, scoring.lengths
+        prompts = [p + scoring.suffix for p in prompts]
     else:
         if not engine.labels:
             raise APIError("this model has no classification head: pass candidate labels", param="labels")
         names = list(engine.labels)
         pooling = PoolingParams(PoolingTask.CLASSIFY)
-    outs = await _encode_all(engine, f"classify-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    outs = await encode_all(engine, f"classify-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
     data = []
     for i, out in enumerate(outs):
         scores = list(out.scores or ())
-        probs = [_sigmoid(scores[0])] if len(scores) == 1 else _softmax(scores)
+        if lengths is not None and req.normalize == "mean":
+            scores = [v / n for v, n in zip(scores, lengths)]
+        if lengths is not None:
+            probs = _softmax(scores)
+        else:
+            probs = [_sigmoid(scores[0])] if len(scores) == 1 else _softmax(scores)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": i, "label": names[best], "probs": probs, "num_classes": len(probs)})
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -159,7 +195,7 @@ async def create_reward(engine: EngineClient, req: RewardRequest, http: HTTPRequ
         raise APIError("reward needs a model whose head has exactly one output")
     prompts = await _tokenized(http, engine, _input_list(req.input, "input"))
     pooling = PoolingParams(PoolingTask.CLASSIFY)
-    outs = await _encode_all(engine, f"reward-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    outs = await encode_all(engine, f"reward-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
     data = [{"index": i, "object": "reward", "score": (out.scores or (0.0,))[0]} for i, out in enumerate(outs)]
     return {"id": f"reward-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": engine.model_name, "data": data, "usage": _usage(prompts)}
@@ -179,7 +215,7 @@ async def relevance_scores(
                 ids, types = engine.tokenizer.encode(q + "\n" + d), None
             prompts.append(ids)
             poolings.append(PoolingParams(PoolingTask.CLASSIFY, token_type_ids=tuple(types) if types else None))
-        outs = await _encode_all(engine, f"score-{uuid.uuid4().hex}", prompts, poolings, http)
+        outs = await encode_all(engine, f"score-{uuid.uuid4().hex}", prompts, poolings, http)
         scores = []
         for out in outs:
             s = list(out.scores or ())
@@ -195,12 +231,16 @@ async def relevance_scores(
     for q, d in pairs:
         question = tmpl.replace("{query}", q).replace("{document}", d)
         prompts.append(_tokens(engine, question, chat=engine.tokenizer.chat_template is not None))
-    pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=labels)
-    outs = await _encode_all(engine, f"score-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=labels, label_softmax=True)
+    outs = await encode_all(engine, f"score-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
     return [_softmax(list(out.scores or (0.0, 0.0)))[0] for out in outs], prompts
 
 
 async def create_score(engine: EngineClient, req: ScoreRequest, http: HTTPRequest) -> dict[str, Any]:
+    """vLLM's cross-encoder pairs (text_1, text_2); SGLang's query/items shape is
+    serving_score's."""
+    if req.text_1 is None or req.text_2 is None:
+        raise APIError("pass text_1 and text_2, or query, items and label_token_ids", param="text_1")
     first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
     second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
     if not first or not second:
