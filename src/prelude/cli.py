@@ -227,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_server_args(serve)
     _add_cluster_args(serve)
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate")
-    bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate"])
+    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
+                                         "decisions")
+    bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
+                                         "decisions"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.simulate_bench import main as bench_main
         elif args.which == "sched":
             from prelude.bench.sched_bench import main as bench_main
+        elif args.which == "decisions":
+            from prelude.bench.decisions_bench import main as bench_main
         else:
             from prelude.bench.oneshot_bench import main as bench_main
         return bench_main(rest)
