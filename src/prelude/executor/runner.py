@@ -338,7 +338,8 @@ class ModelRunner:
     # --- forwards -----------------------------------------------------------------------
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and inputs.token_type_ids is None:
+        # Captured graphs take no segment ids: multi-item rows always run eagerly.
+        if self.graphs is not None and inputs.token_type_ids is None and inputs.meta.segment_ids is None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             if hidden is not None:
                 return hidden

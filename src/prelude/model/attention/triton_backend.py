@@ -8,7 +8,7 @@ for that object and reused by the following layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -99,10 +99,13 @@ class TritonAttention:
         if self._prepared is not None and self._prepared[0] is meta:
             return self._prepared[1]
         slots = meta.slot_mapping.to(device, non_blocking=True) if meta.slot_mapping is not None else None
+        prefill = (prefill_rows_from_tensors(meta.prefill_tensors) if meta.prefill_tensors is not None
+                   else prefill_rows(meta.prefills, device) if meta.prefills else None)
+        if prefill is not None and meta.segment_ids is not None:  # multi-item rows (same ids, same meaning)
+            prefill = replace(prefill, segment_ids=meta.segment_ids.to(device, non_blocking=True))
         inputs = _LaunchInputs(
             slot_mapping=slots,
-            prefill=(prefill_rows_from_tensors(meta.prefill_tensors) if meta.prefill_tensors is not None
-                     else prefill_rows(meta.prefills, device) if meta.prefills else None),
+            prefill=prefill,
             decode=decode_tensors(meta.decodes, num_kv_heads, device) if meta.decodes is not None else None,
         )
         self._prepared = (meta, inputs)
