@@ -13,6 +13,7 @@ tables, no KV written to the pool, nothing kept after the forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from prelude.params import PoolingParams, SamplingParams, TokenLogprob
 
@@ -28,6 +29,9 @@ class SampleSpec:
     # token depends only on (seed, position, distribution): reproducible on any device,
     # with or without CUDA graphs, whatever else shares the batch.
     seed: int = 0
+    # Structured outputs: the tokens allowed next, as a numpy int32 bitmask [ceil(V/32)]
+    # (bit i of word w allows token 32w + i); None: unconstrained.
+    token_bitmask: Any = None
 
 
 @dataclass(frozen=True)

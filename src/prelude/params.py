@@ -15,6 +15,21 @@ class SamplingParamsError(ValueError):
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, compiled by the engine (llguidance).
+
+    kind: json (a JSON schema, `spec` its JSON text), json_object (any JSON object),
+    regex, choice (`spec`: a JSON list of strings), grammar (Lark or GBNF text)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json", "json_object", "regex", "choice", "grammar"):
+            raise SamplingParamsError(f"unknown structured output kind {self.kind!r}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one sequence is sampled. `n > 1` is fanned out by the front end into n requests."""
 
@@ -36,6 +51,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (k=0: only the actual token)
     ttft_slo_ms: float | None = None  # time-to-first-token target (deadline-aware scheduling, SLO metrics)
+    structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
 
     def __post_init__(self) -> None:
         if self.n < 1:

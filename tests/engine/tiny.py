@@ -41,6 +41,9 @@ class ByteTokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b"<eos>" if token_id == EOS else b""
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
 

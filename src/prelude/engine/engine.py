@@ -16,6 +16,7 @@ import torch
 
 from prelude.config import EngineConfig
 from prelude.engine.admission import admit
+from prelude.engine.grammar import GrammarCompiler
 from prelude.forward_batch import BatchOutput, OneShotBatch
 from prelude.engine.errors import StepFailed
 from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
@@ -90,6 +91,7 @@ class LLMEngine:
             sched_cfg, self.kv, make_policy(sched_cfg.policy, sched_cfg.policy_options), info.vocab_size, info.hidden_size
         )
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(info.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, info.vocab_size, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, OutputStream] = {}
         self._ready: list[RequestOutput] = []  # outputs that need no forward (max_tokens=0)
@@ -149,13 +151,16 @@ class LLMEngine:
             pooling = replace(pooling, pooling=self.info.default_pooling)
         if params.ttft_slo_ms is None and self.config.scheduler.default_ttft_slo_ms is not None:
             params = replace(params, ttft_slo_ms=self.config.scheduler.default_ttft_slo_ms)
-        return admit(
+        req = admit(
             request_id, prompt_token_ids, params,
             max_model_len=self.max_model_len, vocab_size=self.info.vocab_size,
             eos_token_ids=self.eos_token_ids, seed_source=self._rng,
             can_generate=self.can_generate, pooling=pooling,
             force_decode=self.config.scheduler.force_decode,
         )
+        if params.structured is not None and pooling is None:
+            req.grammar = self.grammars.matcher(params.structured)  # a malformed constraint: AdmissionError
+        return req
 
     def enqueue(self, req: Request) -> None:
         """Queue a prepared request (engine thread only)."""
@@ -307,6 +312,8 @@ class LLMEngine:
             if sampled is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now
+                if req.grammar is not None:
+                    req.grammar.accept(sampled.token_id)
                 out = process_token(req, stream, sampled.token_id, sampled.logprob, self.max_model_len)
             elif head is not None and req.max_output_tokens == 0:
                 req.finish_reason = FinishReason.LENGTH  # a head-only request on the Decode path

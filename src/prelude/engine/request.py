@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 # Re-exported: the server and the offline API import them from here.
 from prelude.params import (  # noqa: F401
@@ -11,6 +12,7 @@ from prelude.params import (  # noqa: F401
     PoolingTask,
     SamplingParams,
     SamplingParamsError,
+    StructuredOutput,
     TokenLogprob,
 )
 
@@ -71,6 +73,7 @@ class Request:
     sampling_seed: int = 0  # params.seed, or drawn from the engine's seed source at admission
     exec_class: ExecClass = ExecClass.DECODE
     pooling: PoolingParams | None = None
+    grammar: Any = None  # structured outputs: the engine.grammar.GrammarMatcher of this request
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: RequestStatus = RequestStatus.WAITING

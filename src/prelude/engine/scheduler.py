@@ -78,7 +78,8 @@ def sample_spec(req: Request) -> SampleSpec | None:
         return None  # nothing (more) to generate: a head-only request
     # The token lists are shared, not copied: the batch is consumed before
     # postprocessing appends the next token.
-    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed)
+    mask = req.grammar.bitmask() if req.grammar is not None else None  # structured outputs: allowed tokens
+    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed, mask)
 
 
 def is_decoding(req: Request) -> bool:

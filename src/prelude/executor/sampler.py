@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from prelude.executor.host_copy import HostCopy
@@ -139,6 +140,26 @@ def _filtered_probs(logits: torch.Tensor, p: _RowParams, truncate: bool, use_min
     return probs
 
 
+def allowed_tokens(bitmasks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, W] int32 bitmasks (bit i of word w: token 32w + i) -> [R, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmasks.device)
+    bits = (bitmasks.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmasks.shape[0], -1)[:, :vocab].bool()
+
+
+def _apply_token_masks(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+    """Structured outputs: tokens outside a row's grammar mask get -inf (a new tensor:
+    the raw logits still give the reported logprobs)."""
+    rows = [i for i, s in enumerate(specs) if s.token_bitmask is not None]
+    if not rows:
+        return logits
+    words = torch.from_numpy(np.stack([specs[i].token_bitmask for i in rows]))
+    index = _to_device(rows, torch.int64, logits.device)
+    allowed = allowed_tokens(words.to(logits.device, non_blocking=True), logits.shape[1])
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, index, masked)
+
+
 def sample_deferred(
     logits: torch.Tensor, specs: Sequence[SampleSpec], copy: HostCopy
 ) -> Callable[[], list[SampledToken]]:
@@ -147,7 +168,7 @@ def sample_deferred(
     device = logits.device
     vocab = logits.shape[1]
     p = _row_params(specs, vocab, device)
-    work = _apply_penalties(logits, specs)
+    work = _apply_token_masks(_apply_penalties(logits, specs), specs)
     chosen = work.argmax(-1)
     if not all(s.params.greedy for s in specs):
         truncate = any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in specs)

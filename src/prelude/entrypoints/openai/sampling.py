@@ -6,6 +6,7 @@ from typing import Any
 
 from prelude.engine.request import SamplingParams, TokenLogprob
 from prelude.entrypoints.openai.protocol import _SamplingFields
+from prelude.entrypoints.openai.structured import structured_output
 from prelude.tokenizer.base import Tokenizer
 
 
@@ -33,6 +34,7 @@ def sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         prompt_logprobs=prompt_logprobs,
         ttft_slo_ms=req.ttft_slo_ms,
+        structured=structured_output(req),
     )
 
 
