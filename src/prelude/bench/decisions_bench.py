@@ -150,6 +150,58 @@ async def classify_c1(base: str, work: Workload, iters: int) -> tuple[dict[str, 
     return out, labels
 
 
+def mask_cost(dtype: str, batch: int, steps: int) -> dict[str, float]:
+    """Structured outputs at decode batch `batch`, in process: the time to compute the
+    grammar masks of a step (llguidance, one JSON-schema matcher per row) and to apply them
+    in the sampler, against the decode step itself. Constrained and free steps alternate."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from prelude.config import EngineConfig, ExecutorConfig
+    from prelude.engine.engine import LLMEngine
+    from prelude.executor.sampler import _apply_token_masks
+    from prelude.forward_batch import SampleSpec
+    from prelude.params import SamplingParams, StructuredOutput
+
+    engine = LLMEngine.from_config(EngineConfig(executor=ExecutorConfig(dtype=dtype)))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "age", "tags"]}
+    spec = StructuredOutput("json", json.dumps(schema))
+    prompt = engine.tokenizer.encode("Describe a person as JSON: ", add_special_tokens=False)
+    free = SamplingParams(max_tokens=steps + 4, temperature=1.0, ignore_eos=True)
+    for i in range(batch):  # free rows: the decode steps to compare with
+        engine.add_request(f"f{i}", prompt, free)
+    for _ in range(3):
+        engine.step()
+    matchers = [engine.grammars.matcher(spec) for _ in range(batch)]
+    rng = np.random.default_rng(0)
+    vocab = engine.info.vocab_size
+    step_s, mask_s, apply_s = [], [], []
+    logits = torch.randn(batch, vocab)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        step_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        masks = [m.bitmask() for m in matchers]
+        mask_s.append(time.perf_counter() - t0)
+        specs = [SampleSpec(free, prompt, [], 0, mk) for mk in masks]
+        t0 = time.perf_counter()
+        allowed = _apply_token_masks(logits, specs)
+        apply_s.append(time.perf_counter() - t0)
+        for m, row in zip(matchers, allowed):  # advance each matcher by an allowed token
+            ok = torch.isfinite(row).nonzero().flatten()
+            m.accept(int(ok[int(rng.integers(len(ok)))]) if len(ok) else 0)
+    engine.abort_all()
+    med = statistics.median
+    return {"batch": batch, "decode_step_ms_p50": 1000 * med(step_s), "mask_compute_ms_p50": 1000 * med(mask_s),
+            "mask_apply_ms_p50": 1000 * med(apply_s),
+            "mask_over_step": (med(mask_s) + med(apply_s)) / med(step_s)}
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -168,7 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-args", default="", help="extra `prelude serve` flags")
     ap.add_argument("--json", default="bench_results/decisions.json")
+    ap.add_argument("--mask-only", action="store_true", help="only the structured-output mask cost")
     args = ap.parse_args(argv)
+    mask = mask_cost(args.dtype, 8, 40)
+    print(f"structured outputs, batch 8: decode step {mask['decode_step_ms_p50']:.1f} ms, masks "
+          f"{mask['mask_compute_ms_p50']:.2f} ms + apply {mask['mask_apply_ms_p50']:.2f} ms = "
+          f"{100 * mask['mask_over_step']:.1f}% of a step (<= 10%)")
+    if args.mask_only:
+        write_json(args.json, {"structured_mask_cost": mask})
+        return 0
     work = Workload(args.seed, args.query_tokens, args.item_tokens, args.items, args.prompt_tokens)
     modes = ["multi-item", "rows", "separate"]
     with prelude_server(["--dtype", args.dtype, *args.server_args.split()]) as base:
@@ -196,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                      "concurrency": args.concurrency},
         "scoring": scoring,
         "classify": classify,
+        "structured_mask_cost": mask,
         "goals": {
             "multi_item_over_separate_c1": scoring["multi-item"]["c1_items_per_s"] / scoring["separate"]["c1_items_per_s"],
             "whole_label_over_one_forward": classify["whole-label packed"]["over_one_forward"],

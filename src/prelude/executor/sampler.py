@@ -75,6 +75,12 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return host
 
 
+def _to_device_tensor(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
 def _row_params(specs: Sequence[SampleSpec], vocab: int, device: torch.device) -> _RowParams:
     return _RowParams(
         temperature=_to_device([0.0 if s.params.greedy else s.params.temperature for s in specs], torch.float32, device),
@@ -140,11 +146,11 @@ def _filtered_probs(logits: torch.Tensor, p: _RowParams, truncate: bool, use_min
     return probs
 
 
-def allowed_tokens(bitmasks: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 bitmasks (bit i of word w: token 32w + i) -> [R, vocab] bool."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmasks.device)
-    bits = (bitmasks.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmasks.shape[0], -1)[:, :vocab].bool()
+def allowed_tokens(bitmasks: np.ndarray, vocab: int) -> torch.Tensor:
+    """[R, W] int32 bitmasks (bit i of word w: token 32w + i) -> [R, vocab] bool, unpacked
+    on the host (numpy's unpackbits: ~10x faster than shifting int32 tensors here)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmasks).view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab].view(np.bool_))
 
 
 def _apply_token_masks(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
@@ -153,9 +159,9 @@ def _apply_token_masks(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> tor
     rows = [i for i, s in enumerate(specs) if s.token_bitmask is not None]
     if not rows:
         return logits
-    words = torch.from_numpy(np.stack([specs[i].token_bitmask for i in rows]))
     index = _to_device(rows, torch.int64, logits.device)
-    allowed = allowed_tokens(words.to(logits.device, non_blocking=True), logits.shape[1])
+    allowed = _to_device_tensor(allowed_tokens(np.stack([specs[i].token_bitmask for i in rows]), logits.shape[1]),
+                                logits.device)
     masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
     return logits.index_copy(0, index, masked)
 
