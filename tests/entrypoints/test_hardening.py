@@ -158,11 +158,8 @@ async def test_draining_refuses_new_requests_with_503() -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("logit_bias", {"5": 100}),
-    ("guided_choice", ["yes", "no"]),
-    ("guided_json", {"type": "object"}),
     ("best_of", 3),
 ])
 async def test_answer_changing_fields_are_refused(field: str, value: Any) -> None:

@@ -1,8 +1,9 @@
 """Unknown request fields: refuse the ones that would change what the answer means,
 ignore the rest with one warning line, as vLLM does.
 
-Accepting `response_format` or `tools` and answering with free text would hand a client
-a different kind of answer than it asked for, with a 200.
+Accepting `tools` or `logit_bias` and answering without them would hand a client a
+different kind of answer than it asked for, with a 200. (Structured outputs —
+`response_format`, `structured_outputs`, `guided_*` — are implemented: see structured.py.)
 """
 
 from __future__ import annotations
@@ -17,23 +18,13 @@ from prelude.entrypoints.openai.errors import APIError
 logger = logging.getLogger("prelude.server")
 
 
-def _harmless_response_format(v: Any) -> bool:
-    return isinstance(v, dict) and v.get("type") == "text" and len(v) == 1
-
-
 # Field -> predicate of the values that change nothing (the field's "off" values).
 _ANSWER_CHANGING: dict[str, Any] = {
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or _harmless_response_format(v),
     "logit_bias": lambda v: not v,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
     "best_of": lambda v: v in (None, 1),
     "use_beam_search": lambda v: not v,
     "length_penalty": lambda v: v in (None, 1, 1.0),
