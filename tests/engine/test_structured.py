@@ -63,7 +63,7 @@ def _object(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
 
 def _objects(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
     props = st.dictionaries(names, children, min_size=1, max_size=3)
-    return st.builds(_object, props, st.lists(names, max_size=3))
+    return st.builds(_object, props, st.lists(names, max_size=3, unique=True))
 
 
 inner = st.one_of(leaf, st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, leaf,
