@@ -137,12 +137,12 @@ def test_multi_item_rows_batched_with_plain_rows(hf_model: Any) -> None:
     plain = PoolingParams(PoolingTask.LABELS, label_token_ids=LABELS)
     other = tokens(11, seed=5)
     batches: list[int] = []
-    step = engine.runner.launch
+    launch = engine.runner.launch
 
     def spy(batch: Any) -> Any:
         if isinstance(batch, OneShotBatch):
             batches.append(len(batch.rows))
-        return step(batch)
+        return launch(batch)
 
     engine.runner.launch = spy  # type: ignore[method-assign]
     for rnd in range(2):

@@ -72,9 +72,7 @@ schemas = st.one_of(_objects(inner), _objects(st.one_of(inner, _objects(leaf))),
                     st.builds(lambda item: {"type": "array", "items": item, "maxItems": 3}, _objects(leaf)))
 
 
-@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(batch=st.lists(schemas, min_size=8, max_size=8))
-def test_generated_json_always_parses_and_validates(engine: LLMEngine, batch: list[dict[str, Any]]) -> None:
+def check_batch(engine: LLMEngine, batch: list[dict[str, Any]]) -> None:
     requests = [(f"s{i}", list(b"JSON please: "),
                  SamplingParams(max_tokens=490, temperature=1.0, seed=i,
                                 structured=StructuredOutput("json", json.dumps(schema))))
@@ -84,6 +82,19 @@ def test_generated_json_always_parses_and_validates(engine: LLMEngine, batch: li
         text, reason = done[f"s{i}"]
         assert reason == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
+
+
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(batch=st.lists(schemas, min_size=6, max_size=6))
+def test_generated_json_always_parses_and_validates(engine: LLMEngine, batch: list[dict[str, Any]]) -> None:
+    check_batch(engine, batch)
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=st.lists(schemas, min_size=8, max_size=8))
+def test_generated_json_always_parses_and_validates_many(engine: LLMEngine, batch: list[dict[str, Any]]) -> None:
+    check_batch(engine, batch)
 
 
 def test_regex_choice_and_json_object(engine: LLMEngine) -> None:
