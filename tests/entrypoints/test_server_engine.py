@@ -92,11 +92,18 @@ def test_abandoned_streams_free_their_blocks(served) -> None:  # noqa: ANN001
     assert r.status_code == 200
 
 
-def test_non_streaming_client_that_leaves_is_aborted_and_logged_as_cancel(served, caplog) -> None:  # noqa: ANN001
+def test_non_streaming_client_that_leaves_is_aborted_and_logged_as_cancel(served, caplog, monkeypatch) -> None:  # noqa: ANN001
     base, engine = served
     _wait_idle(engine)
     before = _finished_ids(engine)
     body = {"prompt": "leave early", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    launch = engine.runner.launch
+
+    def slow_launch(batch):  # noqa: ANN001, ANN202 - 240 steps now outlast the client's 0.3 s on any machine
+        time.sleep(0.01)
+        return launch(batch)
+
+    monkeypatch.setattr(engine.runner, "launch", slow_launch)
     with caplog.at_level(logging.INFO):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json=body, timeout=0.3)
