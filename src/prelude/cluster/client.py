@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 import ray
@@ -25,9 +25,9 @@ from prelude.cluster.pools import PoolController
 from prelude.cluster.replica import ReplicaInfo
 from prelude.cluster.router import Router
 from prelude.engine.admission import admit
-from prelude.engine.client import AdmissionError, EngineUnavailableError
+from prelude.engine.client import EngineUnavailableError
 from prelude.engine.metrics import RequestMetrics
-from prelude.engine.request import PoolingParams, PoolingTask, Request, RequestOutput, SamplingParams
+from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.cluster")
@@ -82,17 +82,12 @@ class AdmittingFront:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
     ) -> Request:
         info = self.info
-        if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not info.labels:
-            raise AdmissionError("this model has no classification head; pass candidate labels instead")
-        if pooling is not None and pooling.pooling is None:
-            pooling = replace(pooling, pooling=info.default_pooling)
-        if params.ttft_slo_ms is None and info.default_ttft_slo_ms is not None:
-            params = replace(params, ttft_slo_ms=info.default_ttft_slo_ms)
         req = admit(
             request_id, prompt_token_ids, params,
             max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
             seed_source=self._seed_source, can_generate=info.can_generate, pooling=pooling,
-            force_decode=info.force_decode,
+            force_decode=info.force_decode, labels=info.labels, default_pooling=info.default_pooling,
+            default_ttft_slo_ms=info.default_ttft_slo_ms,
         )
         return req
 

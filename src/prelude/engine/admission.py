@@ -4,11 +4,12 @@ its execution class (the resource contract it keeps for its whole life)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from prelude.engine.client import AdmissionError
-from prelude.engine.request import ExecClass, PoolingParams, Request, SamplingParams
+from prelude.engine.request import ExecClass, PoolingParams, PoolingTask, Request, SamplingParams
 
 
 def pick_exec_class(params: SamplingParams, max_tokens: int, pooling: PoolingParams | None) -> ExecClass:
@@ -32,8 +33,18 @@ def admit(
     pooling: PoolingParams | None = None,
     force_decode: bool = False,
     arrival_time: float | None = None,
+    labels: tuple[str, ...] = (),
+    default_pooling: str | None = None,
+    default_ttft_slo_ms: float | None = None,
 ) -> Request:
-    """Build the engine-side Request or raise AdmissionError with a user-facing message."""
+    """Build the engine-side Request or raise AdmissionError with a user-facing message.
+    The model's defaults (pooling, TTFT target) are filled in here, once, for every front."""
+    if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not labels:
+        raise AdmissionError("this model has no classification head; pass candidate labels instead")
+    if pooling is not None and pooling.pooling is None and default_pooling is not None:
+        pooling = replace(pooling, pooling=default_pooling)
+    if params.ttft_slo_ms is None and default_ttft_slo_ms is not None:
+        params = replace(params, ttft_slo_ms=default_ttft_slo_ms)
     if params.n != 1:
         raise AdmissionError("the engine takes one sequence per request; fan out n > 1 before admission")
     if pooling is None and not can_generate:

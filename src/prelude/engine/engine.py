@@ -143,23 +143,17 @@ class LLMEngine:
         """Admission: validate, build the Request and pick its class (raises
         AdmissionError). Touches no engine state, so the async front calls it on the
         caller's thread."""
-        if pooling is not None and pooling.task.value == "classify" and not self.labels:
-            from prelude.engine.client import AdmissionError
-
-            raise AdmissionError("this model has no classification head; pass candidate labels instead")
-        if pooling is not None and pooling.pooling is None:
-            pooling = replace(pooling, pooling=self.info.default_pooling)
-        if params.ttft_slo_ms is None and self.config.scheduler.default_ttft_slo_ms is not None:
-            params = replace(params, ttft_slo_ms=self.config.scheduler.default_ttft_slo_ms)
         req = admit(
             request_id, prompt_token_ids, params,
             max_model_len=self.max_model_len, vocab_size=self.info.vocab_size,
             eos_token_ids=self.eos_token_ids, seed_source=self._rng,
             can_generate=self.can_generate, pooling=pooling,
             force_decode=self.config.scheduler.force_decode,
+            labels=self.labels, default_pooling=self.info.default_pooling,
+            default_ttft_slo_ms=self.config.scheduler.default_ttft_slo_ms,
         )
-        if params.structured is not None and pooling is None:
-            req.grammar = self.grammars.matcher(params.structured)  # a malformed constraint: AdmissionError
+        if req.params.structured is not None and req.pooling is None:
+            req.grammar = self.grammars.matcher(req.params.structured)  # a malformed constraint: AdmissionError
         return req
 
     def enqueue(self, req: Request) -> None:
