@@ -64,6 +64,22 @@ def test_unknown_compile_mode_is_refused() -> None:
                                                                           compile="always"), 4)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_runner_prepacks_eager_cpu_weights_and_keeps_them_plain_for_compiling() -> None:
+    hf = hf_tiny_llama()
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+
+    def runner(compile: str) -> ModelRunner:
+        return ModelRunner.create(config, dict(hf.state_dict()), ExecutorConfig(device="cpu", dtype="float32",
+                                                                                 compile=compile), 4)
+
+    eager = runner("off")
+    assert not eager.model.weights_are_plain  # eager float32: oneDNN-prepacked projections
+    compiling = runner("background")
+    assert compiling.model.weights_are_plain  # what the compiled segments take
+    assert isinstance(compiling.forwards, CompiledForwards)  # (compiling starts only with the engine)
+
+
 @pytest.mark.slow
 def test_compiled_forward_matches_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))

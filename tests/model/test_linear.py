@@ -42,12 +42,31 @@ def test_prepacked_bf16_projection_matches_plain_linear(rows: int) -> None:
     torch.testing.assert_close(proj(one), F.linear(one, w, b))
 
 
-def test_prepack_only_for_cpu_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("rows", [0, 1, 4, 37])
+def test_prepacked_float32_projection_matches_plain_linear(rows: int) -> None:
+    """oneDNN's float32 kernels sum in another order than MKL's: equal to fp32 rounding."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    b = torch.randn(96)
+    x = torch.randn(rows, 64)
+    proj = Projection(w, b, prepack=True)
+    assert proj._packed is not None and proj.weight is None  # the packed copy replaces the plain one
+    out = proj(x)
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    one = torch.randn(64)
+    torch.testing.assert_close(proj(one), F.linear(one, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_only_for_cpu_float32_and_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert not prepack_enabled(torch.float32, cpu)
+    assert prepack_enabled(torch.float32, cpu) == torch.backends.mkldnn.is_available()
+    assert not prepack_enabled(torch.float16, cpu)
     assert not prepack_enabled(torch.bfloat16, torch.device("meta"))
     monkeypatch.setenv("PRELUDE_PREPACK", "0")
     assert not prepack_enabled(torch.bfloat16, cpu)
+    assert not prepack_enabled(torch.float32, cpu)
     w = torch.randn(8, 4)
     x = torch.randn(3, 4)
     torch.testing.assert_close(Projection(w, None, prepack=False)(x), F.linear(x, w))

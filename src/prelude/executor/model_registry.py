@@ -13,16 +13,19 @@ from prelude.model.base import Model
 from prelude.model.encoder import BertEncoder, EncoderConfig
 from prelude.model.llama import LlamaForCausalLM
 
-ModelBuilder = Callable[[Any, dict[str, torch.Tensor], torch.dtype, torch.device, AttentionBackend, int | None], Model]
+ModelBuilder = Callable[
+    [Any, dict[str, torch.Tensor], torch.dtype, torch.device, AttentionBackend, int | None, bool], Model
+]
 
 
 def _decoder(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-             attention: AttentionBackend, max_positions: int | None) -> Model:
-    return LlamaForCausalLM(config, weights, dtype, device, attention=attention, max_positions=max_positions)
+             attention: AttentionBackend, max_positions: int | None, prepack: bool) -> Model:
+    return LlamaForCausalLM(config, weights, dtype, device, attention=attention, max_positions=max_positions,
+                            prepack=prepack)
 
 
 def _encoder(config: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-             attention: AttentionBackend, max_positions: int | None) -> Model:
+             attention: AttentionBackend, max_positions: int | None, prepack: bool) -> Model:
     return BertEncoder(config, weights, dtype, device)  # bidirectional, no paged KV: no backend
 
 
@@ -36,9 +39,12 @@ def build_model(
     device: torch.device,
     attention: AttentionBackend,
     max_positions: int | None = None,
+    prepack: bool = True,
 ) -> Model:
+    """`prepack`: let the model reorder its projections for oneDNN where that pays
+    (model/linear.py); False keeps plain weights (what compiled segments take)."""
     try:
         builder = MODEL_KINDS[type(config)]
     except KeyError:
         raise ValueError(f"no model kind for config {type(config).__name__}") from None
-    return builder(config, weights, dtype, device, attention, max_positions)
+    return builder(config, weights, dtype, device, attention, max_positions, prepack)

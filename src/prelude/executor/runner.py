@@ -141,7 +141,7 @@ class ModelRunner:
         elif self.model.is_encoder:
             why_not = "encoders run eagerly"
         elif not getattr(self.model, "weights_are_plain", False):
-            why_not = "prepacked oneDNN weights (CPU bfloat16) are faster than the compiled plain GEMMs"
+            why_not = "the model was built with prepacked oneDNN weights (build it through ModelRunner.create)"
         if why_not:
             logger.info("--compile %s ignored: %s", mode, why_not)
             return eager
@@ -181,7 +181,9 @@ class ModelRunner:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         attention = get_attention_backend(config.attention_backend, device)
-        model = build_model(model_config, weights, dtype, device, attention, max_positions)  # type: ignore[arg-type]
+        # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
+        model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
+                            prepack=config.compile == "off")
         return cls(model, block_size, config)
 
     def limit_sampled_vocab(self, emittable: int) -> None:

@@ -68,13 +68,14 @@ class LlamaForCausalLM:
         device: torch.device | str = "cpu",
         attention: AttentionBackend | None = None,
         max_positions: int | None = None,
+        prepack: bool = True,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         cast = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         self.embed = cast["model.embed_tokens.weight"]
-        prepack = prepack_enabled(dtype, self.device)
+        prepack = prepack and prepack_enabled(dtype, self.device)
         self.layers = [
             DecoderLayer(cast, f"model.layers.{i}.", config, prepack) for i in range(config.num_hidden_layers)
         ]
