@@ -11,6 +11,9 @@ against the ways a client would do the same work without them. Prefix cache on t
    at concurrency 1: one /classify request (the labels packed as items), K /classify calls
    with one label each, and the cost of one plain forward of the prompt (two one-token
    labels) as the unit.
+3. Fused vs alternating steps (fused_bench.py, in process): chat streams next to classify
+   traffic, decode TPOT P99 and OneShot E2E P50/P99 with OneShot rows riding in the
+   Decode/Mixed forward vs steps alternating between the classes (`--mixed-only`).
 Modes alternate request by request (concurrency 1) or round by round (concurrency 16);
 medians are reported. Prints a table and writes JSON.
 """
@@ -221,7 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-args", default="", help="extra `prelude serve` flags")
     ap.add_argument("--json", default="bench_results/decisions.json")
     ap.add_argument("--mask-only", action="store_true", help="only the structured-output mask cost")
+    ap.add_argument("--mixed-only", action="store_true", help="only fused vs alternating steps (chat + classify)")
+    ap.add_argument("--mixed-rounds", type=int, default=3)
+    ap.add_argument("--mixed-seconds", type=float, default=20.0, help="arrivals per trial")
+    ap.add_argument("--mixed-streams", type=int, default=4, help="closed-loop chat streams")
+    ap.add_argument("--mixed-chat-tokens", type=int, default=96)
+    ap.add_argument("--mixed-output-tokens", type=int, default=32)
+    ap.add_argument("--mixed-classify-tokens", type=int, default=128)
+    ap.add_argument("--mixed-rate", type=float, default=1.0, help="classify requests per second (Poisson)")
     args = ap.parse_args(argv)
+    if args.mixed_only:
+        mixed = _mixed(args)
+        write_json(args.json, {"dtype": args.dtype, "fused_vs_alternating": mixed})
+        return 0
     mask = mask_cost(args.dtype, 8, 40)
     print(f"structured outputs, batch 8: decode step {mask['decode_step_ms_p50']:.1f} ms, masks "
           f"{mask['mask_compute_ms_p50']:.2f} ms + apply {mask['mask_apply_ms_p50']:.2f} ms = "
@@ -274,8 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     g = result["goals"]
     print(f"goals: multi-item / separate at c=1 = {g['multi_item_over_separate_c1']:.2f}x (>= 2); "
           f"whole-label / one forward = {g['whole_label_over_one_forward']:.2f}x (<= 1.3)")
+    result["fused_vs_alternating"] = _mixed(args)
     write_json(args.json, result)
     return 0
+
+
+def _mixed(args: argparse.Namespace) -> dict[str, Any]:
+    from prelude.bench.fused_bench import print_mixed, run_mixed
+
+    mixed = run_mixed(args.dtype, args.mixed_rounds, args.mixed_seconds, args.mixed_streams, args.mixed_chat_tokens,
+                      args.mixed_output_tokens, args.mixed_classify_tokens, args.mixed_rate, args.seed)
+    print_mixed(mixed)
+    return mixed
 
 
 if __name__ == "__main__":
