@@ -14,6 +14,7 @@ against the ways a client would do the same work without them. Prefix cache on t
 3. Fused vs alternating steps (fused_bench.py, in process): chat streams next to classify
    traffic, decode TPOT P99 and OneShot E2E P50/P99 with OneShot rows riding in the
    Decode/Mixed forward vs steps alternating between the classes (`--mixed-only`).
+4. Admission-time tokenization with and without the prefix memo (`--tokenize-only`).
 Modes alternate request by request (concurrency 1) or round by round (concurrency 16);
 medians are reported. Prints a table and writes JSON.
 """
@@ -205,6 +206,38 @@ def mask_cost(dtype: str, batch: int, steps: int) -> dict[str, float]:
             "mask_over_step": (med(mask_s) + med(apply_s)) / med(step_s)}
 
 
+def prefix_encode_gain(iters: int, seed: int) -> dict[str, Any]:
+    """Admission-time tokenization with and without the prefix memo, in process: a chat with
+    a ~2,000-token system prompt and a short user turn (template rendered, then encoded), and
+    a 300-token /v1/score query. The two ways alternate call by call; medians."""
+    from prelude.model.loader import load_model_files
+    from prelude.tokenizer.prefix_encode import encode_chat_prompt, encode_joined
+
+    tok = load_model_files(None).tokenizer
+    rng = random.Random(seed)
+    system = exact_prompt(2000, rng, tok)
+    query = exact_prompt(300, rng, tok)
+    users = [exact_prompt(40, rng, tok) for _ in range(iters)]
+    timings: dict[str, list[float]] = {k: [] for k in ("chat_full", "chat_memo", "query_full", "query_memo")}
+    for i, user in enumerate(users):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        ways = [("full", lambda m=messages: tok.encode(tok.apply_chat_template(m), add_special_tokens=False)),
+                ("memo", lambda m=messages: encode_chat_prompt(tok, tok.apply_chat_template(m), m))]
+        for name, call in ways if i % 2 == 0 else ways[::-1]:
+            t0 = time.perf_counter()
+            ids = call()
+            timings[f"chat_{name}"].append(time.perf_counter() - t0)
+        assert ids == tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        qways = [("full", lambda: tok.encode(query)), ("memo", lambda: encode_joined(tok, query, "", True))]
+        for name, call in qways if i % 2 == 0 else qways[::-1]:
+            t0 = time.perf_counter()
+            call()
+            timings[f"query_{name}"].append(time.perf_counter() - t0)
+    med = {k: 1e6 * _median(v[1:]) for k, v in timings.items()}  # microseconds; the first call warms the memo
+    return {"system_tokens": 2000, "user_tokens": 40, "query_tokens": 300, "iters": iters, "median_us": med,
+            "chat_speedup": med["chat_full"] / med["chat_memo"], "query_speedup": med["query_full"] / med["query_memo"]}
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -232,7 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-output-tokens", type=int, default=32)
     ap.add_argument("--mixed-classify-tokens", type=int, default=128)
     ap.add_argument("--mixed-rate", type=float, default=1.0, help="classify requests per second (Poisson)")
+    ap.add_argument("--tokenize-only", action="store_true", help="only the admission-time prefix-memo gain")
     args = ap.parse_args(argv)
+    if args.tokenize_only:
+        gain = prefix_encode_gain(400, args.seed)
+        m = gain["median_us"]
+        print(f"admission tokenization (render + encode), 2,000-token system prompt + 40-token user turn: "
+              f"full {m['chat_full']:.0f} us, prefix memo {m['chat_memo']:.0f} us ({gain['chat_speedup']:.1f}x); "
+              f"300-token /v1/score query: full {m['query_full']:.0f} us, memo {m['query_memo']:.0f} us "
+              f"({gain['query_speedup']:.1f}x)")
+        write_json(args.json, {"prefix_encode": gain})
+        return 0
     if args.mixed_only:
         mixed = _mixed(args)
         write_json(args.json, {"dtype": args.dtype, "fused_vs_alternating": mixed})
