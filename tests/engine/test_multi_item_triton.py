@@ -70,15 +70,21 @@ def test_multi_item_on_triton_matches_torch(interp: Callable[..., Any]) -> None:
 
 def check_fused_step_matches_torch_backend() -> dict[str, list[float]]:
     """Decode rows, a multi-item OneShot row (cold, then on its cached query) and a plain
-    OneShot row in fused steps: the Triton backend takes the combined metadata."""
+    OneShot row in fused steps: the Triton backend (with emulated graphs) takes the
+    combined metadata."""
     from prelude.forward_batch import MixedBatch
     from prelude.params import PoolingParams, PoolingTask, SamplingParams
     from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+    from prelude.executor.graphs import Capture, GraphConfig
 
     hf = hf_tiny_llama()
     results = []
     for backend in ("triton", "torch"):
         engine = tiny_engine(hf, attention_backend=backend, max_num_batched_tokens=256)
+        if backend == "triton":  # fused steps without segments may replay a captured graph
+            engine.runner.capture_graphs(engine.max_model_len, Capture.EMULATE, GraphConfig(
+                decode_batch_sizes=(4,), prefill_token_sizes=(64,), max_prefill_rows=4))
         fused = []
         launch = engine.runner.launch
 
