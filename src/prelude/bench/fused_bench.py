@@ -59,6 +59,8 @@ def make_trace(tok: Any, seed: int, streams: int, chat_tokens: int, classify_tok
         if t >= duration:
             break
         arrivals.append((t, ids(classify_tokens)))
+    if not arrivals:  # a comparison without OneShot traffic would compare nothing
+        raise ValueError(f"no classify request arrives in {duration} s at {rate}/s: raise the rate or the duration")
     return Trace(prompts, arrivals)
 
 
