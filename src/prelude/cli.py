@@ -64,6 +64,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--laps-long-chunk", type=int, default=512)
     p.add_argument("--laps-deadline-free", action="store_true", help="LAPS token-max mode (no TTFT deadlines)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fuse-oneshot", action=argparse.BooleanOptionalAction, default=True,
+                   help="OneShot rows ride in the Decode/Mixed forward when budgets allow; --no-fuse-oneshot: "
+                        "steps alternate between OneShot and Decode/Mixed batches")
     p.add_argument("--force-decode-path", action="store_true",
                    help="ablation: send every request down the Decode path (no OneShot class)")
 
@@ -92,6 +95,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             max_model_len=args.max_model_len,
             policy=args.policy,
             force_decode=args.force_decode_path,
+            fuse_oneshot=args.fuse_oneshot,
             prefix_deferral=args.prefix_deferral,
             max_decode_batch=args.max_decode_batch,
             default_ttft_slo_ms=args.ttft_slo_ms,

@@ -120,6 +120,9 @@ class SchedulerConfig:
     max_oneshot_tokens: int | None = None  # None: max_num_batched_tokens
     oneshot_activation_bytes: int = 1 << 30
     force_decode: bool = False  # ablation: send every request down the Decode path
+    # OneShot rows ride in the Decode/Mixed forward when budgets allow (fused steps);
+    # False: steps alternate between a OneShot batch and a Decode/Mixed batch.
+    fuse_oneshot: bool = True
     prefix_deferral: bool = True  # peers of a cold shared prefix wait one step for its leader
     max_decode_batch: int | None = None  # decode slots per step (None: every running sequence)
     default_ttft_slo_ms: float | None = None  # TTFT target of requests that name none

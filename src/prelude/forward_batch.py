@@ -7,7 +7,9 @@ The batch type tells the executor the lifetime contract before it launches anyth
 a `DecodeBatch` holds one new token per running sequence; a `MixedBatch` holds prompt
 chunks (possibly alongside decode rows). Both keep KV in paged blocks owned by the
 requests. A `OneShotBatch` holds whole prompts of fixed-output requests: no block
-tables, no KV written to the pool, nothing kept after the forward.
+tables, no KV written to the pool, nothing kept after the forward. A `MixedBatch` may
+carry such OneShot rows too (fused steps): they ride in the same forward under the same
+contract, their K/V temporaries of that forward.
 """
 
 from __future__ import annotations
@@ -92,9 +94,13 @@ class DecodeBatch:
 class MixedBatch:
     prefill_rows: tuple[BatchRow, ...]
     decode_rows: tuple[BatchRow, ...]
+    # Fused steps: OneShot rows computed in the same forward as the paged rows. They own
+    # no KV and no block table; their outputs are what a OneShotBatch would give them.
+    oneshot_rows: tuple[OneShotRow, ...] = ()
 
     @property
     def rows(self) -> tuple[BatchRow, ...]:
+        """The paged rows (prompt chunks, then decodes); `oneshot_rows` are apart."""
         return self.prefill_rows + self.decode_rows
 
 

@@ -11,7 +11,7 @@ import torch
 
 from prelude import SamplingParams
 from prelude.engine.async_engine import AsyncEngine, EngineStepError
-from prelude.forward_batch import OneShotBatch
+from prelude.forward_batch import MixedBatch, OneShotBatch
 from prelude.engine.errors import EngineDeadError, StepFailed
 from prelude.engine.request import PoolingParams, PoolingTask
 from prelude.model import heads
@@ -106,7 +106,7 @@ async def _tokens(front: AsyncEngine, rid: str, prompt: list[int], params: Sampl
 
 
 def test_async_front_fails_only_the_requests_of_the_failed_step(hf_model: Any) -> None:
-    engine = tiny_engine(hf_model)
+    engine = tiny_engine(hf_model, fuse_oneshot=False)  # OneShot rows in steps of their own
     front = AsyncEngine(engine)
     _fail_oneshot_steps(engine)
     decode = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -122,6 +122,39 @@ def test_async_front_fails_only_the_requests_of_the_failed_step(hf_model: Any) -
     assert isinstance(judged, EngineStepError)
     assert len(tokens) == 24  # the decode next to it finished untouched
     assert front.is_healthy()
+    front.shutdown()
+    engine.check_integrity()
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
+
+
+def test_failed_fused_step_fails_its_decode_and_oneshot_rows_and_leaks_nothing(hf_model: Any) -> None:
+    """A fused step that raises fails every request in it (the decodes riding with the
+    OneShot rows too: one forward), releases their blocks and the OneShot rows' holds."""
+    engine = tiny_engine(hf_model)
+    front = AsyncEngine(engine)
+    real = engine.runner.launch
+    left = [1]
+
+    def launch(batch: Any) -> Any:
+        if isinstance(batch, MixedBatch) and batch.oneshot_rows and left[0] > 0:
+            left[0] -= 1
+            raise _Boom("simulated out of memory")
+        return real(batch)
+
+    engine.runner.launch = launch  # type: ignore[method-assign]
+    decode = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def run() -> list[Any]:
+        chat = asyncio.create_task(_tokens(front, "decode", list(range(1, 30)), decode))
+        await asyncio.sleep(0.05)  # the decode is running when the fused step fails
+        embed = front.encode("embed", list(range(40, 72)), PoolingParams(PoolingTask.EMBED))
+        return await asyncio.gather(chat, embed, return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(run(), 30))
+    assert left[0] == 0 and all(isinstance(r, EngineStepError) for r in results), results
+    assert front.is_healthy()
+    after = asyncio.run(asyncio.wait_for(_tokens(front, "after", [1, 2, 3], decode), 30))
+    assert len(after) == 24
     front.shutdown()
     engine.check_integrity()
     assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks

@@ -66,3 +66,66 @@ def check_multi_item_matches_torch_backend() -> dict[str, list[float]]:
 def test_multi_item_on_triton_matches_torch(interp: Callable[..., Any]) -> None:
     out = interp(check_multi_item_matches_torch_backend)
     assert len(out["p1"]) == 9 and len(out["w1"]) == 3
+
+
+def check_fused_step_matches_torch_backend() -> dict[str, list[float]]:
+    """Decode rows, a multi-item OneShot row (cold, then on its cached query) and a plain
+    OneShot row in fused steps: the Triton backend (with emulated graphs) takes the
+    combined metadata."""
+    from prelude.forward_batch import MixedBatch
+    from prelude.params import PoolingParams, PoolingTask, SamplingParams
+    from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+    from prelude.executor.graphs import Capture, GraphConfig
+
+    hf = hf_tiny_llama()
+    results = []
+    for backend in ("triton", "torch"):
+        engine = tiny_engine(hf, attention_backend=backend, max_num_batched_tokens=256)
+        if backend == "triton":  # fused steps without segments may replay a captured graph
+            engine.runner.capture_graphs(engine.max_model_len, Capture.EMULATE, GraphConfig(
+                decode_batch_sizes=(4,), prefill_token_sizes=(64,), max_prefill_rows=4))
+        fused = []
+        launch = engine.runner.launch
+
+        def spy(batch: Any, launch: Any = launch, fused: list[Any] = fused) -> Any:
+            if isinstance(batch, MixedBatch) and batch.oneshot_rows and batch.decode_rows:
+                fused.append(batch)
+            return launch(batch)
+
+        engine.runner.launch = spy  # type: ignore[method-assign]
+        got: dict[str, list[float]] = {}
+        for i in range(2):
+            engine.add_request(f"d{i}", list(range(30 + i, 40 + 2 * i)),
+                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        query = list(range(60, 78))
+        packed = PoolingParams(PoolingTask.LABELS, label_token_ids=(1, 2, 3), item_lens=(3, 5, 1))
+        def collect() -> None:
+            for o in engine.step():
+                if o.scores is not None:
+                    got[o.request_id] = list(o.scores)
+                else:
+                    got.setdefault(o.request_id, []).extend(float(t) for t in o.new_token_ids)
+
+        collect()  # the decodes' prompts
+        for rnd in range(2):  # the second round hits the cached query
+            engine.add_request(f"p{rnd}", query + list(range(1, 10)), SamplingParams(max_tokens=0), packed)
+            engine.add_request(f"l{rnd}", list(range(90, 97 + rnd)), SamplingParams(max_tokens=0),
+                               PoolingParams(PoolingTask.LABELS, label_token_ids=(4, 5)))
+            collect()
+        while engine.has_unfinished():
+            collect()
+        engine.check_integrity()
+        assert len(fused) >= 2
+        results.append(got)
+    tri, ref = results
+    assert tri.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(torch.tensor(tri[key], dtype=torch.float64),
+                                   torch.tensor(ref[key], dtype=torch.float64), atol=1e-4, rtol=1e-4)
+    return tri
+
+
+def test_fused_step_on_triton_matches_torch(interp: Callable[..., Any]) -> None:
+    out = interp(check_fused_step_matches_torch_backend)
+    assert len(out["p1"]) == 9 and len(out["l1"]) == 2 and len(out["d0"]) == 4

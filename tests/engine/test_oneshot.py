@@ -73,7 +73,7 @@ def test_oneshot_burst_leaves_the_block_pool_untouched(hf_model: Any, prefix_cac
     identical step by step; with it (the default) a OneShot step may only add cached,
     unreferenced blocks (its published prompt blocks): no request's blocks change, and
     the KV of every block a decode holds is bit-identical."""
-    engine = tiny_engine(hf_model, num_blocks=64, prefix_caching=prefix_caching)
+    engine = tiny_engine(hf_model, num_blocks=64, prefix_caching=prefix_caching, fuse_oneshot=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i, p in enumerate(prompts(3, seed=1)):
         engine.add_request(f"d{i}", p, greedy)

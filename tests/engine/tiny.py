@@ -91,6 +91,7 @@ def tiny_engine(
     enforce_eager: bool = False,
     tokenizer: Any = None,
     compile: str = "off",
+    fuse_oneshot: bool = True,
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
@@ -106,7 +107,7 @@ def tiny_engine(
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            force_decode=force_decode,
+            force_decode=force_decode, fuse_oneshot=fuse_oneshot,
         ),
     )
     return LLMEngine(runner, tokenizer if tokenizer is not None else ByteTokenizer(), engine_cfg, "tiny-llama")

@@ -11,6 +11,10 @@ against the ways a client would do the same work without them. Prefix cache on t
    at concurrency 1: one /classify request (the labels packed as items), K /classify calls
    with one label each, and the cost of one plain forward of the prompt (two one-token
    labels) as the unit.
+3. Fused vs alternating steps (fused_bench.py, in process): chat streams next to classify
+   traffic, decode TPOT P99 and OneShot E2E P50/P99 with OneShot rows riding in the
+   Decode/Mixed forward vs steps alternating between the classes (`--mixed-only`).
+4. Admission-time tokenization with and without the prefix memo (`--tokenize-only`).
 Modes alternate request by request (concurrency 1) or round by round (concurrency 16);
 medians are reported. Prints a table and writes JSON.
 """
@@ -202,6 +206,38 @@ def mask_cost(dtype: str, batch: int, steps: int) -> dict[str, float]:
             "mask_over_step": (med(mask_s) + med(apply_s)) / med(step_s)}
 
 
+def prefix_encode_gain(iters: int, seed: int) -> dict[str, Any]:
+    """Admission-time tokenization with and without the prefix memo, in process: a chat with
+    a ~2,000-token system prompt and a short user turn (template rendered, then encoded), and
+    a 300-token /v1/score query. The two ways alternate call by call; medians."""
+    from prelude.model.loader import load_model_files
+    from prelude.tokenizer.prefix_encode import encode_chat_prompt, encode_joined
+
+    tok = load_model_files(None).tokenizer
+    rng = random.Random(seed)
+    system = exact_prompt(2000, rng, tok)
+    query = exact_prompt(300, rng, tok)
+    users = [exact_prompt(40, rng, tok) for _ in range(iters)]
+    timings: dict[str, list[float]] = {k: [] for k in ("chat_full", "chat_memo", "query_full", "query_memo")}
+    for i, user in enumerate(users):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        ways = [("full", lambda m=messages: tok.encode(tok.apply_chat_template(m), add_special_tokens=False)),
+                ("memo", lambda m=messages: encode_chat_prompt(tok, tok.apply_chat_template(m), m))]
+        for name, call in ways if i % 2 == 0 else ways[::-1]:
+            t0 = time.perf_counter()
+            ids = call()
+            timings[f"chat_{name}"].append(time.perf_counter() - t0)
+        assert ids == tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        qways = [("full", lambda: tok.encode(query)), ("memo", lambda: encode_joined(tok, query, "", True))]
+        for name, call in qways if i % 2 == 0 else qways[::-1]:
+            t0 = time.perf_counter()
+            call()
+            timings[f"query_{name}"].append(time.perf_counter() - t0)
+    med = {k: 1e6 * _median(v[1:]) for k, v in timings.items()}  # microseconds; the first call warms the memo
+    return {"system_tokens": 2000, "user_tokens": 40, "query_tokens": 300, "iters": iters, "median_us": med,
+            "chat_speedup": med["chat_full"] / med["chat_memo"], "query_speedup": med["query_full"] / med["query_memo"]}
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -221,7 +257,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-args", default="", help="extra `prelude serve` flags")
     ap.add_argument("--json", default="bench_results/decisions.json")
     ap.add_argument("--mask-only", action="store_true", help="only the structured-output mask cost")
+    ap.add_argument("--mixed-only", action="store_true", help="only fused vs alternating steps (chat + classify)")
+    ap.add_argument("--mixed-rounds", type=int, default=3)
+    ap.add_argument("--mixed-seconds", type=float, default=20.0, help="arrivals per trial")
+    ap.add_argument("--mixed-streams", type=int, default=4, help="closed-loop chat streams")
+    ap.add_argument("--mixed-chat-tokens", type=int, default=96)
+    ap.add_argument("--mixed-output-tokens", type=int, default=32)
+    ap.add_argument("--mixed-classify-tokens", type=int, default=128)
+    ap.add_argument("--mixed-rate", type=float, default=1.0, help="classify requests per second (Poisson)")
+    ap.add_argument("--tokenize-only", action="store_true", help="only the admission-time prefix-memo gain")
     args = ap.parse_args(argv)
+    if args.tokenize_only:
+        gain = prefix_encode_gain(400, args.seed)
+        m = gain["median_us"]
+        print(f"admission tokenization (render + encode), 2,000-token system prompt + 40-token user turn: "
+              f"full {m['chat_full']:.0f} us, prefix memo {m['chat_memo']:.0f} us ({gain['chat_speedup']:.1f}x); "
+              f"300-token /v1/score query: full {m['query_full']:.0f} us, memo {m['query_memo']:.0f} us "
+              f"({gain['query_speedup']:.1f}x)")
+        write_json(args.json, {"prefix_encode": gain})
+        return 0
+    if args.mixed_only:
+        mixed = _mixed(args)
+        write_json(args.json, {"dtype": args.dtype, "fused_vs_alternating": mixed})
+        return 0
     mask = mask_cost(args.dtype, 8, 40)
     print(f"structured outputs, batch 8: decode step {mask['decode_step_ms_p50']:.1f} ms, masks "
           f"{mask['mask_compute_ms_p50']:.2f} ms + apply {mask['mask_apply_ms_p50']:.2f} ms = "
@@ -274,8 +332,18 @@ def main(argv: list[str] | None = None) -> int:
     g = result["goals"]
     print(f"goals: multi-item / separate at c=1 = {g['multi_item_over_separate_c1']:.2f}x (>= 2); "
           f"whole-label / one forward = {g['whole_label_over_one_forward']:.2f}x (<= 1.3)")
+    result["fused_vs_alternating"] = _mixed(args)
     write_json(args.json, result)
     return 0
+
+
+def _mixed(args: argparse.Namespace) -> dict[str, Any]:
+    from prelude.bench.fused_bench import print_mixed, run_mixed
+
+    mixed = run_mixed(args.dtype, args.mixed_rounds, args.mixed_seconds, args.mixed_streams, args.mixed_chat_tokens,
+                      args.mixed_output_tokens, args.mixed_classify_tokens, args.mixed_rate, args.seed)
+    print_mixed(mixed)
+    return mixed
 
 
 if __name__ == "__main__":

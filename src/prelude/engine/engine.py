@@ -17,7 +17,7 @@ import torch
 from prelude.config import EngineConfig
 from prelude.engine.admission import admit
 from prelude.engine.grammar import GrammarCompiler
-from prelude.forward_batch import BatchOutput, OneShotBatch
+from prelude.forward_batch import BatchOutput, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
 from prelude.engine.errors import StepFailed
 from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
@@ -37,6 +37,13 @@ from prelude.kv.kv_manager import KVCacheManager
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.engine")
+
+
+def oneshot_rows(batch: ForwardBatch | None) -> tuple[OneShotRow, ...]:
+    """The rows of a step that own no KV: a OneShot batch's, or a fused Mixed batch's."""
+    if isinstance(batch, OneShotBatch):
+        return batch.rows
+    return batch.oneshot_rows if isinstance(batch, MixedBatch) else ()
 
 
 @dataclass(frozen=True)
@@ -239,12 +246,10 @@ class LLMEngine:
 
     def _fail_step(self, plan: ScheduleResult) -> list[str]:
         """Release everything a failed step held and drop its requests; their ids."""
-        if isinstance(plan.batch, OneShotBatch):
-            for row in plan.batch.rows:  # publish nothing: the blocks may hold partial KV
-                self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks))
-            failed = [req.request_id for req in plan.oneshot if self._requests.get(req.request_id) is req]
-        else:
-            failed = [rid for rid in plan.scheduled if rid in self._requests]
+        for row in oneshot_rows(plan.batch):  # publish nothing: the blocks may hold partial KV
+            self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks))
+        failed = [req.request_id for req in plan.oneshot if self._requests.get(req.request_id) is req]
+        failed += [rid for rid in plan.scheduled if rid in self._requests]
         for rid in failed:
             self.abort(rid)
         return failed
@@ -258,18 +263,18 @@ class LLMEngine:
             kind, num_tokens = batch_kind(plan.batch)
             self.observer.step_finished(kind, seconds, num_tokens)
         now = time.monotonic()
-        if isinstance(plan.batch, OneShotBatch):
-            outputs = self._postprocess_oneshot(plan.batch, plan.oneshot, result, now)
-        else:
-            outputs = self._postprocess_paged(plan, result, now)
+        outputs = [] if isinstance(plan.batch, OneShotBatch) else self._postprocess_paged(plan, result, now)
+        rows = oneshot_rows(plan.batch)
+        if rows:  # a OneShot step, or the OneShot rows of a fused step
+            outputs += self._postprocess_oneshot(rows, plan.oneshot, result, now)
         self.kv.trim()
         return outputs
 
     def _postprocess_oneshot(
-        self, batch: OneShotBatch, requests: list[Request], result: BatchOutput, now: float
+        self, rows: tuple[OneShotRow, ...], requests: list[Request], result: BatchOutput, now: float
     ) -> list[RequestOutput]:
         """One final output per request; the step's block holds end here."""
-        for row in batch.rows:  # publish full prompt blocks, drop the step's holds
+        for row in rows:  # publish full prompt blocks, drop the step's holds
             self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks))
         outputs = []
         for req in requests:

@@ -43,7 +43,8 @@ def batch_kind(batch: object) -> tuple[str, int]:
         return "decode", len(batch.rows)
     if isinstance(batch, MixedBatch):
         tokens = sum(len(r.token_ids) for r in batch.prefill_rows) + len(batch.decode_rows)
-        return ("mixed" if batch.decode_rows else "prefill"), tokens
+        tokens += sum(len(r.token_ids) - r.num_cached for r in batch.oneshot_rows)
+        return ("mixed" if batch.decode_rows or batch.oneshot_rows else "prefill"), tokens
     return "other", 0
 
 

@@ -12,7 +12,10 @@ Two queues with separate accounting:
   watermark kept for running decodes) allow. Long prompts are chunked by the budget,
   except prompts whose rows feed a head (prompt logprobs, pooling), which need
   every hidden state in one forward.
-When both classes have work, steps alternate so neither starves the other.
+When both classes have work, OneShot rows ride in the Decode/Mixed forward (fused steps,
+the default): after the decode rows, OneShot prompts and paged prompts take turns at
+the step's remaining token budget. With `fuse_oneshot` off, steps alternate between a
+OneShot batch and a Decode/Mixed batch. Either way neither class starves the other.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class ScheduleResult:
     batch: ForwardBatch | None
     scheduled: dict[str, int] = field(default_factory=dict)  # request_id -> tokens computed this step
     preempted: list[Request] = field(default_factory=list)
-    oneshot: list[Request] = field(default_factory=list)  # requests of a OneShotBatch
+    oneshot: list[Request] = field(default_factory=list)  # requests of the step's OneShot rows
 
 
 def reuses_prefix(req: Request) -> bool:
@@ -108,6 +111,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self._last_was_oneshot = False
+        self._oneshot_turn = True  # fused steps: OneShot prompts go before paged prompts
         # Keep ~1% of the pool free at admission so running decodes rarely preempt.
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
 
@@ -154,9 +158,12 @@ class Scheduler:
         leaders.add(key)
         return False
 
-    def _schedule_oneshot(self, now: float) -> ScheduleResult:
-        budget = self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
-        memory = self.config.oneshot_activation_bytes
+    def _take_oneshot(
+        self, now: float, budget: int, memory: int, first_goes: bool
+    ) -> tuple[list[OneShotRow], list[Request]]:
+        """OneShot rows of one head group within `budget` prompt tokens and `memory`
+        activation bytes, in policy order; `first_goes`: the first request goes even
+        alone over budget (the turn that guarantees OneShot work progresses)."""
         ordered = self.policy.prefill.order(self.oneshot_waiting, now, lambda r: r.num_prompt_tokens)
         group = oneshot_group(ordered[0])
         bs = self.kv.block_size
@@ -171,8 +178,8 @@ class Scheduler:
             prefix = self._cached_prefix(req, shareable)
             n_cached = len(prefix) * bs
             n, mem = req.num_prompt_tokens - n_cached, self.activation_bytes(req)
-            if taken and (n > budget or mem > memory):
-                break  # the first request always goes, even alone over budget
+            if (taken or not first_goes) and (n > budget or mem > memory):
+                break
             if self._defer(req, self.kv.first_uncached_key(shareable, len(prefix)), leaders):
                 continue
             publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
@@ -191,6 +198,13 @@ class Scheduler:
             self.oneshot_waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.scheduled_time = req.scheduled_time or now
+        return rows, taken
+
+    def _oneshot_budget(self) -> int:
+        return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
+
+    def _schedule_oneshot(self, now: float) -> ScheduleResult:
+        rows, taken = self._take_oneshot(now, self._oneshot_budget(), self.config.oneshot_activation_bytes, True)
         if not rows:  # every candidate deferred: let the next step run them
             return ScheduleResult(batch=None)
         return ScheduleResult(batch=OneShotBatch(tuple(rows)), oneshot=taken)
@@ -268,13 +282,15 @@ class Scheduler:
         if independent_only:
             return self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
         decode_work = bool(self.waiting or self.running)
-        if self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
+        fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
+        if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
             self._last_was_oneshot = True
             return self._schedule_oneshot(now)
         self._last_was_oneshot = False
         result = ScheduleResult(batch=None)
         budget = self.config.max_num_batched_tokens
         rows: list[BatchRow] = []
+        oneshot_rows: list[OneShotRow] = []
 
         # 1. Decode slots, in the decode policy's order (the rest keep their KV and wait).
         decoding = [r for r in self.running if is_decoding(r)]
@@ -296,9 +312,17 @@ class Scheduler:
             budget -= 1
         self.policy.decode.on_step(served, [r for r in decoding if r not in served and r in self.running], now)
 
-        # 2. Prompt work (in-progress chunks and waiting prompts), in the prefill policy's order.
+        # 2. Prompt work (in-progress chunks and waiting prompts), in the prefill policy's
+        # order; in a fused step, OneShot prompts share what the decodes left, taking turns
+        # with the paged prompts at going first (the one first may go alone over budget).
+        if fuse:
+            oneshot_first, self._oneshot_turn = self._oneshot_turn, not self._oneshot_turn
+            if oneshot_first:
+                budget -= self._fuse_oneshot(now, budget, oneshot_rows, result, first_goes=True)
         if not result.preempted:
-            self._schedule_prefills(now, budget, rows, result)
+            budget -= self._schedule_prefills(now, max(budget, 0), rows, result)
+        if fuse and not oneshot_first:
+            self._fuse_oneshot(now, budget, oneshot_rows, result, first_goes=False)
 
         if rows:
             decode: list[BatchRow] = []
@@ -306,14 +330,34 @@ class Scheduler:
             for r in rows:
                 is_decode = r.sample is not None and len(r.token_ids) == 1 and r.start_pos > 0
                 (decode if is_decode else prefill).append(r)
-            result.batch = MixedBatch(tuple(prefill), tuple(decode)) if prefill else DecodeBatch(tuple(decode))
+            if prefill or oneshot_rows:
+                result.batch = MixedBatch(tuple(prefill), tuple(decode), tuple(oneshot_rows))
+            else:
+                result.batch = DecodeBatch(tuple(decode))
+        elif oneshot_rows:
+            result.batch = OneShotBatch(tuple(oneshot_rows))
         return result
 
-    def _schedule_prefills(self, now: float, budget: int, rows: list[BatchRow], result: ScheduleResult) -> None:
+    def _fuse_oneshot(
+        self, now: float, budget: int, rows: list[OneShotRow], result: ScheduleResult, first_goes: bool
+    ) -> int:
+        """OneShot rows for a fused step within the step's remaining token budget (and the
+        OneShot budgets); returns the prompt tokens they compute."""
+        if not self.oneshot_waiting or (budget <= 0 and not first_goes):
+            return 0
+        taken_rows, taken = self._take_oneshot(
+            now, min(max(budget, 0), self._oneshot_budget()), self.config.oneshot_activation_bytes, first_goes)
+        rows.extend(taken_rows)
+        result.oneshot.extend(taken)
+        return sum(len(r.token_ids) - r.num_cached for r in taken_rows)
+
+    def _schedule_prefills(self, now: float, budget: int, rows: list[BatchRow], result: ScheduleResult) -> int:
+        """Prompt rows within `budget`, appended to `rows`; returns the tokens they take."""
         in_progress = [r for r in self.running if not is_decoding(r)]
         candidates = in_progress + self.waiting
         if not candidates:
-            return
+            return 0
+        start_budget = budget
         remaining = self._remaining()
         plan = self.policy.prefill.plan(candidates, now, remaining, budget)
         leaders: set[tuple[int, ...]] = set()
@@ -338,6 +382,7 @@ class Scheduler:
             rows.append(self._row(req, n))
             result.scheduled[req.request_id] = n
             budget -= n
+        return start_budget - budget
 
     def _admit(
         self, req: Request, budget: int, cap: int | None, leaders: set[tuple[int, ...]], first: bool
@@ -368,4 +413,6 @@ class Scheduler:
     def observe_step(self, batch: ForwardBatch, seconds: float) -> None:
         """Measured duration of a step with prompt work, for policies that model it."""
         if isinstance(batch, MixedBatch) and batch.prefill_rows:
-            self.policy.prefill.observe_step([(len(r.token_ids), r.start_pos) for r in batch.prefill_rows], seconds)
+            prompts = [(len(r.token_ids), r.start_pos) for r in batch.prefill_rows]
+            prompts += [(len(r.token_ids) - r.num_cached, r.num_cached) for r in batch.oneshot_rows]  # fused
+            self.policy.prefill.observe_step(prompts, seconds)

@@ -50,6 +50,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         block_size: int = 16,
         policy: str = "fcfs",
+        fuse_oneshot: bool = True,
         seed: int = 0,
         engine: LLMEngine | None = None,
     ) -> None:
@@ -63,7 +64,7 @@ class LLM:
                 cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory_gib, num_blocks=num_kv_blocks),
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    max_model_len=max_model_len, policy=policy,
+                    max_model_len=max_model_len, policy=policy, fuse_oneshot=fuse_oneshot,
                 ),
             )
             engine = LLMEngine.from_config(config)

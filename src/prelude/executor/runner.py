@@ -328,6 +328,13 @@ class ModelRunner:
     def build_paged_inputs(self, rows: Sequence[BatchRow]) -> StepInputs:
         return self._inputs([self._paged_layout(r) for r in rows], write_kv=True)
 
+    def build_fused_inputs(self, paged: Sequence[BatchRow], oneshot: Sequence[OneShotRow]) -> StepInputs:
+        """Paged rows, then OneShot rows, in one forward: the paged rows write their K/V
+        to their blocks, the OneShot rows only to the blocks they publish (if any)."""
+        assert not self.model.is_encoder, "encoders keep no KV: they have no paged rows"
+        layouts = [self._paged_layout(r) for r in paged] + [self._oneshot_layout(r) for r in oneshot]
+        return self._inputs(layouts, write_kv=True)
+
     def build_oneshot_inputs(self, rows: Sequence[OneShotRow]) -> StepInputs:
         inputs = self._inputs([self._oneshot_layout(r) for r in rows], write_kv=True)
         if not self.model.is_encoder:
@@ -369,6 +376,11 @@ class ModelRunner:
             hidden, starts = self.forward_oneshot(batch.rows)
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
             rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
+        elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
+            inputs = self.build_fused_inputs(batch.rows, batch.oneshot_rows)
+            hidden, starts = self.forward(inputs), inputs.starts
+            rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
+            rows += [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.oneshot_rows]
         else:
             assert isinstance(batch, (DecodeBatch, MixedBatch))
             hidden, starts = self.forward_rows(batch.rows)

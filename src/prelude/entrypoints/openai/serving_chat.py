@@ -19,6 +19,7 @@ from prelude.entrypoints.openai.fanout import Choice, Job, collect_choices, fan_
 from prelude.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from prelude.entrypoints.openai.sampling import chat_logprobs, sampling_params, usage
 from prelude.entrypoints.openai.serving_completions import SSEResponse, StreamUsage, sse_stream
+from prelude.tokenizer.prefix_encode import encode_chat_prompt
 
 # --- prompt rendering (also used by /tokenize) -----------------------------------------
 
@@ -78,7 +79,7 @@ def render_chat(engine: EngineClient, messages: list[ChatMessage], add_generatio
     text = _render_text(engine, plain, add_generation_prompt and not continue_final, template_kwargs or {})
     if continue_final:
         text = _cut_after_final(text, plain)
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return encode_chat_prompt(engine.tokenizer, text, plain)  # the system turn through the prefix memo
 
 
 # --- completions ---------------------------------------------------------------------

@@ -24,6 +24,7 @@ from prelude.engine.request import PoolingParams, PoolingTask
 from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.protocol import GenerativeScoringRequest, ScoreRequest
 from prelude.entrypoints.openai.serving_pooling import encode_all
+from prelude.tokenizer.prefix_encode import encode_joined
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,14 @@ def _ids(engine: EngineClient, value: str | list[int], add_special_tokens: bool)
     return engine.tokenizer.encode(value, add_special_tokens=add_special_tokens)
 
 
+def _query_ids(engine: EngineClient, value: str | list[int], add_special_tokens: bool) -> list[int]:
+    """A scoring query, memoized by the tokenizer: clients send one query with batch after
+    batch of items. Its ids are joined to each item's ids, so there is no text joint."""
+    if isinstance(value, list):
+        return list(value)
+    return encode_joined(engine.tokenizer, value, "", add_special_tokens)
+
+
 async def label_probabilities(
     engine: EngineClient,
     query: str | list[int],
@@ -86,7 +95,7 @@ async def label_probabilities(
         raise APIError("label_token_ids must hold at least one token id", param="label_token_ids")
     if not items:
         raise APIError("items must not be empty", param="items")
-    q = _ids(engine, query, add_special_tokens)
+    q = _query_ids(engine, query, add_special_tokens)
     item_ids = [_ids(engine, item, add_special_tokens=False) for item in items]
     if any(not ids for ids in item_ids):
         raise APIError("an item is empty", param="items")

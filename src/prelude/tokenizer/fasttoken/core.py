@@ -1,4 +1,4 @@
-"""fasttoken: load once, immutable tables, no locks.
+"""fasttoken: load once, immutable tables (locks only around the prefix memo and the fallback path).
 
 The BPE core is tiktoken's rank-based merge (Rust, releases the GIL). Ranks are the
 HF token ids, which is exact when the merge list creates tokens in id order (checked
@@ -100,10 +100,12 @@ class FastTokenizer:
         self._nfc = normalizers.NFC() if spec.nfc else None
         self._prefix_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._prefix_cache_size = prefix_cache_size
+        self._prefix_lock = threading.Lock()
         # Most texts hold no added token: one C-level regex search decides, and the
         # ordinary path skips passing the special-token set into Rust on every call.
         self._core = self._enc._core_bpe
         self._added_ids = dict(specials)
+        self._newline_splits = tuple((t[:k], t[k:]) for t in specials for k in range(1, len(t)) if t[k - 1] == "\n")
         self._special_re = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) \
             if specials else None
         # Threads start on first use; an unused pool costs nothing.
@@ -237,26 +239,49 @@ class FastTokenizer:
             out = [ids for part in self._pool.map(self._encode_many, chunks) for ids in part]
         return [self._wrap(ids, add_special_tokens) for ids in out]
 
+    def joint_is_safe(self, prefix: str, suffix: str) -> bool:
+        """Whether encoding `prefix` and `suffix` apart gives the ids of `prefix + suffix`.
+
+        True when the prefix ends in one newline after a non-space character and the suffix
+        starts with a character that is neither whitespace nor a combining mark, and no
+        added token straddles the joint. Then the newline is a pre-token of its own in both
+        encodings under the byte-level patterns fasttoken accepts (GPT-2's and Llama 3 /
+        Qwen 2's: no alternative crosses a newline into non-space text, and none looks
+        behind), and NFC cannot compose or reorder across a newline. An empty suffix has
+        no joint. Checked against full encodes by a property test (adversarial joints too).
+        """
+        if not suffix:
+            return True
+        if len(prefix) < 2 or prefix[-1] != "\n" or prefix[-2].isspace():
+            return False
+        first = suffix[0]
+        if first.isspace() or unicodedata.category(first).startswith("M"):
+            return False
+        # An added token straddling the joint would have to hold a newline where the prefix
+        # ends: the (usually empty) list of such splits is made at load.
+        return not any(prefix.endswith(head) and suffix.startswith(tail) for head, tail in self._newline_splits)
+
     def encode_with_prefix(self, prefix: str, suffix: str, add_special_tokens: bool = True) -> list[int]:
-        """Encode prefix + suffix reusing a memoized encoding of `prefix` (a rubric, a
-        system prompt). Safe only where no BPE piece straddles the joint: the prefix
-        must end in a newline and the suffix must not start with whitespace; otherwise
-        the whole text is encoded."""
-        if not prefix.endswith("\n") or suffix[:1].isspace() or self._spec.nfc:
+        """Encode prefix + suffix reusing a memoized encoding of `prefix` (a chat template's
+        system turn, a rubric, a scoring query) where the joint is safe (`joint_is_safe`);
+        otherwise the whole text is encoded. Equal to `encode(prefix + suffix)` either way."""
+        if not self.joint_is_safe(prefix, suffix):
             return self.encode(prefix + suffix, add_special_tokens)
         return self._guarded(prefix + suffix, add_special_tokens,
                              lambda: self._encode_with_prefix(prefix, suffix, add_special_tokens))
 
     def _encode_with_prefix(self, prefix: str, suffix: str, add_special_tokens: bool) -> list[int]:
-        head = self._prefix_cache.get(prefix)
+        with self._prefix_lock:  # the server encodes on several threads
+            head = self._prefix_cache.get(prefix)
+            if head is not None:
+                self._prefix_cache.move_to_end(prefix)
         if head is None:
             head = tuple(self._encode_raw(prefix))
-            self._prefix_cache[prefix] = head
-            if len(self._prefix_cache) > self._prefix_cache_size:
-                self._prefix_cache.popitem(last=False)
-        else:
-            self._prefix_cache.move_to_end(prefix)
-        return self._wrap([*head, *self._encode_raw(suffix)], add_special_tokens)
+            with self._prefix_lock:
+                self._prefix_cache[prefix] = head
+                if len(self._prefix_cache) > self._prefix_cache_size:
+                    self._prefix_cache.popitem(last=False)
+        return self._wrap([*head, *self._encode_raw(suffix)] if suffix else list(head), add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids past the table (a padded model head) decode to nothing, as in HF."""
