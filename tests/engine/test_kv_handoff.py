@@ -86,6 +86,11 @@ def test_prefill_on_one_engine_decode_on_another_equals_one_engine(hf: Any) -> N
     assert prefill.metrics()["kv_handoffs_exported_total"] == len(handoffs)
     assert decode.metrics()["kv_handoffs_imported_total"] == len(handoffs)
     assert prefill.kv.pool.num_evictable_blocks > 0
+    # One latency record per request, on the decode side, with the prefill side's TTFT.
+    assert not prefill.finished_metrics
+    records = {m.request_id: m for m in decode.finished_metrics}
+    assert records.keys() == want.keys()
+    assert all(m.ttft_s is not None and m.ttft_s > 0 and m.tpot_s is not None for m in records.values())
     # The first token came from the prefill engine, the rest from the decode engine.
     first = {o.request_id: o for o in outs[: len(cases)]}
     assert all(len(o.new_token_ids) == 1 and not o.finished for o in first.values())

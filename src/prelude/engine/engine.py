@@ -332,12 +332,11 @@ class LLMEngine:
         the prefix cache as they filled, so they stay hit-able here)."""
         blocks = self.kv.block_table(req.request_id)[: blocks_needed(req.num_computed_tokens, self.kv.block_size)]
         self._handoffs.append(KVHandoff(
-            resumable_copy(req), req.num_computed_tokens, self.kv.block_size, self.runner.read_kv_blocks(blocks)))
+            resumable_copy(req), req.num_computed_tokens, self.kv.block_size, self.runner.read_kv_blocks(blocks),
+            exported_at=time.monotonic()))
         self.handoff_counts["exported"] += 1
         self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_time = time.monotonic()
-        self._record_finished(req, handed_off=True)
+        req.status = RequestStatus.FINISHED  # not recorded here: the decode engine records the whole request
         del self._requests[req.request_id]
         del self._streams[req.request_id]
 
@@ -369,8 +368,13 @@ class LLMEngine:
         stream = new_stream(self.tokenizer, req)
         req.output_token_ids = []
         replay = process_token(req, stream, handoff.first_token, None, self.max_model_len)
-        now = time.monotonic()  # this engine's clock: its TPOT starts here
-        req.arrival_time = req.first_token_time = req.scheduled_time = now
+        # Onto this engine's clock (another host's monotonic clock is not comparable): the
+        # request's times keep their distance from the hand-off, taken as now. Its latency
+        # record, kept here, then has the prefill side's TTFT.
+        now = time.monotonic()
+        for name in ("arrival_time", "first_token_time", "scheduled_time"):
+            then = getattr(req, name)
+            setattr(req, name, now if then is None else now - max(0.0, handoff.exported_at - then))
         req.ttft_deadline = None
         self._requests[rid] = req
         self._streams[rid] = stream
@@ -394,10 +398,8 @@ class LLMEngine:
         del self._requests[req.request_id]
         del self._streams[req.request_id]
 
-    def _record_finished(self, req: Request, handed_off: bool = False) -> None:
+    def _record_finished(self, req: Request) -> None:
         record = request_metrics(req)
-        if handed_off:
-            record = replace(record, finish_reason="handoff")
         self.finished_metrics.append(record)
         if self.observer is not None:
             self.observer.request_finished(record)

@@ -24,6 +24,7 @@ class KVHandoff:
     num_computed_tokens: int  # tokens whose K/V are in `kv` (the prompt; the first token's are not)
     block_size: int
     kv: KVBlocks  # the request's blocks in table order, the last one possibly partly filled
+    exported_at: float = 0.0  # the prefill engine's monotonic clock at the hand-off
 
     @property
     def request_id(self) -> str:
