@@ -1,7 +1,7 @@
 """The disaggregated front's backpressure (HandoffGate over the DecodePlacer), without Ray:
 hand-offs past the cap wait first come first served, a release lets exactly the next one
 in, a waiter that goes away frees its place in line, and with no decode replica live a
-hand-off gives up after the bounded wait."""
+hand-off gives up after the bounded wait. And the flags that configure it."""
 
 from __future__ import annotations
 
@@ -60,3 +60,31 @@ def test_no_live_decode_replica_gives_up() -> None:
         assert await asyncio.wait_for(task, 1.0) == 1
 
     asyncio.run(run())
+
+
+def _cluster(*flags: str):  # noqa: ANN202
+    import argparse
+
+    from prelude import cli
+
+    p = argparse.ArgumentParser()
+    cli._add_engine_args(p)
+    cli._add_cluster_args(p)
+    return cli._cluster_config(p.parse_args(list(flags)))
+
+
+def test_disaggregate_flags() -> None:
+    c = _cluster("--disaggregate", "1:2", "--max-num-seqs", "24")
+    assert c.disaggregate == (1, 2) and c.num_replicas == 3 and c.num_prefill == 1
+    assert c.max_requests_in_scheduler == 24  # defaults to --max-num-seqs
+    assert _cluster("--disaggregate", "2:1", "--max-requests-in-scheduler", "5").max_requests_in_scheduler == 5
+    # LAPS pools split the prefill replicas.
+    assert _cluster("--disaggregate", "2:1", "--laps-pools", "1:1").laps_pools == (1, 1)
+    with pytest.raises(ValueError, match="--laps-pools"):
+        _cluster("--disaggregate", "2:1", "--laps-pools", "2:1")
+    with pytest.raises(ValueError, match="--disaggregate"):
+        _cluster("--disaggregate", "0:2")
+    with pytest.raises(ValueError, match="--disaggregate"):
+        _cluster("--disaggregate", "1:1", "--data-parallel-size", "3")
+    with pytest.raises(SystemExit):
+        _cluster("--disaggregate", "one:two")
