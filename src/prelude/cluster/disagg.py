@@ -126,17 +126,18 @@ class DisaggregatedClient(RayEngineClient):
         return [d for d in self.decode_ids if self._up[d]]
 
     async def _run(self, req: Request) -> AsyncIterator[RequestOutput]:
-        handoff: ray.ObjectRef | None = None
+        handoff: list[ray.ObjectRef] = []  # a list: _decode takes the only reference
         # aclosing: a client that leaves closes the inner stream now (its replica aborts).
         async with aclosing(self._prefill(req)) as items:
             async for item in items:
                 if isinstance(item, RequestOutput):
                     yield item
                 else:
-                    handoff = item
-        if handoff is None:
+                    handoff.append(item)
+            item = None  # not kept alive here
+        if not handoff:
             return  # the first token finished it (or it was OneShot): nothing to decode
-        async with aclosing(self._decode(req, handoff)) as outs:
+        async with aclosing(self._decode(req, handoff.pop())) as outs:
             async for out in outs:
                 yield out
 
@@ -185,10 +186,12 @@ class DisaggregatedClient(RayEngineClient):
                 if not done:
                     ray.cancel(gen)  # cancels the replica's coroutine, which aborts the request
 
-    async def _decode(self, req: Request, handoff: ray.ObjectRef) -> AsyncIterator[RequestOutput]:
+    async def _decode(self, req: Request, handoff: ray.ObjectRef | None) -> AsyncIterator[RequestOutput]:
         """Place the hand-off (waiting while every decode replica is full) and stream the
-        rest; a decode replica that dies before streaming is replaced by another."""
-        while True:
+        rest; a decode replica that dies before streaming is replaced by another. Once a
+        replica streams, the front drops its reference (Ray frees the object when the
+        decode task lets go of it too)."""
+        while handoff is not None:
             d = await self.gate.acquire(self._live_decode, self.faults.wait_for_replica_s)
             self._in_flight[d] += 1
             streamed = finished = False
@@ -196,7 +199,7 @@ class DisaggregatedClient(RayEngineClient):
             try:
                 async for ref in gen:
                     out: RequestOutput = await ref
-                    streamed = True
+                    streamed, handoff = True, None
                     finished = out.finished
                     yield out
                     if finished:
