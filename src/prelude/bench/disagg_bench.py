@@ -44,6 +44,7 @@ class Done:
     tpot: float | None
     tokens: int
     finish: float
+    second_gap: float | None  # first -> second token: the hand-off, when disaggregated
 
 
 def mixed_trace(n: int, rate: float, seed: int, short_len: tuple[int, int], long_len: int, long_fraction: float,
@@ -67,17 +68,14 @@ async def replay(client: Any, jobs: list[Job]) -> tuple[list[Done], float]:
         await asyncio.sleep(max(0.0, t0 + job.arrival - time.perf_counter()))
         start = time.perf_counter()
         params = SamplingParams(max_tokens=job.max_tokens, temperature=0, ignore_eos=True)
-        first = last = None
-        tokens = 0
+        stamps: list[float] = []
         async for out in client.generate(f"mixed-{i}", job.prompt, params):
-            now = time.perf_counter()
-            if out.new_token_ids:
-                first = first or now
-                last = now
-                tokens += len(out.new_token_ids)
-        assert first is not None and last is not None and tokens == job.max_tokens
+            stamps.extend([time.perf_counter()] * len(out.new_token_ids))
+        tokens = len(stamps)
+        assert tokens == job.max_tokens
+        first, last = stamps[0], stamps[-1]
         tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-        return Done(job, first - start, tpot, tokens, last - t0)
+        return Done(job, first - start, tpot, tokens, last - t0, stamps[1] - first if tokens > 1 else None)
 
     done = await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs)))
     return list(done), max(d.finish for d in done) - jobs[0].arrival
@@ -89,6 +87,7 @@ def summarize(done: list[Done], span: float) -> dict[str, float]:
     return {
         "tpot_p50_s": float(np.percentile(tpots, 50)), "tpot_p99_s": float(np.percentile(tpots, 99)),
         "short_ttft_p90_s": float(np.percentile(short_ttft, 90)),
+        "second_token_gap_p50_s": float(np.percentile([d.second_gap for d in done if d.second_gap is not None], 50)),
         "ttft_p90_s": float(np.percentile([d.ttft for d in done], 90)),
         "throughput_tok_s": sum(d.tokens for d in done) / span, "req_s": len(done) / span,
     }
