@@ -156,10 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                 client.shutdown()
             results[name].append(row)
             print(f"round {rnd}: {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
-    keys = ["tpot_p50_s", "tpot_p99_s", "short_ttft_p90_s", "ttft_p90_s", "throughput_tok_s", "req_s"]
+    keys = ["tpot_p50_s", "tpot_p99_s", "short_ttft_p90_s", "ttft_p90_s", "second_token_gap_p50_s",
+            "throughput_tok_s", "req_s"]
     summary = {name: {k: statistics.median(r[k] for r in rows) for k in keys} for name, rows in results.items()}
     co, dis = summary[names[0]], summary[names[1]]
-    print("\nconfig (same 2 cores) | TPOT p50 s | TPOT p99 s | short TTFT p90 s | TTFT p90 s | output tok/s | req/s")
+    print("\nconfig (same 2 cores) | TPOT p50 s | TPOT p99 s | short TTFT p90 s | TTFT p90 s | 1st->2nd token p50 s | "
+          "output tok/s | req/s")
     for name, s in summary.items():
         print(f"{name} | " + " | ".join(f"{s[k]:.3f}" for k in keys))
     ratio = co["tpot_p99_s"] / dis["tpot_p99_s"] if dis["tpot_p99_s"] else float("nan")
