@@ -72,6 +72,9 @@ def test_disaggregated_streams_equal(pd, path: str, body: dict[str, Any]) -> Non
     assert got == want and len(got) == body.get("n", 1) * (len(body["prompt"]) if "prompt" in body else 1)
     m = client.metrics()
     assert m["cluster_handoffs_total"] > 0 and m["kv_handoffs_imported_total"] == m["kv_handoffs_exported_total"]
+    text = httpx.get(two + "/metrics").text
+    assert 'prelude:decode_requests_held{replica="1"}' in text and "prelude:handoffs_waiting 0.0" in text
+    assert "prelude:cluster_handoffs_total" in text and "prelude:handoff_waits_total" in text
     _settled(client)
 
 
