@@ -128,6 +128,22 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--laps-pools", default=None, metavar="S:L",
                    help="LAPS spatial mode: S replicas for prompts shorter than --laps-boundary, L for longer ones; "
                         "a pressure controller moves replicas between the pools (each move is logged)")
+    g.add_argument("--disaggregate", default=None, metavar="P:D",
+                   help="prefill/decode disaggregation (Prophet): P replicas compute prompts and hand the KV blocks "
+                        "to D decode replicas through Ray's object store")
+    g.add_argument("--max-requests-in-scheduler", type=int, default=None,
+                   help="disaggregated: requests one decode replica holds at most; further hand-offs wait "
+                        "(backpressure; default: --max-num-seqs)")
+    g.add_argument("--prefill-policy", default="srpt", help="disaggregated: the prefill replicas' --policy")
+    g.add_argument("--decode-policy", default="mlfq", help="disaggregated: the decode replicas' --policy")
+
+
+def _pair(text: str, flag: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    try:
+        return int(a), int(b)
+    except ValueError:
+        raise SystemExit(f"{flag} takes two counts like 1:1, not {text!r}") from None
 
 
 def _cluster_config(args: argparse.Namespace):  # noqa: ANN202
@@ -135,15 +151,20 @@ def _cluster_config(args: argparse.Namespace):  # noqa: ANN202
     from prelude.cluster.pools import PoolConfig
     from prelude.cluster.router import RouterConfig
 
-    pools = None
+    pools = disaggregate = None
+    if args.disaggregate:
+        disaggregate = _pair(args.disaggregate, "--disaggregate")
+        if args.data_parallel_size is None:
+            args.data_parallel_size = sum(disaggregate)
     if args.laps_pools:
-        short, _, long = args.laps_pools.partition(":")
-        pools = (int(short), int(long))
+        pools = _pair(args.laps_pools, "--laps-pools")
         if args.data_parallel_size is None:
             args.data_parallel_size = sum(pools)
     boundary = 256 if args.laps_boundary == "auto" else int(args.laps_boundary)
     return ClusterConfig(
         laps_pools=pools,
+        disaggregate=disaggregate,
+        max_requests_in_scheduler=args.max_requests_in_scheduler or args.max_num_seqs,
         pool=PoolConfig(boundary=boundary, min_pressure=boundary),
         num_replicas=args.data_parallel_size or 1,
         replica_threads=args.replica_threads,
@@ -158,15 +179,23 @@ def _cluster_config(args: argparse.Namespace):  # noqa: ANN202
 
 def _front(args: argparse.Namespace):  # noqa: ANN202
     """The EngineClient behind the app: one in-process engine, or replicas on Ray."""
+    from dataclasses import replace
+
     from prelude.engine.async_engine import AsyncEngine
     from prelude.engine.engine import LLMEngine
 
     config = _engine_config(args)
-    if args.data_parallel_size is not None or args.ray_address is not None or args.laps_pools:
+    if args.data_parallel_size is not None or args.ray_address is not None or args.laps_pools or args.disaggregate:
         from prelude.cluster.launch import engine_factory, start_client, tokenizer_factory
 
         cluster = _cluster_config(args)
-        return start_client(engine_factory(config), cluster, seed=args.seed, tokenizer_factory=tokenizer_factory(config))
+        if cluster.disaggregate is None:
+            return start_client(engine_factory(config), cluster, seed=args.seed,
+                                tokenizer_factory=tokenizer_factory(config))
+        prefill, decode = (replace(config, scheduler=replace(config.scheduler, policy=p))
+                           for p in (args.prefill_policy, args.decode_policy))
+        return start_client(engine_factory(prefill), cluster, seed=args.seed, tokenizer_factory=tokenizer_factory(config),
+                            decode_factory=engine_factory(decode))
     # The engine is built on its own thread, the one that will run every forward.
     return AsyncEngine(lambda: LLMEngine.from_config(config))
 

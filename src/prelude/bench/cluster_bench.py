@@ -1,4 +1,5 @@
-"""`prelude bench cluster`: replicas on Ray, shared-prefix preset.
+"""`prelude bench cluster`: replicas on Ray, shared-prefix preset (`--preset mixed`:
+prefill/decode disaggregation vs colocation, see disagg_bench.py).
 
 K shared system prompts, each used by R requests (a unique suffix each, a few output
 tokens), sent with concurrency C in a shuffled order, against:
@@ -49,7 +50,14 @@ async def _drive(client: Any, prompts: list[list[int]], concurrency: int, max_to
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="prelude bench cluster", description=__doc__,
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="shared-prefix", choices=["shared-prefix", "mixed"])
+    known, _ = pre.parse_known_args(argv)
+    if known.preset == "mixed":
+        from prelude.bench.disagg_bench import main as mixed_main
+
+        return mixed_main(argv)
+    ap = argparse.ArgumentParser(prog="prelude bench cluster", description=__doc__, parents=[pre],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")

@@ -105,6 +105,7 @@ class RayEngineClient(AdmittingFront):
         if not replicas:
             raise ValueError("need at least one replica")
         self._replicas = list(replicas)
+        self._routable = list(range(len(self._replicas)))  # replicas new requests may go to
         self.faults = faults
         super().__init__(info or ray.get(self._replicas[0].info.remote()), seed)
         self._router = router
@@ -126,7 +127,7 @@ class RayEngineClient(AdmittingFront):
     # --- routing and running -------------------------------------------------------------
 
     def _route(self, req: Request) -> int | None:
-        cands = [r for r in range(len(self._replicas)) if self._up[r]]
+        cands = [r for r in self._routable if self._up[r]]
         if not cands:
             return None
         with self._router_lock:

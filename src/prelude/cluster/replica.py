@@ -19,6 +19,7 @@ import torch
 
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
+from prelude.engine.handoff import KVHandoff
 from prelude.engine.metrics import RequestMetrics
 from prelude.engine.request import Request, RequestOutput
 from prelude.tokenizer.base import Tokenizer
@@ -102,6 +103,31 @@ class EngineReplica:
         coroutine when the front drops it) aborts the request in AsyncEngine.submit."""
         self._in_flight += 1
         stream = self.front.submit(self._bind(req))
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            self._in_flight -= 1
+            await stream.aclose()
+
+    async def prefill(self, req: Request) -> AsyncIterator[RequestOutput | KVHandoff]:
+        """Disaggregated prefill: the first-token increment, then (unless that token
+        finished the request) its KVHandoff, which Ray stores once in its object store;
+        the front passes that object's reference to a decode replica without reading it."""
+        self._in_flight += 1
+        stream = self.front.submit(replace(self._bind(req), hand_off=True))
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self._in_flight -= 1
+            await stream.aclose()
+
+    async def decode(self, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
+        """Disaggregated decode: import a request's KV (Ray fetched the hand-off from the
+        object store) and stream its increments after the first token."""
+        self._in_flight += 1
+        stream = self.front.resume(handoff)
         try:
             async for out in stream:
                 yield out

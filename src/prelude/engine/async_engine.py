@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from prelude.engine.engine import LLMEngine
 from prelude.engine.errors import EngineDeadError, StepFailed
+from prelude.engine.handoff import KVHandoff
 from prelude.engine.metrics import EngineObserver, RequestMetrics
 from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
@@ -39,7 +40,7 @@ _MAX_CONSECUTIVE_LOOP_FAILURES = 3
 @dataclass
 class _Sink:
     loop: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[RequestOutput | BaseException]"
+    queue: "asyncio.Queue[RequestOutput | KVHandoff | BaseException]"
 
 
 class AsyncEngine:
@@ -152,10 +153,21 @@ class AsyncEngine:
         async for out in self.submit(req):
             yield out
 
-    async def submit(self, req: Request) -> AsyncIterator[RequestOutput]:
+    async def submit(self, req: Request) -> AsyncIterator[RequestOutput | KVHandoff]:
         """Stream a request admitted elsewhere (a scale-out front admits once, a replica
-        runs it); closing the stream early aborts it, as with generate()."""
-        request_id = req.request_id
+        runs it); closing the stream early aborts it, as with generate(). A request with
+        `hand_off` set ends, unless its first token finished it, with its KVHandoff."""
+        async for item in self._submit(req.request_id, ("add", req)):
+            yield item
+
+    async def resume(self, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
+        """Continue a request another engine prefilled (its KV imported here): the
+        increments after its first token. Closing the stream early aborts it."""
+        async for item in self._submit(handoff.request_id, ("import", handoff)):
+            assert isinstance(item, RequestOutput)
+            yield item
+
+    async def _submit(self, request_id: str, inbox_item: tuple[str, object]) -> AsyncIterator[RequestOutput | KVHandoff]:
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._dead is not None:
@@ -163,7 +175,7 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._sinks[request_id] = sink
-            self._inbox.append(("add", req))
+            self._inbox.append(inbox_item)
         self._wake.set()
         finished = False
         try:
@@ -172,7 +184,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                if item.finished:
+                if isinstance(item, KVHandoff) or item.finished:  # a hand-off ends this engine's part
                     finished = True
                 yield item
                 if finished:
@@ -213,7 +225,7 @@ class AsyncEngine:
 
     # --- the engine thread ----------------------------------------------------------
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | KVHandoff | BaseException) -> None:
         with self._lock:
             sink = self._sinks.get(request_id)
         if sink is None:
@@ -237,6 +249,13 @@ class AsyncEngine:
                 continue
             if kind == "abort":
                 self.engine.abort(payload)  # type: ignore[arg-type]
+                continue
+            if kind == "import":
+                assert isinstance(payload, KVHandoff)
+                try:
+                    self.engine.import_kv(payload)
+                except Exception as exc:  # noqa: BLE001 - reported to that caller only
+                    self._deliver(payload.request_id, exc)
                 continue
             req = payload
             assert isinstance(req, Request)
@@ -271,6 +290,8 @@ class AsyncEngine:
             return
         for out in outputs:
             self._deliver(out.request_id, out)
+        for handoff in self.engine.take_handoffs():  # after its first-token output
+            self._deliver(handoff.request_id, handoff)
         if self.engine.idle and not outputs:
             # The policy holds work back (a batching window): nap briefly, or until news.
             self._wake.wait(timeout=0.002)

@@ -19,6 +19,7 @@ from prelude.engine.admission import admit
 from prelude.engine.grammar import GrammarCompiler
 from prelude.forward_batch import BatchOutput, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
 from prelude.engine.errors import StepFailed
+from prelude.engine.handoff import KVHandoff, resumable_copy
 from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
@@ -33,7 +34,7 @@ from prelude.engine.request import (
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.executor.runner import LaunchedStep, ModelRunner
-from prelude.kv.kv_manager import KVCacheManager
+from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.engine")
@@ -102,6 +103,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, OutputStream] = {}
         self._ready: list[RequestOutput] = []  # outputs that need no forward (max_tokens=0)
+        self._handoffs: list[KVHandoff] = []  # prefilled here, to be decoded elsewhere (take_handoffs)
+        self.handoff_counts = {"exported": 0, "imported": 0, "imported_recomputed": 0}
         self._rng = torch.Generator().manual_seed(config.seed)
         self.idle = False
         # Overlap pays where the device runs asynchronously to the host; on a CPU the host
@@ -321,8 +324,76 @@ class LLMEngine:
                 continue
             if out.finished:
                 self._finish(req)
+            elif req.hand_off and sampled is not None:
+                self._hand_off(req)
             outputs.append(out)
         return outputs
+
+    # --- KV hand-off (prefill/decode disaggregation, see handoff.py) ------------------
+
+    def _hand_off(self, req: Request) -> None:
+        """The first token is out: copy the request's KV blocks out and end its life here.
+        Its blocks go back through the normal path (full prompt blocks were published to
+        the prefix cache as they filled, so they stay hit-able here)."""
+        blocks = self.kv.block_table(req.request_id)[: blocks_needed(req.num_computed_tokens, self.kv.block_size)]
+        self._handoffs.append(KVHandoff(
+            resumable_copy(req), req.num_computed_tokens, self.kv.block_size, self.runner.read_kv_blocks(blocks),
+            exported_at=time.monotonic()))
+        self.handoff_counts["exported"] += 1
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED  # not recorded here: the decode engine records the whole request
+        del self._requests[req.request_id]
+        del self._streams[req.request_id]
+
+    def take_handoffs(self) -> list[KVHandoff]:
+        """Requests prefilled by the last steps, ready for a decode engine (each one's
+        first-token output was among the steps' outputs)."""
+        out, self._handoffs = self._handoffs, []
+        return out
+
+    def import_kv(self, handoff: KVHandoff) -> None:
+        """Continue a request another engine prefilled (engine thread only): allocate
+        blocks, copy its KV in and run it as a decode whose stream continues after the
+        first token. With no room in the pool it falls back to recomputing its prompt
+        here, as a preempted request would."""
+        req = resumable_copy(handoff.request)
+        rid = req.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if handoff.block_size != self.kv.block_size or len(req.output_token_ids) != 1 \
+                or handoff.num_computed_tokens != req.num_prompt_tokens \
+                or handoff.num_blocks != blocks_needed(handoff.num_computed_tokens, self.kv.block_size):
+            raise ValueError(f"hand-off of {rid!r} does not fit this engine (block size {handoff.block_size}, "
+                             f"{handoff.num_computed_tokens} tokens in {handoff.num_blocks} blocks)")
+        if req.params.structured is not None:
+            req.grammar = self.grammars.matcher(req.params.structured)
+            req.grammar.accept(handoff.first_token)
+        # Replay the first token into a fresh stream: its text state becomes the prefill
+        # side's after that token, whose increment was sent from there.
+        stream = new_stream(self.tokenizer, req)
+        req.output_token_ids = []
+        replay = process_token(req, stream, handoff.first_token, None, self.max_model_len)
+        # Onto this engine's clock (another host's monotonic clock is not comparable): the
+        # request's times keep their distance from the hand-off, taken as now. Its latency
+        # record, kept here, then has the prefill side's TTFT.
+        now = time.monotonic()
+        for name in ("arrival_time", "first_token_time", "scheduled_time"):
+            then = getattr(req, name)
+            setattr(req, name, now if then is None else now - max(0.0, handoff.exported_at - then))
+        req.ttft_deadline = None
+        self._requests[rid] = req
+        self._streams[rid] = stream
+        self.handoff_counts["imported"] += 1
+        if replay.finished:  # a shorter context here than there: nothing left to decode
+            self._finish(req)
+            self._ready.append(emit(req, stream, len(stream.text), finished=True))
+            return
+        table = self.scheduler.adopt(req, handoff.num_computed_tokens)
+        if table is None:
+            self.handoff_counts["imported_recomputed"] += 1
+            self.scheduler.add(req)
+            return
+        self.runner.write_kv_blocks(table, handoff.kv)
 
     def _finish(self, req: Request) -> None:
         self.scheduler.remove(req)
@@ -359,6 +430,7 @@ class LLMEngine:
             "prefix_published_blocks_total": st.published_blocks,
             "prefix_deferred_requests_total": st.deferred,
             "prefix_evicted_blocks_total": self.kv.prefix.num_evicted if self.kv.prefix else 0,
+            **{f"kv_handoffs_{k}_total": v for k, v in self.handoff_counts.items()},
         }
 
     def check_integrity(self) -> None:

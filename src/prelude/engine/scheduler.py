@@ -122,6 +122,18 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
+    def adopt(self, request: Request, num_computed: int) -> list[int] | None:
+        """A request whose first `num_computed` tokens another engine computed (a KV
+        hand-off): blocks for them and a place among the running requests. It bypasses
+        `max_num_seqs` (the sender's cap on hand-offs bounds this) but keeps the watermark
+        admissions keep; None (nothing taken) when the pool has no room."""
+        if not self.kv.allocate(request.request_id, num_computed, reserve=self.watermark_blocks):
+            return None
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return list(self.kv.block_table(request.request_id))
+
     def remove(self, request: Request) -> None:
         """Take a request out of the queues and free its blocks (finish or abort)."""
         for queue in (self.running, self.waiting, self.oneshot_waiting):

@@ -196,6 +196,27 @@ class ModelRunner:
         self.kv_caches = self.model.allocate_kv_cache(num_blocks + 1, self.block_size)
         self._scratch_slot = num_blocks * self.block_size
 
+    # --- KV hand-off (prefill/decode disaggregation): whole blocks, no request state ----
+
+    @torch.inference_mode()
+    def read_kv_blocks(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of the K/V of `blocks`, per layer ([len(blocks), block_size, heads,
+        head_dim] each): what another runner's `write_kv_blocks` takes."""
+        (index,) = pack_int64(self.device, blocks)
+        return [(k.index_select(0, index).to("cpu"), v.index_select(0, index).to("cpu")) for k, v in self.kv_caches]
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, blocks: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy K/V read by `read_kv_blocks` (any runner of the same model) into `blocks`."""
+        if len(kv) != len(self.kv_caches):
+            raise ValueError(f"KV of {len(kv)} layers for a model of {len(self.kv_caches)}")
+        (index,) = pack_int64(self.device, blocks)
+        for (k, v), (src_k, src_v) in zip(self.kv_caches, kv):
+            if src_k.shape[1:] != k.shape[1:] or src_k.shape[0] != len(blocks):
+                raise ValueError(f"KV blocks of shape {tuple(src_k.shape)} do not fit {len(blocks)} x {tuple(k.shape[1:])}")
+            k.index_copy_(0, index, src_k.to(device=k.device, dtype=k.dtype))
+            v.index_copy_(0, index, src_v.to(device=v.device, dtype=v.dtype))
+
     def capture_graphs(self, max_model_len: int, capture: Capture | None = None,
                        config: GraphConfig | None = None) -> None:
         """Capture the bucketed forwards (CUDA, unless enforce_eager); `capture=EMULATE`

@@ -1,0 +1,90 @@
+"""The disaggregated front's backpressure (HandoffGate over the DecodePlacer), without Ray:
+hand-offs past the cap wait first come first served, a release lets exactly the next one
+in, a waiter that goes away frees its place in line, and with no decode replica live a
+hand-off gives up after the bounded wait. And the flags that configure it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("ray")
+
+from prelude.cluster.disagg import HandoffGate  # noqa: E402
+from prelude.cluster.pools import DecodePlacer  # noqa: E402
+from prelude.engine.client import EngineUnavailableError  # noqa: E402
+
+
+def test_fifo_backpressure_at_the_cap() -> None:
+    async def run() -> None:
+        gate = HandoffGate(DecodePlacer(2, [0, 0, 0]), recheck_s=10.0)  # decode replicas 1 and 2, cap 2
+        live = lambda: [1, 2]  # noqa: E731
+        first = [await gate.acquire(live, 1.0) for _ in range(4)]
+        assert sorted(first) == [1, 1, 2, 2] and gate.placer.held == [0, 2, 2]
+        order: list[int] = []
+
+        async def wait(i: int) -> int:
+            d = await gate.acquire(live, 1.0)
+            order.append(i)
+            return d
+
+        waiters = [asyncio.create_task(wait(i)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert gate.waiting == 3 and not order and gate.waited == 3
+        waiters[1].cancel()  # a client leaves while its hand-off waits
+        await asyncio.sleep(0.01)
+        assert gate.waiting == 2
+        gate.release(2)
+        await asyncio.sleep(0.01)
+        assert order == [0] and waiters[0].result() == 2 and gate.placer.held == [0, 2, 2]
+        gate.release(1)
+        await asyncio.sleep(0.01)
+        assert order == [0, 2] and waiters[2].result() == 1
+        assert gate.max_held == [0, 2, 2] and gate.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_no_live_decode_replica_gives_up() -> None:
+    async def run() -> None:
+        gate = HandoffGate(DecodePlacer(4, [0, 0]), recheck_s=0.01)
+        with pytest.raises(EngineUnavailableError):
+            await gate.acquire(lambda: [], 0.05)
+        assert gate.waiting == 0
+        # A replica that comes back is found by the periodic re-check.
+        live: list[int] = []
+        task = asyncio.create_task(gate.acquire(lambda: live, 5.0))
+        await asyncio.sleep(0.03)
+        live.append(1)
+        assert await asyncio.wait_for(task, 1.0) == 1
+
+    asyncio.run(run())
+
+
+def _cluster(*flags: str):  # noqa: ANN202
+    import argparse
+
+    from prelude import cli
+
+    p = argparse.ArgumentParser()
+    cli._add_engine_args(p)
+    cli._add_cluster_args(p)
+    return cli._cluster_config(p.parse_args(list(flags)))
+
+
+def test_disaggregate_flags() -> None:
+    c = _cluster("--disaggregate", "1:2", "--max-num-seqs", "24")
+    assert c.disaggregate == (1, 2) and c.num_replicas == 3 and c.num_prefill == 1
+    assert c.max_requests_in_scheduler == 24  # defaults to --max-num-seqs
+    assert _cluster("--disaggregate", "2:1", "--max-requests-in-scheduler", "5").max_requests_in_scheduler == 5
+    # LAPS pools split the prefill replicas.
+    assert _cluster("--disaggregate", "2:1", "--laps-pools", "1:1").laps_pools == (1, 1)
+    with pytest.raises(ValueError, match="--laps-pools"):
+        _cluster("--disaggregate", "2:1", "--laps-pools", "2:1")
+    with pytest.raises(ValueError, match="--disaggregate"):
+        _cluster("--disaggregate", "0:2")
+    with pytest.raises(ValueError, match="--disaggregate"):
+        _cluster("--disaggregate", "1:1", "--data-parallel-size", "3")
+    with pytest.raises(SystemExit):
+        _cluster("--disaggregate", "one:two")
