@@ -87,6 +87,8 @@ CASES = [
     ("/v1/completions", {"prompt": "abc", "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}),  # OneShot
     ("/v1/embeddings", {"input": ["one", "two"], "pooling": "mean"}),
     ("/classify", {"input": ["judge this", "and this"], "labels": ["a", "b", "c"]}),
+    ("/v1/completions", {"prompt": "pick one:", "max_tokens": 8, "n": 2, "temperature": 0,
+                         "guided_choice": ["yes", "no", "maybe"]}),
 ]
 
 
@@ -104,10 +106,24 @@ def test_streams_equal(pair, path: str, body: dict[str, Any]) -> None:  # noqa: 
     assert got == want and len(got) == body.get("n", 1) * (len(body["prompt"]) if "prompt" in body else 1)
 
 
+def test_structured_outputs_are_applied_on_replicas(pair) -> None:  # noqa: ANN001
+    """The front checks the constraint, the replica builds its matcher: a random tiny model
+    says one of the choices only because the grammar holds it there."""
+    _, two, _ = pair
+    body = {"prompt": "pick one:", "max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 3,
+            "guided_choice": ["yes", "no", "maybe"]}
+    texts = [c["text"] for c in _post(two, "/v1/completions", body)["choices"]]
+    assert texts and all(t in ("yes", "no", "maybe") for t in texts), texts
+    free = _post(two, "/v1/completions", {k: v for k, v in body.items() if k != "guided_choice"})
+    assert any(c["text"] not in ("yes", "no", "maybe") for c in free["choices"])  # the model alone would not
+
+
 def test_bad_request_is_400_and_metrics_and_health(pair) -> None:  # noqa: ANN001
     _, two, client = pair
     r = httpx.post(two + "/v1/completions", json={"prompt": "x" * 300, "max_tokens": 5}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(two + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "guided_regex": "(["}, timeout=30)
+    assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
     assert httpx.get(two + "/health").json() == {"status": "ok", "replicas_live": 2, "replicas_total": 2}
     for _ in range(2):  # round robin: one on each replica
         _post(two, "/v1/completions", {"prompt": "ok", "max_tokens": 2})

@@ -26,6 +26,7 @@ from prelude.cluster.replica import ReplicaInfo
 from prelude.cluster.router import Router
 from prelude.engine.admission import admit
 from prelude.engine.client import EngineUnavailableError
+from prelude.engine.grammar import grammar_text
 from prelude.engine.metrics import RequestMetrics
 from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
@@ -89,6 +90,8 @@ class AdmittingFront:
             force_decode=info.force_decode, labels=info.labels, default_pooling=info.default_pooling,
             default_ttft_slo_ms=info.default_ttft_slo_ms,
         )
+        if params.structured is not None and pooling is None:
+            grammar_text(params.structured)  # a malformed constraint is a 400 here, not a failed stream
         return req
 
     def validate(

@@ -96,7 +96,8 @@ class EngineReplica:
         # Monotonic clocks of two hosts differ: the replica's clock starts the request.
         now = time.monotonic()
         deadline = None if req.ttft_deadline is None else now + (req.ttft_deadline - req.arrival_time)
-        return replace(req, arrival_time=now, ttft_deadline=deadline)
+        # The front checked the constraint; the matcher is built here, next to its engine.
+        return self.front.engine.attach_grammar(replace(req, arrival_time=now, ttft_deadline=deadline))
 
     async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Stream a prepared request's increments. A cancelled stream (Ray cancels this

@@ -162,8 +162,14 @@ class LLMEngine:
             labels=self.labels, default_pooling=self.info.default_pooling,
             default_ttft_slo_ms=self.config.scheduler.default_ttft_slo_ms,
         )
-        if req.params.structured is not None and req.pooling is None:
-            req.grammar = self.grammars.matcher(req.params.structured)  # a malformed constraint: AdmissionError
+        return self.attach_grammar(req)
+
+    def attach_grammar(self, req: Request) -> Request:
+        """Give a constrained generation its matcher (any thread; a malformed constraint
+        raises AdmissionError). Requests admitted by a scale-out front arrive without one:
+        a matcher holds native state and never crosses processes."""
+        if req.params.structured is not None and req.pooling is None and req.grammar is None:
+            req.grammar = self.grammars.matcher(req.params.structured)
         return req
 
     def enqueue(self, req: Request) -> None:
@@ -365,8 +371,7 @@ class LLMEngine:
                 or handoff.num_blocks != blocks_needed(handoff.num_computed_tokens, self.kv.block_size):
             raise ValueError(f"hand-off of {rid!r} does not fit this engine (block size {handoff.block_size}, "
                              f"{handoff.num_computed_tokens} tokens in {handoff.num_blocks} blocks)")
-        if req.params.structured is not None:
-            req.grammar = self.grammars.matcher(req.params.structured)
+        if self.attach_grammar(req).grammar is not None:
             req.grammar.accept(handoff.first_token)
         # Replay the first token into a fresh stream: its text state becomes the prefill
         # side's after that token, whose increment was sent from there.
