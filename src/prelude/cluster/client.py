@@ -150,6 +150,19 @@ class RayEngineClient(AdmittingFront):
             await asyncio.sleep(self.faults.poll_s / 2)
         return r
 
+    def _replica_failed(
+        self, r: int, exc: BaseException, streamed: bool, role: str, req: Request, retry_count: str = "retried_total"
+    ) -> None:
+        """Replica `r` died serving `req`: mark it down; a request that has streamed cannot
+        move (raises the error its client sees), one that has not is tried elsewhere."""
+        self._mark_down(r, exc)
+        if streamed:
+            self._counts["failed_mid_stream_total"] += 1
+            raise EngineUnavailableError(
+                f"the {role} replica serving this request failed after it started streaming: {exc}") from None
+        self._counts[retry_count] += 1
+        logger.warning("%s replica %d failed before request %s streamed; trying another", role, r, req.request_id)
+
     async def _run(self, req: Request) -> AsyncIterator[RequestOutput]:
         while True:
             r = await self._pick(req)
@@ -169,14 +182,7 @@ class RayEngineClient(AdmittingFront):
                         return
                 raise EngineUnavailableError(f"replica {r} ended request {req.request_id} without a result")
             except _REPLICA_DOWN as exc:
-                self._mark_down(r, exc)
-                if streamed:
-                    self._counts["failed_mid_stream_total"] += 1
-                    raise EngineUnavailableError(
-                        f"the engine replica serving this request failed after it started streaming: {exc}"
-                    ) from None
-                self._counts["retried_total"] += 1
-                logger.warning("replica %d failed before request %s streamed; retrying elsewhere", r, req.request_id)
+                self._replica_failed(r, exc, streamed, "engine", req)
             finally:
                 self._in_flight[r] -= 1
                 if not streamed:

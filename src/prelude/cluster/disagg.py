@@ -20,7 +20,6 @@ this front); a stream that has started ends with EngineUnavailableError.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from contextlib import aclosing
@@ -35,7 +34,6 @@ from prelude.cluster.router import Router
 from prelude.engine.client import EngineUnavailableError
 from prelude.engine.request import Request, RequestOutput
 
-logger = logging.getLogger("prelude.cluster")
 
 
 class HandoffGate:
@@ -171,14 +169,7 @@ class DisaggregatedClient(RayEngineClient):
                 yield ref
                 return
             except _REPLICA_DOWN as exc:
-                self._mark_down(r, exc)
-                if streamed:
-                    self._counts["failed_mid_stream_total"] += 1
-                    raise EngineUnavailableError(
-                        f"the prefill replica of this request failed after it started streaming: {exc}") from None
-                self._counts["retried_total"] += 1
-                logger.warning("prefill replica %d failed before request %s streamed; retrying elsewhere", r,
-                               req.request_id)
+                self._replica_failed(r, exc, streamed, "prefill", req)
             finally:
                 self._in_flight[r] -= 1
                 if not streamed:
@@ -206,14 +197,7 @@ class DisaggregatedClient(RayEngineClient):
                         return
                 raise EngineUnavailableError(f"replica {d} ended request {req.request_id} without a result")
             except _REPLICA_DOWN as exc:
-                self._mark_down(d, exc)
-                if streamed:
-                    self._counts["failed_mid_stream_total"] += 1
-                    raise EngineUnavailableError(
-                        f"the decode replica of this request failed while streaming: {exc}") from None
-                self._counts["decode_retried_total"] += 1
-                logger.warning("decode replica %d failed before request %s streamed; placing it again", d,
-                               req.request_id)
+                self._replica_failed(d, exc, streamed, "decode", req, retry_count="decode_retried_total")
             finally:
                 self._in_flight[d] -= 1
                 self.gate.release(d)
