@@ -24,7 +24,7 @@ from prelude.entrypoints.openai.api_server import build_app
 from prelude.entrypoints.openai.limits import ServerLimits
 
 from tests.entrypoints.fake_engine import FakeEngine
-from tests.entrypoints.test_offload import _client
+from tests.entrypoints.test_offload import _client, asgi_scope
 
 MODES = {"inline": ServerLimits(offload_bytes=2**40, offload_values=2**40), "off-loop": ServerLimits()}
 LARGE: dict[str, tuple[str, dict[str, Any]]] = {
@@ -56,10 +56,7 @@ async def _one(limits: ServerLimits, path: str, body: dict[str, Any]) -> tuple[f
         if message["type"] == "http.response.body" and message.get("body"):
             stamps.append(time.perf_counter())
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("test", 80)}
+    scope = asgi_scope("/v1/completions", [(b"content-type", b"application/json")])
     stream = asyncio.ensure_future(app(scope, receive, send))
     raw = json.dumps(body).encode()
     async with _client(app) as c:

@@ -35,6 +35,13 @@ def _client(app: Any) -> httpx.AsyncClient:
                              base_url="http://test")
 
 
+def asgi_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    """An HTTP POST scope for driving the app through raw ASGI."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": headers, "client": ("127.0.0.1", 1), "server": ("test", 80)}
+
+
 async def _stream_counting(app: Any, body: dict[str, Any], chunks: list[int]) -> None:
     """One streamed completion driven through raw ASGI (httpx's ASGI transport buffers
     whole answers), counting body chunks as the app sends them."""
@@ -52,11 +59,7 @@ async def _stream_counting(app: Any, body: dict[str, Any], chunks: list[int]) ->
         if message["type"] == "http.response.body" and message.get("body"):
             chunks[0] += 1
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
-    await app(scope, receive, send)
+    await app(asgi_scope("/v1/completions", [(b"content-type", b"application/json")]), receive, send)
 
 
 def _waits_for_chunks(real: Callable[..., Any], chunks: list[int], seen: list[int]) -> Callable[..., Any]:
@@ -145,3 +148,22 @@ def test_holds_many_values_stops_at_its_budget() -> None:
     assert offload.holds_many_values({"a": [1] * 10, "b": {"c": [2] * 30}}, budget=30)
     assert offload.holds_many_values([[0] * 10] * 10, budget=50)
     assert not offload.holds_many_values("x" * 10**6, budget=1)
+
+
+async def test_a_client_gone_before_its_body_arrived_is_logged_as_a_cancel(caplog: pytest.LogCaptureFixture) -> None:
+    app = build_app(FakeEngine())
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    scope = asgi_scope("/v1/completions", [(b"content-type", b"application/json"), (b"content-length", b"99")])
+    with caplog.at_level("INFO"):
+        await app(scope, receive, send)
+    assert statuses == [499]
+    assert not [r for r in caplog.records if "unhandled" in r.getMessage()]
+    assert [r for r in caplog.records if r.name == "prelude.access" and r.getMessage().startswith("cancelled")]

@@ -29,10 +29,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope
 
 from prelude.entrypoints.openai.limits import BODY_SIZE_KEY, limits_of
+from prelude.entrypoints.openai.observe import request_record
 
 _SCALARS = (str, int, float, bool, type(None))
 _SLICE = 2048  # list items serialized per C call when rendering off the loop
@@ -105,7 +106,13 @@ class OffLoopBodyRoute(APIRoute):
             return handler
 
         async def route(request: Request) -> Response:
-            body = await request.body()
+            try:
+                body = await request.body()
+            except ClientDisconnect:  # gone before its body arrived: a cancel, not an error
+                record = request_record(request.state)
+                if record is not None:
+                    record.cancelled = True
+                return Response(status_code=499)
             request.scope[BODY_SIZE_KEY] = len(body)  # the real size, chunked bodies included
             parsed = None
             if len(body) > limits_of(request).offload_bytes and _is_json(request):
