@@ -77,3 +77,33 @@ def random_model_dir(shape: str, root: Path | None = None) -> Path:
     (tmp / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))  # last: marks the dir complete
     tmp.rename(out)
     return out
+
+
+def tiny_llama_dir(root: Path | None = None) -> Path:
+    """A tiny random-weight Llama (2 layers, hidden 64) with the default model's vocabulary,
+    tokenizer and chat template: a real served model for soaks, at a small model's cost."""
+    from prelude.model.loader import load_model_files
+
+    out = (root or cache_root() / "random-models") / "llama-tiny-default-vocab"
+    if (out / "config.json").exists():
+        return out
+    source = load_model_files(None).model_dir
+    base = json.loads((source / "config.json").read_text())
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": base["vocab_size"],
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "max_position_embeddings": 2048, "tie_word_embeddings": True, "hidden_act": "silu",
+           "bos_token_id": base.get("bos_token_id"), "eos_token_id": base.get("eos_token_id"),
+           "torch_dtype": "float32"}
+    weights = {k: v for k, v in random_weights({**cfg, "vocab_size": cfg["vocab_size"]}, dtype=torch.float32).items()
+               if "q_norm" not in k and "k_norm" not in k}
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(weights, str(tmp / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, tmp / name)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))  # last: marks the dir complete
+    tmp.rename(out)
+    return out

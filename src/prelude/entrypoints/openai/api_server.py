@@ -18,6 +18,7 @@ from prelude.entrypoints.openai.fields import check_unknown_fields
 from prelude.entrypoints.openai.gate import AdmissionGate, GatedEngine
 from prelude.entrypoints.openai.limits import ServerLimits, off_loop_if_large
 from prelude.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
+from prelude.entrypoints.openai.offload import OffLoopBodyRoute, json_answer
 from prelude.entrypoints.openai.observe import RequestObserver, request_record
 from prelude.entrypoints.openai.prom import CONTENT_TYPE, ServerMetrics
 from prelude.entrypoints.openai.protocol import (
@@ -73,6 +74,7 @@ def build_app(
     (and /metrics unless `metrics_require_key`) needs it as a bearer token."""
     limits = limits or ServerLimits()
     app = FastAPI(title="Prelude", version=VERSION)
+    app.router.route_class = OffLoopBodyRoute  # large bodies parsed off the event loop
     install_error_handlers(app)
     metrics = ServerMetrics(engine, extra=_tokenizer_counters(engine))
     if hasattr(engine, "set_observer"):
@@ -145,9 +147,9 @@ def build_app(
             raise
         if isinstance(response, SSEResponse):
             response.on_close(ticket.close)  # the stream still runs
-        else:
-            ticket.close()
-        return response
+            return response
+        ticket.close()
+        return await json_answer(response, request)  # a large answer is serialized off the loop
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -186,11 +188,11 @@ def build_app(
     async def reward(body: RewardRequest, request: Request) -> Any:
         return await _served(create_reward, body, request)
 
-    @app.post("/tokenize")
-    async def tokenize_route(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    @app.post("/tokenize", response_model=dict[str, Any])
+    async def tokenize_route(body: TokenizeRequest, request: Request) -> Any:
         _check_model(engine, body.model)
         check_unknown_fields(body, request.url.path)
-        return await off_loop_if_large(request, tokenize, engine, body)
+        return await json_answer(await off_loop_if_large(request, tokenize, engine, body), request)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest, request: Request) -> dict[str, str]:

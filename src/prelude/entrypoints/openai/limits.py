@@ -13,6 +13,8 @@ from prelude.entrypoints.openai.errors import APIError
 
 T = TypeVar("T")
 
+BODY_SIZE_KEY = "prelude.body_bytes"  # ASGI scope key: the request body's size as read
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -22,7 +24,8 @@ class ServerLimits:
     max_batch_inputs: int = 2048  # prompts / inputs / documents of one request (400 above)
     request_timeout_s: float | None = None  # past it the request is aborted (408)
     shutdown_timeout_s: float = 30.0  # graceful drain: in-flight requests get this long to finish
-    offload_bytes: int = 64 * 1024  # bodies above this are tokenized / templated off the event loop
+    offload_bytes: int = 64 * 1024  # bodies above this are parsed, validated, tokenized off the event loop
+    offload_values: int = 20_000  # answers holding more JSON values than this are serialized off it
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -58,7 +61,12 @@ async def off_loop_if_large(http: HTTPRequest | None, fn: Callable[..., T], *arg
     """Run `fn(*args)` (tokenizing, chat-template rendering) on a worker thread when the
     body is large, so a big prompt does not stall every other stream on the event loop;
     small bodies stay inline (a thread hop costs more than their tokenization)."""
-    length = http.headers.get("content-length", "") if http is not None else ""
-    if length.isdigit() and int(length) > limits_of(http).offload_bytes:
+    if http is None:
+        return fn(*args)
+    size = http.scope.get(BODY_SIZE_KEY)
+    if size is None:
+        length = http.headers.get("content-length", "")
+        size = int(length) if length.isdigit() else 0
+    if size > limits_of(http).offload_bytes:
         return await anyio.to_thread.run_sync(fn, *args)
     return fn(*args)
