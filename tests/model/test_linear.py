@@ -1,8 +1,13 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from prelude.model.linear import Projection, prepack_enabled
+from prelude.model.linear import ONEDNN_CACHE_BOUNDS, Projection, prepack_enabled
 
 
 def _cpu_can_prepack_bf16() -> bool:
@@ -51,7 +56,7 @@ def test_prepacked_float32_projection_matches_plain_linear(rows: int) -> None:
     b = torch.randn(96)
     x = torch.randn(rows, 64)
     proj = Projection(w, b, prepack=True)
-    assert proj._packed is not None and proj.weight is None  # the packed copy replaces the plain one
+    assert proj.packed
     out = proj(x)
     assert out.shape == (rows, 96)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -70,3 +75,30 @@ def test_prepack_only_for_cpu_float32_and_bfloat16(monkeypatch: pytest.MonkeyPat
     w = torch.randn(8, 4)
     x = torch.randn(3, 4)
     torch.testing.assert_close(Projection(w, None, prepack=False)(x), F.linear(x, w))
+
+
+_GROWTH_PROBE = """
+import os, torch
+from prelude.model.linear import Projection
+proj = Projection(torch.randn(1536, 576), None, prepack=True)
+assert proj._packed is not None
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+proj(torch.randn(7, 576))
+before = rss()
+for rows in range(1, 400):
+    proj(torch.randn(rows, 576))
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not Path("/proc/self/statm").exists(),
+                    reason="needs oneDNN and /proc")
+def test_prepacked_projections_keep_memory_bounded_over_many_row_counts() -> None:
+    """A new row count is a new oneDNN kernel with its own scratch memory: packing every
+    call, 400 row counts grew this process by ~500 MiB (the soak's memory growth). Only
+    decode-sized calls take the packed path, under bounded caches: a few tens of MiB."""
+    env = {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHE_BOUNDS}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _GROWTH_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < 80.0, done.stdout

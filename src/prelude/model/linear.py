@@ -1,13 +1,16 @@
 """Weight projections y = x W^T (+ b), with oneDNN-prepacked weights on CPU where it pays.
 
-Reordering a bfloat16 weight once into oneDNN's blocked layout (the op inductor's
-freezing pass uses) made the small-row GEMMs of decode ~2x faster on the development CPU
-(a SmolLM2 layer at 1 row: 0.26 -> 0.14 ms; 4 rows: 0.53 -> 0.28 ms; the 49,152-row LM
-head at 1-4 rows: 6.1 -> 2.5 ms) and prefill GEMMs ~5% faster, bit-identical outputs.
-float32 gains as much on an AVX2-only CPU, where MKL's small-row sgemm is the weak spot:
-4 rows through the 49,152-row head 29.8 -> 10.2 ms, a layer's seven projections
-0.98 -> 0.59 ms; 128/512 rows within 3% either way (equal to fp32 rounding, not bit for
-bit). Anything else (GPU, float16, no oneDNN, PRELUDE_PREPACK=0) uses plain F.linear.
+Reordering a weight once into oneDNN's blocked layout (the op inductor's freezing pass
+uses) makes the few-row GEMMs of decode fast: bf16 on an AVX512-BF16 CPU, a SmolLM2 layer
+at 1 row 0.26 -> 0.14 ms, 4 rows 0.53 -> 0.28 ms, the 49,152-row LM head at 1-4 rows
+6.1 -> 2.5 ms (bit-identical); float32 on an AVX2-only EPYC, where MKL's few-row sgemm is
+the weak spot, 4 rows through the head 29.8 -> 10.2 ms and through a layer's projections
+0.98 -> 0.59 ms (equal to fp32 rounding). At 128 and 512 rows the two are within 3%.
+So the packed copy serves only calls of at most PACKED_MAX_ROWS rows and the plain weight
+the rest: oneDNN compiles a kernel, with its own scratch memory, for every row count it
+sees, and a prefill's token count is a new one almost every time (a soak grew by
+hundreds of MiB that way). Both copies are kept: projection weights are held twice on a
+prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
 """
 
 from __future__ import annotations
@@ -16,6 +19,20 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+
+PACKED_MAX_ROWS = 32  # decode batches; larger calls run F.linear on the plain weight
+# Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 each): every layer shares
+# its shapes' kernels, so this holds each of a decoder's ~5 weight shapes at every row count
+# the packed path takes.
+ONEDNN_CACHE_BOUNDS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
+
+
+def bound_onednn_caches() -> None:
+    """Bound oneDNN's and ideep's per-shape caches (read at their first use, so this runs
+    before the first prepacked GEMM); a value the user set is kept."""
+    for name, value in ONEDNN_CACHE_BOUNDS.items():
+        os.environ.setdefault(name, value)
 
 
 def prepack_enabled(dtype: torch.dtype, device: torch.device) -> bool:
@@ -28,28 +45,28 @@ def prepack_enabled(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Projection:
-    """A frozen linear layer over `weight` [out, in]. Prepacked, the plain copy is
-    dropped: the packed one replaces it, so weights are not held twice."""
+    """A frozen linear layer over `weight` [out, in]; prepacked, a oneDNN copy serves the
+    calls of at most PACKED_MAX_ROWS rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False) -> None:
-        self.weight: torch.Tensor | None = weight
+        self.weight = weight
         self.bias = bias
         self.out_features = weight.shape[0]
         self._packed: torch.Tensor | None = None
         if prepack:
+            bound_onednn_caches()
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-                self.weight = None
             except (RuntimeError, AttributeError):  # op missing in this torch build: plain GEMM
                 self._packed = None
 
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
-            assert self.weight is not None
-            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 0:
-            out = rows.new_empty((0, self.out_features))
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._packed, self.bias, "none", [], "")
+        if self._packed is None or not 0 < rows.shape[0] <= PACKED_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)

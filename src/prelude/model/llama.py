@@ -28,8 +28,9 @@ from prelude.model.rope import RotaryEmbedding
 
 
 def _operand(p: Projection) -> Linear:
-    """The plain weight where there is one, else the prepacked projection itself."""
-    return p.weight if p.weight is not None else p
+    """The prepacked projection itself where there is one (it picks its path by row
+    count), else the plain weight."""
+    return p if p.packed else p.weight
 
 
 class DecoderLayer:
@@ -52,7 +53,7 @@ class DecoderLayer:
         self.k_norm = weights.get(prefix + "self_attn.k_norm.weight")
         self.gate_up = Projection(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, prepack)
         self.down = Projection(w("mlp.down_proj.weight"), None, prepack)
-        self.head = HeadWeights(self.input_norm, _operand(self.qkv), self.qkv.bias if self.qkv.weight is not None else None,
+        self.head = HeadWeights(self.input_norm, _operand(self.qkv), None if self.qkv.packed else self.qkv.bias,
                                 self.q_norm, self.k_norm)
         self.tail = TailWeights(_operand(self.o_proj), self.post_norm, _operand(self.gate_up), _operand(self.down))
 
