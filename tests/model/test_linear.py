@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prelude.model.linear import ONEDNN_CACHE_BOUNDS, Projection, prepack_enabled
+from prelude.model.linear import ONEDNN_CACHE_BOUNDS, PACKED_MAX_ROWS, Projection, prepack_enabled
 
 
 def _cpu_can_prepack_bf16() -> bool:
@@ -26,8 +26,8 @@ def test_projection_falls_back_to_plain_linear_where_prepack_is_unsupported() ->
     w = torch.randn(96, 64, dtype=torch.bfloat16)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     proj = Projection(w, None, prepack=True)
-    assert (proj._packed is not None) == _cpu_can_prepack_bf16()
     assert torch.equal(proj(x), F.linear(x, w))
+    assert (proj._packed is not None) == proj.packed == _cpu_can_prepack_bf16()  # packed on first use
 
 
 @pytest.mark.skipif(not _cpu_can_prepack_bf16(), reason="this CPU cannot prepack bf16 weights (needs AVX-512)")
@@ -38,11 +38,11 @@ def test_prepacked_bf16_projection_matches_plain_linear(rows: int) -> None:
     b = torch.randn(96, dtype=torch.bfloat16)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     proj = Projection(w, b, prepack=True)
-    assert proj._packed is not None
     out = proj(x)
+    assert (proj._packed is not None) == (0 < rows <= PACKED_MAX_ROWS)
     assert out.shape == (rows, 96)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=0, atol=0)
-    # A 1-D input (one hidden row) takes the plain path and agrees too.
+    # A 1-D input (one hidden row) agrees too.
     one = torch.randn(64, dtype=torch.bfloat16)
     torch.testing.assert_close(proj(one), F.linear(one, w, b))
 
@@ -56,8 +56,8 @@ def test_prepacked_float32_projection_matches_plain_linear(rows: int) -> None:
     b = torch.randn(96)
     x = torch.randn(rows, 64)
     proj = Projection(w, b, prepack=True)
-    assert proj.packed
     out = proj(x)
+    assert proj.packed and (proj._packed is not None) == (0 < rows <= PACKED_MAX_ROWS)
     assert out.shape == (rows, 96)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     one = torch.randn(64)
@@ -81,7 +81,6 @@ _GROWTH_PROBE = """
 import os, torch
 from prelude.model.linear import Projection
 proj = Projection(torch.randn(1536, 576), None, prepack=True)
-assert proj._packed is not None
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 proj(torch.randn(7, 576))
 before = rss()

@@ -52,21 +52,29 @@ class Projection:
         self.weight = weight
         self.bias = bias
         self.out_features = weight.shape[0]
+        # Packed on the first decode-sized call, not at load: reordering every projection
+        # took ~0.5 s of a ~3 s start-up, and a server that only scores never needs it.
+        self._want_packed = prepack
         self._packed: torch.Tensor | None = None
-        if prepack:
-            bound_onednn_caches()
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            except (RuntimeError, AttributeError):  # op missing in this torch build: plain GEMM
-                self._packed = None
 
     @property
     def packed(self) -> bool:
-        return self._packed is not None
+        """Whether decode-sized calls go through a prepacked copy (made on first use)."""
+        return self._want_packed
+
+    def _packed_weight(self) -> torch.Tensor | None:
+        if self._packed is None and self._want_packed:
+            bound_onednn_caches()
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            except (RuntimeError, AttributeError):  # op missing, or no bf16 reorder on this CPU
+                self._want_packed = False
+        return self._packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self._packed is None or not 0 < rows.shape[0] <= PACKED_MAX_ROWS:
+        packed = self._packed_weight() if 0 < rows.shape[0] <= PACKED_MAX_ROWS else None
+        if packed is None:
             return F.linear(x, self.weight, self.bias)
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._packed, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
