@@ -258,3 +258,11 @@ class FakeEngine:
 
     def states(self, prefix: str = "") -> dict[str, str]:
         return {rid: c.state for rid, c in self.calls.items() if rid.startswith(prefix)}
+
+
+def asgi_client(app: Any) -> "httpx.AsyncClient":
+    """An httpx client driving `app` in process; app exceptions become 500s, as in a server."""
+    import httpx
+
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                             base_url="http://test")

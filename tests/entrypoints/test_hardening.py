@@ -20,7 +20,7 @@ from prelude.entrypoints.openai.api_server import build_app
 from prelude.entrypoints.openai.limits import ServerLimits
 from prelude.log_format import JsonFormatter
 
-from tests.entrypoints.fake_engine import FakeEngine
+from tests.entrypoints.fake_engine import FakeEngine, asgi_client
 from tests.entrypoints.test_openai_server import assert_error
 
 pytestmark = pytest.mark.anyio
@@ -30,11 +30,6 @@ OPEN = {"/health", "/metrics"}
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def _client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                             base_url="http://test")
 
 
 def _routes(app: Any) -> list[tuple[str, str]]:
@@ -54,7 +49,7 @@ async def test_every_route_but_health_needs_the_key(metrics_require_key: bool) -
     routes = _routes(app)
     assert ("POST", "/classify") in routes and ("GET", "/v1/request_metrics") in routes
     open_paths = {"/health"} if metrics_require_key else OPEN
-    async with _client(app) as c:
+    async with asgi_client(app) as c:
         for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                 r = await c.request(method, path, headers=headers, json={})
@@ -72,7 +67,7 @@ async def test_overload_answers_429_and_leaves_the_admitted_alone() -> None:
     engine = FakeEngine(token_delay=0.05)
     app = build_app(engine, limits=ServerLimits(max_waiting_requests=2))
     body = {"prompt": "slow", "max_tokens": 3}
-    async with _client(app) as c:
+    async with asgi_client(app) as c:
         # The first token takes 50 ms: both requests wait to start meanwhile.
         admitted = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
         await asyncio.sleep(0.01)
@@ -91,7 +86,7 @@ async def test_overload_answers_429_and_leaves_the_admitted_alone() -> None:
 async def test_streams_count_as_waiting_only_until_their_first_output() -> None:
     engine = FakeEngine(token_delay=0.02)
     app = build_app(engine, limits=ServerLimits(max_waiting_requests=1))
-    async with _client(app) as c:
+    async with asgi_client(app) as c:
         first = await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "stream": True})
         assert first.status_code == 200
         assert app.state.gate.waiting == 0 and app.state.gate.active == 0  # released when the stream ended
@@ -99,7 +94,7 @@ async def test_streams_count_as_waiting_only_until_their_first_output() -> None:
 
 async def test_body_size_and_batch_and_token_limits() -> None:
     limits = ServerLimits(max_body_bytes=2000, max_batch_inputs=3, max_request_tokens=40)
-    async with _client(build_app(FakeEngine(), limits=limits)) as c:
+    async with asgi_client(build_app(FakeEngine(), limits=limits)) as c:
         big = {"prompt": "x" * 3000}
         r = await c.post("/v1/completions", json=big)
         assert_error(r, 413)
@@ -123,20 +118,20 @@ async def test_body_size_and_batch_and_token_limits() -> None:
 
 @pytest.mark.parametrize("seed", [-1, 2**64, 2**70])
 async def test_seed_outside_the_generator_range_is_a_400(seed: int) -> None:
-    async with _client(build_app(FakeEngine())) as c:
+    async with asgi_client(build_app(FakeEngine())) as c:
         err = assert_error(await c.post("/v1/completions", json={"prompt": "a", "seed": seed}))
         assert err["param"] == "seed"
 
 
 async def test_largest_seed_with_n_choices_is_served() -> None:
-    async with _client(build_app(FakeEngine())) as c:
+    async with asgi_client(build_app(FakeEngine())) as c:
         r = await c.post("/v1/completions", json={"prompt": "ab", "seed": 2**64 - 1, "n": 3, "max_tokens": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
 
 
 async def test_request_timeout_aborts() -> None:
     engine = FakeEngine(token_delay=0.05)
-    async with _client(build_app(engine, limits=ServerLimits(request_timeout_s=0.12))) as c:
+    async with asgi_client(build_app(engine, limits=ServerLimits(request_timeout_s=0.12))) as c:
         r = await c.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 50, "ignore_eos": True})
         err = assert_error(r, 408, "timeout_error")
         assert err["code"] == "request_timeout"
@@ -150,7 +145,7 @@ async def test_request_timeout_aborts() -> None:
 async def test_draining_refuses_new_requests_with_503() -> None:
     app = build_app(FakeEngine())
     app.state.gate.draining = True
-    async with _client(app) as c:
+    async with asgi_client(app) as c:
         err = assert_error(await c.post("/v1/completions", json={"prompt": "a"}), 503, "service_unavailable_error")
         assert err["code"] == "server_shutting_down"
         assert (await c.get("/health")).status_code == 503  # load balancers stop sending
@@ -164,7 +159,7 @@ async def test_draining_refuses_new_requests_with_503() -> None:
 ])
 async def test_answer_changing_fields_are_refused(field: str, value: Any) -> None:
     engine = FakeEngine()
-    async with _client(build_app(engine)) as c:
+    async with asgi_client(build_app(engine)) as c:
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                            ("/v1/completions", {"prompt": "hi"})):
             err = assert_error(await c.post(path, json={**body, field: value}))
@@ -173,7 +168,7 @@ async def test_answer_changing_fields_are_refused(field: str, value: Any) -> Non
 
 
 async def test_off_values_and_unknown_fields_are_accepted_with_one_warning(caplog: Any) -> None:
-    async with _client(build_app(FakeEngine())) as c:
+    async with asgi_client(build_app(FakeEngine())) as c:
         with caplog.at_level(logging.WARNING, logger="prelude.server"):
             r = await c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -185,7 +180,7 @@ async def test_off_values_and_unknown_fields_are_accepted_with_one_warning(caplo
 
 
 async def test_request_id_is_echoed_or_generated_and_logged(caplog: Any) -> None:
-    async with _client(build_app(FakeEngine())) as c:
+    async with asgi_client(build_app(FakeEngine())) as c:
         with caplog.at_level(logging.INFO, logger="prelude.access"):
             r = await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2},
                              headers={"X-Request-Id": "client-id-1"})
@@ -206,7 +201,7 @@ async def test_request_id_is_echoed_or_generated_and_logged(caplog: Any) -> None
 
 
 async def test_prometheus_exposition_with_vllm_names() -> None:
-    async with _client(build_app(FakeEngine())) as c:
+    async with asgi_client(build_app(FakeEngine())) as c:
         await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1})
         await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": -1})
         r = await c.get("/metrics")
@@ -227,6 +222,6 @@ async def test_prometheus_exposition_with_vllm_names() -> None:
 async def test_tokenizer_fallback_counter_is_exported() -> None:
     engine = FakeEngine()
     engine.tokenizer.fallback_count = 3  # type: ignore[attr-defined]  # fasttoken's accessor
-    async with _client(build_app(engine)) as c:
+    async with asgi_client(build_app(engine)) as c:
         text = (await c.get("/metrics")).text
     assert 'prelude:tokenizer_fallbacks_total{model_name="fake-model"} 3.0' in text

@@ -17,7 +17,7 @@ from prelude.entrypoints.openai import offload
 from prelude.entrypoints.openai.api_server import build_app
 from prelude.entrypoints.openai.limits import ServerLimits
 
-from tests.entrypoints.fake_engine import FakeEngine
+from tests.entrypoints.fake_engine import FakeEngine, asgi_client
 
 pytestmark = pytest.mark.anyio
 
@@ -28,11 +28,6 @@ NEVER = ServerLimits(offload_bytes=2**40, offload_values=2**40)  # the inline pa
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def _client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                             base_url="http://test")
 
 
 def asgi_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
@@ -89,7 +84,7 @@ async def test_a_stream_keeps_flowing_while_a_large_body_is_parsed_or_an_answer_
     while chunks[0] < 3:  # the stream is flowing
         await asyncio.sleep(0.005)
     # A 1,500-character prompt: a 1.5 KB body (> 1 KiB) and 1,500 token ids (> 1,000 values).
-    async with _client(app) as c:
+    async with asgi_client(app) as c:
         r = await c.post("/tokenize", json={"prompt": "x" * 1500, "add_special_tokens": False})
     stream.cancel()
     await asyncio.gather(stream, return_exceptions=True)
@@ -114,7 +109,7 @@ _PAD = "p" * 2000  # makes any body below "large" for SMALL
 async def test_a_large_bad_body_gets_the_400_the_inline_path_gives(path: str, raw: bytes) -> None:
     answers = []
     for limits in (SMALL, NEVER):
-        async with _client(build_app(FakeEngine(), limits=limits)) as c:
+        async with asgi_client(build_app(FakeEngine(), limits=limits)) as c:
             answers.append(await c.post(path, content=raw, headers={"content-type": "application/json"}))
     off, inline = answers
     assert off.status_code == inline.status_code and 400 <= off.status_code < 500, (off.text, inline.text)
@@ -127,7 +122,7 @@ async def test_a_large_good_body_is_served_as_the_inline_path_serves_it() -> Non
             "echo": True}
     answers = []
     for limits in (SMALL, NEVER):
-        async with _client(build_app(FakeEngine(max_model_len=8192), limits=limits)) as c:
+        async with asgi_client(build_app(FakeEngine(max_model_len=8192), limits=limits)) as c:
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             answers.append(r.json())
