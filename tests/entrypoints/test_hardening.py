@@ -10,7 +10,6 @@ import json
 import logging
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.routing import APIRoute
 from prometheus_client.parser import text_string_to_metric_families

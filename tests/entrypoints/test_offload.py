@@ -10,7 +10,6 @@ import math
 import time
 from typing import Any, Callable
 
-import httpx
 import pytest
 
 from prelude.entrypoints.openai import offload
