@@ -60,7 +60,7 @@ class AdmittingFront:
 
     @property
     def max_model_len(self) -> int:
-        return self.info.max_model_len
+        return self.info.rules.max_model_len
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -69,11 +69,11 @@ class AdmittingFront:
 
     @property
     def labels(self) -> tuple[str, ...]:
-        return self.info.labels
+        return self.info.rules.labels
 
     @property
     def can_generate(self) -> bool:
-        return self.info.can_generate
+        return self.info.rules.can_generate
 
     @property
     def is_encoder(self) -> bool:
@@ -82,14 +82,8 @@ class AdmittingFront:
     def _admit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
     ) -> Request:
-        info = self.info
-        req = admit(
-            request_id, prompt_token_ids, params,
-            max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-            seed_source=self._seed_source, can_generate=info.can_generate, pooling=pooling,
-            force_decode=info.force_decode, labels=info.labels, default_pooling=info.default_pooling,
-            default_ttft_slo_ms=info.default_ttft_slo_ms,
-        )
+        req = admit(request_id, prompt_token_ids, params, self.info.rules, seed_source=self._seed_source,
+                    pooling=pooling)
         if params.structured is not None and pooling is None:
             grammar_text(params.structured)  # a malformed constraint is a 400 here, not a failed stream
         return req

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from prelude.engine.admission import AdmissionRules
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
 from prelude.engine.handoff import KVHandoff
@@ -32,17 +33,10 @@ class ReplicaInfo:
     """What the front needs to admit requests the way a replica's engine would."""
 
     model_name: str
-    max_model_len: int
     tokenizer: Tokenizer | None  # None when it does not pickle (fasttoken): the front loads its own
-    labels: tuple[str, ...]
-    can_generate: bool
     is_encoder: bool
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    default_pooling: str
-    default_ttft_slo_ms: float | None
-    force_decode: bool
     block_size: int
+    rules: AdmissionRules  # the replica engine's own: the front admits exactly as it would
 
 
 def _picklable(obj: object) -> bool:
@@ -56,17 +50,10 @@ def _picklable(obj: object) -> bool:
 def replica_info(engine: LLMEngine) -> ReplicaInfo:
     return ReplicaInfo(
         model_name=engine.model_name,
-        max_model_len=engine.max_model_len,
         tokenizer=engine.tokenizer if _picklable(engine.tokenizer) else None,
-        labels=engine.labels,
-        can_generate=engine.can_generate,
         is_encoder=engine.is_encoder,
-        vocab_size=engine.info.vocab_size,
-        eos_token_ids=engine.eos_token_ids,
-        default_pooling=engine.info.default_pooling,
-        default_ttft_slo_ms=engine.config.scheduler.default_ttft_slo_ms,
-        force_decode=engine.config.scheduler.force_decode,
         block_size=engine.config.cache.block_size,
+        rules=engine.admission_rules,
     )
 
 

@@ -4,7 +4,7 @@ its execution class (the resource contract it keeps for its whole life)."""
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,62 +20,71 @@ def pick_exec_class(params: SamplingParams, max_tokens: int, pooling: PoolingPar
     return ExecClass.DECODE
 
 
+@dataclass(frozen=True)
+class AdmissionRules:
+    """What admission checks a request against and fills in: the served model's facts and
+    the operator's defaults. The engine builds it once; a scale-out front gets the same
+    object from a replica, so both admit alike."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    can_generate: bool = True
+    force_decode: bool = False
+    labels: tuple[str, ...] = ()
+    default_pooling: str | None = None
+    default_ttft_slo_ms: float | None = None
+
+
 def admit(
     request_id: str,
     prompt_token_ids: list[int],
     params: SamplingParams,
+    rules: AdmissionRules,
     *,
-    max_model_len: int,
-    vocab_size: int,
-    eos_token_ids: frozenset[int],
     seed_source: torch.Generator,
-    can_generate: bool = True,
     pooling: PoolingParams | None = None,
-    force_decode: bool = False,
     arrival_time: float | None = None,
-    labels: tuple[str, ...] = (),
-    default_pooling: str | None = None,
-    default_ttft_slo_ms: float | None = None,
 ) -> Request:
     """Build the engine-side Request or raise AdmissionError with a user-facing message.
     The model's defaults (pooling, TTFT target) are filled in here, once, for every front."""
-    if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not labels:
+    if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not rules.labels:
         raise AdmissionError("this model has no classification head; pass candidate labels instead")
-    if pooling is not None and pooling.pooling is None and default_pooling is not None:
-        pooling = replace(pooling, pooling=default_pooling)
-    if params.ttft_slo_ms is None and default_ttft_slo_ms is not None:
-        params = replace(params, ttft_slo_ms=default_ttft_slo_ms)
+    if pooling is not None and pooling.pooling is None and rules.default_pooling is not None:
+        pooling = replace(pooling, pooling=rules.default_pooling)
+    if params.ttft_slo_ms is None and rules.default_ttft_slo_ms is not None:
+        params = replace(params, ttft_slo_ms=rules.default_ttft_slo_ms)
     if params.n != 1:
         raise AdmissionError("the engine takes one sequence per request; fan out n > 1 before admission")
-    if pooling is None and not can_generate:
+    if pooling is None and not rules.can_generate:
         raise AdmissionError("this model does not generate text; use /v1/embeddings, /classify or /score")
     n_prompt = len(prompt_token_ids)
     if n_prompt == 0:
         raise AdmissionError("the prompt is empty")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    bad = [t for t in prompt_token_ids if not 0 <= t < rules.vocab_size]
     if bad:
-        raise AdmissionError(f"token id {bad[0]} is out of vocabulary (size {vocab_size})")
+        raise AdmissionError(f"token id {bad[0]} is out of vocabulary (size {rules.vocab_size})")
     if pooling is not None:
-        bad = [t for t in pooling.label_token_ids if not 0 <= t < vocab_size]
+        bad = [t for t in pooling.label_token_ids if not 0 <= t < rules.vocab_size]
         if bad:
-            raise AdmissionError(f"label token id {bad[0]} is out of vocabulary (size {vocab_size})")
+            raise AdmissionError(f"label token id {bad[0]} is out of vocabulary (size {rules.vocab_size})")
         max_tokens = 0
-        if n_prompt > max_model_len:
+        if n_prompt > rules.max_model_len:
             raise AdmissionError(
-                f"This model's maximum context length is {max_model_len} tokens. However, the input has "
+                f"This model's maximum context length is {rules.max_model_len} tokens. However, the input has "
                 f"{n_prompt} tokens. Please reduce the length of the input."
             )
     else:
-        if n_prompt >= max_model_len:
+        if n_prompt >= rules.max_model_len:
             raise AdmissionError(
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"This model's maximum context length is {rules.max_model_len} tokens. However, your prompt has "
                 f"{n_prompt} tokens, leaving no room for output. Please reduce the length of the prompt."
             )
-        room = max_model_len - n_prompt
+        room = rules.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise AdmissionError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"This model's maximum context length is {rules.max_model_len} tokens. However, you requested "
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or the completion."
             )
@@ -86,7 +95,7 @@ def admit(
         if shared < 1:
             raise AdmissionError("packed items need a non-empty shared prompt before them")
     exec_class = pick_exec_class(params, max_tokens, pooling)
-    if force_decode and can_generate and not packed:  # packed items exist only as OneShot rows
+    if rules.force_decode and rules.can_generate and not packed:  # packed items exist only as OneShot rows
         exec_class = ExecClass.DECODE  # ablation: everything takes the decode-shaped path
     # A request without a seed draws one from the engine's seeded source: runs of the
     # same traffic repeat, and the sampler needs no generator object per request.
@@ -99,7 +108,7 @@ def admit(
         arrival_time=arrival,
         ttft_deadline=arrival + params.ttft_slo_ms / 1000 if params.ttft_slo_ms else None,
         max_output_tokens=max_tokens,
-        eos_token_ids=frozenset() if params.ignore_eos else eos_token_ids,
+        eos_token_ids=frozenset() if params.ignore_eos else rules.eos_token_ids,
         sampling_seed=seed,
         exec_class=exec_class,
         pooling=pooling,

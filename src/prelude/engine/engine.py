@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from prelude.config import EngineConfig
-from prelude.engine.admission import admit
+from prelude.engine.admission import AdmissionRules, admit
 from prelude.engine.grammar import GrammarCompiler
 from prelude.forward_batch import BatchOutput, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
 from prelude.engine.errors import StepFailed
@@ -133,6 +133,17 @@ class LLMEngine:
         return engine
 
     @property
+    def admission_rules(self) -> AdmissionRules:
+        """What `prepare` (and a scale-out front, through ReplicaInfo) admits against; read
+        from the engine's current settings (its eos set may be changed after build)."""
+        sched = self.config.scheduler
+        return AdmissionRules(
+            max_model_len=self.max_model_len, vocab_size=self.info.vocab_size, eos_token_ids=self.eos_token_ids,
+            can_generate=self.can_generate, force_decode=sched.force_decode, labels=self.labels,
+            default_pooling=self.info.default_pooling, default_ttft_slo_ms=sched.default_ttft_slo_ms,
+        )
+
+    @property
     def labels(self) -> tuple[str, ...]:
         """Names of the classification head's outputs (empty without a head)."""
         return self.info.labels
@@ -153,15 +164,7 @@ class LLMEngine:
         """Admission: validate, build the Request and pick its class (raises
         AdmissionError). Touches no engine state, so the async front calls it on the
         caller's thread."""
-        req = admit(
-            request_id, prompt_token_ids, params,
-            max_model_len=self.max_model_len, vocab_size=self.info.vocab_size,
-            eos_token_ids=self.eos_token_ids, seed_source=self._rng,
-            can_generate=self.can_generate, pooling=pooling,
-            force_decode=self.config.scheduler.force_decode,
-            labels=self.labels, default_pooling=self.info.default_pooling,
-            default_ttft_slo_ms=self.config.scheduler.default_ttft_slo_ms,
-        )
+        req = admit(request_id, prompt_token_ids, params, self.admission_rules, seed_source=self._rng, pooling=pooling)
         return self.attach_grammar(req)
 
     def attach_grammar(self, req: Request) -> Request:
