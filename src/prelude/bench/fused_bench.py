@@ -97,7 +97,7 @@ def run_trial(engine: Any, trace: Trace, duration: float, output_tokens: int, la
             engine.add_request(rid, ids, no_gen, labels)
         if open_:
             for s, prompts in enumerate(trace.stream_prompts):
-                if s not in active:
+                if s not in active and next_prompt[s] < len(prompts):  # a fast machine can use them all
                     rid = f"{tag}-s{s}-{next_prompt[s]}"
                     engine.add_request(rid, prompts[next_prompt[s]], greedy)
                     next_prompt[s] += 1
