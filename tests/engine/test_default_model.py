@@ -51,6 +51,12 @@ def _hf_greedy(hf_model, ids: list[int]) -> list[int]:  # noqa: ANN001
 
 
 def test_greedy_alone_and_batched_equal_transformers(llm: LLM, hf_model) -> None:  # noqa: ANN001
+    # Decode (<= 8 rows) reads the GGUF's Q4_1/Q8_0 blocks where the kernel builds here.
+    from prelude.model.blocks_kernel import load_kernel
+
+    model = llm.engine.runner.model
+    if load_kernel() is not None:
+        assert model.layers[0].qkv.blocks is not None and model._lm_head_proj.blocks is not None
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     batched = llm.generate(PROMPTS, params)
     for prompt, result in zip(PROMPTS, batched):

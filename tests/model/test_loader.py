@@ -41,6 +41,19 @@ def test_default_gguf_weights_and_config_equal_transformers(default_loaded: load
 
 
 @needs_default
+def test_default_gguf_blocks_equal_its_float32_weights(default_loaded: loader.LoadedModel) -> None:
+    """The Q4_1/Q8_0 blocks kept for decode hold the very weights the float32 copy holds,
+    q/k rows in HF order (llama.cpp's rotary permutation undone on both)."""
+    blocks = default_loaded.blocks
+    layers = default_loaded.config.num_hidden_layers
+    assert len(blocks) == 7 * layers + 1  # q, k, v, o, gate, up, down per layer + the tied head
+    assert blocks["model.embed_tokens.weight"].kind == "q8_0"
+    assert blocks["model.layers.0.self_attn.q_proj.weight"].kind == "q4_1"
+    for name, b in blocks.items():
+        assert torch.equal(b.dequantize(), default_loaded.weights[name]), name
+
+
+@needs_default
 def test_second_load_reads_the_cache(default_loaded: loader.LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*_a, **_k) -> None:  # noqa: ANN002, ANN003
         raise AssertionError("converted again")

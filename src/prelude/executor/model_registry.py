@@ -3,7 +3,7 @@ returns a `Model` with the same forward signature. The engine never sees these c
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -11,21 +11,23 @@ from prelude.config import ModelConfig
 from prelude.model.attention import AttentionBackend
 from prelude.model.base import Model
 from prelude.model.encoder import BertEncoder, EncoderConfig
+from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.llama import LlamaForCausalLM
 
+Blocks = Mapping[str, GgmlBlocks]
 ModelBuilder = Callable[
-    [Any, dict[str, torch.Tensor], torch.dtype, torch.device, AttentionBackend, int | None, bool], Model
+    [Any, dict[str, torch.Tensor], torch.dtype, torch.device, AttentionBackend, int | None, bool, Blocks], Model
 ]
 
 
 def _decoder(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-             attention: AttentionBackend, max_positions: int | None, prepack: bool) -> Model:
+             attention: AttentionBackend, max_positions: int | None, prepack: bool, blocks: Blocks) -> Model:
     return LlamaForCausalLM(config, weights, dtype, device, attention=attention, max_positions=max_positions,
-                            prepack=prepack)
+                            prepack=prepack, blocks=blocks)
 
 
 def _encoder(config: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-             attention: AttentionBackend, max_positions: int | None, prepack: bool) -> Model:
+             attention: AttentionBackend, max_positions: int | None, prepack: bool, blocks: Blocks) -> Model:
     return BertEncoder(config, weights, dtype, device)  # bidirectional, no paged KV: no backend
 
 
@@ -40,11 +42,13 @@ def build_model(
     attention: AttentionBackend,
     max_positions: int | None = None,
     prepack: bool = True,
+    blocks: Blocks | None = None,
 ) -> Model:
-    """`prepack`: let the model reorder its projections for oneDNN where that pays
-    (model/linear.py); False keeps plain weights (what compiled segments take)."""
+    """`prepack`: let the model use its CPU fast paths for projections (oneDNN-prepacked
+    weights, GGUF blocks for decode: model/linear.py); False keeps plain weights only (what
+    compiled segments take). `blocks`: a GGUF's block-format projections by HF name."""
     try:
         builder = MODEL_KINDS[type(config)]
     except KeyError:
         raise ValueError(f"no model kind for config {type(config).__name__}") from None
-    return builder(config, weights, dtype, device, attention, max_positions, prepack)
+    return builder(config, weights, dtype, device, attention, max_positions, prepack, blocks or {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from prelude.forward_batch import (
     SampleSpec,
 )
 from prelude.model import heads
+from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
 from prelude.model.base import KVCaches, Model
@@ -175,15 +176,17 @@ class ModelRunner:
         config: ExecutorConfig,
         block_size: int,
         max_positions: int | None = None,
+        blocks: Mapping[str, GgmlBlocks] | None = None,
     ) -> "ModelRunner":
         """Build the model on the configured device from host weights (which the caller
-        drops afterwards: no host copy of a GPU model is kept)."""
+        drops afterwards: no host copy of a GPU model is kept). `blocks`: a GGUF's
+        block-format projections, which CPU decode reads where it can."""
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         attention = get_attention_backend(config.attention_backend, device)
         # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
-                            prepack=config.compile == "off")
+                            prepack=config.compile == "off", blocks=blocks)
         return cls(model, block_size, config)
 
     def limit_sampled_vocab(self, emittable: int) -> None:

@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tokenizers import normalizers
 
+from prelude.model.ggml_blocks import BLOCKS_FILE, GgmlBlocks, save_blocks
+
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -161,8 +163,39 @@ def build_tokenizer(reader: Any) -> tuple[Tokenizer, dict[str, Any]]:
     return tok, config
 
 
+def gguf_blocks(reader: Any) -> dict[str, GgmlBlocks]:
+    """The projections stored in a block format the decode kernel reads (Q4_0, Q4_1,
+    Q8_0), by HF name, rows in HF order (llama's q/k rotary permutation undone)."""
+    arch = str(_field(reader, "general.architecture"))
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    out: dict[str, GgmlBlocks] = {}
+    for t in reader.tensors:
+        if len(t.shape) != 2:
+            continue
+        rows = int(t.shape[1])  # ggml dims are (K, N)
+        blocks = GgmlBlocks.from_gguf(t.tensor_type.name, np.asarray(t.data).reshape(rows, -1), rows)
+        if blocks is None:
+            continue
+        name = hf_name(t.name)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            order = unpermute_rotary(np.arange(rows), n_heads if "q_proj" in name else n_kv)
+            blocks = blocks.select_rows(torch.from_numpy(order.copy()))
+        out[name] = blocks
+    return out
+
+
+def write_gguf_blocks(gguf_path: Path, out_dir: Path) -> None:
+    """Keep the GGUF's block-format projections beside its converted weights (an empty
+    file when it has none, so that a converted directory is never revisited)."""
+    import gguf
+
+    save_blocks(gguf_blocks(gguf.GGUFReader(str(gguf_path))), out_dir / BLOCKS_FILE)
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json."""
+    """Write config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json,
+    and the block-format projections (ggml_blocks.BLOCKS_FILE)."""
     import gguf  # imported here: only conversion needs it
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -181,6 +214,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     cfg = hf_config(reader, weights["model.embed_tokens.weight"].shape[0], tied)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out_dir / "model.safetensors"))
+    save_blocks(gguf_blocks(reader), out_dir / BLOCKS_FILE)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))

@@ -7,6 +7,8 @@ trunk returns hidden states, `compute_logits` projects only the rows asked for.
 
 from __future__ import annotations
 
+from typing import Callable, Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -22,9 +24,14 @@ from prelude.model.decoder_segments import (
     Linear,
     TailWeights,
 )
+from prelude.model.blocks_kernel import load_kernel
+from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
-from prelude.model.linear import Projection, prepack_enabled
+from prelude.model.linear import BlocksPath, Projection, prepack_enabled
 from prelude.model.rope import RotaryEmbedding
+
+
+BlocksFor = Callable[..., BlocksPath | None]  # weight names (stacked in order) -> their blocks
 
 
 def _operand(p: Projection) -> Linear:
@@ -36,8 +43,10 @@ def _operand(p: Projection) -> Linear:
 class DecoderLayer:
     """Weights of one layer; q/k/v and gate/up are fused into single matmuls."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, prepack: bool) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, prepack: bool,
+                 blocks_for: BlocksFor) -> None:
         w = lambda name: weights[prefix + name]  # noqa: E731
+        blk = lambda *names: blocks_for(*(prefix + n for n in names))  # noqa: E731
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         qkv_bias = (
@@ -47,12 +56,13 @@ class DecoderLayer:
         )
         self.qkv = Projection(
             torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
-            qkv_bias, prepack)
-        self.o_proj = Projection(w("self_attn.o_proj.weight"), None, prepack)
+            qkv_bias, prepack, blk("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
+        self.o_proj = Projection(w("self_attn.o_proj.weight"), None, prepack, blk("self_attn.o_proj.weight"))
         self.q_norm = weights.get(prefix + "self_attn.q_norm.weight")
         self.k_norm = weights.get(prefix + "self_attn.k_norm.weight")
-        self.gate_up = Projection(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, prepack)
-        self.down = Projection(w("mlp.down_proj.weight"), None, prepack)
+        self.gate_up = Projection(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, prepack,
+                                  blk("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+        self.down = Projection(w("mlp.down_proj.weight"), None, prepack, blk("mlp.down_proj.weight"))
         self.head = HeadWeights(self.input_norm, _operand(self.qkv), None if self.qkv.packed else self.qkv.bias,
                                 self.q_norm, self.k_norm)
         self.tail = TailWeights(_operand(self.o_proj), self.post_norm, _operand(self.gate_up), _operand(self.down))
@@ -70,6 +80,7 @@ class LlamaForCausalLM:
         attention: AttentionBackend | None = None,
         max_positions: int | None = None,
         prepack: bool = True,
+        blocks: Mapping[str, GgmlBlocks] | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -77,8 +88,16 @@ class LlamaForCausalLM:
         cast = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         self.embed = cast["model.embed_tokens.weight"]
         prepack = prepack and prepack_enabled(dtype, self.device)
+        # Decode reads a GGUF's block-format projections (float32 activations on the CPU).
+        kernel = load_kernel() if prepack and dtype == torch.float32 and blocks else None
+
+        def blocks_for(*names: str) -> BlocksPath | None:
+            stacked = GgmlBlocks.cat([blocks.get(n) for n in names]) if kernel is not None and blocks else None
+            return None if stacked is None or kernel is None else BlocksPath(stacked, kernel)
+
         self.layers = [
-            DecoderLayer(cast, f"model.layers.{i}.", config, prepack) for i in range(config.num_hidden_layers)
+            DecoderLayer(cast, f"model.layers.{i}.", config, prepack, blocks_for)
+            for i in range(config.num_hidden_layers)
         ]
         self.norm = cast["model.norm.weight"]
         # A *ForSequenceClassification checkpoint has a `score` head instead of an LM head.
@@ -87,7 +106,9 @@ class LlamaForCausalLM:
             self.lm_head: torch.Tensor | None = cast["lm_head.weight"]
         else:
             self.lm_head = self.embed if config.tie_word_embeddings or self.score is None else None
-        self._lm_head_proj = Projection(self.lm_head, None, prepack) if self.lm_head is not None else None
+        head_name = "lm_head.weight" if "lm_head.weight" in cast else "model.embed_tokens.weight"
+        self._lm_head_proj = (Projection(self.lm_head, None, prepack, blocks_for(head_name))
+                              if self.lm_head is not None else None)
         self.attention = attention or get_attention_backend("torch")
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype, self.device)
         self.q_size = config.num_attention_heads * config.head_dim

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from prelude.config import ModelConfig
 from prelude.model.encoder import EncoderConfig, is_encoder_config
+from prelude.model.ggml_blocks import BLOCKS_FILE, GgmlBlocks, load_blocks
 from prelude.tokenizer.base import Tokenizer
 from prelude.tokenizer.loading import load_tokenizer
 
@@ -40,6 +41,7 @@ class LoadedModel:
     tokenizer: Tokenizer  # fasttoken when it passed its equality gate, else HF tokenizers
     model_dir: Path
     name: str
+    blocks: dict[str, GgmlBlocks]  # a GGUF's block-format projections by HF name ({} for others)
 
 
 def cache_root() -> Path:
@@ -96,10 +98,12 @@ def _fingerprint(path: Path) -> str:
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached HF-style directory of a GGUF, converting it (atomically) on first use."""
-    from prelude.model.gguf_convert import convert_gguf
+    from prelude.model.gguf_convert import convert_gguf, write_gguf_blocks
 
     target = cache_root() / "models" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
     if (target / "config.json").exists():
+        if not (target / BLOCKS_FILE).exists():  # converted before blocks were kept
+            write_gguf_blocks(gguf_path, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -154,4 +158,5 @@ def load_model_files(model: str | None) -> LoadedModel:
         tokenizer=load_tokenizer(model_dir),
         model_dir=model_dir,
         name=name,
+        blocks=load_blocks(model_dir / BLOCKS_FILE),
     )
