@@ -107,3 +107,13 @@ def test_projection_reads_blocks_for_few_rows_only(kernel, monkeypatch: pytest.M
     assert calls == [1, BLOCKS_MAX_ROWS]
     with pytest.raises(ValueError):
         Projection(ref[:, :32].contiguous(), None, blocks=BlocksPath(blocks, kernel))
+
+
+def test_no_compiler_or_switched_off_means_no_kernel(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Decode then keeps reading float32: the model asks, gets None, builds no blocks path."""
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert load_kernel() is None
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PRELUDE_BLOCKS_KERNEL", "0")
+    assert load_kernel() is None

@@ -3,8 +3,8 @@ through ctypes.
 
 The C file is compiled with the system C compiler on first use (~1 s) into the user's
 cache dir, keyed by the source, the compiler and the flags; later processes load the
-cached library. `make install` builds it ahead. Without a compiler, an AVX2+FMA CPU or
-float32 activations, `available()` is False and projections keep their float32 path.
+cached library. `make install` builds it ahead. Without a compiler or an AVX2+FMA CPU,
+`load_kernel()` returns None and projections keep their float32 path.
 
 The library links the OpenMP runtime torch has already loaded (same soname), so its
 parallel loop runs on the calling thread's team instead of starting a second pool.
@@ -99,7 +99,8 @@ def build() -> Path:
 
 
 def _cpu_ok() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")  # AVX2 implies FMA here
+    # torch's AVX2 level requires FMA as well; every level above it includes both.
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 
 
 def load_kernel() -> BlocksKernel | None:
