@@ -157,6 +157,15 @@ class RayEngineClient(AdmittingFront):
         self._counts[retry_count] += 1
         logger.warning("%s replica %d failed before request %s streamed; trying another", role, r, req.request_id)
 
+    def _release(self, r: int, req: Request, gen: object, *, streamed: bool, ended: bool) -> None:
+        """A stream on replica `r` is over: drop its load, and cancel the replica's
+        coroutine (which aborts the request there) unless the request ended."""
+        self._in_flight[r] -= 1
+        if not streamed:
+            self._unprefilled[r] -= req.num_prompt_tokens
+        if not ended:
+            ray.cancel(gen)
+
     async def _run(self, req: Request) -> AsyncIterator[RequestOutput]:
         while True:
             r = await self._pick(req)
@@ -178,11 +187,7 @@ class RayEngineClient(AdmittingFront):
             except _REPLICA_DOWN as exc:
                 self._replica_failed(r, exc, streamed, "engine", req)
             finally:
-                self._in_flight[r] -= 1
-                if not streamed:
-                    self._unprefilled[r] -= req.num_prompt_tokens
-                if not finished:
-                    ray.cancel(gen)  # cancels the replica's coroutine, which aborts the request
+                self._release(r, req, gen, streamed=streamed, ended=finished)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

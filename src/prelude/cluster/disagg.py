@@ -171,11 +171,7 @@ class DisaggregatedClient(RayEngineClient):
             except _REPLICA_DOWN as exc:
                 self._replica_failed(r, exc, streamed, "prefill", req)
             finally:
-                self._in_flight[r] -= 1
-                if not streamed:
-                    self._unprefilled[r] -= req.num_prompt_tokens
-                if not done:
-                    ray.cancel(gen)  # cancels the replica's coroutine, which aborts the request
+                self._release(r, req, gen, streamed=streamed, ended=done)
 
     async def _decode(self, req: Request, handoff: ray.ObjectRef | None) -> AsyncIterator[RequestOutput]:
         """Place the hand-off (waiting while every decode replica is full) and stream the

@@ -163,12 +163,19 @@ def build_tokenizer(reader: Any) -> tuple[Tokenizer, dict[str, Any]]:
     return tok, config
 
 
+def rotary_heads(reader: Any, name: str) -> int | None:
+    """The head count whose rotary halves llama.cpp interleaved in this tensor's rows
+    (llama-architecture q/k projections, by HF name), else None: rows to leave alone."""
+    arch = str(_field(reader, "general.architecture"))
+    if arch != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return None
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    return n_heads if "q_proj" in name else int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+
+
 def gguf_blocks(reader: Any) -> dict[str, GgmlBlocks]:
     """The projections stored in a block format the decode kernel reads (Q4_0, Q4_1,
     Q8_0), by HF name, rows in HF order (llama's q/k rotary permutation undone)."""
-    arch = str(_field(reader, "general.architecture"))
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
     out: dict[str, GgmlBlocks] = {}
     for t in reader.tensors:
         if len(t.shape) != 2:
@@ -178,9 +185,8 @@ def gguf_blocks(reader: Any) -> dict[str, GgmlBlocks]:
         if blocks is None:
             continue
         name = hf_name(t.name)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            order = unpermute_rotary(np.arange(rows), n_heads if "q_proj" in name else n_kv)
-            blocks = blocks.select_rows(torch.from_numpy(order.copy()))
+        if (heads := rotary_heads(reader, name)) is not None:
+            blocks = blocks.select_rows(torch.from_numpy(unpermute_rotary(np.arange(rows), heads).copy()))
         out[name] = blocks
     return out
 
@@ -199,15 +205,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import gguf  # imported here: only conversion needs it
 
     reader = gguf.GGUFReader(str(gguf_path))
-    arch = str(_field(reader, "general.architecture"))
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         name = hf_name(t.name)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            array = unpermute_rotary(array, n_heads if "q_proj" in name else n_kv)
+        if (heads := rotary_heads(reader, name)) is not None:
+            array = unpermute_rotary(array, heads)
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
     tokenizer, tok_cfg = build_tokenizer(reader)
     tied = "lm_head.weight" not in weights

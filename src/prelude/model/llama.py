@@ -92,8 +92,10 @@ class LlamaForCausalLM:
         kernel = load_kernel() if prepack and dtype == torch.float32 and blocks else None
 
         def blocks_for(*names: str) -> BlocksPath | None:
-            stacked = GgmlBlocks.cat([blocks.get(n) for n in names]) if kernel is not None and blocks else None
-            return None if stacked is None or kernel is None else BlocksPath(stacked, kernel)
+            if kernel is None or not blocks:
+                return None
+            stacked = GgmlBlocks.cat([blocks.get(n) for n in names])
+            return None if stacked is None else BlocksPath(stacked, kernel)
 
         self.layers = [
             DecoderLayer(cast, f"model.layers.{i}.", config, prepack, blocks_for)
