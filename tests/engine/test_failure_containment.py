@@ -143,12 +143,23 @@ def test_failed_fused_step_fails_its_decode_and_oneshot_rows_and_leaks_nothing(h
 
     engine.runner.launch = launch  # type: ignore[method-assign]
     decode = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # Long enough to be still decoding when the OneShot request arrives, on any machine.
+    long_decode = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
     async def run() -> list[Any]:
-        chat = asyncio.create_task(_tokens(front, "decode", list(range(1, 30)), decode))
-        await asyncio.sleep(0.05)  # the decode is running when the fused step fails
+        decoding = asyncio.Event()
+
+        async def chat() -> list[int]:
+            out: list[int] = []
+            async for o in front.generate("decode", list(range(1, 30)), long_decode):
+                out.extend(o.new_token_ids)
+                decoding.set()
+            return out
+
+        chat_task = asyncio.create_task(chat())
+        await decoding.wait()  # the decode is running when the fused step fails
         embed = front.encode("embed", list(range(40, 72)), PoolingParams(PoolingTask.EMBED))
-        return await asyncio.gather(chat, embed, return_exceptions=True)
+        return await asyncio.gather(chat_task, embed, return_exceptions=True)
 
     results = asyncio.run(asyncio.wait_for(run(), 30))
     assert left[0] == 0 and all(isinstance(r, EngineStepError) for r in results), results
