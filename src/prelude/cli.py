@@ -35,6 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
                    help="torch (SDPA, any device) | triton (this project's kernels, CUDA)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
+                   help="CUDA: run RMSNorm, rotary and SiLU as separate torch ops (ablation)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch independent work while the previous step runs (default: on with CUDA)")
     p.add_argument("--compile", default="off", choices=["off", "background", "ahead"],
@@ -80,7 +82,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         seed=args.seed,
         executor=ExecutorConfig(
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager, compile=args.compile,
+            enforce_eager=args.enforce_eager, fused_kernels=args.fused_kernels, compile=args.compile,
         ),
         overlap=args.overlap,
         cache=CacheConfig(

@@ -137,6 +137,8 @@ class ExecutorConfig:
     dtype: str = "auto"  # auto (bf16 on GPU and bf16-native CPUs, else float32) | float32 | bfloat16 | float16 (GPU only)
     attention_backend: str = "torch"  # torch (any device) | triton (CUDA)
     enforce_eager: bool = False  # no CUDA graphs
+    # CUDA decoders: RMSNorm(+residual), q/k norm + rotary and SiLU*up as Triton kernels
+    fused_kernels: bool = True
     # CPU decoders: off | background (serve eagerly, compile off the request path, swap each
     # compiled shape in when ready) | ahead (compile, or load from the disk cache, before ready)
     compile: str = "off"

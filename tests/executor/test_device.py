@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from prelude.executor.device import auto_dtype, cpu_has_native_bf16, cpu_isa_flags, resolve_dtype
@@ -18,3 +19,21 @@ def test_resolve_auto_matches_this_machine() -> None:
     assert resolve_dtype("bf16", torch.device("cpu")) is torch.bfloat16
     if torch.backends.cpu.get_cpu_capability() != "DEFAULT":  # an x86 CPU with vector units
         assert cpu_isa_flags(), "the CPU flags could not be read"
+
+
+def test_fused_segments_are_picked_for_cuda_decoders_only() -> None:
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    from prelude.config import ExecutorConfig
+    from prelude.executor.runner import fused_segments_for
+    from prelude.model.fused_segments import FUSED_SEGMENTS
+
+    def model(device: str, encoder: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device(device), is_encoder=encoder)
+
+    assert fused_segments_for(model("cuda"), ExecutorConfig()) is FUSED_SEGMENTS  # type: ignore[arg-type]
+    assert fused_segments_for(model("cuda:1"), ExecutorConfig()) is FUSED_SEGMENTS  # type: ignore[arg-type]
+    assert fused_segments_for(model("cuda"), ExecutorConfig(fused_kernels=False)) is None  # type: ignore[arg-type]
+    assert fused_segments_for(model("cuda", encoder=True), ExecutorConfig()) is None  # type: ignore[arg-type]
+    assert fused_segments_for(model("cpu"), ExecutorConfig()) is None  # type: ignore[arg-type]

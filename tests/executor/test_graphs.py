@@ -55,3 +55,33 @@ def test_prefill_graphs_need_a_backend_that_reads_row_tensors() -> None:
 def test_no_graphs_on_the_cpu_by_default() -> None:
     engine = tiny_engine(hf_tiny_llama())
     assert engine.runner.graphs is None
+
+
+def test_packed_step_inputs_start_16_byte_aligned() -> None:
+    """Triton specializes on pointer alignment: every device view of a step's packed inputs
+    starts on a 16-byte boundary, as the graphs' static buffers do (else an eager step would
+    compile another kernel variant mid-request)."""
+    from prelude.executor.runner import pack_int64
+    from prelude.forward_batch import BatchRow, OneShotRow
+
+    views = pack_int64(torch.device("cpu"), [1], [2, 3, 4], [], [5], [6, 7])
+    assert [v.tolist() for v in views] == [[1], [2, 3, 4], [], [5], [6, 7]]
+    assert all(v.data_ptr() % 16 == 0 for v in views)
+
+    engine = tiny_engine(hf_tiny_llama(), attention_backend="torch")
+    runner = engine.runner
+    runner.allocate_kv_cache(8)
+    bs = runner.block_size
+    decode = BatchRow("d", [5], start_pos=bs + 1, block_table=[1, 2], sample=None, head=None)
+    prefill = BatchRow("p", [1, 2, 3], start_pos=0, block_table=[3], sample=None, head=None)
+    oneshot = OneShotRow("o", [4, 5, 6, 7, 8], None, None)
+    inputs = runner.build_fused_inputs([decode, prefill], [oneshot])
+    meta = inputs.meta
+    assert meta.decodes is not None and meta.prefill_tensors is not None
+    t = meta.prefill_tensors
+    tensors = [inputs.input_ids, inputs.positions, meta.slot_mapping, meta.kept_tokens, meta.decodes.query_index,
+               meta.decodes.block_tables, meta.decodes.context_lens, t.query_start, t.query_lens, t.context_lens,
+               t.own_kv_in_cache, t.block_tables]
+    assert all(x is not None and x.data_ptr() % 16 == 0 for x in tensors)
+    assert t.query_lens.tolist() == [3, 5] and t.context_lens.tolist() == [3, 5]
+    assert meta.decodes.context_lens.tolist() == [bs + 2]

@@ -1,29 +1,21 @@
-"""Triton attention kernels vs the torch backend, on the CPU under TRITON_INTERPRET=1.
-
-Triton decides whether kernels (its own standard library's included) are compiled or
-interpreted when they are defined, i.e. when triton is first imported. So the interpreted
-checks run in one spawned worker process that sets TRITON_INTERPRET=1 before anything there
-imports triton: this process's environment and modules are never touched, nothing leaks into
-other tests, and the `gpu` tests at the end import the real, compiled kernels. Each test
-below is a thin wrapper that runs its `check_*` function in that worker.
-"""
+"""Triton attention kernels vs the torch backend, on the CPU under TRITON_INTERPRET=1
+(tests/model/triton_interp.py: each test is a thin wrapper that runs its `check_*` function
+in the interpreter worker); the `gpu` tests at the end import the real, compiled kernels."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import multiprocessing
 import os
-import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
 from prelude.model.attention.torch_backend import TorchAttention
+from tests.model.triton_interp import Run, interp, interpreted  # noqa: F401  (interp: the fixture)
 
 # find_spec, not importorskip: importing triton here would fix it in compiled mode
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -32,31 +24,13 @@ _KERNELS = "prelude.model.attention.triton_kernels"
 _BACKEND = "prelude.model.attention.triton_backend"
 
 
-def _enter_interpreter() -> None:
-    """Worker initializer: runs before the worker imports triton."""
-    assert "triton" not in sys.modules
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
 def _kernels() -> ModuleType:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "check_* functions run in the interpreter worker"
-    return importlib.import_module(_KERNELS)
+    return interpreted(_KERNELS)
 
 
 def _backend() -> ModuleType:
     _kernels()
-    return importlib.import_module(_BACKEND)
-
-
-Run = Callable[..., Any]
-
-
-@pytest.fixture(scope="module")
-def interp() -> Iterator[Run]:
-    """run(check_fn, *args): check_fn(*args) in the interpreter worker (spawned, so that
-    it starts from a clean interpreter; one worker for the whole module)."""
-    with multiprocessing.get_context("spawn").Pool(1, initializer=_enter_interpreter) as pool:
-        yield lambda fn, *args: pool.apply(fn, args)
+    return interpreted(_BACKEND)
 
 
 # --- building a batch --------------------------------------------------------------------

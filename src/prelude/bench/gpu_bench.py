@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--scenarios", default="a,b,c")
-    ap.add_argument("--peers", default="prelude,transformers")
+    ap.add_argument("--peers", default="prelude,transformers",
+                    help="prelude, prelude-unfused (--no-fused-kernels, for (a) and (c)), transformers")
     ap.add_argument("--small", default="qwen3-0.6b", help="shape for (a) and (c)")
     ap.add_argument("--large", default="qwen3-4b", help="shape for (b)")
     ap.add_argument("--requests", type=int, default=200)
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         if "prelude" in peers:
             servers.append(_Server("prelude", _prelude_cmd(model_dir, free_port(), args.device, args.attention_backend,
                                                            args.extra.split()), 0))
+        if "prelude-unfused" in peers and todo & {"a", "c"}:  # the fused kernels' A/B, in the same run
+            servers.append(_Server("prelude-unfused", _prelude_cmd(
+                model_dir, free_port(), args.device, args.attention_backend, [*args.extra.split(), "--no-fused-kernels"]), 0))
         if "transformers" in peers and todo & {"a", "c"}:
             servers.append(_Server("transformers", _transformers_cmd(model_dir, free_port(), args.device), 0))
         for s in servers:
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 for s in started:
                     res = asyncio.run(run_load(completion_sender(s.base, None, 32), short[:64], LoadSpec(4, warmup=4)))
                     result["c"][s.name] = summarize(res, 128)
+                    # in completion order: whether slow first tokens cluster (start-up work) or recur
+                    result["c"][s.name]["ttft_ms_by_completion"] = [round(1000 * r.ttft_s, 2) for r in res.records]
                 print("[c]", result["c"], flush=True)
             if "b" in todo:
                 long = _prompts(tok, max(args.requests, 256), 512, 2)

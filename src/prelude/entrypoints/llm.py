@@ -43,6 +43,7 @@ class LLM:
         device: str = "auto",
         attention_backend: str = "torch",
         enforce_eager: bool = False,
+        fused_kernels: bool = True,
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -60,6 +61,7 @@ class LLM:
                 seed=seed,
                 executor=ExecutorConfig(
                     device=device, dtype=dtype, attention_backend=attention_backend, enforce_eager=enforce_eager,
+                    fused_kernels=fused_kernels,
                 ),
                 cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory_gib, num_blocks=num_kv_blocks),
                 scheduler=SchedulerConfig(

@@ -9,6 +9,7 @@ non-blocking; the results come back in one copy (see `HostCopy`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -49,14 +50,25 @@ from prelude.params import PoolingTask, TokenLogprob
 logger = logging.getLogger("prelude.executor")
 
 
+_ALIGN = 2  # int64 values: every view starts on a 16-byte boundary
+
+
 def pack_int64(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor]:
-    """Copy several int lists to the device in one transfer; returns one view per list."""
+    """Copy several int lists to the device in one transfer; returns one view per list.
+    Each view starts 16-byte aligned: Triton specializes kernels on a pointer's 16-byte
+    alignment, so an odd offset would compile another variant mid-request (~1 s on an H100)
+    instead of reusing the one compiled for the graphs' static buffers."""
     sizes = [len(p) for p in parts]
-    host = torch.tensor([v for p in parts for v in p], dtype=torch.long)
+    padded = [-(-n // _ALIGN) * _ALIGN for n in sizes]
+    values: list[int] = []
+    for p, n, width in zip(parts, sizes, padded):
+        values.extend(p)
+        values.extend([0] * (width - n))
+    host = torch.tensor(values, dtype=torch.long)
     if device.type == "cuda":
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
-    return list(flat.split(sizes))
+    return [view[:n] for view, n in zip(flat.split(padded), sizes)]
 
 
 class LaunchedStep:
@@ -97,6 +109,19 @@ class _RowLayout:
     segments: Sequence[int] | None = None  # per new token; None: one plain causal row
 
 
+def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments | None:
+    """The fused Triton segments (model/fused_segments.py) for a decoder on CUDA, unless
+    turned off or triton is missing; None: the model's own eager segments."""
+    if not config.fused_kernels or model.device.type != "cuda" or model.is_encoder:
+        return None
+    try:
+        from prelude.model.fused_segments import FUSED_SEGMENTS
+    except ImportError:  # triton is optional
+        logger.warning("triton is not installed: the decoder's elementwise ops run unfused")
+        return None
+    return FUSED_SEGMENTS
+
+
 class ModelRunner:
     """Owns the device, the model, its paged KV tensors and the attention backend;
     knows nothing of requests' lifecycles."""
@@ -133,7 +158,9 @@ class ModelRunner:
         mode = self.config.compile
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
-        eager = EagerForwards(self.model.forward)
+        segments = fused_segments_for(self.model, self.config)
+        eager = EagerForwards(functools.partial(self.model.forward, segments=segments) if segments else
+                              self.model.forward)
         if mode == "off":
             return eager
         why_not = None
@@ -236,7 +263,7 @@ class ModelRunner:
         if config.capture_prefill and not reads_row_tensors:
             raise ValueError("prefill graphs need an attention backend that reads PrefillTensors (triton)")
         self.graphs = GraphRunner(
-            lambda ids, pos, meta: self.model.forward(ids, pos, meta, self.kv_caches),
+            lambda ids, pos, meta: self.forwards.forward_for(ids.shape[0])(ids, pos, meta, self.kv_caches),
             config, self.device, self.block_size,
             max_blocks_per_row=-(-max_model_len // self.block_size), scratch_slot=self._scratch_slot, capture=capture,
         )
@@ -278,13 +305,13 @@ class ModelRunner:
         all_kept = len(kept) == len(slots)
         pre = [(start, lay) for lay, start in zip(layouts, starts) if not lay.decode]
         pre_width = max((len(lay.block_table) for _, lay in pre), default=0)
-        pre_columns = [start for start, _ in pre] + [len(lay.ids) for _, lay in pre] + \
-            [lay.context_len for _, lay in pre] + [int(lay.own_kv_in_cache) for _, lay in pre]
+        pre_columns = ([start for start, _ in pre], [len(lay.ids) for _, lay in pre],
+                       [lay.context_len for _, lay in pre], [int(lay.own_kv_in_cache) for _, lay in pre])
         pre_tables = [b for _, lay in pre for b in (*lay.block_table, *([0] * (pre_width - len(lay.block_table))))]
-        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept, d_pre, d_pre_tables,
+        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept, *d_pre, d_pre_tables,
          d_segments) = pack_int64(
             self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
-            kept if any_kept and not all_kept else [], pre_columns, pre_tables, segments,
+            kept if any_kept and not all_kept else [], *pre_columns, pre_tables, segments,
         )
         prefills = []
         span = iter(table_spans)
@@ -304,8 +331,7 @@ class ModelRunner:
             )
         prefill_tensors = None
         if pre:
-            cols = d_pre.view(4, len(pre))
-            prefill_tensors = PrefillTensors(cols[0], cols[1], cols[2], cols[3], d_pre_tables.view(len(pre), pre_width),
+            prefill_tensors = PrefillTensors(*d_pre, d_pre_tables.view(len(pre), pre_width),
                                              max_query_len=max(len(lay.ids) for _, lay in pre))
         meta = AttentionMetadata(
             slot_mapping=d_slots if any_kept else None,

@@ -82,15 +82,15 @@ def _to_device_tensor(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _row_params(specs: Sequence[SampleSpec], vocab: int, device: torch.device) -> _RowParams:
-    return _RowParams(
-        temperature=_to_device([0.0 if s.params.greedy else s.params.temperature for s in specs], torch.float32, device),
-        top_k=_to_device([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in specs], torch.int64, device),
-        top_p=_to_device([s.params.top_p for s in specs], torch.float32, device),
-        min_p=_to_device([s.params.min_p for s in specs], torch.float32, device),
-        seeds=_to_device([s.seed for s in specs], torch.int64, device),
-        positions=_to_device([len(s.output_token_ids) for s in specs], torch.int64, device),
-        greedy=_to_device([s.params.greedy for s in specs], torch.bool, device),
-    )
+    """Two host-to-device copies (float and integer columns), not one per parameter."""
+    floats = torch.tensor([[0.0 if s.params.greedy else s.params.temperature for s in specs],
+                           [s.params.top_p for s in specs], [s.params.min_p for s in specs]], dtype=torch.float32)
+    ints = torch.tensor([[s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in specs],
+                         [s.seed for s in specs], [len(s.output_token_ids) for s in specs],
+                         [int(s.params.greedy) for s in specs]], dtype=torch.int64)
+    f, i = _to_device_tensor(floats, device), _to_device_tensor(ints, device)
+    return _RowParams(temperature=f[0], top_k=i[0], top_p=f[1], min_p=f[2], seeds=i[1], positions=i[2],
+                      greedy=i[3] != 0)
 
 
 def _apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
@@ -171,12 +171,11 @@ def sample_deferred(
 ) -> Callable[[], list[SampledToken]]:
     """Queue the sampling of `logits` (float32 [R, V], one row per spec) on its device and
     its results on `copy`; the returned builder reads them once the copy has landed."""
-    device = logits.device
     vocab = logits.shape[1]
-    p = _row_params(specs, vocab, device)
     work = _apply_token_masks(_apply_penalties(logits, specs), specs)
     chosen = work.argmax(-1)
-    if not all(s.params.greedy for s in specs):
+    if not all(s.params.greedy for s in specs):  # greedy-only steps copy no row parameters
+        p = _row_params(specs, vocab, logits.device)
         truncate = any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in specs)
         probs = _filtered_probs(work, p, truncate, any(s.params.min_p > 0 for s in specs))
         race = probs / -torch.log(uniform_noise(p.seeds, p.positions, vocab)).to(probs.dtype)

@@ -148,7 +148,7 @@ class PrefillRows:
     segment_ids: torch.Tensor | None = None
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # block-table width varies per step
 def _prefill_kernel(
     Q, K, V, KCache, VCache, Out,
     query_start, query_lens, context_lens, own_kv_in_cache, block_tables, segment_ids,
@@ -269,7 +269,7 @@ def prefill_attention(
 # --- paged decode ----------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # block-table width varies per step
 def _decode_kernel(
     Q, KCache, VCache, Out, PartOut, PartLse,
     query_index, context_lens, block_tables,
