@@ -32,8 +32,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16/AMX, else float32 (float16: GPU only)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
-                   help="torch (SDPA, any device) | triton (this project's kernels, CUDA)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto (triton on CUDA when installed, else torch) | torch (SDPA, any device) | "
+                        "triton (this project's kernels, CUDA)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                    help="CUDA: run RMSNorm, rotary and SiLU as separate torch ops (ablation)")

@@ -135,7 +135,7 @@ class ExecutorConfig:
 
     device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU and bf16-native CPUs, else float32) | float32 | bfloat16 | float16 (GPU only)
-    attention_backend: str = "torch"  # torch (any device) | triton (CUDA)
+    attention_backend: str = "auto"  # auto (triton on CUDA when installed, else torch) | torch (any device) | triton (CUDA)
     enforce_eager: bool = False  # no CUDA graphs
     # CUDA decoders: RMSNorm(+residual), q/k norm + rotary and SiLU*up as Triton kernels
     fused_kernels: bool = True

@@ -21,7 +21,7 @@ from prelude.kv.kv_manager import KVCacheManager
 from tests.engine.test_oneshot import run
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 
-GEN = torch.Generator()
+GEN = random.Random(0)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int, arrival: float, slo_ms: float | None = None) -> Request:

@@ -37,3 +37,14 @@ def test_fused_segments_are_picked_for_cuda_decoders_only() -> None:
     assert fused_segments_for(model("cuda"), ExecutorConfig(fused_kernels=False)) is None  # type: ignore[arg-type]
     assert fused_segments_for(model("cuda", encoder=True), ExecutorConfig()) is None  # type: ignore[arg-type]
     assert fused_segments_for(model("cpu"), ExecutorConfig()) is None  # type: ignore[arg-type]
+
+
+def test_auto_attention_backend_is_triton_on_cuda_only() -> None:
+    from prelude.executor.device import resolve_attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_attention_backend("auto", cuda, has_triton=True) == "triton"
+    assert resolve_attention_backend("auto", cuda, has_triton=False) == "torch"
+    assert resolve_attention_backend("auto", cpu, has_triton=True) == "torch"
+    assert resolve_attention_backend("torch", cuda, has_triton=True) == "torch"  # an explicit name stays
+    assert resolve_attention_backend("triton", cpu) == "triton"  # refused later by the registry, with its reason

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 import ray
-import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from prelude.cluster.pools import PoolController
@@ -52,7 +52,7 @@ class AdmittingFront:
     def __init__(self, info: ReplicaInfo, seed: int = 0) -> None:
         self.info = info
         # Unseeded requests draw their sampling seed here, at admission, as the engine does.
-        self._seed_source = torch.Generator().manual_seed(seed)
+        self._seed_source = random.Random(seed)
 
     @property
     def model_name(self) -> str:

@@ -3,10 +3,10 @@ its execution class (the resource contract it keeps for its whole life)."""
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, replace
 
-import torch
 
 from prelude.engine.client import AdmissionError
 from prelude.engine.request import ExecClass, PoolingParams, PoolingTask, Request, SamplingParams
@@ -42,7 +42,7 @@ def admit(
     params: SamplingParams,
     rules: AdmissionRules,
     *,
-    seed_source: torch.Generator,
+    seed_source: random.Random,
     pooling: PoolingParams | None = None,
     arrival_time: float | None = None,
 ) -> Request:
@@ -99,7 +99,7 @@ def admit(
         exec_class = ExecClass.DECODE  # ablation: everything takes the decode-shaped path
     # A request without a seed draws one from the engine's seeded source: runs of the
     # same traffic repeat, and the sampler needs no generator object per request.
-    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=seed_source))
+    seed = params.seed if params.seed is not None else seed_source.getrandbits(62)
     arrival = time.monotonic() if arrival_time is None else arrival_time
     return Request(
         request_id=request_id,

@@ -8,11 +8,11 @@ drives it from one background thread for the HTTP server, the offline API calls
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-import torch
 
 from prelude.config import EngineConfig
 from prelude.engine.admission import AdmissionRules, admit
@@ -105,7 +105,7 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # outputs that need no forward (max_tokens=0)
         self._handoffs: list[KVHandoff] = []  # prefilled here, to be decoded elsewhere (take_handoffs)
         self.handoff_counts = {"exported": 0, "imported": 0, "imported_recomputed": 0}
-        self._rng = torch.Generator().manual_seed(config.seed)
+        self._rng = random.Random(config.seed)  # sampling seeds of requests that name none
         self.idle = False
         # Overlap pays where the device runs asynchronously to the host; on a CPU the host
         # is the device, so there is nothing to hide.

@@ -41,7 +41,7 @@ class LLM:
         *,
         dtype: str = "auto",
         device: str = "auto",
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         enforce_eager: bool = False,
         fused_kernels: bool = True,
         max_model_len: int | None = None,

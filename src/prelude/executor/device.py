@@ -1,7 +1,8 @@
-"""Resolve the configured device and dtype against the machine."""
+"""Resolve the configured device, dtype and attention backend against the machine."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -68,3 +69,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if _DTYPES[name] is torch.float16 and device.type == "cpu":
         raise ValueError("float16 is not supported on the CPU; use bfloat16 or float32")
     return _DTYPES[name]
+
+
+def resolve_attention_backend(name: str, device: torch.device, has_triton: bool | None = None) -> str:
+    """`auto` is this project's Triton kernels on CUDA (prefill graphs need them) when triton
+    is installed, else torch SDPA (every CPU: the Triton kernels are for GPUs)."""
+    if name != "auto":
+        return name
+    if has_triton is None:
+        has_triton = importlib.util.find_spec("triton") is not None
+    return "triton" if device.type == "cuda" and has_triton else "torch"

@@ -18,7 +18,7 @@ import torch
 
 from prelude.config import ExecutorConfig
 from prelude.executor.compiled import COMPILE_MODES, CompiledForwards, EagerForwards, ForwardProvider
-from prelude.executor.device import resolve_device, resolve_dtype
+from prelude.executor.device import resolve_attention_backend, resolve_device, resolve_dtype
 from prelude.executor import label_heads
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.host_copy import HostCopy, HostValue
@@ -210,7 +210,7 @@ class ModelRunner:
         block-format projections, which CPU decode reads where it can."""
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        attention = get_attention_backend(config.attention_backend, device)
+        attention = get_attention_backend(resolve_attention_backend(config.attention_backend, device), device)
         # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
                             prepack=config.compile == "off", blocks=blocks)
