@@ -29,14 +29,15 @@ def test_fused_segments_are_picked_for_cuda_decoders_only() -> None:
     from prelude.executor.runner import fused_segments_for
     from prelude.model.fused_segments import FUSED_SEGMENTS
 
-    def model(device: str, encoder: bool = False) -> SimpleNamespace:
-        return SimpleNamespace(device=torch.device(device), is_encoder=encoder)
+    def model(device: str, encoder: bool = False, head_dim: int = 64) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device(device), is_encoder=encoder, config=SimpleNamespace(head_dim=head_dim))
 
     assert fused_segments_for(model("cuda"), ExecutorConfig()) is FUSED_SEGMENTS  # type: ignore[arg-type]
     assert fused_segments_for(model("cuda:1"), ExecutorConfig()) is FUSED_SEGMENTS  # type: ignore[arg-type]
     assert fused_segments_for(model("cuda"), ExecutorConfig(fused_kernels=False)) is None  # type: ignore[arg-type]
     assert fused_segments_for(model("cuda", encoder=True), ExecutorConfig()) is None  # type: ignore[arg-type]
     assert fused_segments_for(model("cpu"), ExecutorConfig()) is None  # type: ignore[arg-type]
+    assert fused_segments_for(model("cuda", head_dim=80), ExecutorConfig()) is None  # type: ignore[arg-type]
 
 
 def test_auto_attention_backend_is_triton_on_cuda_only() -> None:

@@ -114,6 +114,10 @@ def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments 
     turned off or triton is missing; None: the model's own eager segments."""
     if not config.fused_kernels or model.device.type != "cuda" or model.is_encoder:
         return None
+    head_dim = int(getattr(model.config, "head_dim", 0) or 0)
+    if head_dim < 2 or head_dim & (head_dim - 1):  # the rotary kernel tiles a head in two power-of-two halves
+        logger.info("head_dim %d is not a power of two: the decoder's elementwise ops run unfused", head_dim)
+        return None
     try:
         from prelude.model.fused_segments import FUSED_SEGMENTS
     except ImportError:  # triton is optional
