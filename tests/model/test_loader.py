@@ -103,3 +103,69 @@ def test_hf_directory_loads_sharded(kind: str, tmp_path: Path) -> None:
 def test_bad_model_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="neither"):
         load_model_files(str(tmp_path / "missing"))
+
+
+def _same_as_gguf_reader(path: Path) -> None:
+    """GgufFile reads what gguf's own reader reads: every field's value, every tensor's
+    name, ggml shape, type and bytes."""
+    import gguf
+    import numpy as np
+
+    from prelude.model.gguf_file import GgufFile
+
+    ours, ref = GgufFile(path), gguf.GGUFReader(str(path))
+    want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}  # GGUF.*: the header
+    assert ours.fields == want
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.shape == tuple(int(x) for x in b.shape) and a.tensor_type == b.tensor_type, a.name
+        assert a.data.shape == np.asarray(b.data).shape and np.array_equal(a.data, np.asarray(b.data)), a.name
+
+
+@needs_default
+def test_gguf_file_reads_the_default_gguf_as_gguf_does() -> None:
+    _same_as_gguf_reader(loader.default_model_path())
+
+
+def test_gguf_file_reads_every_value_and_tensor_type(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("k.u8", 7)
+    w.add_int8("k.i8", -7)
+    w.add_uint16("k.u16", 65000)
+    w.add_int16("k.i16", -300)
+    w.add_uint32("k.u32", 4_000_000_000)
+    w.add_int32("k.i32", -5)
+    w.add_float32("k.f32", 0.25)
+    w.add_uint64("k.u64", 2**40)
+    w.add_int64("k.i64", -(2**40))
+    w.add_float64("k.f64", 1e-300)
+    w.add_bool("k.bool", True)
+    w.add_string("k.str", "héllo ▁wörld")
+    w.add_array("k.ints", [1, 2, 3])
+    w.add_array("k.floats", [0.5, -1.5])
+    w.add_array("k.strs", ["a", "", "ü b"])
+    w.add_array("k.empty", [])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 32)).astype(np.float16))
+    q8 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # the quantized bytes, [4, 2 x 34]
+    w.add_tensor("vec", rng.standard_normal(5).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_as_gguf_reader(path)
+
+
+def test_gguf_file_refuses_what_is_not_gguf(tmp_path: Path) -> None:
+    from prelude.model.gguf_file import GgufFile
+
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        GgufFile(bad)

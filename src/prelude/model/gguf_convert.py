@@ -1,6 +1,7 @@
 """Convert a GGUF file (llama / qwen2 / qwen3 architectures) into an HF-style directory.
 
-Tensors are dequantized to float32 with the `gguf` package; llama.cpp's tensor names
+The file is read with model/gguf_file.py; tensors are dequantized to float32 (Q4_0, Q4_1 and
+Q8_0 from their blocks, other types with the `gguf` package); llama.cpp's tensor names
 map to HF names, and the rotary row permutation that llama.cpp's converter applies to
 llama-architecture q/k projections is undone. The tokenizer is rebuilt from the GGUF's
 byte-level BPE vocabulary and merges with the `tokenizers` library.
@@ -20,6 +21,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tokenizers import normalizers
 
 from prelude.model.ggml_blocks import BLOCKS_FILE, GgmlBlocks, save_blocks
+from prelude.model.gguf_file import GgufFile
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -48,9 +50,8 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GgufFile, key: str, default: Any = None) -> Any:
+    return reader.field(key, default)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -72,7 +73,7 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_config(reader: Any, vocab_size: int, tied: bool) -> dict[str, Any]:
+def hf_config(reader: GgufFile, vocab_size: int, tied: bool) -> dict[str, Any]:
     arch = str(_field(reader, "general.architecture"))
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
@@ -121,7 +122,7 @@ def _pre_tokenizer(pre: str) -> tuple[Any, Any]:
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; convert the model to a HF directory instead")
 
 
-def build_tokenizer(reader: Any) -> tuple[Tokenizer, dict[str, Any]]:
+def build_tokenizer(reader: GgufFile) -> tuple[Tokenizer, dict[str, Any]]:
     """The HF tokenizer and a tokenizer_config dict from `tokenizer.ggml.*` metadata."""
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
@@ -163,7 +164,7 @@ def build_tokenizer(reader: Any) -> tuple[Tokenizer, dict[str, Any]]:
     return tok, config
 
 
-def rotary_heads(reader: Any, name: str) -> int | None:
+def rotary_heads(reader: GgufFile, name: str) -> int | None:
     """The head count whose rotary halves llama.cpp interleaved in this tensor's rows
     (llama-architecture q/k projections, by HF name), else None: rows to leave alone."""
     arch = str(_field(reader, "general.architecture"))
@@ -173,7 +174,7 @@ def rotary_heads(reader: Any, name: str) -> int | None:
     return n_heads if "q_proj" in name else int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
 
 
-def gguf_blocks(reader: Any) -> dict[str, GgmlBlocks]:
+def gguf_blocks(reader: GgufFile) -> dict[str, GgmlBlocks]:
     """The projections stored in a block format the decode kernel reads (Q4_0, Q4_1,
     Q8_0), by HF name, rows in HF order (llama's q/k rotary permutation undone)."""
     out: dict[str, GgmlBlocks] = {}
@@ -194,21 +195,23 @@ def gguf_blocks(reader: Any) -> dict[str, GgmlBlocks]:
 def write_gguf_blocks(gguf_path: Path, out_dir: Path) -> None:
     """Keep the GGUF's block-format projections beside its converted weights (an empty
     file when it has none, so that a converted directory is never revisited)."""
-    import gguf
-
-    save_blocks(gguf_blocks(gguf.GGUFReader(str(gguf_path))), out_dir / BLOCKS_FILE)
+    save_blocks(gguf_blocks(GgufFile(gguf_path)), out_dir / BLOCKS_FILE)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json,
     and the block-format projections (ggml_blocks.BLOCKS_FILE)."""
-    import gguf  # imported here: only conversion needs it
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = GgufFile(gguf_path)
+    blocks = gguf_blocks(reader)  # rows already in HF order
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         name = hf_name(t.name)
+        if name in blocks:  # expanded from its blocks: bit-equal to gguf's dequantizer, ~5x faster
+            weights[name] = blocks[name].dequantize().contiguous()
+            continue
+        import gguf.quants  # only for types without block code here
+
+        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if (heads := rotary_heads(reader, name)) is not None:
             array = unpermute_rotary(array, heads)
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
@@ -217,7 +220,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     cfg = hf_config(reader, weights["model.embed_tokens.weight"].shape[0], tied)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out_dir / "model.safetensors"))
-    save_blocks(gguf_blocks(reader), out_dir / BLOCKS_FILE)
+    save_blocks(blocks, out_dir / BLOCKS_FILE)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
