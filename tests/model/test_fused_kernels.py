@@ -14,7 +14,7 @@ import torch
 from prelude.config import ModelConfig
 from prelude.model import decoder_segments as eager
 from prelude.model.rope import RotaryEmbedding
-from tests.model.triton_interp import Run, interp, interpreted  # noqa: F401  (interp: the fixture)
+from tests.model.triton_interp import Run, interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

@@ -15,7 +15,7 @@ import torch
 
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
 from prelude.model.attention.torch_backend import TorchAttention
-from tests.model.triton_interp import Run, interp, interpreted  # noqa: F401  (interp: the fixture)
+from tests.model.triton_interp import Run, interpreted
 
 # find_spec, not importorskip: importing triton here would fix it in compiled mode
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -5,7 +5,7 @@ interpreted when they are defined, i.e. when triton is first imported. So interp
 checks run in a spawned worker that sets TRITON_INTERPRET=1 before anything there imports
 triton: the test process's environment and modules are never touched, nothing leaks into
 other tests, and `gpu` tests import the real, compiled kernels. A test module calls its
-module-level `check_*` functions through the `interp` fixture it re-exports.
+module-level `check_*` functions through the `interp` fixture (tests/model/conftest.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import os
 import sys
 from types import ModuleType
 from typing import Any, Callable, Iterator
-
-import pytest
 
 Run = Callable[..., Any]
 
@@ -34,8 +32,8 @@ def interpreted(module: str) -> ModuleType:
     return importlib.import_module(module)
 
 
-@pytest.fixture(scope="module")
-def interp() -> Iterator[Run]:
-    """run(check_fn, *args): check_fn(*args) in the interpreter worker (one per test module)."""
+def interpreter_worker() -> Iterator[Run]:
+    """run(check_fn, *args): check_fn(*args) in a spawned interpreter worker (the `interp`
+    fixture of tests/model/conftest.py yields one per test module)."""
     with multiprocessing.get_context("spawn").Pool(1, initializer=_enter_interpreter) as pool:
         yield lambda fn, *args: pool.apply(fn, args)
