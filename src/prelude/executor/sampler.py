@@ -69,10 +69,7 @@ class _RowParams:
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
+    return _to_device_tensor(torch.tensor(values, dtype=dtype), device)
 
 
 def _to_device_tensor(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf.quants import dequantize as gguf_dequantize  # types without block code here
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tokenizers import normalizers
@@ -50,10 +51,6 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
 
-def _field(reader: GgufFile, key: str, default: Any = None) -> Any:
-    return reader.field(key, default)
-
-
 def hf_name(gguf_name: str) -> str:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m:
@@ -74,10 +71,10 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def hf_config(reader: GgufFile, vocab_size: int, tied: bool) -> dict[str, Any]:
-    arch = str(_field(reader, "general.architecture"))
+    arch = str(reader.field("general.architecture"))
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
-    get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    get = lambda k, d=None: reader.field(f"{arch}.{k}", d)  # noqa: E731
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
@@ -99,7 +96,7 @@ def hf_config(reader: GgufFile, vocab_size: int, tied: bool) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     for key in ("bos_token_id", "eos_token_id"):
-        value = _field(reader, f"tokenizer.ggml.{key}")
+        value = reader.field(f"tokenizer.ggml.{key}")
         if value is not None:
             cfg[key] = int(value)
     return cfg
@@ -124,15 +121,15 @@ def _pre_tokenizer(pre: str) -> tuple[Any, Any]:
 
 def build_tokenizer(reader: GgufFile) -> tuple[Tokenizer, dict[str, Any]]:
     """The HF tokenizer and a tokenizer_config dict from `tokenizer.ggml.*` metadata."""
-    kind = _field(reader, "tokenizer.ggml.model")
+    kind = reader.field("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE, 'gpt2')")
-    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
-    types: list[int] = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    tokens: list[str] = list(reader.field("tokenizer.ggml.tokens"))
+    types: list[int] = list(reader.field("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in reader.field("tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    normalizer, pre = _pre_tokenizer(str(_field(reader, "tokenizer.ggml.pre", "gpt2")))
+    normalizer, pre = _pre_tokenizer(str(reader.field("tokenizer.ggml.pre", "gpt2")))
     if normalizer is not None:
         tok.normalizer = normalizer
     tok.pre_tokenizer = pre
@@ -143,9 +140,9 @@ def build_tokenizer(reader: GgufFile) -> tuple[Tokenizer, dict[str, Any]]:
         if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
     ]
     tok.add_tokens(added)
-    name = lambda key: tokens[int(_field(reader, key))] if _field(reader, key) is not None else None  # noqa: E731
+    name = lambda key: tokens[int(reader.field(key))] if reader.field(key) is not None else None  # noqa: E731
     bos, eos = name("tokenizer.ggml.bos_token_id"), name("tokenizer.ggml.eos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(reader.field("tokenizer.ggml.add_bos_token", False))
     if add_bos and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
@@ -158,8 +155,8 @@ def build_tokenizer(reader: GgufFile) -> tuple[Tokenizer, dict[str, Any]]:
         "pad_token": name("tokenizer.ggml.padding_token_id"),
         "unk_token": name("tokenizer.ggml.unknown_token_id"),
         "add_bos_token": add_bos,
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-        "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}.context_length", 2048)),
+        "chat_template": reader.field("tokenizer.chat_template"),
+        "model_max_length": int(reader.field(f"{reader.field('general.architecture')}.context_length", 2048)),
     }
     return tok, config
 
@@ -167,11 +164,11 @@ def build_tokenizer(reader: GgufFile) -> tuple[Tokenizer, dict[str, Any]]:
 def rotary_heads(reader: GgufFile, name: str) -> int | None:
     """The head count whose rotary halves llama.cpp interleaved in this tensor's rows
     (llama-architecture q/k projections, by HF name), else None: rows to leave alone."""
-    arch = str(_field(reader, "general.architecture"))
+    arch = str(reader.field("general.architecture"))
     if arch != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
         return None
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    return n_heads if "q_proj" in name else int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    n_heads = int(reader.field(f"{arch}.attention.head_count"))
+    return n_heads if "q_proj" in name else int(reader.field(f"{arch}.attention.head_count_kv", n_heads))
 
 
 def gguf_blocks(reader: GgufFile) -> dict[str, GgmlBlocks]:
@@ -209,9 +206,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if name in blocks:  # expanded from its blocks: bit-equal to gguf's dequantizer, ~5x faster
             weights[name] = blocks[name].dequantize().contiguous()
             continue
-        import gguf.quants  # only for types without block code here
-
-        array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        array = gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if (heads := rotary_heads(reader, name)) is not None:
             array = unpermute_rotary(array, heads)
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
