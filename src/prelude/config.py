@@ -137,7 +137,8 @@ class ExecutorConfig:
     dtype: str = "auto"  # auto (bf16 on GPU and bf16-native CPUs, else float32) | float32 | bfloat16 | float16 (GPU only)
     attention_backend: str = "auto"  # auto (triton on CUDA when installed, else torch) | torch (any device) | triton (CUDA)
     enforce_eager: bool = False  # no CUDA graphs
-    # CUDA decoders: RMSNorm(+residual), q/k norm + rotary and SiLU*up as Triton kernels
+    # Decoders: RMSNorm(+residual), q/k norm + rotary and SiLU*up fused (Triton kernels on CUDA,
+    # C kernels for float32 on an AVX2 CPU)
     fused_kernels: bool = True
     # CPU decoders: off | background (serve eagerly, compile off the request path, swap each
     # compiled shape in when ready) | ahead (compile, or load from the disk cache, before ready)

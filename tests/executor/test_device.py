@@ -21,23 +21,37 @@ def test_resolve_auto_matches_this_machine() -> None:
         assert cpu_isa_flags(), "the CPU flags could not be read"
 
 
-def test_fused_segments_are_picked_for_cuda_decoders_only() -> None:
+def test_fused_segments_are_picked_for_decoders_on_cuda_and_float32_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     pytest.importorskip("triton")
     from prelude.config import ExecutorConfig
     from prelude.executor.runner import fused_segments_for
-    from prelude.model.fused_segments import FUSED_SEGMENTS
+    from prelude.model.cpu_fused_kernels import load_cpu_kernels
 
-    def model(device: str, encoder: bool = False, head_dim: int = 64) -> SimpleNamespace:
-        return SimpleNamespace(device=torch.device(device), is_encoder=encoder, config=SimpleNamespace(head_dim=head_dim))
+    def model(device: str, encoder: bool = False, head_dim: int = 64,
+              dtype: torch.dtype = torch.float32) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device(device), is_encoder=encoder, dtype=dtype,
+                               config=SimpleNamespace(head_dim=head_dim))
 
-    assert fused_segments_for(model("cuda"), ExecutorConfig()) is FUSED_SEGMENTS  # type: ignore[arg-type]
-    assert fused_segments_for(model("cuda:1"), ExecutorConfig()) is FUSED_SEGMENTS  # type: ignore[arg-type]
-    assert fused_segments_for(model("cuda"), ExecutorConfig(fused_kernels=False)) is None  # type: ignore[arg-type]
-    assert fused_segments_for(model("cuda", encoder=True), ExecutorConfig()) is None  # type: ignore[arg-type]
-    assert fused_segments_for(model("cpu"), ExecutorConfig()) is None  # type: ignore[arg-type]
-    assert fused_segments_for(model("cuda", head_dim=80), ExecutorConfig()) is None  # type: ignore[arg-type]
+    def label(m: SimpleNamespace, config: ExecutorConfig | None = None) -> str | None:
+        segments = fused_segments_for(m, config or ExecutorConfig())  # type: ignore[arg-type]
+        return None if segments is None else segments.label
+
+    assert label(model("cuda", dtype=torch.bfloat16)) == "triton"
+    assert label(model("cuda:1", dtype=torch.bfloat16)) == "triton"
+    assert label(model("cuda"), ExecutorConfig(fused_kernels=False)) is None
+    assert label(model("cuda", encoder=True)) is None
+    assert label(model("cuda", head_dim=80)) is None  # the Triton rotary tiles power-of-two halves
+    cpu_kernels = load_cpu_kernels() is not None
+    assert label(model("cpu")) == ("cpu" if cpu_kernels else None)
+    assert label(model("cpu", head_dim=80)) == ("cpu" if cpu_kernels else None)  # any even head_dim
+    assert label(model("cpu", head_dim=63)) is None
+    assert label(model("cpu", dtype=torch.bfloat16)) is None  # the C kernels are float32
+    assert label(model("cpu"), ExecutorConfig(fused_kernels=False)) is None
+    assert label(model("cpu", encoder=True)) is None
+    monkeypatch.setenv("PRELUDE_CPU_FUSED", "0")
+    assert label(model("cpu")) is None
 
 
 def test_auto_attention_backend_is_triton_on_cuda_only() -> None:

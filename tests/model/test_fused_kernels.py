@@ -111,7 +111,7 @@ def test_silu_mul(interp: Run, dtype: str) -> None:
 
 def check_segments_match_eager(dtype_name: str) -> None:
     """first -> between -> last over two layers' weights, fused vs eager."""
-    fused = interpreted("prelude.model.fused_segments").FUSED_SEGMENTS
+    fused = interpreted("prelude.model.fused_segments").triton_segments()
     dtype = getattr(torch, dtype_name)
     shape, t, hidden, ff = _shape(4, 2, 16), 6, 64, 96
     size = shape.q_size + 2 * shape.kv_size
@@ -142,7 +142,7 @@ def check_model_forward_with_fused_segments() -> None:
     """The whole trunk of a tiny Qwen3 (torch attention backend) with fused vs eager segments."""
     from tests.model.test_triton_attention import Row, _tiny_qwen3_weights, make_batch
 
-    fused = interpreted("prelude.model.fused_segments").FUSED_SEGMENTS
+    fused = interpreted("prelude.model.fused_segments").triton_segments()
     from prelude.model.attention import get_attention_backend
     from prelude.model.llama import LlamaForCausalLM
 
@@ -174,7 +174,7 @@ def test_model_forward_with_fused_segments(interp: Run) -> None:
 def test_fused_segments_on_cuda_match_eager() -> None:
     if os.environ.get("TRITON_INTERPRET"):
         pytest.skip("TRITON_INTERPRET is set for this process")
-    from prelude.model.fused_segments import FUSED_SEGMENTS
+    from prelude.model.fused_segments import triton_segments
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     shape, t, hidden, ff = _shape(16, 8, 128), 37, 1024, 3072
@@ -186,7 +186,7 @@ def test_fused_segments_on_cuda_match_eager() -> None:
                              r(hidden, ff, seed=8))
     cos, sin = (x.to(dev) for x in _rope(128, torch.arange(100, 100 + t), dtype))
     h, attn = _rand(t, hidden, seed=9, dtype=dtype).to(dev), _rand(t, 16, 128, seed=10, dtype=dtype).to(dev)
-    got = FUSED_SEGMENTS.between(shape, h, attn, tail, head, cos, sin)
+    got = triton_segments().between(shape, h, attn, tail, head, cos, sin)
     want = eager.between(shape, h, attn, tail, head, cos, sin)
     for g, e in zip(got, want, strict=True):
         _close(g.cpu(), e.cpu())

@@ -43,7 +43,9 @@ from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
 from prelude.model.base import KVCaches, Model
+from prelude.model.cpu_fused_kernels import load_cpu_kernels
 from prelude.model.decoder_segments import DecoderSegments
+from prelude.model.fused_segments import fused_segments, triton_segments
 from prelude.model.loader import cache_root
 from prelude.params import PoolingTask, TokenLogprob
 
@@ -110,20 +112,27 @@ class _RowLayout:
 
 
 def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments | None:
-    """The fused Triton segments (model/fused_segments.py) for a decoder on CUDA, unless
-    turned off or triton is missing; None: the model's own eager segments."""
-    if not config.fused_kernels or model.device.type != "cuda" or model.is_encoder:
+    """The fused segments (model/fused_segments.py) for a decoder: over the Triton kernels on
+    CUDA, over the C kernels for float32 on the CPU; None (the model's own eager segments)
+    when turned off or where the kernels cannot run."""
+    if not config.fused_kernels or model.is_encoder:
         return None
     head_dim = int(getattr(model.config, "head_dim", 0) or 0)
+    if model.device.type == "cpu":
+        if model.dtype != torch.float32 or head_dim < 2 or head_dim % 2:
+            return None
+        kernels = load_cpu_kernels()
+        return None if kernels is None else fused_segments(kernels, "cpu")
+    if model.device.type != "cuda":
+        return None
     if head_dim < 2 or head_dim & (head_dim - 1):  # the rotary kernel tiles a head in two power-of-two halves
         logger.info("head_dim %d is not a power of two: the decoder's elementwise ops run unfused", head_dim)
         return None
     try:
-        from prelude.model.fused_segments import FUSED_SEGMENTS
+        return triton_segments()
     except ImportError:  # triton is optional
         logger.warning("triton is not installed: the decoder's elementwise ops run unfused")
         return None
-    return FUSED_SEGMENTS
 
 
 class ModelRunner:

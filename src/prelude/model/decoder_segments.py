@@ -122,12 +122,13 @@ def last(shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, tail: TailWeigh
 
 @dataclass(frozen=True)
 class DecoderSegments:
-    """The three segment callables a forward runs; eager by default, compiled copies
-    share the signatures."""
+    """The three segment callables a forward runs; eager by default, compiled and fused
+    copies share the signatures. `label` names the set (logs, tests)."""
 
     first: Callable[..., QKV] = first
     between: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = between
     last: Callable[..., torch.Tensor] = last
+    label: str = "eager"
 
 
 EAGER_SEGMENTS = DecoderSegments()
