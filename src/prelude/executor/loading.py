@@ -3,10 +3,14 @@ loading, so that it never touches model classes or checkpoint formats."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from prelude.config import EngineConfig
+from prelude.executor.device import resolve_device
 from prelude.executor.runner import ModelRunner
+from prelude.model import blocks_kernel, cpu_fused_kernels
 from prelude.model.loader import load_model_files
 from prelude.tokenizer.base import Tokenizer
 
@@ -18,8 +22,28 @@ class LoadedRunner:
     name: str
 
 
+def _build_quietly(build: Callable[[], object]) -> None:
+    try:
+        build()
+    except Exception:  # noqa: BLE001 - the kernel's loader reports it when it tries again
+        pass
+
+
+def _build_cpu_kernels() -> list[threading.Thread]:
+    """Compile the CPU's C kernels (~0.6 s each, first start only) on threads while the
+    checkpoint loads: the compilers run beside the GGUF conversion instead of after it."""
+    threads = [threading.Thread(target=_build_quietly, args=(build,), name=f"build-{build.__module__}", daemon=True)
+               for build in (blocks_kernel.build, cpu_fused_kernels.build)]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def load_runner(config: EngineConfig) -> LoadedRunner:
+    builds = _build_cpu_kernels() if resolve_device(config.executor.device).type == "cpu" else []
     loaded = load_model_files(config.model)
+    for t in builds:
+        t.join()
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if config.scheduler.max_model_len and max_pos is not None:
         max_pos = max(max_pos, config.scheduler.max_model_len)
