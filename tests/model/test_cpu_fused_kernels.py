@@ -103,6 +103,8 @@ def test_refusals(kernels: CpuFusedKernels) -> None:
         kernels.qk_norm_rope(torch.zeros(2, 21), 1, 1, 7, cos, sin, None, None, 1e-6)
     with pytest.raises(ValueError, match="width"):
         kernels.qk_norm_rope(torch.zeros(2, 20), 1, 1, 8, cos, sin, None, None, 1e-6)
+    with pytest.raises(ValueError, match="cos/sin"):
+        kernels.qk_norm_rope(torch.zeros(2, 24), 1, 1, 8, cos[:1], sin[:1], None, None, 1e-6)
 
 
 def test_segments_match_eager(kernels: CpuFusedKernels) -> None:
