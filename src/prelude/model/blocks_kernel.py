@@ -6,17 +6,12 @@
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from prelude.model import native_lib
 from prelude.model.ggml_blocks import KINDS, GgmlBlocks
-
-logger = logging.getLogger("prelude.model.blocks_kernel")
 
 _SOURCE = Path(__file__).with_name("blocks_gemm.c")
 
@@ -59,14 +54,6 @@ def build() -> Path:
 
 def load_kernel() -> BlocksKernel | None:
     """The kernel, built on first use on this machine; None where it cannot run. Each
-    caller (a model) holds its own handle: loading an already built library is a dlopen."""
-    if os.environ.get("PRELUDE_BLOCKS_KERNEL", "1") == "0":
-        return None
-    if not native_lib.cpu_has_avx2_fma():
-        logger.info("GGUF-block decode GEMM off: this CPU has no AVX2+FMA")
-        return None
-    try:
-        return BlocksKernel(ctypes.CDLL(str(build())))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        logger.warning("GGUF-block decode GEMM off (decode reads float32 weights): %s", exc)
-        return None
+    caller (a model) holds its own handle."""
+    lib = native_lib.load(_SOURCE, "PRELUDE_BLOCKS_KERNEL", "GGUF-block decode GEMM (decode reads float32 weights)")
+    return None if lib is None else BlocksKernel(lib)

@@ -19,16 +19,11 @@ without a compiler or AVX2+FMA, or with PRELUDE_CPU_FUSED=0.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from prelude.model import native_lib
-
-logger = logging.getLogger("prelude.model.cpu_fused_kernels")
 
 _SOURCE = Path(__file__).with_name("cpu_fused.c")
 MAX_HEAD_DIM = 1024  # the C side's per-head scratch
@@ -133,13 +128,5 @@ def build() -> Path:
 
 def load_cpu_kernels() -> CpuFusedKernels | None:
     """The kernels, built on first use on this machine; None where they cannot run."""
-    if os.environ.get("PRELUDE_CPU_FUSED", "1") == "0":
-        return None
-    if not native_lib.cpu_has_avx2_fma():
-        logger.info("fused CPU kernels off: this CPU has no AVX2+FMA")
-        return None
-    try:
-        return CpuFusedKernels(ctypes.CDLL(str(build())))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        logger.warning("fused CPU kernels off (the decoder's elementwise ops run unfused): %s", exc)
-        return None
+    lib = native_lib.load(_SOURCE, "PRELUDE_CPU_FUSED", "fused CPU kernels (elementwise ops run unfused)")
+    return None if lib is None else CpuFusedKernels(lib)

@@ -9,7 +9,9 @@ thread's team instead of starting a second pool; ctypes releases the GIL for a c
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -17,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger("prelude.model.native_lib")
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 
@@ -58,3 +62,19 @@ def build(source: Path) -> Path:
 def cpu_has_avx2_fma() -> bool:
     # torch's AVX2 level requires FMA as well; every level above it includes both.
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
+
+
+def load(source: Path, switch: str, what: str) -> ctypes.CDLL | None:
+    """`source`'s library, built on first use on this machine; None (with a log line naming
+    `what` is off) when the environment variable `switch` is "0", without AVX2+FMA, or when
+    it cannot be built or loaded. Loading an already built library is a dlopen."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    if not cpu_has_avx2_fma():
+        logger.info("%s off: this CPU has no AVX2+FMA", what)
+        return None
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        logger.warning("%s off: %s", what, exc)
+        return None
