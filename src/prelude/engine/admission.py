@@ -7,7 +7,6 @@ import random
 import time
 from dataclasses import dataclass, replace
 
-
 from prelude.engine.client import AdmissionError
 from prelude.engine.request import ExecClass, PoolingParams, PoolingTask, Request, SamplingParams
 

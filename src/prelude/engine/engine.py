@@ -13,7 +13,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-
 from prelude.config import EngineConfig
 from prelude.engine.admission import AdmissionRules, admit
 from prelude.engine.grammar import GrammarCompiler
