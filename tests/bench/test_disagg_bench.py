@@ -30,9 +30,12 @@ def test_trace_mix_and_measurements() -> None:
     assert all(4 <= len(j.prompt) <= 8 and j.max_tokens == 6 for j in jobs if not j.long)
     done, span = asyncio.run(replay(_Fake(), jobs))
     short = [d for d in done if not d.job.long]
-    assert all(d.ttft == pytest.approx(0.05, abs=0.03) for d in done)
-    assert all(d.second_gap == pytest.approx(0.04, abs=0.03) for d in done)
-    assert all(d.tpot == pytest.approx((0.04 + 4 * 0.01) / 5, abs=0.02) for d in short)
+    # Lower bounds only: a sleep never ends early, but how late it ends is the machine's load.
+    # Taken between the wrong stamps (one output's own, or a later token's), each would fall short.
+    eps = 1e-3
+    assert all(d.ttft >= 0.05 - eps for d in done)
+    assert all(d.second_gap >= 0.04 - eps for d in done)
+    assert all(d.tpot >= (0.04 + 4 * 0.01) / 5 - eps for d in short)
     s = summarize(done, span)
     assert s["throughput_tok_s"] == pytest.approx(sum(j.max_tokens for j in jobs) / span)
     assert s["tpot_p99_s"] >= s["tpot_p50_s"] > 0

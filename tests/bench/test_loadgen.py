@@ -27,6 +27,10 @@ class FakeServer:
         self.tokens, self.delay, self.usage, self.done = tokens, delay, usage, done
         self.in_flight = 0
         self.most_in_flight = 0
+        # Set: measured requests (not warm-ups) wait until this many are in flight at once,
+        # so a closed loop's full concurrency shows on any machine (then they stop waiting).
+        self.hold_until_in_flight: int | None = None
+        self._all_in = asyncio.Event()
         self.bodies: list[dict] = []
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
@@ -35,6 +39,10 @@ class FakeServer:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
+            if self.hold_until_in_flight is not None and str(body.get("prompt", "")).startswith("p"):
+                if self.in_flight >= self.hold_until_in_flight:
+                    self._all_in.set()
+                await asyncio.wait_for(self._all_in.wait(), 60)
             await asyncio.sleep(self.delay)
             text = body.get("prompt") or body.get("input")
             if isinstance(text, str) and text.startswith("fail"):
@@ -57,6 +65,7 @@ def _run(server: FakeServer, payloads: list, spec: LoadSpec, max_tokens: int = 3
 
 def test_closed_loop_keeps_exactly_the_concurrency_in_flight_and_counts_tokens() -> None:
     server = FakeServer(tokens=4)
+    server.hold_until_in_flight = 6
     res = _run(server, [f"p{i}" for i in range(24)], LoadSpec(concurrency=6, warmup=2), max_tokens=4, warmup=["w"] * 5)
     assert len(res.records) == 24 and all(r.ok for r in res.records)
     assert server.most_in_flight == 6

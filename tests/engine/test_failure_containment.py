@@ -98,10 +98,13 @@ def test_failed_decode_step_frees_the_tables_of_its_requests(hf_model: Any) -> N
     assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 
 
-async def _tokens(front: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+async def _tokens(front: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams,
+                  started: asyncio.Event | None = None) -> list[int]:
     out: list[int] = []
     async for o in front.generate(rid, prompt, params):
         out.extend(o.new_token_ids)
+        if started is not None:
+            started.set()
     return out
 
 
@@ -112,8 +115,9 @@ def test_async_front_fails_only_the_requests_of_the_failed_step(hf_model: Any) -
     decode = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     async def run() -> tuple[Any, Any]:
-        chat = asyncio.create_task(_tokens(front, "decode", [1, 2, 3], decode))
-        await asyncio.sleep(0.05)  # the decode is running when the OneShot step fails
+        started = asyncio.Event()
+        chat = asyncio.create_task(_tokens(front, "decode", [1, 2, 3], decode, started))
+        await started.wait()  # the decode is running (its first token is out) when the OneShot step fails
         judged = await asyncio.gather(
             front.encode("embed", [9, 8, 7, 6], PoolingParams(PoolingTask.EMBED)), return_exceptions=True)
         return await chat, judged[0]

@@ -147,6 +147,9 @@ class FakeEngine:
         self._max_model_len = max_model_len
         self._tokenizer = CharTokenizer()
         self.token_delay = token_delay
+        # Set: every request's first token waits until it is set (a test holds requests
+        # "waiting to start" for as long as it needs, on any machine).
+        self.first_token: asyncio.Event | None = None
         self.healthy = True
         self.calls: dict[str, Call] = {}
         self.aborted: list[str] = []
@@ -222,6 +225,8 @@ class FakeEngine:
                                 prompt_logprobs=head)
             return
         for step, (token, text) in enumerate(zip(plan.tokens, plan.texts, strict=True)):
+            if step == 0 and self.first_token is not None:
+                await self.first_token.wait()
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
             if fail and step == 1:

@@ -63,17 +63,22 @@ async def test_every_route_but_health_needs_the_key(metrics_require_key: bool) -
 
 
 async def test_overload_answers_429_and_leaves_the_admitted_alone() -> None:
-    engine = FakeEngine(token_delay=0.05)
+    engine = FakeEngine()
+    engine.first_token = asyncio.Event()  # both admitted requests wait to start until released
     app = build_app(engine, limits=ServerLimits(max_waiting_requests=2))
     body = {"prompt": "slow", "max_tokens": 3}
     async with asgi_client(app) as c:
-        # The first token takes 50 ms: both requests wait to start meanwhile.
         admitted = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
-        await asyncio.sleep(0.01)
-        r = await c.post("/v1/completions", json=body)
+        for _ in range(6000):  # a condition, not a delay: both are in, waiting for their first token
+            if app.state.gate.waiting == 2:
+                break
+            await asyncio.sleep(0.005)
+        assert app.state.gate.waiting == 2
+        r = await asyncio.wait_for(c.post("/v1/completions", json=body), 30)  # admitted, it would hang
         err = assert_error(r, 429, "rate_limit_error")
         assert r.headers["retry-after"] == "1" and err["code"] == "rate_limit_exceeded"
         assert_error(await c.post("/v1/embeddings", json={"input": "x"}), 429, "rate_limit_error")
+        engine.first_token.set()
         done = await asyncio.gather(*admitted)
         assert [d.status_code for d in done] == [200, 200]
         assert all(d.json()["choices"][0]["finish_reason"] == "length" for d in done)

@@ -48,6 +48,11 @@ class SoakSpec:
 class SoakResult:
     outcomes: Counter = field(default_factory=Counter)  # answered | rejected | cancelled | failed
     by_kind: dict[str, Counter] = field(default_factory=dict)
+    # Outcomes by the client's plan and kind, "keep:<kind>" (read to the end) or
+    # "cancel:<kind>" (leave early): only a planned cancel may end "cancelled", and a
+    # stream's planned cancel always does (see _one).
+    by_plan: dict[str, Counter] = field(default_factory=dict)
+    streams_cancelled_planned: int = 0
     failures: list[str] = field(default_factory=list)
     latencies_s: list[float] = field(default_factory=list)
     rss_warm_mib: float | None = None
@@ -55,9 +60,10 @@ class SoakResult:
     integrity: dict[str, Any] | None = None
     seconds: float = 0.0
 
-    def add(self, kind: str, outcome: str, detail: str = "") -> None:
+    def add(self, kind: str, outcome: str, detail: str = "", planned_cancel: bool = False) -> None:
         self.outcomes[outcome] += 1
         self.by_kind.setdefault(kind, Counter())[outcome] += 1
+        self.by_plan.setdefault(f"{'cancel' if planned_cancel else 'keep'}:{kind}", Counter())[outcome] += 1
         if outcome == "failed" and len(self.failures) < 50:
             self.failures.append(f"{kind}: {detail}")
 
@@ -76,6 +82,9 @@ class SoakResult:
         problems = []
         if self.total != spec.requests:
             problems.append(f"accounting: {self.total} outcomes for {spec.requests} requests")
+        kept_cancelled = sum(c["cancelled"] for k, c in self.by_plan.items() if k.startswith("keep:"))
+        if kept_cancelled:
+            problems.append(f"{kept_cancelled} requests the client read to the end were counted cancelled")
         if self.outcomes["failed"]:
             problems.append(f"{self.outcomes['failed']} failed requests (5xx, cut, or bad error body)")
         if self.integrity is None or not self.integrity.get("ok"):
@@ -91,6 +100,7 @@ class SoakResult:
         lat = sorted(self.latencies_s)
         return {
             "outcomes": dict(self.outcomes), "by_kind": {k: dict(v) for k, v in self.by_kind.items()},
+            "by_plan": {k: dict(v) for k, v in self.by_plan.items()},
             "failures": self.failures, "rss_warm_mib": self.rss_warm_mib, "rss_end_mib": self.rss_end_mib,
             "rss_growth": self.rss_growth, "integrity": self.integrity, "seconds": self.seconds,
             "req_per_s": self.total / self.seconds if self.seconds else None,
@@ -154,10 +164,16 @@ def _is_error_body(data: Any) -> bool:
 
 async def _one(client: httpx.AsyncClient, kind: str, path: str, body: Any, cancel_after: float | None,
                result: SoakResult, log_failures: bool = False) -> None:
+    """One request. A planned cancel (`cancel_after` not None) of a stream leaves right after
+    its first event, so it always lands mid-request whatever the machine's speed; any other
+    planned cancel leaves after `cancel_after` seconds, or not at all if the answer came first."""
     t0 = time.perf_counter()
     kwargs: dict[str, Any] = {"content": body, "headers": {"content-type": "application/json"}} \
         if isinstance(body, bytes) else {"json": body}
     stream = isinstance(body, dict) and bool(body.get("stream"))
+    leave_after_first_event = stream and cancel_after is not None
+    if leave_after_first_event:
+        result.streams_cancelled_planned += 1
 
     async def run() -> tuple[str, str]:
         async with client.stream("POST", path, **kwargs) as r:
@@ -177,11 +193,13 @@ async def _one(client: httpx.AsyncClient, kind: str, path: str, body: Any, cance
                     event = json.loads(line[6:])
                     if "error" in event:
                         return "failed", f"error event {event}"
+                elif line.startswith("data: ") and leave_after_first_event:
+                    return "cancelled", ""  # leaving the block closes the connection mid-stream
             return ("answered", "") if done else ("failed", "stream ended without [DONE]")
 
     task = asyncio.ensure_future(run())
     try:
-        if cancel_after is None:
+        if cancel_after is None or leave_after_first_event:
             outcome, detail = await task
         else:
             done, _ = await asyncio.wait({task}, timeout=cancel_after)
@@ -197,7 +215,7 @@ async def _one(client: httpx.AsyncClient, kind: str, path: str, body: Any, cance
         result.latencies_s.append(time.perf_counter() - t0)
     elif outcome == "failed" and log_failures:  # a long run shows what broke as it happens
         print(f"  failed: {kind} {path}: {detail}", file=sys.stderr, flush=True)
-    result.add(kind, outcome, detail)
+    result.add(kind, outcome, detail, planned_cancel=cancel_after is not None)
 
 
 async def run_soak(base: str, spec: SoakSpec, read_rss_mib: Callable[[], float] | None = None,
