@@ -28,6 +28,7 @@ from prelude.model.blocks_kernel import load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.linear import BlocksPath, Projection, prepack_enabled
+from prelude.model.lora import LoraStep
 from prelude.model.rope import RotaryEmbedding
 
 
@@ -101,6 +102,8 @@ class LlamaForCausalLM:
             DecoderLayer(cast, f"model.layers.{i}.", config, prepack, blocks_for)
             for i in range(config.num_hidden_layers)
         ]
+        self._heads = [layer.head for layer in self.layers]
+        self._tails = [layer.tail for layer in self.layers]
         self.norm = cast["model.norm.weight"]
         # A *ForSequenceClassification checkpoint has a `score` head instead of an LM head.
         self.score = cast.get("score.weight")
@@ -135,21 +138,28 @@ class LlamaForCausalLM:
         kv_caches: KVCaches,
         token_type_ids: torch.Tensor | None = None,
         segments: DecoderSegments = EAGER_SEGMENTS,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final-normed hidden states [T, hidden].
         `token_type_ids` exists for the shared forward signature; decoders have none.
         `segments` run the math between attention calls (compiled copies come from the
-        executor); attention itself always runs through the backend, eagerly."""
+        executor); attention itself always runs through the backend, eagerly. `lora`: the
+        resident adapters and each token's slot; its deltas ride in the projection
+        operands (None: the plain weights, not one op more)."""
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)  # gathered once, shared by every layer
-        layers = self.layers
-        q, k, v = segments.first(self.shape, h, layers[0].head, cos, sin)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
+        if lora is None:
+            heads, tails = self._heads, self._tails
+        else:
+            heads = [lora.head(i, w) for i, w in enumerate(self._heads)]
+            tails = [lora.tail(i, w) for i, w in enumerate(self._tails)]
+        q, k, v = segments.first(self.shape, h, heads[0], cos, sin)
+        for i, (tail, (k_cache, v_cache)) in enumerate(zip(tails, kv_caches, strict=True)):
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            if i + 1 < len(layers):
-                h, q, k, v = segments.between(self.shape, h, attn, layer.tail, layers[i + 1].head, cos, sin)
+            if i + 1 < len(tails):
+                h, q, k, v = segments.between(self.shape, h, attn, tail, heads[i + 1], cos, sin)
             else:
-                h = segments.last(self.shape, h, attn, layer.tail, self.norm)
+                h = segments.last(self.shape, h, attn, tail, self.norm)
         return h
 
     is_encoder = False

@@ -1,0 +1,315 @@
+"""LoRA adapters beside one copy of the base weights: PEFT files in, stacked slots, and
+the per-forward delta of every row's own adapter.
+
+An adapter (PEFT's `adapter_config.json` + `adapter_model.safetensors`) adds
+`scaling * B (A x)` to some of q/k/v/o/gate/up/down. Prelude fuses q/k/v and gate/up into
+one projection each, so the delta of a fused projection is the concatenation of its
+targets' deltas: its slot holds the targets' A side by side ([in, k R]) and their B as a
+block diagonal ([k R, out]), so one shrink and one expand serve the fused projection.
+
+Resident adapters sit in `LoraSlots`: for each layer and fused projection, A stacked
+[slots, in, k R] and B stacked [slots, k R, out] (the scaling folded into B; ranks below
+`max_rank` are zero-padded, which adds nothing). A forward gets a `LoraStep` (the slots
+and this batch's per-token slot index, -1 for the base) as an explicit argument; it wraps
+each projection operand so that the decoder's `linear(...)` call sites add the delta.
+Without a LoraStep the forward is the plain one: no extra op.
+
+The delta on the CPU is grouped by adapter: one shrink and one expand per distinct
+adapter in the batch (a view of its rows when they are contiguous, else an index), never
+a loop over rows. On CUDA a Triton kernel pair (lora_kernels.py) reads the per-token slot
+index, so a captured CUDA graph takes the index as an input like the token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from prelude.config import ModelConfig
+from prelude.model.decoder_segments import HeadWeights, Linear, TailWeights, linear
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Prelude's fused projections and the PEFT targets they hold, in output order.
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+# Sequence-classification heads a PEFT adapter may carry in `modules_to_save`.
+HEAD_MODULES = ("score", "classifier")
+_LORA_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served on this base (the server answers 400)."""
+
+
+def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of every target module."""
+    h, i = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter's weights on the host, checked against the base config."""
+
+    name: str
+    path: Path
+    rank: int  # the largest rank of its modules
+    # (layer, target) -> (A [r, in], B scaled [out, r]), float32
+    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    head: torch.Tensor | None = None  # a modules_to_save classification head [labels, hidden]
+    labels: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + (
+            self.head.nbytes if self.head is not None else 0)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise LoraError(f"adapter path {str(path)!r} is not a directory")
+    missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (path / f).is_file()]
+    if missing:
+        raise LoraError(f"adapter {str(path)!r} lacks {', '.join(missing)} (PEFT's format)")
+    try:
+        with open(path / ADAPTER_CONFIG, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoraError(f"cannot read {ADAPTER_CONFIG}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{ADAPTER_CONFIG} is not a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    for unsupported in ("use_dora", "rank_pattern", "alpha_pattern"):
+        if cfg.get(unsupported):
+            raise LoraError(f"{unsupported} adapters are not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoraError("adapters that train biases (bias != 'none') are not supported")
+    return cfg
+
+
+def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """Load and check a PEFT LoRA adapter; LoraError says what does not fit."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    cfg = _read_config(path)
+    targets = cfg.get("target_modules") or []
+    if isinstance(targets, list):
+        unknown = sorted(set(map(str, targets)) - set(TARGETS))
+        if unknown:
+            raise LoraError(f"unknown target module(s) {', '.join(unknown)}; supported: {', '.join(TARGETS)}")
+    try:
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except (SafetensorError, OSError) as e:
+        raise LoraError(f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
+    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    rslora = bool(cfg.get("use_rslora", False))
+    shapes = _shapes(config)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    head = None
+    for key, t in tensors.items():
+        m = _LORA_KEY.search(key)
+        if m is None:
+            module = key.split(".")[-2] if key.count(".") else key
+            if module in HEAD_MODULES and key.endswith(".weight"):
+                head = t.float()
+                continue
+            if module in HEAD_MODULES and key.endswith(".bias"):
+                raise LoraError(f"a {module} head with a bias is not supported")
+            raise LoraError(f"unknown tensor {key!r}: adapters may target {', '.join(TARGETS)} only")
+        layer, target, side = int(m.group(1)), m.group(2), m.group(3)
+        if target not in shapes:
+            raise LoraError(f"unknown target module {target!r}; supported: {', '.join(TARGETS)}")
+        if layer >= config.num_hidden_layers:
+            raise LoraError(f"tensor {key!r} is for layer {layer}; the base has {config.num_hidden_layers}")
+        halves.setdefault((layer, target), {})[side] = t.float()
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for (layer, target), ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"layer {layer} {target} has lora_{''.join(ab)} only")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shapes[target]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
+            raise LoraError(f"layer {layer} {target}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
+                            f"the base's {fan_out}x{fan_in} projection")
+        if r > max_rank:
+            raise LoraError(f"rank {r} is over --max-lora-rank {max_rank}")
+        scaling = alpha / (math.sqrt(r) if rslora else r)
+        weights[(layer, target)] = (a.contiguous(), (b * scaling).contiguous())
+        rank = max(rank, r)
+    if head is not None and (head.dim() != 2 or head.shape[1] != config.hidden_size):
+        raise LoraError(f"the adapter's head {tuple(head.shape)} does not fit hidden size {config.hidden_size}")
+    if not weights and head is None:
+        raise LoraError(f"adapter {str(path)!r} holds no LoRA weights")
+    labels = _head_labels(cfg, head)
+    return LoraAdapter(name, path, rank, weights, head, labels)
+
+
+def _head_labels(cfg: dict[str, Any], head: torch.Tensor | None) -> tuple[str, ...]:
+    if head is None:
+        return ()
+    id2label = cfg.get("id2label") or {}
+    return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(head.shape[0]))
+
+
+def _pieces(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    """Per fused projection: its input size and its targets' output sizes."""
+    shapes = _shapes(config)
+    return {p: (shapes[ts[0]][0], [shapes[t][1] for t in ts]) for p, ts in FUSED.items()}
+
+
+class LoraSlots:
+    """`num_slots` resident adapters' stacked A/B per layer and fused projection (device
+    memory the executor owns; `nbytes` is counted in its budget)."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError("LoRA needs at least one slot and a rank of at least 1")
+        self.config = config
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._pieces = _pieces(config)
+        # a[layer][proj]: [S, in, k R]; b[layer][proj]: [S, k R, out]
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for _ in range(config.num_hidden_layers):
+            a, b = {}, {}
+            for p, (fan_in, outs) in self._pieces.items():
+                width = len(outs) * max_rank
+                a[p] = torch.zeros(num_slots, fan_in, width, dtype=dtype, device=self.device)
+                b[p] = torch.zeros(num_slots, width, sum(outs), dtype=dtype, device=self.device)
+            self.a.append(a)
+            self.b.append(b)
+        self.heads: list[torch.Tensor | None] = [None] * num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in (*self.a, *self.b) for t in layer.values())
+
+    @staticmethod
+    def bytes_for(config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
+        """Device bytes of a LoraSlots, before building one (the memory budget)."""
+        per_layer = sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in _pieces(config).values())
+        return per_layer * config.num_hidden_layers * num_slots * dtype.itemsize
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Write `adapter` into `slot` (replacing what was there)."""
+        if adapter.rank > self.max_rank:
+            raise LoraError(f"rank {adapter.rank} is over --max-lora-rank {self.max_rank}")
+        self.clear(slot)
+        r = self.max_rank
+        for (layer, target), (a, b) in adapter.weights.items():
+            proj = next(p for p, ts in FUSED.items() if target in ts)
+            j = FUSED[proj].index(target)
+            outs = self._pieces[proj][1]
+            off = sum(outs[:j])
+            rank = a.shape[0]
+            self.a[layer][proj][slot, :, j * r : j * r + rank].copy_(a.t())
+            self.b[layer][proj][slot, j * r : j * r + rank, off : off + outs[j]].copy_(b.t())
+        self.heads[slot] = None if adapter.head is None else adapter.head.to(self.dtype).to(self.device)
+
+    def clear(self, slot: int) -> None:
+        for layer in (*self.a, *self.b):
+            for t in layer.values():
+                t[slot].zero_()
+        self.heads[slot] = None
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    """This forward's adapter per token: `token_slots` [T] on the device (-1: the base),
+    and, for the CPU's grouped matmul, each slot's rows: a slice when contiguous, else an
+    index tensor."""
+
+    token_slots: torch.Tensor
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+
+    @staticmethod
+    def build(row_slots: Sequence[int], row_lens: Sequence[int], device: torch.device | str) -> "LoraBatch | None":
+        """From each row's slot (-1: base) and token count; None when every row is the base
+        (the plain forward)."""
+        if all(s < 0 for s in row_slots):
+            return None
+        device = torch.device(device)
+        per_token = [s for s, n in zip(row_slots, row_lens) for _ in range(n)]
+        token_slots = torch.tensor(per_token, dtype=torch.long)
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        if device.type == "cpu":
+            start = 0
+            spans: dict[int, list[tuple[int, int]]] = {}
+            for s, n in zip(row_slots, row_lens):
+                if s >= 0 and n:
+                    spans.setdefault(s, []).append((start, start + n))
+                start += n
+            for s, runs in spans.items():
+                if all(a == b for (_, b), (a, _) in zip(runs, runs[1:])):  # one contiguous run
+                    groups.append((s, slice(runs[0][0], runs[-1][1])))
+                else:
+                    groups.append((s, torch.cat([torch.arange(a, b) for a, b in runs])))
+        return LoraBatch(token_slots.to(device, non_blocking=True), tuple(groups))
+
+    def delta_into(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """out[t] += (x[t] @ a[slot t]) @ b[slot t] for every token of an adapter; returns out."""
+        if out.device.type == "cuda":
+            from prelude.model.lora_kernels import lora_delta_
+
+            return lora_delta_(out, x, a, b, self.token_slots)
+        for slot, rows in self.groups:
+            if isinstance(rows, slice):
+                out[rows].addmm_(x[rows] @ a[slot], b[slot])
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a[slot]) @ b[slot])
+        return out
+
+
+class LoraLinear:
+    """A projection operand plus this batch's adapters: what `linear(x, w)` calls."""
+
+    __slots__ = ("base", "bias", "a", "b", "batch")
+
+    def __init__(self, base: Linear, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                 batch: LoraBatch) -> None:
+        self.base, self.bias, self.a, self.b, self.batch = base, bias, a, b, batch
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.batch.delta_into(linear(x, self.base, self.bias), x, self.a, self.b)
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    """What a forward needs for adapters: the resident slots and this batch's index."""
+
+    slots: LoraSlots
+    batch: LoraBatch
+
+    def head(self, layer: int, w: HeadWeights) -> HeadWeights:
+        a, b = self.slots.a[layer]["qkv"], self.slots.b[layer]["qkv"]
+        return w._replace(qkv=LoraLinear(w.qkv, w.qkv_bias, a, b, self.batch), qkv_bias=None)
+
+    def tail(self, layer: int, w: TailWeights) -> TailWeights:
+        a, b, batch = self.slots.a[layer], self.slots.b[layer], self.batch
+        return w._replace(o_proj=LoraLinear(w.o_proj, None, a["o_proj"], b["o_proj"], batch),
+                          gate_up=LoraLinear(w.gate_up, None, a["gate_up"], b["gate_up"], batch),
+                          down=LoraLinear(w.down, None, a["down"], b["down"], batch))

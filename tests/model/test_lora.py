@@ -1,0 +1,200 @@
+"""LoRA adapters (model/lora.py) vs PEFT on random-weight tiny models (float32)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prelude.config import ExecutorConfig, ModelConfig
+from prelude.executor.runner import ModelRunner, fused_segments_for
+from prelude.forward_batch import BatchRow
+from prelude.kv.kv_manager import KVCacheManager
+from prelude.model.decoder_segments import EAGER_SEGMENTS
+from prelude.model.lora import TARGETS, LoraBatch, LoraError, LoraSlots, LoraStep, read_adapter
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def hf_base(kind: str, seed: int = 0) -> "transformers.PreTrainedModel":
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, tie_word_embeddings=False))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY, tie_word_embeddings=True))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.float().eval()
+
+
+def save_adapter(kind: str, path: Path, seed: int, targets: tuple[str, ...] = TARGETS, r: int = 8,
+                 alpha: float = 16, rslora: bool = False) -> "transformers.PreTrainedModel":
+    """A random PEFT adapter for hf_base(kind) saved at `path`; returns PEFT's merged model."""
+    base = hf_base(kind)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+                          init_lora_weights=False)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(path))
+    return model.merge_and_unload().eval()
+
+
+def runner_for(kind: str, num_blocks: int = 64) -> tuple[ModelRunner, KVCacheManager, ModelConfig]:
+    hf = hf_base(kind)
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    runner = ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype="float32"), 4)
+    runner.allocate_kv_cache(num_blocks)
+    return runner, KVCacheManager(num_blocks, 4), config
+
+
+def logits_of(runner: ModelRunner, rows: list[BatchRow], row_slots: list[int], slots: LoraSlots,
+              segments=EAGER_SEGMENTS) -> list[torch.Tensor]:
+    inputs = runner.build_paged_inputs(tuple(rows))
+    batch = LoraBatch.build(row_slots, [len(r.token_ids) for r in rows], "cpu")
+    step = None if batch is None else LoraStep(slots, batch)
+    hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches,
+                                  segments=segments, lora=step)
+    logits = runner.model.compute_logits(hidden)
+    return [logits[s : s + len(r.token_ids)] for s, r in zip(inputs.starts, rows)]
+
+
+def hf_logits(model: "transformers.PreTrainedModel", ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("kind,targets,rslora", [
+    ("llama", TARGETS, False),
+    ("qwen2", ("q_proj", "v_proj", "down_proj"), True),
+    ("qwen3", ("k_proj", "o_proj", "gate_proj", "up_proj"), False),
+])
+def test_adapter_logits_equal_peft_merged(tmp_path: Path, kind: str, targets: tuple[str, ...], rslora: bool) -> None:
+    merged = save_adapter(kind, tmp_path / "a", seed=3, targets=targets, r=8, rslora=rslora)
+    runner, kv, config = runner_for(kind)
+    adapter = read_adapter("a", tmp_path / "a", config, max_rank=16)
+    slots = LoraSlots(config, num_slots=2, max_rank=16, dtype=torch.float32, device="cpu")
+    slots.load(1, adapter)
+    segment_sets = [EAGER_SEGMENTS] + [s for s in [fused_segments_for(runner.model, runner.config)] if s]
+    prompt = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = hf_logits(merged, prompt)
+    for n, segments in enumerate(segment_sets):
+        assert kv.allocate(f"r{n}", len(prompt))
+        (got,) = logits_of(runner, [BatchRow(f"r{n}", prompt, 0, kv.block_table(f"r{n}"), None)], [1], slots, segments)
+        assert (got - want).abs().max().item() <= 1e-4, segments.label
+        assert (got - hf_logits(hf_base(kind), prompt)).abs().max().item() > 1e-2  # the adapter does change them
+
+
+def test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tmp_path: Path) -> None:
+    runner, kv, config = runner_for("llama")
+    slots = LoraSlots(config, num_slots=4, max_rank=16, dtype=torch.float32, device="cpu")
+    for i, (r, targets) in enumerate([(4, TARGETS), (16, ("q_proj", "up_proj")), (8, ("v_proj", "down_proj"))]):
+        save_adapter("llama", tmp_path / str(i), seed=10 + i, targets=targets, r=r)
+        slots.load(i + 1, read_adapter(str(i), tmp_path / str(i), config, max_rank=16))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 9, 3, 7, 6)]
+    row_slots = [2, -1, 1, 3, 2]  # adapter 2's rows are apart: the grouped path takes an index
+    alone = []
+    for i, (p, s) in enumerate(zip(prompts, row_slots)):
+        assert kv.allocate(f"alone{i}", len(p))
+        (lg,) = logits_of(runner, [BatchRow(f"alone{i}", p, 0, kv.block_table(f"alone{i}"), None)], [s], slots)
+        alone.append(lg)
+    rows = []
+    for i, p in enumerate(prompts):
+        assert kv.allocate(f"mix{i}", len(p))
+        rows.append(BatchRow(f"mix{i}", p, 0, kv.block_table(f"mix{i}"), None))
+    mixed = logits_of(runner, rows, row_slots, slots)
+    for a, m in zip(alone, mixed):
+        assert (a - m).abs().max().item() <= 1e-4
+    # ...and a decode step of the same rows (one token each, interleaved adapters)
+    decode_rows = []
+    for i, (p, lg) in enumerate(zip(prompts, mixed)):
+        tok = int(lg[-1].argmax())
+        assert kv.allocate(f"mix{i}", len(p) + 1)
+        decode_rows.append(BatchRow(f"mix{i}", [tok], len(p), kv.block_table(f"mix{i}"), None))
+    stepped = logits_of(runner, decode_rows, row_slots, slots)
+    for i, (p, lg) in enumerate(zip(prompts, mixed)):
+        assert kv.allocate(f"full{i}", len(p) + 1)
+        full = p + [int(lg[-1].argmax())]
+        (ref,) = logits_of(runner, [BatchRow(f"full{i}", full, 0, kv.block_table(f"full{i}"), None)],
+                           [row_slots[i]], slots)
+        assert (stepped[i][-1] - ref[-1]).abs().max().item() <= 1e-4
+
+
+def test_no_adapter_is_the_plain_forward(tmp_path: Path) -> None:
+    runner, kv, config = runner_for("llama")
+    assert LoraBatch.build([-1, -1], [3, 1], "cpu") is None
+    slots = LoraSlots(config, num_slots=1, max_rank=8, dtype=torch.float32, device="cpu")
+    p = [1, 2, 3, 4, 5]
+    assert kv.allocate("x", len(p))
+    (plain,) = logits_of(runner, [BatchRow("x", p, 0, kv.block_table("x"), None)], [-1], slots)
+    (zero_slot,) = logits_of(runner, [BatchRow("x", p, 0, kv.block_table("x"), None)], [0], slots)
+    assert torch.equal(plain, zero_slot) or (plain - zero_slot).abs().max().item() <= 1e-6
+
+
+def test_bad_adapters_say_why(tmp_path: Path) -> None:
+    _, _, config = runner_for("llama")
+    with pytest.raises(LoraError, match="lacks"):
+        read_adapter("x", tmp_path, config, 16)
+    save_adapter("llama", tmp_path / "big", seed=1, r=32)
+    with pytest.raises(LoraError, match="over --max-lora-rank 16"):
+        read_adapter("x", tmp_path / "big", config, 16)
+    save_adapter("qwen3", tmp_path / "other", seed=1, targets=("q_proj",))  # head_dim 32: q is 128 wide
+    with pytest.raises(LoraError, match="do not fit"):
+        read_adapter("x", tmp_path / "other", config, 16)
+    save_adapter("llama", tmp_path / "lm", seed=1, targets=("q_proj",))
+    cfg = json.loads((tmp_path / "lm" / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "embed_tokens"]
+    (tmp_path / "lm" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoraError, match="unknown target module.*embed_tokens"):
+        read_adapter("x", tmp_path / "lm", config, 16)
+
+
+def test_slot_bytes_are_counted_before_building() -> None:
+    config = ModelConfig.from_hf_dict(hf_base("qwen3").config.to_dict())
+    slots = LoraSlots(config, num_slots=3, max_rank=4, dtype=torch.float32, device="cpu")
+    assert slots.nbytes == LoraSlots.bytes_for(config, 3, 4, torch.float32) > 0
+
+
+def check_triton_delta(dtype_name: str) -> None:
+    """The Triton kernel pair equals the CPU's grouped matmul (run under the interpreter)."""
+    from tests.model.triton_interp import interpreted
+
+    kernels = interpreted("prelude.model.lora_kernels")
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    slots, n_in, rank, n_out = 3, 40, 24, 70  # none a power of two: the tiles' masks are exercised
+    a = (torch.randn(slots, n_in, rank, generator=gen) * 0.3).to(dtype)
+    b = (torch.randn(slots, rank, n_out, generator=gen) * 0.3).to(dtype)
+    row_slots, row_lens = [2, -1, 0, 2, 1], [3, 2, 1, 4, 1]
+    tokens = sum(row_lens)
+    x = torch.randn(tokens, n_in, generator=gen).to(dtype)
+    base = torch.randn(tokens, n_out, generator=gen).to(dtype)
+    batch = LoraBatch.build(row_slots, row_lens, "cpu")
+    assert batch is not None
+    want = batch.delta_into(base.clone().float(), x.float(), a.float(), b.float())
+    got = kernels.lora_delta_(base.clone(), x, a, b, batch.token_slots)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert torch.equal(got[3:5], base[3:5])  # base rows are left as they were
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_triton_delta_equals_grouped_matmul(interp, dtype_name: str) -> None:
+    interp(check_triton_delta, dtype_name)
