@@ -71,8 +71,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse-oneshot", action=argparse.BooleanOptionalAction, default=True,
                    help="OneShot rows ride in the Decode/Mixed forward when budgets allow; --no-fuse-oneshot: "
                         "steps alternate between OneShot and Decode/Mixed batches")
-    p.add_argument("--force-decode-path", action="store_true",
-                   help="ablation: send every request down the Decode path (no OneShot class)")
+    p.add_argument("--force-paged-path", "--force-decode-path", dest="force_paged_path", action="store_true",
+                   help="ablation: send every request down the Paged path (no OneShot class); "
+                        "--force-decode-path is its old name")
 
 
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202
@@ -98,7 +99,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             policy=args.policy,
-            force_decode=args.force_decode_path,
+            force_paged=args.force_paged_path,
             fuse_oneshot=args.fuse_oneshot,
             prefix_deferral=args.prefix_deferral,
             max_decode_batch=args.max_decode_batch,

@@ -119,7 +119,7 @@ class SchedulerConfig:
     # OneShot admission: prompt tokens per step and a temporary-activation estimate.
     max_oneshot_tokens: int | None = None  # None: max_num_batched_tokens
     oneshot_activation_bytes: int = 1 << 30
-    force_decode: bool = False  # ablation: send every request down the Decode path
+    force_paged: bool = False  # ablation: send every request down the Paged path
     # OneShot rows ride in the Decode/Mixed forward when budgets allow (fused steps);
     # False: steps alternate between a OneShot batch and a Decode/Mixed batch.
     fuse_oneshot: bool = True

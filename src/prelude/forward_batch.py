@@ -51,7 +51,7 @@ class BatchRow:
     start_pos: int  # absolute position of token_ids[0]
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: SampleSpec | None  # None: a prompt chunk that does not finish the prompt
-    head: HeadSpec | None = None  # only on rows holding a whole prompt (forced-Decode ablation)
+    head: HeadSpec | None = None  # only on rows holding a whole prompt (forced-Paged ablation)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import pytest
 
 from prelude import SamplingParams
 from prelude.engine.async_engine import AsyncEngine
-from prelude.engine.client import AdmissionError
+from prelude.engine.client import InvalidRequestError
 
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 
@@ -75,7 +75,7 @@ def test_admission_error_surfaces_before_first_output(hf_model) -> None:  # noqa
     front = AsyncEngine(tiny_engine(hf_model, max_model_len=16))
 
     async def run() -> None:
-        with pytest.raises(AdmissionError):
+        with pytest.raises(InvalidRequestError):
             await front.generate("big", list(range(20)), SamplingParams()).__anext__()
 
     asyncio.run(run())

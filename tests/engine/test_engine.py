@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prelude import LLM, SamplingParams
-from prelude.engine.client import AdmissionError
+from prelude.engine.client import InvalidRequestError
 from prelude.engine.engine import LLMEngine
 
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
@@ -171,11 +171,11 @@ def test_max_tokens_zero_and_context_limits(make_engine) -> None:  # noqa: ANN00
     llm = LLM(engine=engine)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=0))[0].outputs[0]
     assert out.token_ids == [] and out.finish_reason == "length"
-    with pytest.raises(AdmissionError):
+    with pytest.raises(InvalidRequestError):
         engine.add_request("long", list(range(40)), SamplingParams(max_tokens=1))
-    with pytest.raises(AdmissionError):
+    with pytest.raises(InvalidRequestError):
         engine.add_request("over", list(range(30)), SamplingParams(max_tokens=20))
-    with pytest.raises(AdmissionError):
+    with pytest.raises(InvalidRequestError):
         engine.add_request("oov", [1, 999], SamplingParams(max_tokens=1))
     # max_tokens=None fills the context exactly.
     full = llm.generate([list(range(30))], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0))[0].outputs[0]

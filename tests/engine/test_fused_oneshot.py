@@ -71,8 +71,8 @@ def drain(engine: LLMEngine, finals: dict[str, RequestOutput], tokens: dict[str,
         if out.finished:
             finals[out.request_id] = out
     engine.check_integrity()
-    # only Decode requests ever hold blocks (OneShot rows own no table)
-    assert all(engine._requests[rid].exec_class is ExecClass.DECODE for rid in engine.kv.holders())
+    # only Paged requests ever hold blocks (OneShot rows own no table)
+    assert all(engine._requests[rid].exec_class is ExecClass.PAGED for rid in engine.kv.holders())
 
 
 def close(a: Any, b: Any) -> None:

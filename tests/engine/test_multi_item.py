@@ -173,11 +173,11 @@ def test_whole_label_sequence_logprobs_match_teacher_forcing(hf_model: Any) -> N
 
 
 def test_packed_items_are_always_oneshot_and_need_a_shared_part(hf_model: Any) -> None:
-    from prelude.engine.client import AdmissionError
+    from prelude.engine.client import InvalidRequestError
     from prelude.engine.request import ExecClass
 
-    forced = tiny_engine(hf_model, force_decode=True)
+    forced = tiny_engine(hf_model, force_paged=True)
     pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=LABELS, item_lens=(2,))
     assert forced.prepare("a", [1, 2, 3], NO_GEN, pooling).exec_class is ExecClass.ONESHOT
-    with pytest.raises(AdmissionError):
+    with pytest.raises(InvalidRequestError):
         forced.prepare("b", [1, 2], NO_GEN, pooling)

@@ -1,5 +1,5 @@
 """Execution classes: OneShot work keeps no decode-shaped state and gives the same
-answers as the Decode path and as HF transformers."""
+answers as the Paged path and as HF transformers."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def test_admission_classes(hf_model: Any) -> None:
     assert engine.prepare("b", [1, 2], SamplingParams(max_tokens=0, prompt_logprobs=1)).exec_class is ExecClass.ONESHOT
     pooled = engine.prepare("c", [1, 2], SamplingParams(max_tokens=0), PoolingParams(PoolingTask.EMBED))
     assert pooled.exec_class is ExecClass.ONESHOT
-    assert engine.prepare("d", [1, 2], SamplingParams(max_tokens=2)).exec_class is ExecClass.DECODE
-    forced = tiny_engine(hf_model, force_decode=True)
-    assert forced.prepare("e", [1, 2], SamplingParams(max_tokens=1)).exec_class is ExecClass.DECODE
+    assert engine.prepare("d", [1, 2], SamplingParams(max_tokens=2)).exec_class is ExecClass.PAGED
+    forced = tiny_engine(hf_model, force_paged=True)
+    assert forced.prepare("e", [1, 2], SamplingParams(max_tokens=1)).exec_class is ExecClass.PAGED
 
 
 def _held_kv(engine: LLMEngine) -> list[torch.Tensor]:
@@ -122,7 +122,7 @@ def test_oneshot_generation_equals_decode_path(hf_model: Any) -> None:
     ps = prompts(6, seed=3)
     reqs = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=3), None) for i, p in enumerate(ps)]
     oneshot = run(tiny_engine(hf_model), reqs)
-    forced = run(tiny_engine(hf_model, force_decode=True), reqs)
+    forced = run(tiny_engine(hf_model, force_paged=True), reqs)
     for i, p in enumerate(ps):
         a, b = oneshot[str(i)], forced[str(i)]
         assert a.new_token_ids == b.new_token_ids and a.text == b.text
@@ -133,12 +133,12 @@ def test_oneshot_generation_equals_decode_path(hf_model: Any) -> None:
         assert a.finish_reason is not None and a.finish_reason.value == "length"
 
 
-@pytest.mark.parametrize("force_decode", [False, True], ids=["oneshot", "forced-decode"])
-def test_prompt_logprobs_match_hf(hf_model: Any, force_decode: bool) -> None:
+@pytest.mark.parametrize("force_paged", [False, True], ids=["oneshot", "forced-paged"])
+def test_prompt_logprobs_match_hf(hf_model: Any, force_paged: bool) -> None:
     ps = prompts(5, seed=4)
     reqs = [(str(i), p, SamplingParams(max_tokens=0, prompt_logprobs=3), None) for i, p in enumerate(ps)]
     reqs.append(("gen", ps[0], SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0, ignore_eos=True), None))
-    outs = run(tiny_engine(hf_model, max_num_batched_tokens=16, force_decode=force_decode), reqs)
+    outs = run(tiny_engine(hf_model, max_num_batched_tokens=16, force_paged=force_paged), reqs)
     for rid, p in [(str(i), p) for i, p in enumerate(ps)] + [("gen", ps[0])]:
         with torch.no_grad():
             ref = torch.log_softmax(hf_model(torch.tensor([p])).logits[0].float(), -1)
@@ -196,9 +196,9 @@ def test_sequence_classification_head_matches_hf(kind: str) -> None:
         with torch.no_grad():
             ref = hf(torch.tensor([[t + 1 for t in p]])).logits[0]
         assert torch.allclose(torch.tensor(outs[str(i)].scores), ref, atol=1e-4)
-    from prelude.engine.client import AdmissionError
+    from prelude.engine.client import InvalidRequestError
 
-    with pytest.raises(AdmissionError):
+    with pytest.raises(InvalidRequestError):
         engine.prepare("gen", [1, 2], SamplingParams(max_tokens=3))
 
 
@@ -210,7 +210,7 @@ def test_oneshot_abort_and_ablation_pooling(hf_model: Any) -> None:
     outs = {o.request_id for o in engine.step()}
     assert outs == {"1", "2", "4"}
     engine.check_integrity()
-    forced = tiny_engine(hf_model, force_decode=True)
+    forced = tiny_engine(hf_model, force_paged=True)
     p = prompts(1, seed=8)[0]
     emb = run(forced, [("e", p, SamplingParams(max_tokens=0), PoolingParams(PoolingTask.EMBED, pooling="mean"))])
     ref = run(tiny_engine(hf_model), [("e", p, SamplingParams(max_tokens=0), PoolingParams(PoolingTask.EMBED, pooling="mean"))])

@@ -11,7 +11,7 @@ import torch
 
 from prelude import SamplingParams
 from prelude.config import PolicyConfig, SchedulerConfig
-from prelude.engine.admission import AdmissionRules, admit
+from prelude.engine.validation import RequestRules, validate_request
 from prelude.engine.policies import make_policy
 from prelude.engine.policies.laps import LAPSPrefill, StepTimeModel
 from prelude.engine.request import Request, RequestStatus
@@ -28,8 +28,8 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, arrival: float, slo
     """A Decode-class request (max_tokens >= 2; one token would make it OneShot)."""
     max_tokens = max(2, max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, ttft_slo_ms=slo_ms)
-    rules = AdmissionRules(max_model_len=4096, vocab_size=100, eos_token_ids=frozenset())
-    return admit(rid, [1 + (i % 50) for i in range(prompt_len)], params, rules, seed_source=GEN, arrival_time=arrival)
+    rules = RequestRules(max_model_len=4096, vocab_size=100, eos_token_ids=frozenset())
+    return validate_request(rid, [1 + (i % 50) for i in range(prompt_len)], params, rules, seed_source=GEN, arrival_time=arrival)
 
 
 def make_scheduler(policy: str, *, num_blocks: int = 512, budget: int = 64, decode_batch: int | None = None,

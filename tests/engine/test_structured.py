@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from prelude.engine.client import AdmissionError
+from prelude.engine.client import InvalidRequestError
 from prelude.engine.engine import LLMEngine
 from prelude.params import SamplingParams, StructuredOutput
 
@@ -128,5 +128,5 @@ def test_regex_choice_and_json_object(engine: LLMEngine) -> None:
     StructuredOutput("grammar", "start: undefined_rule"),
 ])
 def test_malformed_constraints_are_refused_at_admission(engine: LLMEngine, spec: StructuredOutput) -> None:
-    with pytest.raises(AdmissionError):
+    with pytest.raises(InvalidRequestError):
         engine.prepare("bad", [1, 2, 3], SamplingParams(max_tokens=5, structured=spec))

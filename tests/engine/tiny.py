@@ -81,7 +81,7 @@ def tiny_engine(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
     max_model_len: int | None = None,
-    force_decode: bool = False,
+    force_paged: bool = False,
     prefix_caching: bool = True,
     max_cached_blocks: int | None = None,
     attention_backend: str = "torch",
@@ -107,7 +107,7 @@ def tiny_engine(
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            force_decode=force_decode, fuse_oneshot=fuse_oneshot,
+            force_paged=force_paged, fuse_oneshot=fuse_oneshot,
         ),
     )
     return LLMEngine(runner, tokenizer if tokenizer is not None else ByteTokenizer(), engine_cfg, "tiny-llama")

@@ -8,16 +8,17 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
-from prelude.engine.client import AdmissionError
+from prelude.engine.client import InvalidRequestError
 from prelude.engine.metrics import RequestMetrics
-from prelude.engine.request import FinishReason, PoolingParams, RequestOutput, SamplingParams, TokenLogprob
+from prelude.engine.request import ExecClass, FinishReason, PoolingParams, RequestOutput, SamplingParams, TokenLogprob
+from prelude.engine.validation import pick_exec_class
 
 BOS, EOS = 1, 2
 _OFFSET = 16  # character c is token ord(c) + 16; ids below are special
 _SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>"}
 
 # Prompt markers that make the fake engine misbehave on purpose.
-FAIL_ADMISSION = "FAIL_ADMISSION"  # AdmissionError from generate(), after validate() passed
+FAIL_ADMISSION = "FAIL_ADMISSION"  # InvalidRequestError from generate(), after validate() passed
 FAIL_ENGINE = "FAIL_ENGINE"  # RuntimeError after the first token
 TEMPLATE_ERROR = "TEMPLATE_ERROR"  # the chat template raises
 
@@ -153,6 +154,7 @@ class FakeEngine:
         self.healthy = True
         self.calls: dict[str, Call] = {}
         self.aborted: list[str] = []
+        self.force_paged = False  # as --force-paged-path: every request is Paged
 
     # --- EngineClient -------------------------------------------------------------
 
@@ -185,11 +187,11 @@ class FakeEngine:
     ) -> None:
         bad = [t for t in prompt_token_ids if not 0 <= t < self._tokenizer.vocab_size]
         if bad:
-            raise AdmissionError(f"token id {bad[0]} is out of vocabulary")
+            raise InvalidRequestError(f"token id {bad[0]} is out of vocabulary")
         if len(prompt_token_ids) >= self._max_model_len:
-            raise AdmissionError(f"a prompt of {len(prompt_token_ids)} tokens leaves no room in the context")
+            raise InvalidRequestError(f"a prompt of {len(prompt_token_ids)} tokens leaves no room in the context")
         if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self._max_model_len:
-            raise AdmissionError("prompt plus max_tokens exceeds the context")
+            raise InvalidRequestError("prompt plus max_tokens exceeds the context")
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -199,7 +201,7 @@ class FakeEngine:
         self.validate(prompt_token_ids, params)
         prompt_text = self._tokenizer.decode(prompt_token_ids)
         if FAIL_ADMISSION in prompt_text:
-            raise AdmissionError("admission refused late")
+            raise InvalidRequestError("admission refused late")
         call = self.calls[request_id] = Call(list(prompt_token_ids), params)
         try:
             async for out in self._outputs(request_id, call, FAIL_ENGINE in prompt_text):
@@ -220,9 +222,11 @@ class FakeEngine:
         plan = plan_output(prompt, params, self._max_model_len)
         k = params.logprobs
         head = prompt_logprobs(prompt, params.prompt_logprobs) if params.prompt_logprobs is not None else None
+        budget = params.max_tokens if params.max_tokens is not None else self._max_model_len - len(prompt)
+        exec_class = ExecClass.PAGED if self.force_paged else pick_exec_class(params, budget, None)  # as validation would
         if not plan.tokens:  # max_tokens=0: one final, empty increment
             yield RequestOutput(request_id, (), "", (), True, plan.finish_reason, len(prompt), 0,
-                                prompt_logprobs=head)
+                                prompt_logprobs=head, exec_class=exec_class)
             return
         for step, (token, text) in enumerate(zip(plan.tokens, plan.texts, strict=True)):
             if step == 0 and self.first_token is not None:
@@ -236,10 +240,11 @@ class FakeEngine:
                 request_id, (token,), text, (token_logprob(step, token, k),) if k is not None else (), last,
                 plan.finish_reason if last else None, len(prompt), step + 1,
                 stop_reason=plan.stop_reason if last else None, prompt_logprobs=head if step == 0 else None,
+                exec_class=exec_class,
             )
 
     async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
-        raise AdmissionError("this fake model has no pooling head")
+        raise InvalidRequestError("this fake model has no pooling head")
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -197,11 +197,27 @@ async def test_request_id_is_echoed_or_generated_and_logged(caplog: Any) -> None
     assert [f["status"] for f in fields] == [200, 200, 400]
     first = fields[0]
     assert first["request_id"] == "client-id-1" and first["route"] == "/v1/completions"
-    assert first["exec_class"] == "decode" and first["prompt_tokens"] == 4 and first["output_tokens"] == 2
+    assert first["exec_class"] == "paged" and first["prompt_tokens"] == 4 and first["output_tokens"] == 2
     assert first["ttft_ms"] is not None and first["duration_ms"] >= first["ttft_ms"]
     assert fields[1]["output_tokens"] == 2  # the stream's line is written when it ended
     line = json.loads(JsonFormatter().format(records[0]))
     assert line["request_id"] == "client-id-1" and line["level"] == "info" and line["status"] == 200
+
+
+
+async def test_logged_class_is_the_one_validation_picked(caplog: Any) -> None:
+    """max_tokens=1 is OneShot, unless the engine sends everything down the Paged path."""
+    classes = []
+    for force_paged in (False, True):
+        engine = FakeEngine()
+        engine.force_paged = force_paged
+        async with asgi_client(build_app(engine)) as c:
+            with caplog.at_level(logging.INFO, logger="prelude.access"):
+                caplog.clear()
+                r = await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1})
+        assert r.status_code == 200
+        classes.append([rec.request["exec_class"] for rec in caplog.records if rec.name == "prelude.access"])
+    assert classes == [["oneshot"], ["paged"]]
 
 
 async def test_prometheus_exposition_with_vllm_names() -> None:

@@ -13,7 +13,7 @@ from tokenizers import models, normalizers, pre_tokenizers
 
 from prelude.model.loader import load_model_files
 from prelude.tokenizer.fasttoken import FastTokenizer, Unsupported, check, compare, wrap_if_equal
-from prelude.tokenizer.fasttoken.gate import CORPUS
+from prelude.tokenizer.fasttoken.equality import CORPUS
 
 EXTRA = ["x" * 3000 + " 12345 " + "y" * 20, "日本語 " * 50, "a\u0301\u0302\u0303", "\t\t\n \n 9 9 9", "'S 'LL 'Ve",
          "<|im_end|>" * 3, "mixed<|im_start|>in<|endoftext|>side"]
@@ -73,7 +73,7 @@ def test_unsupported_or_different_tokenizers_fall_back_with_a_reason(
     assert fast is None and "normalizer" in reason
     with pytest.raises(Unsupported):
         FastTokenizer(tmp_path / "lower.json")
-    # Same tables, different behaviour: the gate sees the difference.
+    # Same tables, different behaviour: the equality check sees the difference.
     hf_lower = RustTokenizer.from_file(str(smol_json))
     hf_lower.normalizer = normalizers.Lowercase()
     assert compare(FastTokenizer(smol_json), hf_lower) is not None
@@ -167,7 +167,7 @@ def test_a_core_panic_is_answered_by_hf_counted_and_logged_once(
     # Ll+Lu+Zs ("Quite so", "Quiet Q"), Ll+Lu+Pc+Sm+Zs, Lo+Lu, Cc+Ll+Lu (the prefixed text).
     assert len(logged) == 4
     assert all("Quite" not in r.getMessage() for r in logged)
-    # The gate does not let the safety net hide a flawed core.
+    # The equality check does not let the safety net hide a flawed core.
     assert "panicked" in (compare(fast, RustTokenizer.from_file(str(smol_json)), ("Q",)) or "")
 
 
@@ -193,15 +193,15 @@ def test_verdict_is_keyed_on_versions_and_a_corrupt_one_is_rechecked(
 ) -> None:
     import tiktoken
 
-    from prelude.tokenizer.fasttoken import gate
+    from prelude.tokenizer.fasttoken import equality
 
     monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))
     assert check(smol_json)[1] == "equal"
-    digest = gate.tokenizer_hash(smol_json)
-    path = gate._verdict_file(digest)
+    digest = equality.tokenizer_hash(smol_json)
+    path = equality._verdict_file(digest)
     assert path.exists()
     monkeypatch.setattr(tiktoken, "__version__", "0.0.0-other")
-    assert gate._verdict_file(digest) != path
+    assert equality._verdict_file(digest) != path
     assert check(smol_json)[1] == "equal"  # a new tiktoken earns its own verdict
     monkeypatch.undo()
     monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))

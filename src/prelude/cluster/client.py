@@ -1,6 +1,6 @@
 """The Ray-backed EngineClient: the FastAPI app talks to N engine replicas through it.
 
-A request is admitted here, once (tokens checked, budget clamped, class picked), then
+A request is validated here, once (tokens checked, budget clamped, class picked), then
 routed to a replica, which runs the prepared Request. Faults use Ray's own machinery:
 replicas are actors with `max_restarts`; a call to a dead one raises RayActorError,
 and a monitor thread pings a down replica until Ray has restarted it. Retries: a
@@ -24,7 +24,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from prelude.cluster.pools import PoolController
 from prelude.cluster.replica import ReplicaInfo
 from prelude.cluster.router import Router
-from prelude.engine.admission import admit
+from prelude.engine.validation import validate_request
 from prelude.engine.client import EngineUnavailableError
 from prelude.engine.grammar import grammar_text
 from prelude.engine.metrics import RequestMetrics
@@ -44,14 +44,14 @@ class FaultConfig:
     wait_for_replica_s: float = 30.0  # a request with no live replica waits this long, then 503
 
 
-class AdmittingFront:
+class ValidatingFront:
     """The EngineClient half every scale-out front shares: the model's facts (from a
-    replica) and admission, done once here with the same checks as LLMEngine.prepare
+    replica) and validation, done once here with the same checks as LLMEngine.prepare
     (a Request is plain data: it travels to the replica as it is)."""
 
     def __init__(self, info: ReplicaInfo, seed: int = 0) -> None:
         self.info = info
-        # Unseeded requests draw their sampling seed here, at admission, as the engine does.
+        # Unseeded requests draw their sampling seed here, at validation, as the engine does.
         self._seed_source = random.Random(seed)
 
     @property
@@ -79,10 +79,10 @@ class AdmittingFront:
     def is_encoder(self) -> bool:
         return self.info.is_encoder
 
-    def _admit(
+    def _prepare(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
     ) -> Request:
-        req = admit(request_id, prompt_token_ids, params, self.info.rules, seed_source=self._seed_source,
+        req = validate_request(request_id, prompt_token_ids, params, self.info.rules, seed_source=self._seed_source,
                     pooling=pooling)
         if params.structured is not None and pooling is None:
             grammar_text(params.structured)  # a malformed constraint is a 400 here, not a failed stream
@@ -91,10 +91,10 @@ class AdmittingFront:
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
     ) -> None:
-        self._admit("validate", prompt_token_ids, params, pooling)
+        self._prepare("validate", prompt_token_ids, params, pooling)
 
 
-class RayEngineClient(AdmittingFront):
+class RayEngineClient(ValidatingFront):
     def __init__(
         self, replicas: Sequence[Any], router: Router, info: ReplicaInfo | None = None,
         faults: FaultConfig = FaultConfig(), pools: PoolController | None = None, seed: int = 0,
@@ -192,11 +192,11 @@ class RayEngineClient(AdmittingFront):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        req = self._admit(request_id, prompt_token_ids, params, None)  # AdmissionError before any stream
+        req = self._prepare(request_id, prompt_token_ids, params, None)  # InvalidRequestError before any stream
         return self._run(req)
 
     async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
-        req = self._admit(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling)
+        req = self._prepare(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling)
         async for out in self._run(req):
             if out.finished:
                 return out

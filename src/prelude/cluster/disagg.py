@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on Ray (Prophet): the front of P prefill and D decode replicas.
 
-A request is admitted once at the front and routed (the router, over the prefill
+A request is validated once at the front and routed (the router, over the prefill
 replicas) to a prefill replica. That replica computes the prompt in its prefill policy's
 order (SRPT by default), samples the first token (so TTFT is the prefill side's) and
 yields the request's KV blocks, which Ray stores once in its object store. The front
@@ -101,7 +101,7 @@ class HandoffGate:
 
 
 class DisaggregatedClient(RayEngineClient):
-    """Replicas [0, num_prefill) prefill, the rest decode; everything else (admission,
+    """Replicas [0, num_prefill) prefill, the rest decode; everything else (validation,
     routing, health, metrics, integrity) as RayEngineClient."""
 
     def __init__(

@@ -1,6 +1,6 @@
 """One engine replica: an AsyncEngine inside a Ray actor.
 
-The front admits a request once (which also fixes its sampling seed) and ships the
+The front validates a request once (which also fixes its sampling seed) and ships the
 prepared Request; the replica enqueues it as is. Outputs stream back
 through a Ray streaming generator; cancelling that generator (the client went away)
 cancels the coroutine here, whose cleanup aborts the request and frees its blocks.
@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from prelude.engine.admission import AdmissionRules
+from prelude.engine.validation import RequestRules
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
 from prelude.engine.handoff import KVHandoff
@@ -30,13 +30,13 @@ EngineFactory = Callable[[], LLMEngine]
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """What the front needs to admit requests the way a replica's engine would."""
+    """What the front needs to validate requests the way a replica's engine would."""
 
     model_name: str
     tokenizer: Tokenizer | None  # None when it does not pickle (fasttoken): the front loads its own
     is_encoder: bool
     block_size: int
-    rules: AdmissionRules  # the replica engine's own: the front admits exactly as it would
+    rules: RequestRules  # the replica engine's own: the front validates exactly as it would
 
 
 def _picklable(obj: object) -> bool:
@@ -53,7 +53,7 @@ def replica_info(engine: LLMEngine) -> ReplicaInfo:
         tokenizer=engine.tokenizer if _picklable(engine.tokenizer) else None,
         is_encoder=engine.is_encoder,
         block_size=engine.config.cache.block_size,
-        rules=engine.admission_rules,
+        rules=engine.request_rules,
     )
 
 

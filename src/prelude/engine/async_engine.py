@@ -149,12 +149,12 @@ class AsyncEngine:
     async def _stream(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
     ) -> AsyncIterator[RequestOutput]:
-        req = self.engine.prepare(request_id, prompt_token_ids, params, pooling)  # AdmissionError -> caller
+        req = self.engine.prepare(request_id, prompt_token_ids, params, pooling)  # InvalidRequestError -> caller
         async for out in self.submit(req):
             yield out
 
     async def submit(self, req: Request) -> AsyncIterator[RequestOutput | KVHandoff]:
-        """Stream a request admitted elsewhere (a scale-out front admits once, a replica
+        """Stream a request validated elsewhere (a scale-out front validates once, a replica
         runs it); closing the stream early aborts it, as with generate(). A request with
         `hand_off` set ends, unless its first token finished it, with its KVHandoff."""
         async for item in self._submit(req.request_id, ("add", req)):

@@ -9,8 +9,11 @@ from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
 
 
-class AdmissionError(ValueError):
-    """A request can not be admitted (e.g. prompt longer than the context): HTTP 400."""
+class InvalidRequestError(ValueError):
+    """A request is invalid for this engine (e.g. prompt longer than the context): HTTP 400."""
+
+
+AdmissionError = InvalidRequestError  # the old name, kept while branches written before the rename land
 
 
 class EngineUnavailableError(RuntimeError):
@@ -44,8 +47,8 @@ class EngineClient(Protocol):
     ) -> AsyncIterator[RequestOutput]:
         """Stream one sequence's increments; the last one has finished=True.
 
-        Raises AdmissionError before the first increment if the request can not be
-        admitted. Closing the iterator early (client gone) aborts the request and frees
+        Raises InvalidRequestError before the first increment if the request is
+        invalid. Closing the iterator early (client gone) aborts the request and frees
         its KV blocks. `params.n` must be 1: the caller fans out n > 1.
         """
         ...
@@ -57,7 +60,7 @@ class EngineClient(Protocol):
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
     ) -> None:
-        """Raise AdmissionError if generate() would refuse this request (no side effects)."""
+        """Raise InvalidRequestError if generate() would refuse this request (no side effects)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

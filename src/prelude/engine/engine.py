@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from prelude.config import EngineConfig
-from prelude.engine.admission import AdmissionRules, admit
+from prelude.engine.validation import RequestRules, validate_request
 from prelude.engine.grammar import GrammarCompiler
 from prelude.forward_batch import BatchOutput, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
 from prelude.engine.errors import StepFailed
@@ -132,13 +132,13 @@ class LLMEngine:
         return engine
 
     @property
-    def admission_rules(self) -> AdmissionRules:
-        """What `prepare` (and a scale-out front, through ReplicaInfo) admits against; read
+    def request_rules(self) -> RequestRules:
+        """What `prepare` (and a scale-out front, through ReplicaInfo) validates against; read
         from the engine's current settings (its eos set may be changed after build)."""
         sched = self.config.scheduler
-        return AdmissionRules(
+        return RequestRules(
             max_model_len=self.max_model_len, vocab_size=self.info.vocab_size, eos_token_ids=self.eos_token_ids,
-            can_generate=self.can_generate, force_decode=sched.force_decode, labels=self.labels,
+            can_generate=self.can_generate, force_paged=sched.force_paged, labels=self.labels,
             default_pooling=self.info.default_pooling, default_ttft_slo_ms=sched.default_ttft_slo_ms,
         )
 
@@ -160,15 +160,16 @@ class LLMEngine:
     def prepare(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
     ) -> Request:
-        """Admission: validate, build the Request and pick its class (raises
-        AdmissionError). Touches no engine state, so the async front calls it on the
+        """Validation: check the request, build the Request and pick its class (raises
+        InvalidRequestError). Touches no engine state, so the async front calls it on the
         caller's thread."""
-        req = admit(request_id, prompt_token_ids, params, self.admission_rules, seed_source=self._rng, pooling=pooling)
+        req = validate_request(request_id, prompt_token_ids, params, self.request_rules,
+                               seed_source=self._rng, pooling=pooling)
         return self.attach_grammar(req)
 
     def attach_grammar(self, req: Request) -> Request:
         """Give a constrained generation its matcher (any thread; a malformed constraint
-        raises AdmissionError). Requests admitted by a scale-out front arrive without one:
+        raises InvalidRequestError). Requests validated by a scale-out front arrive without one:
         a matcher holds native state and never crosses processes."""
         if req.params.structured is not None and req.pooling is None and req.grammar is None:
             req.grammar = self.grammars.matcher(req.params.structured)
@@ -184,7 +185,7 @@ class LLMEngine:
             self._ready.append(emit(req, new_stream(self.tokenizer, req), 0, finished=True))
             return
         self._requests[req.request_id] = req
-        if req.exec_class is ExecClass.DECODE:  # OneShot requests get no streaming state
+        if req.exec_class is ExecClass.PAGED:  # OneShot requests get no streaming state
             self._streams[req.request_id] = new_stream(self.tokenizer, req)
         self.scheduler.add(req)
 
@@ -326,7 +327,7 @@ class LLMEngine:
                     req.grammar.accept(sampled.token_id)
                 out = process_token(req, stream, sampled.token_id, sampled.logprob, self.max_model_len)
             elif head is not None and req.max_output_tokens == 0:
-                req.finish_reason = FinishReason.LENGTH  # a head-only request on the Decode path
+                req.finish_reason = FinishReason.LENGTH  # a head-only request on the Paged path
                 out = emit(req, stream, 0, finished=True)
             else:
                 continue
@@ -422,8 +423,7 @@ class LLMEngine:
         return {
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting) + len(self.scheduler.oneshot_waiting),
-            "requests_running_decode": len(self.scheduler.running),
-            "requests_waiting_decode": len(self.scheduler.waiting),
+            "requests_waiting_paged": len(self.scheduler.waiting),
             "requests_waiting_oneshot": len(self.scheduler.oneshot_waiting),
             "kv_blocks_total": self.kv.pool.num_blocks,
             "kv_blocks_free": self.kv.pool.num_free_blocks,

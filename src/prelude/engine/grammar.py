@@ -5,7 +5,7 @@ Why llguidance: no torch dependency (a 3 MB wheel, numpy bitmasks), no per-schem
 compile step before the first mask (its lexer is lazy: a JSON schema's first mask comes
 in well under a millisecond here), and masks computed in Rust with the GIL released.
 
-A grammar is compiled on the caller's thread at admission (a bad schema is a 400 before
+A grammar is compiled on the caller's thread at validation (a bad schema is a 400 before
 the request reaches the engine); the engine thread only asks for masks and commits
 tokens. When a constraint is complete its mask allows only end-of-sequence tokens.
 """
@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from prelude.engine.client import AdmissionError
+from prelude.engine.client import InvalidRequestError
 from prelude.params import StructuredOutput
 from prelude.tokenizer.base import Tokenizer
 
 
 def grammar_text(spec: StructuredOutput) -> str:
-    """The llguidance grammar of a constraint; raises AdmissionError if it cannot be built."""
+    """The llguidance grammar of a constraint; raises InvalidRequestError if it cannot be built."""
     import llguidance
 
     matcher = llguidance.LLMatcher
@@ -40,15 +40,15 @@ def grammar_text(spec: StructuredOutput) -> str:
         if spec.kind == "choice":
             choices = json.loads(spec.spec)
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-                raise AdmissionError("guided_choice must be a non-empty list of non-empty strings")
+                raise InvalidRequestError("guided_choice must be a non-empty list of non-empty strings")
             return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         from llguidance.gbnf_to_lark import any_to_lark
 
         return matcher.grammar_from_lark(any_to_lark(spec.spec))
-    except AdmissionError:
+    except InvalidRequestError:
         raise
     except Exception as exc:  # llguidance raises ValueError/RuntimeError on malformed input
-        raise AdmissionError(f"invalid {spec.kind} constraint: {exc}") from None
+        raise InvalidRequestError(f"invalid {spec.kind} constraint: {exc}") from None
 
 
 class _TokenTable:
@@ -118,7 +118,7 @@ class GrammarCompiler:
         with self._lock:
             if self._ll is None:
                 if not self._eos:
-                    raise AdmissionError("structured outputs need a model with an end-of-sequence token")
+                    raise InvalidRequestError("structured outputs need a model with an end-of-sequence token")
                 backend = getattr(self._tokenizer, "backend", None)
                 if backend is not None:  # an HF `tokenizers` tokenizer: its JSON describes it
                     self._ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos)
@@ -129,19 +129,19 @@ class GrammarCompiler:
                     self._ll = llguidance.LLTokenizer(TokenizerWrapper(table), n_vocab=self._vocab_size,
                                                       eos_token=self._eos)
                 else:
-                    raise AdmissionError("structured outputs are not available with this tokenizer")
+                    raise InvalidRequestError("structured outputs are not available with this tokenizer")
             return self._ll
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        """Compile `spec` (AdmissionError -> HTTP 400 if it is malformed)."""
+        """Compile `spec` (InvalidRequestError -> HTTP 400 if it is malformed)."""
         import llguidance
 
         grammar = grammar_text(spec)
         tok = self._ll_tokenizer()
         error = llguidance.LLMatcher.validate_grammar(grammar, tok)
         if error:
-            raise AdmissionError(f"invalid {spec.kind} constraint: {error.splitlines()[0] if error else ''}")
+            raise InvalidRequestError(f"invalid {spec.kind} constraint: {error.splitlines()[0] if error else ''}")
         m = llguidance.LLMatcher(tok, grammar, log_level=0)
         if m.is_error():
-            raise AdmissionError(f"invalid {spec.kind} constraint: {m.get_error()}")
+            raise InvalidRequestError(f"invalid {spec.kind} constraint: {m.get_error()}")
         return GrammarMatcher(m, self._vocab_size, self._eos)

@@ -19,7 +19,7 @@ class StreamDetokenizer(Protocol):
 
 @dataclass
 class OutputStream:
-    """Text state of one Decode request: what was produced and what was already sent."""
+    """Text state of one Paged request: what was produced and what was already sent."""
 
     detok: StreamDetokenizer
     stops: tuple[str, ...]
@@ -113,6 +113,7 @@ def emit(req: Request, stream: OutputStream, upto: int, finished: bool) -> Reque
         num_prompt_tokens=req.num_prompt_tokens,
         num_output_tokens=len(req.output_token_ids),
         stop_reason=req.stop_reason if finished else None,
+        exec_class=req.exec_class,
     ), head)
 
 
@@ -158,5 +159,6 @@ def oneshot_output(
         num_prompt_tokens=req.num_prompt_tokens,
         num_output_tokens=len(req.output_token_ids),
         stop_reason=req.stop_reason,
+        exec_class=req.exec_class,
     )
     return with_head(out, head)

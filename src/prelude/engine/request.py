@@ -18,10 +18,10 @@ from prelude.params import (  # noqa: F401
 
 
 class ExecClass(enum.Enum):
-    """The resource contract of a request, fixed once at admission."""
+    """The resource contract of a request, fixed once at validation."""
 
     ONESHOT = "oneshot"  # one forward, fixed-size output, no KV kept
-    DECODE = "decode"  # multi-token generation on paged KV
+    PAGED = "paged"  # multi-token generation on paged KV, prompt included
 
 
 class FinishReason(str, enum.Enum):
@@ -58,6 +58,7 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # first prompt token: None
     embedding: tuple[float, ...] | None = None
     scores: tuple[float, ...] | None = None  # raw head outputs, or label-token logprobs
+    exec_class: ExecClass | None = None  # the class validation picked (None: a test double's output)
 
 
 @dataclass
@@ -70,8 +71,8 @@ class Request:
     arrival_time: float
     max_output_tokens: int  # effective budget (max_tokens clamped to the context)
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
-    sampling_seed: int = 0  # params.seed, or drawn from the engine's seed source at admission
-    exec_class: ExecClass = ExecClass.DECODE
+    sampling_seed: int = 0  # params.seed, or drawn from the engine's seed source at validation
+    exec_class: ExecClass = ExecClass.PAGED
     pooling: PoolingParams | None = None
     grammar: Any = None  # structured outputs: the engine.grammar.GrammarMatcher of this request
     output_token_ids: list[int] = field(default_factory=list)

@@ -4,7 +4,7 @@ Two queues with separate accounting:
 - OneShot requests wait in their own queue and are admitted by prompt tokens and an
   activation-memory estimate, grouped by output head; they get no block table and
   no KV reservation. A step with OneShot work is a `OneShotBatch`.
-- Decode requests: running requests first (decode rows and unfinished prompt chunks),
+- Paged requests: running requests first (decode rows and unfinished prompt chunks),
   in policy order, each getting the tokens it still needs up to the token budget;
   when the KV pool has no room, the policy's last running request is preempted (its
   blocks freed, to be recomputed later). Then waiting requests are admitted in policy

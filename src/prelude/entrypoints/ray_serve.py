@@ -3,7 +3,7 @@
 Two deployments: `EngineServer` (one engine per Serve replica; Serve scales it with its
 own autoscaling settings, restarts it when `check_health` fails, and routes to it with
 its own request router) and `PreludeFront` (the same FastAPI app as `prelude serve`,
-over a handle to the engines). A request is admitted once, in the front.
+over a handle to the engines). A request is validated once, in the front.
 
     from ray import serve
     from prelude.entrypoints.ray_serve import build_serve_app
@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from prelude.cluster.client import AdmittingFront
+from prelude.cluster.client import ValidatingFront
 from prelude.cluster.replica import EngineFactory, EngineReplica, ReplicaInfo
 from prelude.engine.metrics import RequestMetrics
 from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
@@ -51,7 +51,7 @@ class EngineServer:
             raise RuntimeError("the engine loop is not running")
 
 
-class ServeEngineClient(AdmittingFront):
+class ServeEngineClient(ValidatingFront):
     """EngineClient over a Serve handle. Serve picks the replica; cancelling a streamed
     response cancels the replica's coroutine, which aborts the request there."""
 
@@ -73,10 +73,10 @@ class ServeEngineClient(AdmittingFront):
                 response.cancel()
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        return self._run(self._admit(request_id, prompt_token_ids, params, None))
+        return self._run(self._prepare(request_id, prompt_token_ids, params, None))
 
     async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
-        async for out in self._run(self._admit(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling)):
+        async for out in self._run(self._prepare(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling)):
             if out.finished:
                 return out
         raise RuntimeError(f"request {request_id} ended without a result")

@@ -119,7 +119,7 @@ class KVCacheManager:
         was writing may hold partial KV)."""
         self.pool.release(reversed(prefix_blocks + publish_blocks))
 
-    # --- decode requests --------------------------------------------------------------
+    # --- paged requests ---------------------------------------------------------------
 
     def num_new_blocks(self, request_id: str, total_tokens: int) -> int:
         """Blocks to add so that `total_tokens` tokens of the request have slots."""

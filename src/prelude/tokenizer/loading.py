@@ -14,6 +14,6 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
     hf = HFTokenizer.from_dir(model_dir)
     if os.environ.get("PRELUDE_TOKENIZER", "fasttoken") == "hf":
         return hf
-    from prelude.tokenizer.fasttoken.gate import wrap_if_equal
+    from prelude.tokenizer.fasttoken.equality import wrap_if_equal
 
     return wrap_if_equal(hf, Path(model_dir) / "tokenizer.json")

@@ -1,4 +1,4 @@
-"""Prefix-aware encoding on the admission path.
+"""Prefix-aware encoding on the validation path.
 
 Requests often repeat a long head: a chat's system prompt rendered by the template, a
 /v1/score query sent with batch after batch of items. A tokenizer that memoizes prefix

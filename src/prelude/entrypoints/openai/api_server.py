@@ -13,12 +13,12 @@ from fastapi.responses import JSONResponse, Response
 from prelude.engine.client import EngineClient
 from prelude.entrypoints.openai.drain import DrainingServer
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
-from prelude.entrypoints.openai.fanout import ClientDisconnected
+from prelude.entrypoints.openai.disconnect import ClientDisconnected
 from prelude.entrypoints.openai.fields import check_unknown_fields
-from prelude.entrypoints.openai.gate import AdmissionGate, GatedEngine
-from prelude.entrypoints.openai.limits import ServerLimits, off_loop_if_large
+from prelude.entrypoints.openai.request_gate import RequestGate, GatedEngine
+from prelude.entrypoints.openai.limits import ServerLimits
 from prelude.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
-from prelude.entrypoints.openai.offload import OffLoopBodyRoute, json_answer
+from prelude.entrypoints.openai.offload import OffLoopBodyRoute, json_answer, off_loop_if_large
 from prelude.entrypoints.openai.observe import RequestObserver, request_record
 from prelude.entrypoints.openai.prom import CONTENT_TYPE, ServerMetrics
 from prelude.entrypoints.openai.protocol import (
@@ -34,7 +34,7 @@ from prelude.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from prelude.entrypoints.openai.serving_chat import create_chat_completion
-from prelude.entrypoints.openai.serving_completions import SSEResponse, create_completion
+from prelude.entrypoints.openai.serving_completions import create_completion
 from prelude.entrypoints.openai.serving_pooling import (
     create_classification,
     create_embeddings,
@@ -42,8 +42,9 @@ from prelude.entrypoints.openai.serving_pooling import (
     create_reward,
     create_score,
 )
-from prelude.entrypoints.openai.serving_score import create_generative_score, create_generative_scoring
+from prelude.entrypoints.openai.serving_generative_score import create_generative_score, create_generative_scoring
 from prelude.entrypoints.openai.serving_tokens import detokenize, tokenize
+from prelude.entrypoints.openai.streaming import SSEResponse
 
 VERSION = "0.1.0"
 
@@ -79,7 +80,7 @@ def build_app(
     metrics = ServerMetrics(engine, extra=_tokenizer_counters(engine))
     if hasattr(engine, "set_observer"):
         engine.set_observer(metrics)
-    gate = AdmissionGate(limits.max_waiting_requests)
+    gate = RequestGate(limits.max_waiting_requests)
     app.state.limits, app.state.gate, app.state.metrics = limits, gate, metrics
     # add_middleware wraps: the last added is outermost. Outer to inner: observe (ids,
     # log line, counts, 401s included), auth, body cap, the app.
@@ -128,7 +129,7 @@ def build_app(
         }]}
 
     async def _served(handler: Any, body: Any, request: Request) -> Any:
-        """Run one engine-backed handler behind the admission gate; a client gone before
+        """Run one engine-backed handler behind the request gate; a client gone before
         the answer gets no body (and is logged as a cancel, not an error)."""
         _check_model(engine, body.model)
         check_unknown_fields(body, request.url.path)

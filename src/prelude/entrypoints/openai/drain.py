@@ -14,7 +14,7 @@ from typing import Any
 import uvicorn
 
 from prelude.entrypoints.openai.errors import APIError
-from prelude.entrypoints.openai.gate import AdmissionGate
+from prelude.entrypoints.openai.request_gate import RequestGate
 
 logger = logging.getLogger("prelude.server")
 
@@ -30,7 +30,7 @@ class DrainingServer(uvicorn.Server):
     -15, not 0); this one keeps serving refusals while in-flight requests finish.
     """
 
-    def __init__(self, config: uvicorn.Config, gate: AdmissionGate, timeout_s: float, engine: Any = None) -> None:
+    def __init__(self, config: uvicorn.Config, gate: RequestGate, timeout_s: float, engine: Any = None) -> None:
         super().__init__(config)
         self.gate = gate
         self.timeout_s = timeout_s

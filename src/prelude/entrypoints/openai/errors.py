@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prelude.engine.client import AdmissionError, EngineUnavailableError
+from prelude.engine.client import InvalidRequestError, EngineUnavailableError
 from prelude.engine.errors import EngineDeadError
 from prelude.engine.request import SamplingParamsError
 from prelude.entrypoints.openai.protocol import UNENCODABLE_TEXT
@@ -65,7 +65,7 @@ def error_body_for(exc: BaseException) -> tuple[dict[str, Any], int]:
     handlers and the in-stream error event (headers are already sent there)."""
     if isinstance(exc, APIError):
         return error_body(exc.message, exc.status, exc.param, exc.code), exc.status
-    if isinstance(exc, (SamplingParamsError, AdmissionError)):
+    if isinstance(exc, (SamplingParamsError, InvalidRequestError)):
         return error_body(str(exc), 400), 400
     if isinstance(exc, EngineDeadError):
         return error_body(str(exc), 503, code="engine_dead"), 503
@@ -91,7 +91,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     @app.exception_handler(SamplingParamsError)
-    @app.exception_handler(AdmissionError)
+    @app.exception_handler(InvalidRequestError)
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(EngineUnavailableError)
     async def _client_error(_: Request, exc: Exception) -> JSONResponse:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
 
 from prelude.engine.client import EngineClient
 from prelude.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from prelude.entrypoints.openai.disconnect import until_disconnect
 
 
 @dataclass(frozen=True)
@@ -79,30 +80,6 @@ async def merged_outputs(engine: EngineClient, request_id: str, jobs: list[Job])
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-T = TypeVar("T")
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-async def until_disconnect(work: Awaitable[T], http_request: HTTPRequest | None) -> T:
-    """Await `work`, cancelling it (and so aborting its engine requests) if the HTTP
-    client goes away meanwhile."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.1)  # a cheap check: abandoned work stops soon
-            if done:
-                return task.result()
-            if http_request is not None and await http_request.is_disconnected():
-                raise ClientDisconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
 
 async def collect_choices(

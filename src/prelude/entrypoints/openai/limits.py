@@ -4,14 +4,10 @@ client can not take the process's memory (bodies, prompts x n, batch inputs, tim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
 
-import anyio
 from starlette.requests import Request as HTTPRequest
 
 from prelude.entrypoints.openai.errors import APIError
-
-T = TypeVar("T")
 
 BODY_SIZE_KEY = "prelude.body_bytes"  # ASGI scope key: the request body's size as read
 
@@ -55,18 +51,3 @@ def limits_of(http: HTTPRequest | None) -> ServerLimits:
     """The app's limits (defaults when a handler runs outside build_app, e.g. in a unit test)."""
     state = getattr(getattr(http, "app", None), "state", None)
     return getattr(state, "limits", None) or ServerLimits()
-
-
-async def off_loop_if_large(http: HTTPRequest | None, fn: Callable[..., T], *args: Any) -> T:
-    """Run `fn(*args)` (tokenizing, chat-template rendering) on a worker thread when the
-    body is large, so a big prompt does not stall every other stream on the event loop;
-    small bodies stay inline (a thread hop costs more than their tokenization)."""
-    if http is None:
-        return fn(*args)
-    size = http.scope.get(BODY_SIZE_KEY)
-    if size is None:
-        length = http.headers.get("content-length", "")
-        size = int(length) if length.isdigit() else 0
-    if size > limits_of(http).offload_bytes:
-        return await anyio.to_thread.run_sync(fn, *args)
-    return fn(*args)

@@ -27,14 +27,14 @@ class RequestRecord:
     """What one HTTP request did, filled in by the handler and its engine calls."""
 
     request_id: str
-    exec_class: str = "none"  # oneshot | decode (the heaviest class among its sequences) | none
+    exec_class: str = "none"  # oneshot | paged (the heaviest class among its sequences) | none
     prompt_tokens: int = 0
     output_tokens: int = 0
     first_output_s: float | None = None  # since the request arrived
     cancelled: bool = False  # the client went away before the answer
 
     def saw_class(self, exec_class: str) -> None:
-        if self.exec_class != "decode":
+        if self.exec_class != "paged":
             self.exec_class = exec_class
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, TypeVar
 
 import anyio
 from fastapi.encoders import jsonable_encoder
@@ -34,6 +34,8 @@ from starlette.types import Receive, Scope
 
 from prelude.entrypoints.openai.limits import BODY_SIZE_KEY, limits_of
 from prelude.entrypoints.openai.observe import request_record
+
+T = TypeVar("T")
 
 _SCALARS = (str, int, float, bool, type(None))
 _SLICE = 2048  # list items serialized per C call when rendering off the loop
@@ -201,3 +203,18 @@ async def json_answer(answer: Any, request: Request | None) -> Any:
     if not holds_many_values(answer, limits_of(request).offload_values):
         return answer
     return Response(await anyio.to_thread.run_sync(render_json, answer), media_type="application/json")
+
+
+async def off_loop_if_large(http: Request | None, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn(*args)` (tokenizing, chat-template rendering) on a worker thread when the
+    body is large, so a big prompt does not stall every other stream on the event loop;
+    small bodies stay inline (a thread hop costs more than their tokenization)."""
+    if http is None:
+        return fn(*args)
+    size = http.scope.get(BODY_SIZE_KEY)
+    if size is None:
+        length = http.headers.get("content-length", "")
+        size = int(length) if length.isdigit() else 0
+    if size > limits_of(http).offload_bytes:
+        return await anyio.to_thread.run_sync(fn, *args)
+    return fn(*args)

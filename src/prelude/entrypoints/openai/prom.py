@@ -52,11 +52,11 @@ class _EngineGauges(Collector):
         get = lambda key: float(m.get(key, 0.0))  # noqa: E731 - fakes report fewer keys
         running = GaugeMetricFamily("prelude:num_requests_running", "Requests in model execution (by class).",
                                     labels=["model_name", "exec_class"])
-        running.add_metric([self._model, "decode"], get("requests_running_decode"))
+        running.add_metric([self._model, "paged"], get("requests_running"))  # OneShot requests never run apart
         yield running
         waiting = GaugeMetricFamily("prelude:num_requests_waiting", "Requests waiting to be scheduled (by class).",
                                     labels=["model_name", "exec_class"])
-        waiting.add_metric([self._model, "decode"], get("requests_waiting_decode"))
+        waiting.add_metric([self._model, "paged"], get("requests_waiting_paged"))
         waiting.add_metric([self._model, "oneshot"], get("requests_waiting_oneshot"))
         yield waiting
         total, free, cached = get("kv_blocks_total"), get("kv_blocks_free"), get("kv_blocks_cached_evictable")

@@ -14,11 +14,12 @@ from starlette.requests import Request as HTTPRequest
 from prelude.engine.client import EngineClient
 from prelude.engine.request import RequestOutput
 from prelude.entrypoints.openai.errors import APIError
-from prelude.entrypoints.openai.limits import ServerLimits, limits_of, off_loop_if_large
 from prelude.entrypoints.openai.fanout import Choice, Job, collect_choices, fan_out, merged_outputs
+from prelude.entrypoints.openai.limits import ServerLimits, limits_of
+from prelude.entrypoints.openai.offload import off_loop_if_large
 from prelude.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from prelude.entrypoints.openai.sampling import chat_logprobs, sampling_params, usage
-from prelude.entrypoints.openai.serving_completions import SSEResponse, StreamUsage, sse_stream
+from prelude.entrypoints.openai.streaming import SSEResponse, StreamUsage, sse_stream
 from prelude.tokenizer.prefix_encode import encode_chat_prompt
 
 # --- prompt rendering (also used by /tokenize) -----------------------------------------
@@ -106,7 +107,7 @@ class _Chat:
                 "model": self.engine.model_name, "choices": choices, **extra}
 
 
-def _admit(engine: EngineClient, req: ChatCompletionRequest, limits: ServerLimits) -> _Chat:
+def _prepare(engine: EngineClient, req: ChatCompletionRequest, limits: ServerLimits) -> _Chat:
     """Validate everything before any work starts, so bad input is a clean 400."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -123,7 +124,7 @@ def _admit(engine: EngineClient, req: ChatCompletionRequest, limits: ServerLimit
 
 async def create_chat_completion(engine: EngineClient, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
     stream_usage = StreamUsage.of(req)
-    c = await off_loop_if_large(http, _admit, engine, req, limits_of(http))
+    c = await off_loop_if_large(http, _prepare, engine, req, limits_of(http))
     if req.stream:
         return SSEResponse(sse_stream(_stream_chunks(c, stream_usage)))
     choices = await collect_choices(engine, c.id, c.jobs, http)

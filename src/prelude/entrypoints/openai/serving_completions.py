@@ -1,109 +1,30 @@
-"""POST /v1/completions, and the SSE plumbing the chat endpoint shares."""
+"""POST /v1/completions."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Callable
+from typing import Any, AsyncGenerator
 
-import anyio
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
-from starlette.types import Receive, Scope, Send
 
 from prelude.engine.client import EngineClient
 from prelude.engine.request import RequestOutput
-from prelude.entrypoints.openai.errors import APIError, error_body_for, logger
-from prelude.entrypoints.openai.limits import ServerLimits, limits_of, off_loop_if_large
+from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.fanout import Choice, Job, collect_choices, fan_out, merged_outputs
-from prelude.entrypoints.openai.protocol import CompletionRequest, _SamplingFields
+from prelude.entrypoints.openai.limits import ServerLimits, limits_of
+from prelude.entrypoints.openai.offload import off_loop_if_large
+from prelude.entrypoints.openai.protocol import CompletionRequest
 from prelude.entrypoints.openai.sampling import (
     completion_logprobs,
     prompt_logprobs_payload,
     sampling_params,
     usage,
 )
-
-# --- SSE plumbing (shared with chat) -------------------------------------------------
-
-
-class SSEResponse(StreamingResponse):
-    """An event stream whose event iterator is closed as soon as the response ends.
-
-    Starlette cancels the sending task when the client disconnects; if that happens
-    while our generator is parked at a `yield`, nothing would close it until garbage
-    collection. Closing it here runs its `finally` blocks now, which cancel the engine
-    streams and so abort their requests.
-    """
-
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._events = events
-        self._on_close: list[Callable[[], None]] = []
-
-    def on_close(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once the stream has ended, however it ended."""
-        self._on_close.append(callback)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):  # runs even when the request task is cancelled
-                await self._events.aclose()
-            for callback in self._on_close:
-                callback()
-
-
-def sse_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[str, None]:
-    """`data: {json}` events, then `data: [DONE]`.
-
-    Headers are already sent, so an error (engine failure, late admission error)
-    becomes one `data: {"error": ...}` event, which OpenAI clients raise as an error.
-    """
-
-    async def events() -> AsyncGenerator[str, None]:
-        async with aclosing(chunks):  # closing us closes the chunk source, and so the engine streams
-            try:
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-            except Exception as exc:  # noqa: BLE001 - reported in-band
-                body, status = error_body_for(exc)
-                if status >= 500:
-                    logger.exception("stream failed")
-                yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return events()
-
-
-@dataclass(frozen=True)
-class StreamUsage:
-    """What `stream_options` asks for: a final usage chunk, and/or running usage on every chunk."""
-
-    final: bool = False
-    continuous: bool = False
-
-    @staticmethod
-    def of(req: _SamplingFields) -> StreamUsage:
-        opts = req.stream_options
-        if opts is None:
-            return StreamUsage()
-        if not req.stream:
-            raise APIError("stream_options is only allowed with stream: true", param="stream_options")
-        return StreamUsage(final=opts.include_usage, continuous=opts.include_usage and opts.continuous_usage_stats)
-
-    def per_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        """The `usage` member of a content chunk: absent, null (OpenAI), or running counts (vLLM)."""
-        if not self.final:
-            return {}
-        return {"usage": usage(prompt_tokens, completion_tokens) if self.continuous else None}
-
-
-# --- completions ------------------------------------------------------------------
+from prelude.entrypoints.openai.streaming import SSEResponse, StreamUsage, sse_stream
 
 
 def _prompt_items(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -175,7 +96,7 @@ class _Completion:
                 "model": self.engine.model_name, "choices": choices, **extra}
 
 
-def _admit(engine: EngineClient, req: CompletionRequest, limits: ServerLimits) -> _Completion:
+def _prepare(engine: EngineClient, req: CompletionRequest, limits: ServerLimits) -> _Completion:
     """Validate everything before any work starts, so bad input is a clean 400."""
     _check_unsupported(req)
     prompt_k = req.prompt_logprobs
@@ -194,7 +115,7 @@ def _admit(engine: EngineClient, req: CompletionRequest, limits: ServerLimits) -
 
 async def create_completion(engine: EngineClient, req: CompletionRequest, http: HTTPRequest) -> Any:
     stream_usage = StreamUsage.of(req)
-    c = await off_loop_if_large(http, _admit, engine, req, limits_of(http))
+    c = await off_loop_if_large(http, _prepare, engine, req, limits_of(http))
     if req.stream:
         return SSEResponse(sse_stream(_stream_chunks(c, stream_usage)))
     choices = await collect_choices(engine, c.id, c.jobs, http)

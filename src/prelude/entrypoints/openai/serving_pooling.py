@@ -19,9 +19,10 @@ from starlette.requests import Request as HTTPRequest
 
 from prelude.engine.client import EngineClient
 from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput, SamplingParams
+from prelude.entrypoints.openai.disconnect import until_disconnect
 from prelude.entrypoints.openai.errors import APIError
-from prelude.entrypoints.openai.fanout import until_disconnect
-from prelude.entrypoints.openai.limits import limits_of, off_loop_if_large
+from prelude.entrypoints.openai.limits import limits_of
+from prelude.entrypoints.openai.offload import off_loop_if_large
 from prelude.entrypoints.openai.protocol import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -238,7 +239,7 @@ async def relevance_scores(
 
 async def create_score(engine: EngineClient, req: ScoreRequest, http: HTTPRequest) -> dict[str, Any]:
     """vLLM's cross-encoder pairs (text_1, text_2); SGLang's query/items shape is
-    serving_score's."""
+    serving_generative_score's."""
     if req.text_1 is None or req.text_2 is None:
         raise APIError("pass text_1 and text_2, or query, items and label_token_ids", param="text_1")
     first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)

@@ -2,7 +2,7 @@
 
 The BPE core is tiktoken's rank-based merge (Rust, releases the GIL). Ranks are the
 HF token ids, which is exact when the merge list creates tokens in id order (checked
-at load, and the equality gate checks the rest). Decoding reads a contiguous
+at load, and the equality check covers the rest). Decoding reads a contiguous
 id -> bytes table.
 """
 
@@ -28,7 +28,7 @@ from prelude.tokenizer.fasttoken.spec import Unsupported, read_spec
 
 logger = logging.getLogger("prelude.fasttoken")
 
-# Bumped whenever encode/decode behaviour changes: cached gate verdicts are keyed on it.
+# Bumped whenever encode/decode behaviour changes: cached equality verdicts are keyed on it.
 FASTTOKEN_VERSION = "4"
 
 # Input classes logged per tokenizer before it stops logging new ones.

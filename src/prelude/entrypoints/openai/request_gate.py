@@ -1,4 +1,4 @@
-"""Admission at the HTTP door: a bound on requests waiting to start (429), refusal while
+"""The request gate at the HTTP door: a bound on requests waiting to start (429), refusal while
 draining (503), and the count of requests in flight that a graceful drain waits for.
 
 Everything here runs on the server's event loop thread, so plain counters suffice: a
@@ -18,10 +18,10 @@ from prelude.entrypoints.openai.observe import RequestRecord
 
 
 class Ticket:
-    """One admitted HTTP request: counted as waiting until its first engine output, and
+    """One HTTP request let through the gate: counted as waiting until its first engine output, and
     as active until its response is done. Both releases are idempotent."""
 
-    def __init__(self, gate: AdmissionGate) -> None:
+    def __init__(self, gate: RequestGate) -> None:
         self._gate = gate
         self._waiting = True
         self._active = True
@@ -42,7 +42,7 @@ class Ticket:
 
 
 @dataclass
-class AdmissionGate:
+class RequestGate:
     """`max_waiting`: None = unbounded. `retry_after_s` goes into 429's Retry-After header."""
 
     max_waiting: int | None = None
@@ -54,7 +54,7 @@ class AdmissionGate:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def enter(self) -> Ticket:
-        """Admit one request or raise APIError 429 (full) / 503 (draining)."""
+        """Let one request through or raise APIError 429 (full) / 503 (draining)."""
         if self.draining:
             raise APIError("the server is shutting down and accepts no new requests", 503,
                            code="server_shutting_down")
@@ -71,7 +71,7 @@ class AdmissionGate:
         return Ticket(self)
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no admitted request is in flight; False if `timeout_s` passed first."""
+        """Wait until no request let through is in flight; False if `timeout_s` passed first."""
         if self.active == 0:
             return True
         deadline = time.monotonic() + timeout_s
@@ -115,6 +115,8 @@ class GatedEngine:
         r = self._record
         if r is None:
             return
+        if out.exec_class is not None:  # the class validation picked (--force-paged-path included)
+            r.saw_class(out.exec_class.value)
         if r.first_output_s is None:
             r.first_output_s = time.monotonic() - self._t0
         if first:
@@ -125,8 +127,6 @@ class GatedEngine:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        if self._record is not None:
-            self._record.saw_class("oneshot" if params.max_tokens is not None and params.max_tokens <= 1 else "decode")
         stream = self._engine.generate(request_id, prompt_token_ids, params)
         first = True
         try:
@@ -148,8 +148,6 @@ class GatedEngine:
             await stream.aclose()  # early close aborts the engine request
 
     async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: Any) -> Any:
-        if self._record is not None:
-            self._record.saw_class("oneshot")
         try:
             left = self._left()
             if left is None:

@@ -1,4 +1,4 @@
-"""The equality gate: fasttoken serves a model only after matching HF `tokenizers`.
+"""The equality check: fasttoken serves a model only after matching HF `tokenizers`.
 
 Checks encode (with and without special tokens), decode (with and without skipping
 special tokens, and ids past the table) and streaming decode on a built-in corpus; a
@@ -27,7 +27,7 @@ from prelude.tokenizer.fasttoken.spec import Unsupported
 
 logger = logging.getLogger("prelude.fasttoken")
 
-GATE_VERSION = "2"
+CHECK_VERSION = "2"  # in the verdict key, still spelled "gate=" so cached verdicts stay valid
 
 CORPUS: tuple[str, ...] = (
     "Hello world", "The quick brown fox jumps over the lazy dog.", " leading space", "trailing space ",
@@ -58,8 +58,8 @@ def tokenizer_hash(path: Path) -> str:
 
 
 def _versions_key() -> str:
-    """A verdict holds only for the code that earned it: gate, fasttoken, tiktoken, tokenizers."""
-    versions = f"gate={GATE_VERSION};fasttoken={FASTTOKEN_VERSION};tiktoken={tiktoken.__version__};" \
+    """A verdict holds only for the code that earned it: this check, fasttoken, tiktoken, tokenizers."""
+    versions = f"gate={CHECK_VERSION};fasttoken={FASTTOKEN_VERSION};tiktoken={tiktoken.__version__};" \
                f"tokenizers={tokenizers.__version__}"
     return hashlib.sha256(versions.encode()).hexdigest()[:12]
 
@@ -113,7 +113,7 @@ def compare(fast: FastTokenizer, hf: RustTokenizer, corpus: tuple[str, ...] = CO
 
 
 def check(tokenizer_json: Path, delegate: Any | None = None, use_cache: bool = True) -> tuple[FastTokenizer | None, str]:
-    """(fasttoken, "equal") when it passes the gate, else (None, the reason)."""
+    """(fasttoken, "equal") when it passes the check, else (None, the reason)."""
     digest = tokenizer_hash(tokenizer_json)
     verdict_path = _verdict_file(digest)
     cached = _read_verdict(verdict_path) if use_cache else None

@@ -1,4 +1,4 @@
-"""Prepare a request once: validate its tokens and budget, seed its sampler, and pick
+"""Request validation: prepare a request once: validate its tokens and budget, seed its sampler, and pick
 its execution class (the resource contract it keeps for its whole life)."""
 
 from __future__ import annotations
@@ -7,82 +7,82 @@ import random
 import time
 from dataclasses import dataclass, replace
 
-from prelude.engine.client import AdmissionError
+from prelude.engine.client import InvalidRequestError
 from prelude.engine.request import ExecClass, PoolingParams, PoolingTask, Request, SamplingParams
 
 
 def pick_exec_class(params: SamplingParams, max_tokens: int, pooling: PoolingParams | None) -> ExecClass:
     """OneShot: one forward and a fixed-size output (a pooled vector, head scores,
-    prompt logprobs, or at most one generated token). Everything else decodes."""
+    prompt logprobs, or at most one generated token). Everything else is Paged."""
     if pooling is not None or max_tokens <= 1:
         return ExecClass.ONESHOT
-    return ExecClass.DECODE
+    return ExecClass.PAGED
 
 
 @dataclass(frozen=True)
-class AdmissionRules:
-    """What admission checks a request against and fills in: the served model's facts and
+class RequestRules:
+    """What validation checks a request against and fills in: the served model's facts and
     the operator's defaults. The engine builds it once; a scale-out front gets the same
-    object from a replica, so both admit alike."""
+    object from a replica, so both validate alike."""
 
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
     can_generate: bool = True
-    force_decode: bool = False
+    force_paged: bool = False
     labels: tuple[str, ...] = ()
     default_pooling: str | None = None
     default_ttft_slo_ms: float | None = None
 
 
-def admit(
+def validate_request(
     request_id: str,
     prompt_token_ids: list[int],
     params: SamplingParams,
-    rules: AdmissionRules,
+    rules: RequestRules,
     *,
     seed_source: random.Random,
     pooling: PoolingParams | None = None,
     arrival_time: float | None = None,
 ) -> Request:
-    """Build the engine-side Request or raise AdmissionError with a user-facing message.
+    """Build the engine-side Request or raise InvalidRequestError with a user-facing message.
     The model's defaults (pooling, TTFT target) are filled in here, once, for every front."""
     if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not rules.labels:
-        raise AdmissionError("this model has no classification head; pass candidate labels instead")
+        raise InvalidRequestError("this model has no classification head; pass candidate labels instead")
     if pooling is not None and pooling.pooling is None and rules.default_pooling is not None:
         pooling = replace(pooling, pooling=rules.default_pooling)
     if params.ttft_slo_ms is None and rules.default_ttft_slo_ms is not None:
         params = replace(params, ttft_slo_ms=rules.default_ttft_slo_ms)
     if params.n != 1:
-        raise AdmissionError("the engine takes one sequence per request; fan out n > 1 before admission")
+        raise InvalidRequestError("the engine takes one sequence per request; fan out n > 1 before validation")
     if pooling is None and not rules.can_generate:
-        raise AdmissionError("this model does not generate text; use /v1/embeddings, /classify or /score")
+        raise InvalidRequestError("this model does not generate text; use /v1/embeddings, /classify or /score")
     n_prompt = len(prompt_token_ids)
     if n_prompt == 0:
-        raise AdmissionError("the prompt is empty")
+        raise InvalidRequestError("the prompt is empty")
     bad = [t for t in prompt_token_ids if not 0 <= t < rules.vocab_size]
     if bad:
-        raise AdmissionError(f"token id {bad[0]} is out of vocabulary (size {rules.vocab_size})")
+        raise InvalidRequestError(f"token id {bad[0]} is out of vocabulary (size {rules.vocab_size})")
     if pooling is not None:
         bad = [t for t in pooling.label_token_ids if not 0 <= t < rules.vocab_size]
         if bad:
-            raise AdmissionError(f"label token id {bad[0]} is out of vocabulary (size {rules.vocab_size})")
+            raise InvalidRequestError(f"label token id {bad[0]} is out of vocabulary (size {rules.vocab_size})")
         max_tokens = 0
         if n_prompt > rules.max_model_len:
-            raise AdmissionError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {rules.max_model_len} tokens. However, the input has "
                 f"{n_prompt} tokens. Please reduce the length of the input."
             )
     else:
         if n_prompt >= rules.max_model_len:
-            raise AdmissionError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {rules.max_model_len} tokens. However, your prompt has "
                 f"{n_prompt} tokens, leaving no room for output. Please reduce the length of the prompt."
             )
         room = rules.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
-            raise AdmissionError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {rules.max_model_len} tokens. However, you requested "
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or the completion."
@@ -92,10 +92,10 @@ def admit(
         assert pooling is not None
         shared = pooling.shared_len(n_prompt)
         if shared < 1:
-            raise AdmissionError("packed items need a non-empty shared prompt before them")
+            raise InvalidRequestError("packed items need a non-empty shared prompt before them")
     exec_class = pick_exec_class(params, max_tokens, pooling)
-    if rules.force_decode and rules.can_generate and not packed:  # packed items exist only as OneShot rows
-        exec_class = ExecClass.DECODE  # ablation: everything takes the decode-shaped path
+    if rules.force_paged and rules.can_generate and not packed:  # packed items exist only as OneShot rows
+        exec_class = ExecClass.PAGED  # ablation: everything takes the paged path
     # A request without a seed draws one from the engine's seeded source: runs of the
     # same traffic repeat, and the sampler needs no generator object per request.
     seed = params.seed if params.seed is not None else seed_source.getrandbits(62)
