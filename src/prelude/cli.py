@@ -1,4 +1,4 @@
-"""`prelude serve | bench | tokenizer-bench` — flag names follow vLLM's where one exists."""
+"""`prelude serve | run-batch | bench | tokenizer-bench` — flag names follow vLLM's where one exists."""
 
 from __future__ import annotations
 
@@ -220,6 +220,27 @@ def _serve(args: argparse.Namespace) -> int:
         front.shutdown()
 
 
+def _add_batch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch job")
+    g.add_argument("-i", "--input-file", required=True, help="OpenAI Batch JSONL: {custom_id, method, url, body} per line")
+    g.add_argument("-o", "--output-file", required=True, help="JSONL with one answer line per input line")
+    g.add_argument("--resume", action="store_true",
+                   help="keep OUTPUT's lines and run only the custom_ids it lacks (after a crash or kill)")
+    g.add_argument("--max-inflight", type=int, default=None,
+                   help="lines in the engine at once (default: 2 x --max-num-seqs)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from prelude.entrypoints.batch.cli import run_batch
+
+    front = _front(args)
+    try:
+        return run_batch(args, front, _server_limits(args))
+    finally:
+        front.shutdown()
+
+
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     """HTTP-side flags: auth, limits, drain, logs (grouped; engine flags are above)."""
     g = p.add_argument_group("server: auth, limits, drain, logs")
@@ -264,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(serve)
     _add_server_args(serve)
     _add_cluster_args(serve)
+    run_batch = sub.add_parser("run-batch", help="run an OpenAI Batch file offline (no HTTP in between)")
+    _add_batch_args(run_batch)
+    _add_engine_args(run_batch)
+    _add_server_args(run_batch)
+    _add_cluster_args(run_batch)
+    run_batch.set_defaults(router="prefix")  # a job's shared prefixes stay on one replica
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
                                          "decisions")
@@ -297,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     from prelude.log_format import configure_logging
 
     configure_logging(args.log_level, args.log_format)
+    if args.command == "run-batch":
+        return _run_batch(args)
     return _serve(args)
 
 

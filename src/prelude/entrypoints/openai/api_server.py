@@ -33,16 +33,7 @@ from prelude.entrypoints.openai.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
-from prelude.entrypoints.openai.serving_chat import create_chat_completion
-from prelude.entrypoints.openai.serving_completions import create_completion
-from prelude.entrypoints.openai.serving_pooling import (
-    create_classification,
-    create_embeddings,
-    create_rerank,
-    create_reward,
-    create_score,
-)
-from prelude.entrypoints.openai.serving_generative_score import create_generative_score, create_generative_scoring
+from prelude.entrypoints.openai.routes import ROUTES, check_model
 from prelude.entrypoints.openai.serving_tokens import detokenize, tokenize
 from prelude.entrypoints.openai.streaming import SSEResponse
 
@@ -56,13 +47,6 @@ def _tokenizer_counters(engine: EngineClient) -> Callable[[], dict[str, float]] 
     if not hasattr(tokenizer, "fallback_count"):
         return None
     return lambda: {"tokenizer_fallbacks": float(tokenizer.fallback_count)}
-
-
-def _check_model(engine: EngineClient, name: str | None) -> None:
-    """A missing model means the served one; any other name is refused, as OpenAI does."""
-    if name is not None and name != engine.model_name:
-        raise APIError(f"The model `{name}` does not exist. This server serves `{engine.model_name}`.",
-                       param="model", code="model_not_found")
 
 
 def build_app(
@@ -128,16 +112,16 @@ def build_app(
             "root": engine.model_name, "max_model_len": engine.max_model_len,
         }]}
 
-    async def _served(handler: Any, body: Any, request: Request) -> Any:
+    async def _served(url: str, body: Any, request: Request) -> Any:
         """Run one engine-backed handler behind the request gate; a client gone before
         the answer gets no body (and is logged as a cancel, not an error)."""
-        _check_model(engine, body.model)
+        check_model(engine, body.model)
         check_unknown_fields(body, request.url.path)
         ticket = gate.enter()  # 429 / 503 before any work
         record = request_record(request.state)
         gated = GatedEngine(engine, ticket, limits.request_timeout_s, record)
         try:
-            response = await handler(gated, body, request)
+            response = await ROUTES[url].handler(body)(gated, body, request)
         except ClientDisconnected:
             ticket.close()
             if record is not None:
@@ -154,50 +138,50 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await _served(create_completion, body, request)
+        return await _served("/v1/completions", body, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        return await _served(create_chat_completion, body, request)
+        return await _served("/v1/chat/completions", body, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
-        return await _served(create_embeddings, body, request)
+        return await _served("/v1/embeddings", body, request)
 
     @app.post("/classify")
     @app.post("/v1/classify")
     async def classify(body: ClassifyRequest, request: Request) -> Any:
-        return await _served(create_classification, body, request)
+        return await _served("/v1/classify", body, request)
 
     @app.post("/score")
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request) -> Any:
-        return await _served(create_generative_score if body.is_generative else create_score, body, request)
+        return await _served("/v1/score", body, request)
 
     @app.post("/generative_scoring")
     @app.post("/v1/generative_scoring")
     async def generative_scoring(body: GenerativeScoringRequest, request: Request) -> Any:
-        return await _served(create_generative_scoring, body, request)
+        return await _served("/v1/generative_scoring", body, request)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     async def rerank(body: RerankRequest, request: Request) -> Any:
-        return await _served(create_rerank, body, request)
+        return await _served("/v1/rerank", body, request)
 
     @app.post("/reward")
     @app.post("/v1/reward")
     async def reward(body: RewardRequest, request: Request) -> Any:
-        return await _served(create_reward, body, request)
+        return await _served("/v1/reward", body, request)
 
     @app.post("/tokenize", response_model=dict[str, Any])
     async def tokenize_route(body: TokenizeRequest, request: Request) -> Any:
-        _check_model(engine, body.model)
+        check_model(engine, body.model)
         check_unknown_fields(body, request.url.path)
         return await json_answer(await off_loop_if_large(request, tokenize, engine, body), request)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest, request: Request) -> dict[str, str]:
-        _check_model(engine, body.model)
+        check_model(engine, body.model)
         check_unknown_fields(body, request.url.path)
         return await off_loop_if_large(request, detokenize, engine, body)
 

@@ -74,7 +74,7 @@ def error_body_for(exc: BaseException) -> tuple[dict[str, Any], int]:
     return error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -100,7 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -82,6 +82,11 @@ def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
     except json.JSONDecodeError as exc:
         raise _validation_error([{"type": "json_invalid", "loc": (exc.pos,), "msg": "JSON decode error",
                                   "input": {}, "ctx": {"error": exc.msg}}]) from exc
+    return validate_body(data, model)
+
+
+def validate_body(data: Any, model: type[BaseModel]) -> BaseModel:
+    """The validated request model of a parsed JSON body, or FastAPI's RequestValidationError."""
     try:
         return model.model_validate(data, from_attributes=True)  # as FastAPI validates
     except ValidationError as exc:

@@ -1,0 +1,209 @@
+"""Running a planned job on an EngineClient: lines go through the server's routes
+(entrypoints.openai.offline) with a bounded number in flight, so the engine stays at its
+best batch while memory stays flat, and each answer is appended to the output log as it
+completes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from prelude.engine.client import EngineClient
+from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
+from prelude.entrypoints.batch.lines import LineError, error_line, load_object, parse_line, response_line
+from prelude.entrypoints.batch.output import OutputLog
+from prelude.entrypoints.batch.plan import Plan, plan_job
+from prelude.entrypoints.openai.limits import ServerLimits
+from prelude.entrypoints.openai.offline import answer
+
+logger = logging.getLogger("prelude.batch")
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    max_inflight: int = 128  # lines in the engine at once: enough to fill its steps, few enough to stay flat
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    fsync_every: int = 64  # output lines per fsync (and at least one fsync a second)
+    progress: bool = False  # a tqdm bar on stderr
+
+
+@dataclass
+class JobSummary:
+    total_lines: int = 0
+    already_done: int = 0  # skipped: answered by an earlier run (--resume)
+    by_status: Counter[str] = field(default_factory=Counter)  # "200", "400", ..., "error"
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    repaired_bytes: int = 0
+    cancelled: bool = False
+
+    @property
+    def ran(self) -> int:
+        return sum(self.by_status.values())
+
+    @property
+    def failed(self) -> int:
+        return sum(n for status, n in self.by_status.items() if status != "200")
+
+    def describe(self) -> str:
+        statuses = ", ".join(f"{s}: {n}" for s, n in sorted(self.by_status.items())) or "none"
+        rate = self.ran / self.wall_s if self.wall_s > 0 else 0.0
+        toks = (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s > 0 else 0.0
+        return (f"{self.ran} lines run ({statuses}), {self.already_done} already done, {self.failed} failed; "
+                f"{self.prompt_tokens} prompt + {self.output_tokens} output tokens in {self.wall_s:.1f} s "
+                f"({rate:.1f} req/s, {toks:.0f} tok/s)")
+
+
+class _Counting:
+    """The engine, counting the tokens of what passes through it (for the progress bar)."""
+
+    def __init__(self, engine: EngineClient, summary: JobSummary) -> None:
+        self._engine, self._summary = engine, summary
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = self._engine.generate(request_id, prompt_token_ids, params)
+        first = True
+        try:
+            async for out in stream:
+                if first:
+                    self._summary.prompt_tokens += out.num_prompt_tokens
+                    first = False
+                self._summary.output_tokens += len(out.new_token_ids)
+                yield out
+        finally:
+            await stream.aclose()
+
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
+        out = await self._engine.encode(request_id, prompt_token_ids, pooling)
+        self._summary.prompt_tokens += out.num_prompt_tokens
+        return out
+
+
+class _Progress:
+    def __init__(self, total: int, summary: JobSummary, enabled: bool) -> None:
+        self._summary = summary
+        self._bar = None
+        self._t0 = time.monotonic()
+        self._shown = 0.0
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="req", dynamic_ncols=True, smoothing=0.1)
+
+    def update(self) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        now = time.monotonic()
+        if now - self._shown >= 0.5:
+            self._shown = now
+            s = self._summary
+            self._bar.set_postfix_str(f"{(s.prompt_tokens + s.output_tokens) / max(now - self._t0, 1e-9):.0f} tok/s, "
+                                      f"{s.failed} failed", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+async def _answer_line(engine: Any, raw: bytes, number: int, limits: ServerLimits) -> tuple[str, bytes]:
+    """(status key, output line) of one input line: never raises for bad input."""
+    try:
+        line = parse_line(load_object(raw, number), number)
+    except LineError as exc:
+        cid = None
+        try:
+            cid = load_object(raw, number).get("custom_id")
+        except LineError:
+            pass
+        return "error", error_line(cid if isinstance(cid, str) else None, exc.code, exc.message)
+    status, body = await answer(engine, line.url, line.body, limits, len(raw))
+    return str(status), response_line(line.custom_id, status, body)
+
+
+Pace = Callable[[], Awaitable[None]]
+
+
+async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, log: OutputLog,
+                      options: JobOptions, summary: JobSummary, pace: Pace | None = None,
+                      stop: asyncio.Event | None = None, on_line: Callable[[str], None] | None = None) -> JobSummary:
+    """Run `plan`'s lines, appending each answer to `log`. `pace` is awaited before each
+    line goes in (the server's Batch API yields to interactive requests there); `stop`
+    set: no further line starts (cancel), the ones in flight finish."""
+    counting = _Counting(engine, summary)
+    progress = _Progress(plan.to_run, summary, options.progress)
+    t0 = time.monotonic()
+
+    def finished(status: str, line: bytes) -> None:
+        log.append(line)
+        summary.by_status[status] += 1
+        progress.update()
+        if on_line is not None:
+            on_line(status)
+
+    try:
+        for bad in plan.malformed:  # first and in line order: a resumed run counts them back
+            finished("error", error_line(None, bad.code, bad.message))
+        slots = asyncio.Semaphore(max(1, options.max_inflight))
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(raw: bytes, number: int) -> None:
+            try:
+                status, line = await _answer_line(counting, raw, number, options.limits)
+                finished(status, line)
+            finally:
+                slots.release()
+
+        fd = os.open(input_path, os.O_RDONLY)
+        try:
+            for offset, size, number in plan.lines():
+                await slots.acquire()
+                if pace is not None:
+                    await pace()
+                if stop is not None and stop.is_set():
+                    slots.release()
+                    summary.cancelled = True
+                    break
+                task = asyncio.create_task(one(os.pread(fd, size, offset), number))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running)
+        finally:
+            os.close(fd)
+            for task in running:
+                task.cancel()
+    finally:
+        summary.wall_s += time.monotonic() - t0
+        progress.close()
+        log.sync()
+    return summary
+
+
+async def run_job(engine: EngineClient, input_path: str | Path, output_path: str | Path,
+                  options: JobOptions = JobOptions(), resume: bool = False) -> JobSummary:
+    """Plan and run the whole job (what `prelude run-batch` does). Raises
+    DuplicateCustomIds (nothing run) or OutputFileError (OUTPUT not resumable)."""
+    log = OutputLog(output_path, resume=resume, fsync_every=options.fsync_every)
+    try:
+        t0 = time.monotonic()
+        plan = plan_job(input_path, log.done, log.done_without_id)
+        log.open()
+        logger.info("planned %d lines (%d to run, %d already done) in %.2f s",
+                    plan.total_lines, plan.to_run, plan.already_done, time.monotonic() - t0)
+        summary = JobSummary(total_lines=plan.total_lines, already_done=plan.already_done,
+                             repaired_bytes=log.repaired_bytes)
+        return await run_planned(engine, input_path, plan, log, options, summary)
+    finally:
+        log.close()

@@ -1,0 +1,137 @@
+"""Planning a job before its first request runs.
+
+One lazy pass over the input keeps a few numbers per line (where it is, a hash of its
+custom_id, hashes of its prompt's beginning, its length), never the text, so a
+multi-GB file does not sit in memory. From them:
+- duplicate custom_ids are refused before anything runs;
+- lines already answered in a resumed OUTPUT are left out;
+- the run order groups lines whose prompts share a beginning (hashes of the first 256,
+  1K and 4K characters, coarse to fine), so the radix cache computes a shared rubric
+  once and keeps it hot while its group runs, and within a group puts the longest first
+  (similar lengths run side by side; the long ones do not trail at the end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from prelude.entrypoints.batch.lines import LineError, custom_id_of, id_hash, load_object, prefix_text
+
+PREFIX_CUTS = (256, 1024, 4096)  # characters; coarse to fine
+
+
+class DuplicateCustomIds(ValueError):
+    """The job is refused: custom_ids must be unique (the output is matched by them)."""
+
+
+def _text_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+@dataclass
+class Malformed:
+    """An input line with no usable custom_id: it is answered by line number, in order."""
+
+    number: int
+    code: str
+    message: str
+
+
+@dataclass
+class Plan:
+    total_lines: int  # non-blank lines in the input
+    already_done: int  # answered in the resumed OUTPUT
+    offsets: np.ndarray  # int64 byte offset of each line to run, in run order
+    sizes: np.ndarray  # int64 byte length
+    numbers: np.ndarray  # int64 1-based line number
+    malformed: list[Malformed] = field(default_factory=list)  # not yet answered ones, in line order
+
+    @property
+    def to_run(self) -> int:
+        return len(self.offsets) + len(self.malformed)
+
+    def lines(self) -> Iterator[tuple[int, int, int]]:
+        """(offset, size, line number) of each line to run, in run order."""
+        for i in range(len(self.offsets)):
+            yield int(self.offsets[i]), int(self.sizes[i]), int(self.numbers[i])
+
+
+def _confirm_duplicates(path: Path, offsets: np.ndarray, sizes: np.ndarray, numbers: np.ndarray,
+                        hashes: np.ndarray, suspects: np.ndarray) -> list[str]:
+    """The custom_ids that really repeat among lines whose hashes collide (a 64-bit hash
+    collision between different ids would otherwise refuse a good job)."""
+    seen: dict[str, int] = {}
+    found: list[str] = []
+    with open(path, "rb") as f:
+        for i in np.flatnonzero(np.isin(hashes, suspects)):
+            f.seek(int(offsets[i]))
+            cid = custom_id_of(load_object(f.read(int(sizes[i])), int(numbers[i])), int(numbers[i]))
+            if cid in seen:
+                found.append(f"{cid!r} (lines {seen[cid]} and {int(numbers[i])})")
+            else:
+                seen[cid] = int(numbers[i])
+    return found
+
+
+def plan_job(path: str | Path, done: set[int] | frozenset[int] = frozenset(), done_without_id: int = 0) -> Plan:
+    """Scan the input once and plan its run (see the module doc). `done`: id_hash of the
+    custom_ids already answered; `done_without_id`: malformed lines already answered."""
+    path = Path(path)
+    offsets, sizes, numbers = array("q"), array("q"), array("q")
+    hashes = array("Q")
+    keys = [array("Q") for _ in PREFIX_CUTS]
+    lengths = array("q")
+    pending = array("b")  # 1: to run, 0: already answered
+    malformed: list[Malformed] = []
+    total = 0
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            size = len(raw)
+            start, offset = offset, offset + size
+            if not raw.strip():
+                continue
+            total += 1
+            try:
+                obj = load_object(raw, number)
+                cid = custom_id_of(obj, number)
+            except LineError as exc:
+                malformed.append(Malformed(number, exc.code, exc.message))
+                continue
+            h = id_hash(cid)
+            text = prefix_text(obj)
+            offsets.append(start)
+            sizes.append(size)
+            numbers.append(number)
+            hashes.append(h)
+            for k, cut in zip(keys, PREFIX_CUTS):
+                k.append(_text_hash(text[:cut]))
+            lengths.append(len(text))
+            pending.append(0 if h in done else 1)
+    off, siz, num = (np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
+                     for a in (offsets, sizes, numbers))
+    hs = np.frombuffer(hashes, dtype=np.uint64) if len(hashes) else np.zeros(0, np.uint64)
+    values, counts = np.unique(hs, return_counts=True)
+    if (counts > 1).any():
+        dups = _confirm_duplicates(path, off, siz, num, hs, values[counts > 1])
+        if dups:
+            more = f" and {len(dups) - 5} more" if len(dups) > 5 else ""
+            raise DuplicateCustomIds(f"{path}: custom_id must be unique; repeated: {', '.join(dups[:5])}{more}; "
+                                     "nothing was run")
+    run = np.frombuffer(pending, dtype=np.int8).astype(bool) if len(pending) else np.zeros(0, bool)
+    key_arrays = [np.frombuffer(k, dtype=np.uint64)[run] if len(k) else np.zeros(0, np.uint64) for k in keys]
+    length = np.frombuffer(lengths, dtype=np.int64)[run] if len(lengths) else np.zeros(0, np.int64)
+    # lexsort: the last key is the primary one. Coarse prefix, finer prefixes, then longest first.
+    order = np.lexsort((-length, *reversed(key_arrays)))
+    return Plan(
+        total_lines=total,
+        already_done=int((~run).sum()) + min(done_without_id, len(malformed)),
+        offsets=off[run][order], sizes=siz[run][order], numbers=num[run][order],
+        malformed=malformed[done_without_id:],
+    )

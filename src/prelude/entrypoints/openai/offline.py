@@ -1,0 +1,79 @@
+"""One request body answered without HTTP: the batch runner's way into the routes.
+
+The body goes through what the HTTP route does to it (pydantic validation, the model
+name, unknown fields, the route's handler, the same error bodies), so a batch line's
+`response.body` is what the server would have answered for that body."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+
+from prelude.engine.client import EngineClient
+from prelude.entrypoints.openai.errors import APIError, error_body, error_body_for, validation_message
+from prelude.entrypoints.openai.fields import check_unknown_fields
+from prelude.entrypoints.openai.limits import BODY_SIZE_KEY, ServerLimits
+from prelude.entrypoints.openai.offload import render_json, validate_body
+from prelude.entrypoints.openai.routes import ROUTES, check_model
+
+logger = logging.getLogger("prelude.batch")
+
+
+class _State:
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+
+
+class _App:
+    def __init__(self, limits: ServerLimits) -> None:
+        self.state = _State(limits)
+
+
+class OfflineRequest:
+    """What the handlers read from an HTTP request, for a body that came from a batch
+    line: the limits, the body's size (large ones are tokenized off the event loop), and
+    a client that never disconnects."""
+
+    headers: dict[str, str] = {}
+
+    def __init__(self, limits: ServerLimits, body_bytes: int) -> None:
+        self.app = _App(limits)
+        self.scope = {BODY_SIZE_KEY: body_bytes}
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def is_routed(url: str) -> bool:
+    return url in ROUTES
+
+
+async def answer(engine: EngineClient, url: str, body: Any, limits: ServerLimits,
+                 body_bytes: int = 0) -> tuple[int, bytes]:
+    """(status, JSON body) of POST `url` with `body` (parsed JSON), as the server answers it."""
+    route = ROUTES.get(url)
+    if route is None:
+        known = ", ".join(sorted(u for u in ROUTES if u.startswith("/v1/")))
+        return 404, render_json(error_body(f"unknown url {url!r}; a batch line may name {known}", 404,
+                                           param="url", code="unknown_url"))
+    try:
+        req = validate_body(body, route.body)
+        if getattr(req, "stream", False):
+            raise APIError("stream is not supported in a batch: each line gets one whole answer", param="stream")
+        check_model(engine, req.model)  # type: ignore[attr-defined]
+        check_unknown_fields(req, url)
+        result = await route.handler(req)(engine, req, OfflineRequest(limits, body_bytes))
+    except RequestValidationError as exc:
+        message, param = validation_message(exc)
+        return 400, render_json(error_body(message, 400, param))
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the line's error answer
+        err, status = error_body_for(exc)
+        if status >= 500:
+            logger.error("%s failed: %r", url, exc)
+        return status, render_json(err)
+    if isinstance(result, Response):
+        return result.status_code, bytes(result.body)
+    return 200, render_json(result)
