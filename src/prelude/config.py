@@ -126,6 +126,9 @@ class SchedulerConfig:
     prefix_deferral: bool = True  # peers of a cold shared prefix wait one step for its leader
     max_decode_batch: int | None = None  # decode slots per step (None: every running sequence)
     default_ttft_slo_ms: float | None = None  # TTFT target of requests that name none
+    # Distinct LoRA adapters one step may hold: the executor's resident slots (--max-loras);
+    # the engine sets it from LoraConfig.
+    max_loras: int = 0
     policy_options: PolicyConfig = field(default_factory=PolicyConfig)
 
 
@@ -146,6 +149,15 @@ class ExecutorConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA: `max_loras` adapters resident on the device at once (LRU, reloaded
+    from disk on demand), each of rank at most `max_lora_rank`."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a HF dir or a .gguf file; None = embedded default
     served_model_name: str | None = None
@@ -155,6 +167,7 @@ class EngineConfig:
     overlap: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig | None = None  # None: no adapters (no slots, the plain forward)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from prelude.params import PoolingParams, SamplingParams, TokenLogprob
+from prelude.params import LoraRequest, PoolingParams, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class BatchRow:
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: SampleSpec | None  # None: a prompt chunk that does not finish the prompt
     head: HeadSpec | None = None  # only on rows holding a whole prompt (forced-Paged ablation)
+    lora: LoraRequest | None = None  # the row's adapter (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class OneShotRow:
     # item sees the shared part and itself only, at positions restarting after the shared
     # part; only the shared part is looked up in and published to the prefix cache.
     item_lens: tuple[int, ...] = ()
+    lora: LoraRequest | None = None  # the row's adapter (None: the base model)
 
     @property
     def shared_len(self) -> int:

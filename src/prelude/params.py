@@ -137,3 +137,14 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     rank: int | None = None  # 1 = the most likely token (computed for prompt logprobs)
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    """The LoRA adapter a request runs with: its served name, its PEFT directory, and an id
+    unique to this load of it (a name unloaded and loaded again gets a new id, so nothing
+    computed under the old adapter, cached KV included, is reused)."""
+
+    name: str
+    path: str
+    id: int

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, LoraConfig, ModelConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
 from prelude.executor.runner import ModelRunner
 
@@ -92,12 +92,13 @@ def tiny_engine(
     tokenizer: Any = None,
     compile: str = "off",
     fuse_oneshot: bool = True,
+    lora: LoraConfig | None = None,
 ) -> LLMEngine:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     executor = ExecutorConfig(device=device, dtype=dtype, attention_backend=attention_backend,
                               enforce_eager=enforce_eager, compile=compile)
-    runner = ModelRunner.create(config, weights, executor, block_size)
+    runner = ModelRunner.create(config, weights, executor, block_size, lora=lora)
     engine_cfg = EngineConfig(
         executor=executor,
         overlap=overlap,
@@ -109,5 +110,6 @@ def tiny_engine(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             force_paged=force_paged, fuse_oneshot=fuse_oneshot,
         ),
+        lora=lora,
     )
     return LLMEngine(runner, tokenizer if tokenizer is not None else ByteTokenizer(), engine_cfg, "tiny-llama")

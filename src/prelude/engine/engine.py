@@ -25,13 +25,14 @@ from prelude.engine.policies import make_policy
 from prelude.engine.request import (
     ExecClass,
     FinishReason,
+    LoraRequest,
     PoolingParams,
     Request,
     RequestOutput,
     RequestStatus,
     SamplingParams,
 )
-from prelude.engine.scheduler import ScheduleResult, Scheduler
+from prelude.engine.scheduler import ScheduleResult, Scheduler, lora_namespace
 from prelude.executor.runner import LaunchedStep, ModelRunner
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 from prelude.tokenizer.base import Tokenizer
@@ -75,8 +76,10 @@ class LLMEngine:
             num_blocks = 1  # encoders keep no KV: every request is OneShot
             self.max_model_len = min(limit, info.max_position_embeddings)
         else:
+            # Resident LoRA slots come out of the same memory budget as the KV cache.
+            lora_bytes = runner.adapters.nbytes if runner.adapters is not None else 0
             num_blocks = config.cache.num_blocks or max(
-                1, int(config.cache.kv_cache_memory_gib * 2**30) // info.kv_bytes_per_block
+                1, (int(config.cache.kv_cache_memory_gib * 2**30) - lora_bytes) // info.kv_bytes_per_block
             )
             if info.sliding_window:
                 # Full attention equals sliding-window attention only within the window.
@@ -90,7 +93,8 @@ class LLMEngine:
         runner.allocate_kv_cache(num_blocks)
         if not info.is_encoder:
             runner.capture_graphs(self.max_model_len)  # a no-op off CUDA or with enforce_eager
-        sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
+        sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len,
+                            max_loras=runner.adapters.slots.num_slots if runner.adapters is not None else 0)
         if runner.graphs is not None:  # LAPS batches toward the shapes that replay
             sched_cfg = replace(sched_cfg, policy_options=replace(
                 sched_cfg.policy_options, depth_buckets=runner.graphs.decode_batch_sizes))
@@ -140,6 +144,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, vocab_size=self.info.vocab_size, eos_token_ids=self.eos_token_ids,
             can_generate=self.can_generate, force_paged=sched.force_paged, labels=self.labels,
             default_pooling=self.info.default_pooling, default_ttft_slo_ms=sched.default_ttft_slo_ms,
+            lora_enabled=self.runner.adapters is not None,
         )
 
     @property
@@ -158,14 +163,23 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------
 
     def prepare(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None,
+        lora: LoraRequest | None = None,
     ) -> Request:
         """Validation: check the request, build the Request and pick its class (raises
         InvalidRequestError). Touches no engine state, so the async front calls it on the
         caller's thread."""
         req = validate_request(request_id, prompt_token_ids, params, self.request_rules,
-                               seed_source=self._rng, pooling=pooling)
+                               seed_source=self._rng, pooling=pooling, lora=lora)
         return self.attach_grammar(req)
+
+    def check_adapter(self, lora: LoraRequest) -> None:
+        """Read a LoRA adapter and check it against the model (raises LoraError, or
+        ValueError when this engine has no adapter slots). Any thread: it reads files and
+        touches no engine state."""
+        if self.runner.adapters is None:
+            raise ValueError("this engine runs without LoRA (start it with --max-loras > 0 or --lora-modules)")
+        self.runner.adapters.read(lora)
 
     def attach_grammar(self, req: Request) -> Request:
         """Give a constrained generation its matcher (any thread; a malformed constraint
@@ -190,9 +204,10 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None,
+        lora: LoraRequest | None = None,
     ) -> Request:
-        req = self.prepare(request_id, prompt_token_ids, params, pooling)
+        req = self.prepare(request_id, prompt_token_ids, params, pooling, lora)
         self.enqueue(req)
         return req
 
@@ -287,7 +302,8 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """One final output per request; the step's block holds end here."""
         for row in rows:  # publish full prompt blocks, drop the step's holds
-            self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks))
+            self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks),
+                             lora_namespace(row.lora))
         outputs = []
         for req in requests:
             if self._requests.get(req.request_id) is not req:
@@ -313,7 +329,8 @@ class LLMEngine:
                 continue  # aborted while its step was in flight
             req.num_computed_tokens += n
             if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
-                self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens)
+                self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens,
+                                       lora_namespace(req.lora))
             stream = self._streams[request_id]
             head = result.heads.get(request_id)
             if head is not None:

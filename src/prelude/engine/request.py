@@ -8,6 +8,7 @@ from typing import Any
 
 # Re-exported: the server and the offline API import them from here.
 from prelude.params import (  # noqa: F401
+    LoraRequest,
     PoolingParams,
     PoolingTask,
     SamplingParams,
@@ -74,6 +75,7 @@ class Request:
     sampling_seed: int = 0  # params.seed, or drawn from the engine's seed source at validation
     exec_class: ExecClass = ExecClass.PAGED
     pooling: PoolingParams | None = None
+    lora: LoraRequest | None = None  # the LoRA adapter it runs with (None: the base model)
     grammar: Any = None  # structured outputs: the engine.grammar.GrammarMatcher of this request
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

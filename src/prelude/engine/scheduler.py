@@ -37,7 +37,7 @@ from prelude.forward_batch import (
 )
 from prelude.engine.policies import SchedulingPolicy
 from prelude.engine.policies.base import by_arrival
-from prelude.engine.request import ExecClass, Request, RequestStatus
+from prelude.engine.request import ExecClass, LoraRequest, Request, RequestStatus
 from prelude.kv.kv_manager import KVCacheManager
 
 
@@ -47,6 +47,17 @@ class ScheduleResult:
     scheduled: dict[str, int] = field(default_factory=dict)  # request_id -> tokens computed this step
     preempted: list[Request] = field(default_factory=list)
     oneshot: list[Request] = field(default_factory=list)  # requests of the step's OneShot rows
+    adapters: set[int] = field(default_factory=set)  # LoRA adapters (ids) the step's rows run with
+
+
+def lora_namespace(lora: LoraRequest | None) -> str:
+    """The prefix-cache namespace of an adapter's rows: K/V are shared only under the same
+    adapter (the base's is "")."""
+    return "" if lora is None else f"lora-{lora.id}"
+
+
+def namespace(req: Request) -> str:
+    return lora_namespace(req.lora)
 
 
 def reuses_prefix(req: Request) -> bool:
@@ -156,9 +167,19 @@ class Scheduler:
         return n * per_token
 
     def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
-        return self.kv.match(tokens) if reuses_prefix(req) else []
+        return self.kv.match(tokens, namespace(req)) if reuses_prefix(req) else []
 
-    def _defer(self, req: Request, key: tuple[int, ...] | None, leaders: set[tuple[int, ...]]) -> bool:
+    def _adapter_fits(self, req: Request, result: ScheduleResult) -> bool:
+        """Whether the request's adapter fits the step: a step holds at most `max_loras`
+        distinct adapters (the executor's resident slots); the base always fits."""
+        if req.lora is None or req.lora.id in result.adapters:
+            return True
+        if len(result.adapters) >= self.config.max_loras:
+            return False
+        result.adapters.add(req.lora.id)
+        return True
+
+    def _defer(self, req: Request, key: tuple[object, ...] | None, leaders: set[tuple[object, ...]]) -> bool:
         """Cold-prefix leader deferral: a request whose next uncached block is being
         computed by a request already in this step waits (bounded) and then hits."""
         if key is None or not self.config.prefix_deferral:
@@ -171,7 +192,7 @@ class Scheduler:
         return False
 
     def _take_oneshot(
-        self, now: float, budget: int, memory: int, first_goes: bool
+        self, now: float, budget: int, memory: int, first_goes: bool, result: ScheduleResult,
     ) -> tuple[list[OneShotRow], list[Request]]:
         """OneShot rows of one head group within `budget` prompt tokens and `memory`
         activation bytes, in policy order; `first_goes`: the first request goes even
@@ -181,7 +202,7 @@ class Scheduler:
         bs = self.kv.block_size
         rows: list[OneShotRow] = []
         taken: list[Request] = []
-        leaders: set[tuple[int, ...]] = set()
+        leaders: set[tuple[object, ...]] = set()
         for req in ordered:
             if oneshot_group(req) != group:
                 continue
@@ -192,7 +213,9 @@ class Scheduler:
             n, mem = req.num_prompt_tokens - n_cached, self.activation_bytes(req)
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
-            if self._defer(req, self.kv.first_uncached_key(shareable, len(prefix)), leaders):
+            if self._defer(req, self.kv.first_uncached_key(shareable, len(prefix), namespace(req)), leaders):
+                continue
+            if not self._adapter_fits(req, result):
                 continue
             publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
             publish_blocks = self.kv.hold_for_step(prefix, publish)
@@ -201,7 +224,7 @@ class Scheduler:
             rows.append(OneShotRow(
                 req.request_id, prompt, sample_spec(req), head_spec(req),
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
-                item_lens=req.pooling.item_lens if req.pooling is not None else (),
+                item_lens=req.pooling.item_lens if req.pooling is not None else (), lora=req.lora,
             ))
             taken.append(req)
             budget -= n
@@ -216,10 +239,13 @@ class Scheduler:
         return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
 
     def _schedule_oneshot(self, now: float) -> ScheduleResult:
-        rows, taken = self._take_oneshot(now, self._oneshot_budget(), self.config.oneshot_activation_bytes, True)
+        result = ScheduleResult(batch=None)
+        rows, taken = self._take_oneshot(now, self._oneshot_budget(), self.config.oneshot_activation_bytes, True,
+                                         result)
         if not rows:  # every candidate deferred: let the next step run them
-            return ScheduleResult(batch=None)
-        return ScheduleResult(batch=OneShotBatch(tuple(rows)), oneshot=taken)
+            return result
+        result.batch, result.oneshot = OneShotBatch(tuple(rows)), taken
+        return result
 
     # --- Decode / Mixed ---------------------------------------------------------------
 
@@ -239,7 +265,7 @@ class Scheduler:
         head = head_spec(req) if covers else None
         return BatchRow(
             req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
-            sample_spec(req) if finishes else None, head,
+            sample_spec(req) if finishes else None, head, req.lora,
         )
 
     def _tokens_for(self, req: Request, budget: int, first: bool) -> int:
@@ -280,7 +306,7 @@ class Scheduler:
             if req.request_id not in memo:
                 cached = 0
                 if req.num_computed_tokens == 0 and reuses_prefix(req):
-                    cached = len(self.kv.match(req.all_token_ids)) * self.kv.block_size
+                    cached = len(self.kv.match(req.all_token_ids, namespace(req))) * self.kv.block_size
                 memo[req.request_id] = req.num_tokens - req.num_computed_tokens - cached
             return memo[req.request_id]
 
@@ -313,6 +339,8 @@ class Scheduler:
         served: list[Request] = []
         while order and budget > 0 and len(served) < slots:
             req = order.pop(0)
+            if not self._adapter_fits(req, result):
+                continue  # its adapter waits for a step with a free slot (it keeps its KV)
             victims.remove(req)
             ok = self._allocate_or_preempt(req, req.num_tokens, victims, result)
             order = [r for r in order if r.status is RequestStatus.RUNNING]  # drop the preempted
@@ -358,7 +386,7 @@ class Scheduler:
         if not self.oneshot_waiting or (budget <= 0 and not first_goes):
             return 0
         taken_rows, taken = self._take_oneshot(
-            now, min(max(budget, 0), self._oneshot_budget()), self.config.oneshot_activation_bytes, first_goes)
+            now, min(max(budget, 0), self._oneshot_budget()), self.config.oneshot_activation_bytes, first_goes, result)
         rows.extend(taken_rows)
         result.oneshot.extend(taken)
         return sum(len(r.token_ids) - r.num_cached for r in taken_rows)
@@ -372,12 +400,14 @@ class Scheduler:
         start_budget = budget
         remaining = self._remaining()
         plan = self.policy.prefill.plan(candidates, now, remaining, budget)
-        leaders: set[tuple[int, ...]] = set()
+        leaders: set[tuple[object, ...]] = set()
         later_running = [c.request for c in plan if c.request.status is RequestStatus.RUNNING]
         for choice in plan:
             req = choice.request
             if budget <= 0:
                 break
+            if not self._adapter_fits(req, result):
+                continue
             if req.status is RequestStatus.RUNNING:  # an in-progress prompt: its next chunk
                 later_running.remove(req)
                 n = min(req.num_tokens - req.num_computed_tokens, budget, choice.max_tokens or budget)
@@ -397,13 +427,13 @@ class Scheduler:
         return start_budget - budget
 
     def _admit(
-        self, req: Request, budget: int, cap: int | None, leaders: set[tuple[int, ...]], first: bool
+        self, req: Request, budget: int, cap: int | None, leaders: set[tuple[object, ...]], first: bool
     ) -> int | None:
         """Admit a waiting request: attach its cached prefix and allocate its first chunk.
         Returns the chunk size, None to skip it this step, 0 when the pool is full."""
         tokens = req.all_token_ids
         prefix = self._cached_prefix(req, tokens) if req.num_computed_tokens == 0 else []
-        if self._defer(req, self.kv.first_uncached_key(tokens, len(prefix)), leaders):
+        if self._defer(req, self.kv.first_uncached_key(tokens, len(prefix), namespace(req)), leaders):
             return None
         if prefix:
             self.kv.attach(req.request_id, prefix)

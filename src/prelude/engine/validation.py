@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, replace
 
 from prelude.engine.client import InvalidRequestError
-from prelude.engine.request import ExecClass, PoolingParams, PoolingTask, Request, SamplingParams
+from prelude.engine.request import ExecClass, LoraRequest, PoolingParams, PoolingTask, Request, SamplingParams
 
 
 def pick_exec_class(params: SamplingParams, max_tokens: int, pooling: PoolingParams | None) -> ExecClass:
@@ -33,6 +33,7 @@ class RequestRules:
     labels: tuple[str, ...] = ()
     default_pooling: str | None = None
     default_ttft_slo_ms: float | None = None
+    lora_enabled: bool = False  # adapter slots exist (--max-loras)
 
 
 def validate_request(
@@ -44,6 +45,7 @@ def validate_request(
     seed_source: random.Random,
     pooling: PoolingParams | None = None,
     arrival_time: float | None = None,
+    lora: LoraRequest | None = None,
 ) -> Request:
     """Build the engine-side Request or raise InvalidRequestError with a user-facing message.
     The model's defaults (pooling, TTFT target) are filled in here, once, for every front."""
@@ -53,6 +55,8 @@ def validate_request(
         pooling = replace(pooling, pooling=rules.default_pooling)
     if params.ttft_slo_ms is None and rules.default_ttft_slo_ms is not None:
         params = replace(params, ttft_slo_ms=rules.default_ttft_slo_ms)
+    if lora is not None and not rules.lora_enabled:
+        raise InvalidRequestError(f"LoRA adapter {lora.name!r} requested but this server runs without LoRA")
     if params.n != 1:
         raise InvalidRequestError("the engine takes one sequence per request; fan out n > 1 before validation")
     if pooling is None and not rules.can_generate:
@@ -111,4 +115,5 @@ def validate_request(
         sampling_seed=seed,
         exec_class=exec_class,
         pooling=pooling,
+        lora=lora,
     )

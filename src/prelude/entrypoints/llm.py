@@ -9,9 +9,9 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
+from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, LoraConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
-from prelude.engine.request import FinishReason, SamplingParams, TokenLogprob
+from prelude.engine.request import FinishReason, LoraRequest, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -53,8 +53,11 @@ class LLM:
         policy: str = "fcfs",
         fuse_oneshot: bool = True,
         seed: int = 0,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
         engine: LLMEngine | None = None,
     ) -> None:
+        """`max_loras` > 0: that many LoRA adapters resident at once (see `lora`)."""
         if engine is None:
             config = EngineConfig(
                 model=model,
@@ -68,10 +71,19 @@ class LLM:
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     max_model_len=max_model_len, policy=policy, fuse_oneshot=fuse_oneshot,
                 ),
+                lora=LoraConfig(max_loras, max_lora_rank) if max_loras > 0 else None,
             )
             engine = LLMEngine.from_config(config)
         self.engine = engine
         self._ids = itertools.count()
+        self._lora_ids = itertools.count(1)
+
+    def lora(self, name: str, path: str) -> LoraRequest:
+        """A PEFT LoRA adapter to pass to `generate`, checked against the model now
+        (raises prelude.model.lora.LoraError when it does not fit)."""
+        lora = LoraRequest(name, str(path), next(self._lora_ids))
+        self.engine.check_adapter(lora)
+        return lora
 
     @property
     def tokenizer(self):  # noqa: ANN201 - the Tokenizer protocol
@@ -86,21 +98,26 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | None = None,
+        lora: LoraRequest | Sequence[LoraRequest | None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt (a string or a list of token ids); results in prompt order."""
+        """Generate for every prompt (a string or a list of token ids); results in prompt order.
+        `lora`: one adapter for all prompts, or one per prompt (None: the base model)."""
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         results: list[GenerationResult] = []
         owner: dict[str, tuple[int, int]] = {}
         one = replace(params, n=1)
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)  # type: ignore[arg-type]
+        if len(loras) != len(prompts):  # type: ignore[arg-type]
+            raise ValueError(f"{len(loras)} adapters for {len(prompts)} prompts")  # type: ignore[arg-type]
         for p_idx, prompt in enumerate(prompts):  # type: ignore[arg-type]
             text, ids = self._tokens(prompt)
             result = GenerationResult(prompt=text, prompt_token_ids=ids)
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, ids, replace(one, seed=seed))
+                self.engine.add_request(rid, ids, replace(one, seed=seed), lora=loras[p_idx])
                 owner[rid] = (p_idx, i)
                 result.outputs.append(CompletionOutput(i, "", [], None, logprobs=[] if params.logprobs is not None else None))
             results.append(result)

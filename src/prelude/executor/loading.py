@@ -48,7 +48,7 @@ def load_runner(config: EngineConfig) -> LoadedRunner:
     if config.scheduler.max_model_len and max_pos is not None:
         max_pos = max(max_pos, config.scheduler.max_model_len)
     runner = ModelRunner.create(loaded.config, loaded.weights, config.executor, config.cache.block_size, max_pos,
-                                blocks=loaded.blocks)
+                                blocks=loaded.blocks, lora=config.lora)
     loaded.weights.clear()  # the runner holds the device copy; drop the host one
     loaded.blocks.clear()
     return LoadedRunner(runner, loaded.tokenizer, loaded.name)

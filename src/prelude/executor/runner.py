@@ -16,12 +16,13 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from prelude.config import ExecutorConfig
+from prelude.config import ExecutorConfig, LoraConfig
 from prelude.executor.compiled import COMPILE_MODES, CompiledForwards, EagerForwards, ForwardProvider
 from prelude.executor.device import resolve_attention_backend, resolve_device, resolve_dtype
 from prelude.executor import label_heads
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.host_copy import HostCopy, HostValue
+from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
 from prelude.executor.sampler import sample_deferred
@@ -47,7 +48,8 @@ from prelude.model.cpu_fused_kernels import load_cpu_kernels
 from prelude.model.decoder_segments import DecoderSegments
 from prelude.model.fused_segments import fused_segments, triton_segments
 from prelude.model.loader import cache_root
-from prelude.params import PoolingTask, TokenLogprob
+from prelude.model.lora import LoraBatch, LoraStep
+from prelude.params import LoraRequest, PoolingTask, TokenLogprob
 
 logger = logging.getLogger("prelude.executor")
 
@@ -139,7 +141,8 @@ class ModelRunner:
     """Owns the device, the model, its paged KV tensors and the attention backend;
     knows nothing of requests' lifecycles."""
 
-    def __init__(self, model: Model, block_size: int, config: ExecutorConfig | None = None) -> None:
+    def __init__(self, model: Model, block_size: int, config: ExecutorConfig | None = None,
+                 lora: LoraConfig | None = None) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -165,6 +168,15 @@ class ModelRunner:
             dtype=str(model.dtype).removeprefix("torch."),
         )
         self.forwards: ForwardProvider = self._forward_provider()
+        # LoRA: resident adapter slots, and the forward that takes a LoraStep (the fused or
+        # eager segments: compiled segments and captured graphs take plain weights only).
+        self.adapters: AdapterSlots | None = None
+        if lora is not None:
+            if model.is_encoder:
+                raise ValueError("LoRA adapters are for decoder models")
+            self.adapters = AdapterSlots(cfg, lora, model.dtype, self.device)  # type: ignore[arg-type]
+        segments = fused_segments_for(model, self.config)
+        self._lora_forward = functools.partial(model.forward, segments=segments) if segments else model.forward
 
     def _forward_provider(self) -> ForwardProvider:
         """Compiled segments where asked for and possible; the eager forward otherwise."""
@@ -217,6 +229,7 @@ class ModelRunner:
         block_size: int,
         max_positions: int | None = None,
         blocks: Mapping[str, GgmlBlocks] | None = None,
+        lora: LoraConfig | None = None,
     ) -> "ModelRunner":
         """Build the model on the configured device from host weights (which the caller
         drops afterwards: no host copy of a GPU model is kept). `blocks`: a GGUF's
@@ -227,7 +240,7 @@ class ModelRunner:
         # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
                             prepack=config.compile == "off", blocks=blocks)
-        return cls(model, block_size, config)
+        return cls(model, block_size, config, lora)
 
     def limit_sampled_vocab(self, emittable: int) -> None:
         """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""
@@ -409,7 +422,9 @@ class ModelRunner:
 
     # --- forwards -----------------------------------------------------------------------
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, lora: LoraStep | None = None) -> torch.Tensor:
+        if lora is not None:
+            return self._lora_forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, lora=lora)
         # Captured graphs take no segment ids: multi-item rows always run eagerly.
         if self.graphs is not None and inputs.token_type_ids is None and inputs.meta.segment_ids is None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -421,13 +436,25 @@ class ModelRunner:
     def forward_rows(self, rows: tuple[BatchRow, ...]) -> tuple[torch.Tensor, list[int]]:
         """Run the trunk on paged rows; returns hidden states [T, H] and each row's start."""
         inputs = self.build_paged_inputs(rows)
-        return self.forward(inputs), inputs.starts
+        return self.forward(inputs, self.lora_step([(r.lora, len(r.token_ids)) for r in rows])), inputs.starts
 
     def forward_oneshot(self, rows: Sequence[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
         """Flattened varlen prompt suffixes. A row attends to its cached prefix blocks and
         to its own K/V, which are temporaries except the full blocks it publishes."""
         inputs = self.build_oneshot_inputs(rows)
-        return self.forward(inputs), inputs.starts
+        lora = self.lora_step([(r.lora, len(r.token_ids) - r.num_cached) for r in rows])
+        return self.forward(inputs, lora), inputs.starts
+
+    def lora_step(self, rows: Sequence[tuple[LoraRequest | None, int]]) -> LoraStep | None:
+        """The adapters of a step's rows (each row's adapter and computed token count, in
+        the forward's row order), loaded into slots; None when every row is the base."""
+        if all(lora is None for lora, _ in rows):
+            return None
+        if self.adapters is None:
+            raise ValueError("a row names a LoRA adapter but LoRA is off (no --max-loras slots)")
+        slots = self.adapters.slots_for([lora for lora, _ in rows])
+        batch = LoraBatch.build(slots, [n for _, n in rows], self.device)
+        return None if batch is None else LoraStep(self.adapters.slots, batch)
 
     # --- one entry point, one path per class ------------------------------------------
 
@@ -441,7 +468,9 @@ class ModelRunner:
             rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
         elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
             inputs = self.build_fused_inputs(batch.rows, batch.oneshot_rows)
-            hidden, starts = self.forward(inputs), inputs.starts
+            lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows]
+                                  + [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.oneshot_rows])
+            hidden, starts = self.forward(inputs, lora), inputs.starts
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
             rows += [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.oneshot_rows]
         else:

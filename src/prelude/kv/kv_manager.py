@@ -57,20 +57,22 @@ class KVCacheManager:
 
     # --- prefixes ---------------------------------------------------------------------
 
-    def match(self, tokens: list[int]) -> list[int]:
+    def match(self, tokens: list[int], namespace: str = "") -> list[int]:
         """Cached blocks of the longest prefix, always leaving the last token to compute
-        (its logits are the point of the forward). Pins nothing."""
+        (its logits are the point of the forward). Pins nothing. `namespace`: the
+        adapter's (see PrefixCache)."""
         if self.prefix is None:
             return []
-        return self.prefix.match(tokens, (len(tokens) - 1) // self.block_size)
+        return self.prefix.match(tokens, (len(tokens) - 1) // self.block_size, namespace)
 
-    def first_uncached_key(self, tokens: list[int], num_matched_blocks: int) -> tuple[int, ...] | None:
+    def first_uncached_key(self, tokens: list[int], num_matched_blocks: int,
+                           namespace: str = "") -> tuple[object, ...] | None:
         """Identity of the first full block a request would compute and publish: requests
         with the same key share a cold prefix (see the scheduler's leader deferral)."""
         end = (num_matched_blocks + 1) * self.block_size
         if self.prefix is None or end > len(tokens) - 1:
             return None
-        return tuple(tokens[:end])
+        return (namespace, *tokens[:end])
 
     def record(self, reused: int, computed: int) -> None:
         self.stats.queries += 1
@@ -84,14 +86,14 @@ class KVCacheManager:
         self.pool.acquire(blocks)
         self._tables[request_id] = list(blocks)
 
-    def cache_computed(self, request_id: str, tokens: list[int], num_computed: int) -> None:
+    def cache_computed(self, request_id: str, tokens: list[int], num_computed: int, namespace: str = "") -> None:
         """Publish the request's full blocks whose K/V are computed."""
         if self.prefix is None:
             return
         table = self._tables.get(request_id, [])
         full = min(num_computed // self.block_size, len(table))
         if full:
-            self.prefix.insert(tokens, table[:full])
+            self.prefix.insert(tokens, table[:full], namespace)
 
     # --- OneShot: blocks held for one step only --------------------------------------
 
@@ -105,12 +107,13 @@ class KVCacheManager:
             publish = 0
         return self.pool.allocate(publish) if publish else []
 
-    def end_step(self, tokens: list[int], prefix_blocks: list[int], publish_blocks: list[int]) -> None:
+    def end_step(self, tokens: list[int], prefix_blocks: list[int], publish_blocks: list[int],
+                 namespace: str = "") -> None:
         """After the forward: published blocks join the cache (owned by it, evictable),
         then the step's holds are dropped. Nothing stays counted as the request's."""
         if self.prefix is not None and publish_blocks:
             chain = prefix_blocks + publish_blocks
-            cached = self.prefix.insert(tokens, chain)
+            cached = self.prefix.insert(tokens, chain, namespace)
             self.stats.published_blocks += max(0, cached - len(prefix_blocks))
         self.pool.release(reversed(prefix_blocks + publish_blocks))
 

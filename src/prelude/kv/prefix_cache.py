@@ -5,6 +5,9 @@ tokens' K/V. Holders pin blocks through the pool's ref counts; unreferenced cach
 blocks are evictable, least recently released first. Because requests hold whole
 chains (a prefix's blocks in order) and release them tail first, the LRU block is a
 leaf in practice; evicting an inner node drops its (equally unreferenced) subtree.
+
+Each namespace has a tree of its own: K/V computed under one LoRA adapter are never
+found by a request of another adapter or of the base ("" is the base's namespace).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class PrefixCache:
         self.pool = pool
         self.block_size = block_size
         self.max_cached_blocks = max_cached_blocks
-        self._root = _Node((), -1, None)
+        self._roots: dict[str, _Node] = {}
         self._by_block: dict[int, _Node] = {}
         self.num_evicted = 0
         pool.set_evictor(self.evict)
@@ -35,9 +38,18 @@ class PrefixCache:
     def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
 
-    def match(self, tokens: list[int], max_blocks: int) -> list[int]:
+    def _root(self, namespace: str) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node((), -1, None)
+        return root
+
+    def match(self, tokens: list[int], max_blocks: int, namespace: str = "") -> list[int]:
         """Blocks of the longest cached prefix of `tokens`, at most `max_blocks` of them."""
-        node, blocks = self._root, []
+        root = self._roots.get(namespace)
+        if root is None:
+            return []
+        node, blocks = root, []
         for i in range(min(max_blocks, len(tokens) // self.block_size)):
             child = node.children.get(self._key(tokens, i))
             if child is None:
@@ -46,11 +58,11 @@ class PrefixCache:
             node = child
         return blocks
 
-    def insert(self, tokens: list[int], blocks: list[int]) -> int:
+    def insert(self, tokens: list[int], blocks: list[int], namespace: str = "") -> int:
         """Register `blocks` as holding the full blocks of `tokens`, in order. Stops at the
         first block whose tokens are already cached in another block (that copy stays
         with its holder). Returns how many of `blocks` are cached now."""
-        node = self._root
+        node = self._root(namespace)
         for i, b in enumerate(blocks):
             key = self._key(tokens, i)
             if len(key) < self.block_size:
@@ -105,7 +117,8 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         seen: set[int] = set()
-        stack = [self._root]
+        roots = {id(r) for r in self._roots.values()}
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
@@ -113,7 +126,7 @@ class PrefixCache:
                     raise AssertionError("prefix tree links are inconsistent")
                 if child.block in seen or self._by_block.get(child.block) is not child:
                     raise AssertionError(f"block {child.block} appears twice in the prefix tree")
-                if self.pool.ref_count(child.block) > 0 and node is not self._root:
+                if self.pool.ref_count(child.block) > 0 and id(node) not in roots:
                     if self.pool.ref_count(node.block) == 0:
                         raise AssertionError(f"held block {child.block} under an unheld parent")
                 seen.add(child.block)

@@ -1,0 +1,77 @@
+"""The executor's resident LoRA adapters: `max_loras` device slots (model/lora.py's
+LoraSlots), least recently used first out, each adapter read from its PEFT directory
+when a step needs it and it is not resident (so an evicted adapter comes back from disk).
+
+The scheduler never puts more than `max_loras` distinct adapters in one step, so a step's
+adapters always fit; the slots of a step's own adapters are never evicted for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from prelude.config import LoraConfig, ModelConfig
+from prelude.model.lora import LoraAdapter, LoraSlots, read_adapter
+from prelude.params import LoraRequest
+
+logger = logging.getLogger("prelude.executor.lora")
+
+
+class AdapterSlots:
+    """Which adapter (by LoraRequest.id) sits in which slot, LRU order first to last."""
+
+    def __init__(self, model_config: ModelConfig, config: LoraConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype, device)
+        self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
+        self.num_loads = 0  # adapters read from disk into a slot (tests, metrics)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots.nbytes
+
+    def read(self, lora: LoraRequest) -> LoraAdapter:
+        """Read and check an adapter against the base (raises LoraError): what loading one
+        checks before any request may use it."""
+        return read_adapter(lora.name, lora.path, self.model_config, self.config.max_lora_rank)
+
+    def resident(self) -> list[int]:
+        return list(self._resident)
+
+    def slots_for(self, loras: Sequence[LoraRequest | None]) -> list[int]:
+        """Each row's slot (-1: the base), loading the adapters that are not resident."""
+        needed = {lora.id: lora for lora in loras if lora is not None}
+        if len(needed) > self.slots.num_slots:
+            raise ValueError(f"{len(needed)} adapters in one step; --max-loras is {self.slots.num_slots}")
+        for lora_id in needed:
+            if lora_id in self._resident:
+                self._resident.move_to_end(lora_id)
+        for lora_id, lora in needed.items():
+            if lora_id not in self._resident:
+                self._resident[lora_id] = self._free_slot(needed)
+                try:
+                    self.slots.load(self._resident[lora_id], self.read(lora))
+                except Exception:
+                    del self._resident[lora_id]
+                    raise
+                self.num_loads += 1
+                logger.info("LoRA adapter %r loaded into slot %d", lora.name, self._resident[lora_id])
+        return [-1 if lora is None else self._resident[lora.id] for lora in loras]
+
+    def _free_slot(self, needed: dict[int, LoraRequest]) -> int:
+        used = set(self._resident.values())
+        for slot in range(self.slots.num_slots):
+            if slot not in used:
+                return slot
+        victim = next(i for i in self._resident if i not in needed)  # LRU first
+        return self._resident.pop(victim)
+
+    def evict(self, lora_id: int) -> None:
+        """Forget an unloaded adapter's slot (it is overwritten by the next load)."""
+        self._resident.pop(lora_id, None)
