@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -205,9 +206,29 @@ def _front(args: argparse.Namespace):  # noqa: ANN202
     return AsyncEngine(lambda: LLMEngine.from_config(config))
 
 
+def _serve_multiproc(args: argparse.Namespace) -> int:
+    """--api-server-count N: N HTTP processes over one engine process."""
+    from prelude.entrypoints.multiproc.supervisor import Supervisor
+
+    if args.api_server_count < 1:
+        raise SystemExit("--api-server-count must be at least 1")
+    if args.data_parallel_size is not None or args.ray_address is not None or args.laps_pools or args.disaggregate:
+        raise SystemExit("--api-server-count runs one engine process; it does not combine with Ray scale-out yet")
+    limits = _server_limits(args)
+    if limits.max_waiting_requests is not None:  # the bound is the server's: each HTTP process gets its share
+        share = -(-limits.max_waiting_requests // args.api_server_count)
+        limits = dataclasses.replace(limits, max_waiting_requests=share)
+    settings = {"seed": args.seed, "api_key": args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
+                "limits": limits, "metrics_require_key": args.metrics_require_key,
+                "log_level": args.log_level, "log_format": args.log_format}
+    return Supervisor(_engine_config(args), args.api_server_count, args.host, args.port, settings).run()
+
+
 def _serve(args: argparse.Namespace) -> int:
     from prelude.entrypoints.openai.api_server import build_app, run_server
 
+    if args.api_server_count is not None:
+        return _serve_multiproc(args)
     log = logging.getLogger("prelude.cli")
     front = _front(args)
     app = build_app(front, api_key=args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
@@ -246,6 +267,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server: auth, limits, drain, logs")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-server-count", type=int, default=None,
+                   help="N HTTP processes (parse, tokenize, detokenize, serialize) over one engine process; "
+                        "default: one process, engine and HTTP together (faster at low load, see docs/multiproc.md)")
     g.add_argument("--api-key", default=None,
                    help="bearer token every route but /health (and /metrics) needs (or PRELUDE_API_KEY)")
     g.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")

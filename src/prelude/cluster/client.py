@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -22,14 +21,11 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from prelude.cluster.pools import PoolController
-from prelude.cluster.replica import ReplicaInfo
 from prelude.cluster.router import Router
-from prelude.engine.validation import validate_request
 from prelude.engine.client import EngineUnavailableError
-from prelude.engine.grammar import grammar_text
 from prelude.engine.metrics import RequestMetrics
+from prelude.engine.remote import ReplicaInfo, ValidatingFront
 from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
-from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.cluster")
 
@@ -42,56 +38,6 @@ class FaultConfig:
     poll_s: float = 0.5  # how often the monitor pings down replicas
     call_timeout_s: float = 10.0  # metrics / integrity calls to one replica
     wait_for_replica_s: float = 30.0  # a request with no live replica waits this long, then 503
-
-
-class ValidatingFront:
-    """The EngineClient half every scale-out front shares: the model's facts (from a
-    replica) and validation, done once here with the same checks as LLMEngine.prepare
-    (a Request is plain data: it travels to the replica as it is)."""
-
-    def __init__(self, info: ReplicaInfo, seed: int = 0) -> None:
-        self.info = info
-        # Unseeded requests draw their sampling seed here, at validation, as the engine does.
-        self._seed_source = random.Random(seed)
-
-    @property
-    def model_name(self) -> str:
-        return self.info.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.rules.max_model_len
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        assert self.info.tokenizer is not None, "the front needs a tokenizer (see launch.start_client)"
-        return self.info.tokenizer
-
-    @property
-    def labels(self) -> tuple[str, ...]:
-        return self.info.rules.labels
-
-    @property
-    def can_generate(self) -> bool:
-        return self.info.rules.can_generate
-
-    @property
-    def is_encoder(self) -> bool:
-        return self.info.is_encoder
-
-    def _prepare(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
-    ) -> Request:
-        req = validate_request(request_id, prompt_token_ids, params, self.info.rules, seed_source=self._seed_source,
-                    pooling=pooling)
-        if params.structured is not None and pooling is None:
-            grammar_text(params.structured)  # a malformed constraint is a 400 here, not a failed stream
-        return req
-
-    def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
-    ) -> None:
-        self._prepare("validate", prompt_token_ids, params, pooling)
 
 
 class RayEngineClient(ValidatingFront):

@@ -10,51 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 import torch
 
-from prelude.engine.validation import RequestRules
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
 from prelude.engine.handoff import KVHandoff
 from prelude.engine.metrics import RequestMetrics
+from prelude.engine.remote import ReplicaInfo, bind_prepared, replica_info  # noqa: F401 - re-exported
 from prelude.engine.request import Request, RequestOutput
-from prelude.tokenizer.base import Tokenizer
 
 EngineFactory = Callable[[], LLMEngine]
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """What the front needs to validate requests the way a replica's engine would."""
-
-    model_name: str
-    tokenizer: Tokenizer | None  # None when it does not pickle (fasttoken): the front loads its own
-    is_encoder: bool
-    block_size: int
-    rules: RequestRules  # the replica engine's own: the front validates exactly as it would
-
-
-def _picklable(obj: object) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:  # noqa: BLE001 - any failure means "load it on the other side"
-        return False
-    return True
-
-
-def replica_info(engine: LLMEngine) -> ReplicaInfo:
-    return ReplicaInfo(
-        model_name=engine.model_name,
-        tokenizer=engine.tokenizer if _picklable(engine.tokenizer) else None,
-        is_encoder=engine.is_encoder,
-        block_size=engine.config.cache.block_size,
-        rules=engine.request_rules,
-    )
 
 
 class EngineReplica:
@@ -80,11 +49,7 @@ class EngineReplica:
         return os.getpid()
 
     def _bind(self, req: Request) -> Request:
-        # Monotonic clocks of two hosts differ: the replica's clock starts the request.
-        now = time.monotonic()
-        deadline = None if req.ttft_deadline is None else now + (req.ttft_deadline - req.arrival_time)
-        # The front checked the constraint; the matcher is built here, next to its engine.
-        return self.front.engine.attach_grammar(replace(req, arrival_time=now, ttft_deadline=deadline))
+        return bind_prepared(self.front.engine, req)
 
     async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Stream a prepared request's increments. A cancelled stream (Ray cancels this

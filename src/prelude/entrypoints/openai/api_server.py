@@ -84,13 +84,21 @@ def build_app(
             return JSONResponse(engine.health() if hasattr(engine, "health") else {})
         return error_response("the engine loop is not running", 503, code="engine_dead")
 
+    # An engine in another process is asked first (metrics() and request_metrics() are sync).
+    refresh_metrics = getattr(engine, "refresh_metrics", None)
+    refresh_request_metrics = getattr(engine, "refresh_request_metrics", None)
+
     @app.get("/metrics")
     async def metrics_route() -> Response:
+        if refresh_metrics is not None:
+            await refresh_metrics()
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/request_metrics")
     async def request_metrics() -> dict[str, Any]:
         """Recently finished requests' TTFT/TPOT/JCT/SLO records, for benchmarks."""
+        if refresh_request_metrics is not None:
+            await refresh_request_metrics()
         return {"object": "list", "data": [asdict(m) for m in engine.request_metrics()]}
 
     @app.get("/debug/integrity")

@@ -4,13 +4,19 @@ Names follow vLLM's where an equivalent exists, under a `prelude:` prefix instea
 `vllm:` (so an existing dashboard needs only the prefix changed): running/waiting
 requests, KV cache usage, prefix-cache queries/hits, TTFT/TPOT/E2E/queue-time
 histograms, prompt/generation tokens, finished requests by reason.
+
+With several processes (`--api-server-count`), prometheus_client's multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR, set by the supervisor before any process starts) keeps every
+process's counters and histograms in files there; a scrape of any HTTP process merges
+them: its HTTP counts, the other HTTP processes', and the engine process's.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -129,9 +135,20 @@ class ServerMetrics:
                               [*labels, "kind"], buckets=_STEP_BUCKETS, registry=r)
         self.step_tokens = Counter("prelude:step_tokens", "Tokens computed by engine steps, by batch kind.",
                                    [*labels, "kind"], registry=r)
-        r.register(_EngineGauges(engine.metrics, self.model_name, extra))
+        collectors: list[Collector] = [_EngineGauges(engine.metrics, self.model_name, extra)]
         if hasattr(engine, "cluster_metrics"):
-            r.register(_ClusterMetrics(engine.cluster_metrics))
+            collectors.append(_ClusterMetrics(engine.cluster_metrics))
+        for c in collectors:
+            r.register(c)
+        self._multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if self._multiprocess_dir:
+            # Counters and histograms live in the shared files: a scrape reads them all.
+            self._scrape = CollectorRegistry(auto_describe=True)
+            multiprocess.MultiProcessCollector(self._scrape, self._multiprocess_dir)
+            for c in collectors:
+                self._scrape.register(c)
+        else:
+            self._scrape = r
 
     # --- EngineObserver (engine thread) ------------------------------------------------
 
@@ -159,4 +176,4 @@ class ServerMetrics:
         self.http_requests.labels(route, str(status), exec_class).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._scrape)

@@ -1,0 +1,1 @@
+"""`prelude serve --api-server-count N`: N HTTP processes over one engine process."""

@@ -1,0 +1,96 @@
+"""One HTTP process: the FastAPI app over a ProcEngineClient, served on the listening
+socket that the supervisor bound once and every HTTP process shares (the kernel hands
+each new connection to one of them)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import socket
+from dataclasses import dataclass, replace
+
+import uvicorn
+
+from prelude.entrypoints.multiproc.proc_client import ProcEngineClient
+from prelude.entrypoints.multiproc.wire import read_frame_blocking
+from prelude.entrypoints.openai.drain import DrainingServer
+from prelude.entrypoints.openai.limits import ServerLimits
+
+logger = logging.getLogger("prelude.front")
+
+# After the engine died, the requests failed here get this long to send their error bodies.
+_DEATH_FLUSH_S = 5.0
+
+
+@dataclass(frozen=True)
+class FrontSettings:
+    """What every HTTP process is started with (picklable: a spawn argument)."""
+
+    model: str | None
+    engine_path: str  # the engine process's Unix socket
+    engine_pid: int
+    count: int
+    seed: int
+    api_key: str | None
+    limits: ServerLimits
+    metrics_require_key: bool
+    log_level: str
+    log_format: str
+
+
+class FrontServer(DrainingServer):
+    """DrainingServer whose engine connection joins its event loop at startup, and which
+    stops (exit code 1) once the engine process is gone and the failed requests are answered."""
+
+    def __init__(self, config: uvicorn.Config, client: ProcEngineClient, limits: ServerLimits, gate: object) -> None:
+        super().__init__(config, gate, limits.shutdown_timeout_s, client)  # type: ignore[arg-type]
+        self.client = client
+        self.engine_died = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.client.start()
+        self.client.on_dead = self._on_engine_death
+        await super().startup(sockets)
+
+    def _on_engine_death(self) -> None:
+        self.engine_died = True
+        self.gate.draining = True  # new requests: 503 at the door
+
+        async def stop() -> None:
+            await self.gate.wait_idle(_DEATH_FLUSH_S)
+            self.should_exit = True
+
+        asyncio.get_running_loop().create_task(stop())
+
+
+def _connect(path: str) -> tuple[socket.socket, object]:
+    """Connect to the engine process and read its ReplicaInfo (blocking: before the loop runs)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    info = pickle.loads(read_frame_blocking(conn))
+    return conn, info
+
+
+def front_main(index: int, listener: socket.socket, settings: FrontSettings) -> None:
+    """One HTTP process's entry (multiprocessing spawn target); exits 1 if the engine died."""
+    from prelude.entrypoints.multiproc.supervisor import child_setup
+    from prelude.entrypoints.openai.api_server import build_app
+    from prelude.model.loader import resolve_model_dir
+    from prelude.tokenizer.loading import load_tokenizer
+
+    child_setup(settings.log_level, settings.log_format)
+    conn, info = _connect(settings.engine_path)
+    if info.tokenizer is None:  # shipped without it: each HTTP process loads its own
+        info = replace(info, tokenizer=load_tokenizer(resolve_model_dir(settings.model)[0]))
+    client = ProcEngineClient(info, conn, index, settings.count, settings.seed, settings.engine_pid)
+    app = build_app(client, api_key=settings.api_key, limits=settings.limits,
+                    metrics_require_key=settings.metrics_require_key)
+    config = uvicorn.Config(app, timeout_keep_alive=30, access_log=False, log_config=None)
+    server = FrontServer(config, client, settings.limits, app.state.gate)
+    logger.info("api server %d of %d ready", index, settings.count)
+    try:
+        server.run(sockets=[listener])
+    finally:
+        client.shutdown()
+    raise SystemExit(1 if server.engine_died else 0)

@@ -1,0 +1,157 @@
+"""`prelude serve --api-server-count N`: start the engine process, then N HTTP processes
+on one listening socket; watch them; forward SIGTERM / SIGINT as a drain.
+
+Lifecycles (this process owns all of them):
+- SIGTERM or SIGINT here: every HTTP process drains (new requests 503, requests in flight
+  finish) and exits; then the engine process stops. Exit 0.
+- The engine process dies: every HTTP process fails its waiting requests with a 503
+  error body and exits 1; exit 1.
+- An HTTP process dies: the others drain, the engine stops; exit 1.
+The children run in their own process group (a terminal's Ctrl-C reaches only this
+process, which turns it into one drain) and die with this process (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from prelude.config import EngineConfig
+from prelude.entrypoints.multiproc.engine_proc import engine_main
+from prelude.entrypoints.multiproc.front_proc import FrontSettings, front_main
+
+logger = logging.getLogger("prelude.supervisor")
+
+# After the engine died, the HTTP processes get this long to answer and exit on their own.
+_FRONT_EXIT_S = 15.0
+_PR_SET_PDEATHSIG = 1
+
+
+def child_setup(log_level: str, log_format: str) -> None:
+    """First thing in every child: logging, its own process group, death with the parent."""
+    from prelude.log_format import configure_logging
+
+    configure_logging(log_level, log_format)
+    os.setpgrp()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: an orphan is left to its own devices
+        pass
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig, count: int, host: str, port: int, settings: dict[str, object]) -> None:
+        self.config, self.count, self.host, self.port = config, count, host, port
+        self.settings = settings
+        self._stopping = False
+        self._fronts: list[BaseProcess] = []
+
+    def _signal(self, sig: int, frame: FrameType | None) -> None:
+        if self._stopping:
+            logger.warning("second %s: stopping every process now", signal.Signals(sig).name)
+            for p in self._fronts:
+                if p.is_alive():
+                    p.kill()
+            return
+        self._stopping = True
+        logger.info("%s: draining %d api servers", signal.Signals(sig).name, len(self._fronts))
+        for p in self._fronts:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    def run(self) -> int:
+        workdir = tempfile.mkdtemp(prefix="prelude-serve-")
+        metrics_dir = os.path.join(workdir, "metrics")
+        os.mkdir(metrics_dir)
+        # Before any child starts: prometheus_client picks its multiprocess mode at import.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        engine_path = os.path.join(workdir, "engine.sock")
+        ctx = mp.get_context("spawn")  # no fork of a process that may hold threads
+        listener = socket.create_server((self.host, self.port), backlog=2048)
+        signal.signal(signal.SIGTERM, self._signal)
+        signal.signal(signal.SIGINT, self._signal)
+        ready_r, ready_w = ctx.Pipe(duplex=False)
+        log_level, log_format = str(self.settings["log_level"]), str(self.settings["log_format"])
+        engine = ctx.Process(target=engine_main, name="prelude-engine",
+                             args=(self.config, engine_path, ready_w, log_level, log_format))
+        try:
+            engine.start()
+            ready_w.close()
+            if not self._await_engine(engine, ready_r):
+                return 1
+            front_settings = FrontSettings(model=self.config.model, engine_path=engine_path, engine_pid=engine.pid,
+                                           count=self.count, **self.settings)  # type: ignore[arg-type]
+            for i in range(self.count):
+                p = ctx.Process(target=front_main, name=f"prelude-api-{i}", args=(i, listener, front_settings))
+                p.start()
+                self._fronts.append(p)
+            listener.close()  # the HTTP processes hold it now
+            logger.info("ready: %d api servers on http://%s:%d, engine process %d", self.count, self.host,
+                        self.port, engine.pid)
+            return self._watch(engine)
+        finally:
+            for p in [*self._fronts, engine]:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=5)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _await_engine(self, engine: BaseProcess, ready: object) -> bool:
+        while True:
+            if self._stopping:
+                return False
+            done = wait([ready, engine.sentinel], timeout=0.5)  # type: ignore[list-item]
+            if ready in done:
+                try:
+                    status, detail = ready.recv()  # type: ignore[attr-defined]
+                except EOFError:
+                    status, detail = "error", f"exit code {engine.join(5) or engine.exitcode}"
+                if status == "ready":
+                    return True
+                logger.error("the engine process failed to start: %s", detail)
+                return False
+            if engine.sentinel in done:
+                logger.error("the engine process exited during start-up (exit code %s)", engine.exitcode)
+                return False
+
+    def _watch(self, engine: BaseProcess) -> int:
+        """Until every HTTP process is down, then stop the engine; the exit code."""
+        code, exited = 0, set()
+        while True:
+            if not engine.is_alive():
+                logger.error("the engine process exited (exit code %s); the api servers fail their requests",
+                             engine.exitcode)
+                self._join_all(self._fronts, _FRONT_EXIT_S)
+                return 1
+            live = [p for p in self._fronts if p.is_alive()]
+            for p in self._fronts:
+                if p.is_alive() or p.name in exited:
+                    continue
+                exited.add(p.name)
+                code = code or int(p.exitcode != 0)
+                if not self._stopping:  # nobody asked it to stop: stop the others too
+                    logger.error("api server %s exited (exit code %s); stopping the others", p.name, p.exitcode)
+                    code = 1
+                    self._signal(signal.SIGTERM, None)
+            if not live:
+                break
+            wait([engine.sentinel, *(p.sentinel for p in live)], timeout=1.0)
+        engine.terminate()  # SIGTERM: the engine process stops its loop and exits 0
+        engine.join(timeout=30)
+        return code or int(engine.exitcode != 0)
+
+    @staticmethod
+    def _join_all(procs: list[BaseProcess], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
