@@ -141,7 +141,7 @@ class ExecutorConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA when installed, else torch) | torch (any device) | triton (CUDA)
     enforce_eager: bool = False  # no CUDA graphs
     # Decoders: RMSNorm(+residual), q/k norm + rotary and SiLU*up fused (Triton kernels on CUDA,
-    # C kernels for float32 on an AVX2 CPU)
+    # C kernels for float32 and bfloat16 on an AVX2 CPU)
     fused_kernels: bool = True
     # CPU decoders: off | background (serve eagerly, compile off the request path, swap each
     # compiled shape in when ready) | ahead (compile, or load from the disk cache, before ready)

@@ -21,7 +21,7 @@ def test_resolve_auto_matches_this_machine() -> None:
         assert cpu_isa_flags(), "the CPU flags could not be read"
 
 
-def test_fused_segments_are_picked_for_decoders_on_cuda_and_float32_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_segments_are_picked_for_decoders_on_cuda_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     pytest.importorskip("triton")
@@ -47,7 +47,8 @@ def test_fused_segments_are_picked_for_decoders_on_cuda_and_float32_cpu(monkeypa
     assert label(model("cpu")) == ("cpu" if cpu_kernels else None)
     assert label(model("cpu", head_dim=80)) == ("cpu" if cpu_kernels else None)  # any even head_dim
     assert label(model("cpu", head_dim=63)) is None
-    assert label(model("cpu", dtype=torch.bfloat16)) is None  # the C kernels are float32
+    assert label(model("cpu", dtype=torch.bfloat16)) == ("cpu" if cpu_kernels else None)  # float32 and bf16
+    assert label(model("cpu", dtype=torch.float16)) is None
     assert label(model("cpu"), ExecutorConfig(fused_kernels=False)) is None
     assert label(model("cpu", encoder=True)) is None
     monkeypatch.setenv("PRELUDE_CPU_FUSED", "0")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import torch
+
+from prelude.model.native_lib import cpu_isa_flags
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -13,25 +14,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 # ISA extensions with a native bfloat16 dot product, the ones oneDNN's bf16 GEMM needs to
 # beat float32. Without them, bf16 GEMMs are converted/emulated and lose by a wide margin.
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-def cpu_isa_flags() -> frozenset[str]:
-    """The CPU's vector/matrix ISA extensions, as torch's cpuinfo names them (avx2,
-    avx512_f, avx512_bf16, amx_bf16, ...). Falls back to /proc/cpuinfo's flags."""
-    try:
-        caps = torch._C._cpu._get_cpu_capability()  # cpuinfo's view; private but stable since 2.3
-        return frozenset(k for k, v in caps.items() if v is True)
-    except (AttributeError, RuntimeError):
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                # /proc/cpuinfo spells them avx512f, avx512_bf16, amx_bf16.
-                return frozenset(f.replace("avx512f", "avx512_f") for f in flags)
-    except OSError:
-        pass
-    return frozenset()
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -44,7 +44,7 @@ from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
 from prelude.model.base import KVCaches, Model
-from prelude.model.cpu_fused_kernels import load_cpu_kernels
+from prelude.model.cpu_fused_kernels import DTYPES as CPU_FUSED_DTYPES, load_cpu_kernels
 from prelude.model.decoder_segments import DecoderSegments
 from prelude.model.fused_segments import fused_segments, triton_segments
 from prelude.model.loader import cache_root
@@ -115,13 +115,13 @@ class _RowLayout:
 
 def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments | None:
     """The fused segments (model/fused_segments.py) for a decoder: over the Triton kernels on
-    CUDA, over the C kernels for float32 on the CPU; None (the model's own eager segments)
-    when turned off or where the kernels cannot run."""
+    CUDA, over the C kernels for float32 and bfloat16 on the CPU; None (the model's own eager
+    segments) when turned off or where the kernels cannot run."""
     if not config.fused_kernels or model.is_encoder:
         return None
     head_dim = int(getattr(model.config, "head_dim", 0) or 0)
     if model.device.type == "cpu":
-        if model.dtype != torch.float32 or head_dim < 2 or head_dim % 2:
+        if model.dtype not in CPU_FUSED_DTYPES or head_dim < 2 or head_dim % 2:
             return None
         kernels = load_cpu_kernels()
         return None if kernels is None else fused_segments(kernels, "cpu")

@@ -1,8 +1,11 @@
 """Build and load the model's small C libraries (blocks_gemm.c, cpu_fused.c).
 
 Each C file is compiled with the system C compiler on first use (~1 s) into the user's
-cache dir, keyed by the source, the compiler and the flags; later processes load the
-cached library. `make install` builds them ahead. The libraries link the OpenMP runtime
+cache dir, for the CPU it runs on (`-march=native`: the compiler vectorizes for the host's
+widest ISA, and `#ifdef __AVX512F__`-style guards pick a C file's wider paths), keyed by
+the source, the compiler, the flags and the CPU's ISA flags: a cache shared by two
+machines holds one library per CPU kind, so none runs an instruction its CPU lacks. Later
+processes load the cached library. `make install` builds them ahead. The libraries link the OpenMP runtime
 torch has already loaded (same soname), so their parallel loops run on the calling
 thread's team instead of starting a second pool; ctypes releases the GIL for a call.
 """
@@ -22,7 +25,29 @@ import torch
 
 logger = logging.getLogger("prelude.model.native_lib")
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+# The same C for any AVX2+FMA CPU, without the host's wider paths: what tests build to
+# check the AVX2 code on a machine whose native build takes the AVX-512 ones.
+AVX2_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
+
+
+def cpu_isa_flags() -> frozenset[str]:
+    """The CPU's vector/matrix ISA extensions, as torch's cpuinfo names them (avx2,
+    avx512_f, avx512_bf16, amx_bf16, ...). Falls back to /proc/cpuinfo's flags."""
+    try:
+        caps = torch._C._cpu._get_cpu_capability()  # cpuinfo's view; private but stable since 2.3
+        return frozenset(k for k, v in caps.items() if v is True)
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                # /proc/cpuinfo spells them avx512f, avx512_bf16, amx_bf16.
+                return frozenset(f.replace("avx512f", "avx512_f") for f in flags)
+    except OSError:
+        pass
+    return frozenset()
 
 
 def _cache_dir() -> Path:
@@ -35,24 +60,25 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def library_path(source: Path, cc: str) -> Path:
+def library_path(source: Path, cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    h = hashlib.sha256("\n".join([source.read_text(), version, " ".join(FLAGS)]).encode()).hexdigest()[:16]
+    isa = ",".join(sorted(cpu_isa_flags()))
+    h = hashlib.sha256("\n".join([source.read_text(), version, " ".join(flags), isa]).encode()).hexdigest()[:16]
     return _cache_dir() / f"{source.stem}-{h}.so"
 
 
-def build(source: Path) -> Path:
+def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     """Compile `source` into the cache (atomically) unless it is there; the library's path."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc, or $CC)")
-    target = library_path(source, cc)
+    target = library_path(source, cc, flags)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", str(out)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *flags, str(source), "-o", str(out)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(out, target)
