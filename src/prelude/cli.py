@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
                                          "decisions")
     bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
-                                         "decisions"])
+                                         "decisions", "profile"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.sched_bench import main as bench_main
         elif args.which == "decisions":
             from prelude.bench.decisions_bench import main as bench_main
+        elif args.which == "profile":
+            from prelude.bench.profile_bench import main as bench_main
         else:
             from prelude.bench.oneshot_bench import main as bench_main
         return bench_main(rest)

@@ -1,0 +1,262 @@
+"""`prelude bench profile`: where a forward's time goes, per dtype, without writing a
+profiler script.
+
+In process (no HTTP), one engine per dtype on the default model (or --model), torch's
+profiler around engine steps of two workloads:
+- prefill: `--prefills` prompts of `--prompt-tokens` fresh tokens, one at a time, 1 output;
+- decode: `--decode-rows` requests decoding together, `--decode-steps` steps.
+Each step's time is split into
+- gemm: the projections (model/linear.py's Projection, whatever route it takes: oneDNN,
+  GGUF blocks, F.linear) and any aten GEMM;
+- attention: the attention backend's forward (its KV write and gathers included);
+- elementwise: the fused C kernels and any eager pointwise/copy op outside the two above;
+- other: the rest of the step's wall time (scheduling, sampling, Python, dispatch).
+The labels come from wrappers this benchmark puts around those calls while it runs (no
+cost on the serving path). Prints a table per dtype, writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+CATEGORIES = ("gemm", "attention", "elementwise", "other")
+_LABEL = "prelude::"
+_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
+                       "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm"})
+_ATTENTION_OPS = frozenset({"aten::scaled_dot_product_attention"})
+# Eager ops that move or combine activations element by element (the fused kernels' work).
+_ELEMENTWISE_OPS = frozenset({
+    "aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::sub", "aten::div", "aten::neg", "aten::pow",
+    "aten::mean", "aten::rsqrt", "aten::silu", "aten::cat", "aten::to", "aten::_to_copy", "aten::copy_",
+    "aten::contiguous", "aten::clone", "aten::chunk", "aten::split", "aten::reshape", "aten::view",
+    "aten::index_copy_", "aten::index_select", "aten::embedding", "aten::empty", "aten::empty_like",
+})
+
+
+def _wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    import torch
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(_LABEL + label):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def labelled(model: Any) -> Iterator[None]:
+    """Label the model's projections, attention and fused kernels for the profiler, and undo
+    it after: a class attribute for Projection (the type's __call__ is what Python calls),
+    instance attributes for the attention backend and the kernel set."""
+    from prelude.model.cpu_fused_kernels import CpuFusedKernels
+    from prelude.model.linear import Projection
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, label: str) -> None:
+        saved.append((owner, name, owner.__dict__.get(name) if isinstance(owner, type) else None))
+        setattr(owner, name, _wrap(getattr(owner, name), label))
+
+    patch(Projection, "__call__", "gemm")
+    patch(model.attention, "forward", "attention")
+    for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "silu_mul"):
+        patch(CpuFusedKernels, name, "elementwise")
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            if isinstance(owner, type):
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # back to the class's method
+
+
+def _classify(event: Any, totals: dict[str, float], ops: dict[str, dict[str, float]]) -> None:
+    """Attribute `event`'s inclusive time (us) to a category, or recurse into its children."""
+    name = event.name
+    if name.startswith(_LABEL):
+        cat = name[len(_LABEL):]
+    elif name in _GEMM_OPS:
+        cat = "gemm"
+    elif name in _ATTENTION_OPS:
+        cat = "attention"
+    elif name in _ELEMENTWISE_OPS:
+        cat = "elementwise"
+    elif event.cpu_children:
+        for child in event.cpu_children:
+            _classify(child, totals, ops)
+        return
+    else:
+        cat = "other"
+    totals[cat] += event.cpu_time_total
+    if not name.startswith(_LABEL):
+        ops[cat][name] = ops[cat].get(name, 0.0) + event.cpu_time_total
+    else:  # a labelled call: its own ops, by self time, for the detail table
+        for sub in _descendants(event):
+            ops[cat][sub.name] = ops[cat].get(sub.name, 0.0) + sub.self_cpu_time_total
+        ops[cat]["(python, ctypes)"] = ops[cat].get("(python, ctypes)", 0.0) + event.self_cpu_time_total
+
+
+def _descendants(event: Any) -> Iterator[Any]:
+    for child in event.cpu_children:
+        yield child
+        yield from _descendants(child)
+
+
+def profile_steps(run: Callable[[], int], model: Any) -> dict[str, Any]:
+    """Profile `run` (which returns how many forwards it ran): ms per forward by category."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with labelled(model), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        forwards = run()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    totals: dict[str, float] = defaultdict(float)
+    ops: dict[str, dict[str, float]] = defaultdict(dict)
+    for event in prof.events():
+        if event.cpu_parent is None:
+            _classify(event, totals, ops)
+    known = sum(totals[c] for c in ("gemm", "attention", "elementwise"))
+    totals["other"] = max(0.0, wall_us - known)
+    per = max(1, forwards)
+    top = {c: sorted(((n, t / per / 1000) for n, t in ops[c].items()), key=lambda kv: -kv[1])[:6] for c in CATEGORIES}
+    del torch
+    return {"forwards": forwards, "wall_ms_per_forward": wall_us / per / 1000,
+            "ms_per_forward": {c: totals[c] / per / 1000 for c in CATEGORIES},
+            "top_ops_ms": {c: [[n, round(t, 3)] for n, t in top[c]] for c in CATEGORIES}}
+
+
+def _prompts(n: int, tokens: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(tokens)] for _ in range(n)]
+
+
+def _drain(engine: Any) -> int:
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return steps
+
+
+def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: int, decode_rows: int,
+              decode_steps: int, seed: int) -> dict[str, Any]:
+    from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
+    from prelude.engine.engine import LLMEngine
+    from prelude.params import SamplingParams
+
+    engine = LLMEngine.from_config(EngineConfig(
+        model=model_path, executor=ExecutorConfig(device="cpu", dtype=dtype),
+        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, prompt_tokens)),
+    ))
+    model = engine.runner.model
+    vocab = int(model.config.vocab_size)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    long = SamplingParams(temperature=0.0, max_tokens=decode_steps + 8, ignore_eos=True)
+    counter = iter(range(10**9))
+
+    def prefill_run(prompts: list[list[int]]) -> Callable[[], int]:
+        def run() -> int:
+            for ids in prompts:
+                engine.add_request(f"p{next(counter)}", ids, one)
+                _drain(engine)
+            return len(prompts)
+        return run
+
+    def decode_run(steps: int) -> Callable[[], int]:
+        def run() -> int:
+            for _ in range(steps):
+                engine.step()
+            return steps
+        return run
+
+    def start_decode(rows: int) -> None:
+        for ids in _prompts(rows, 128, vocab, seed + next(counter)):
+            engine.add_request(f"d{next(counter)}", ids, long)
+        engine.step()  # the prompts' forward: the rows decode from the next step on
+
+    prefill_run(_prompts(1, prompt_tokens, vocab, seed + 1))()  # warm-up: first-call allocations
+    start_decode(decode_rows)
+    decode_run(3)()
+    engine.abort_all()
+    _drain(engine)
+    result = {"dtype": str(model.dtype).removeprefix("torch."), "segments": engine.runner.forwards.__class__.__name__,
+              "prefill": profile_steps(prefill_run(_prompts(prefills, prompt_tokens, vocab, seed + 2)), model)}
+    start_decode(decode_rows)
+    result["decode"] = profile_steps(decode_run(decode_steps), model)
+    engine.abort_all()
+    return result
+
+
+def print_result(res: dict[str, Any], prompt_tokens: int, decode_rows: int) -> None:
+    for work, what in (("prefill", f"{prompt_tokens}-token prefill"), ("decode", f"{decode_rows}-row decode step")):
+        r = res[work]
+        parts = "  ".join(f"{c} {r['ms_per_forward'][c]:7.2f} ms ({100 * r['ms_per_forward'][c] / r['wall_ms_per_forward']:3.0f}%)"
+                          for c in CATEGORIES)
+        print(f"{res['dtype']:>9} {what:<22} {r['wall_ms_per_forward']:8.2f} ms/forward: {parts}")
+        for c in CATEGORIES[:3]:
+            top = ", ".join(f"{n} {t:.2f}" for n, t in r["top_ops_ms"][c][:4])
+            print(f"{'':>12}{c:<12} {top}")
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, work in zip(axes, ("prefill", "decode")):
+        bottom = [0.0] * len(results)
+        labels = [r["dtype"] for r in results]
+        for c in CATEGORIES:
+            vals = [r[work]["ms_per_forward"][c] for r in results]
+            ax.bar(labels, vals, bottom=bottom, label=c)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_title(f"{work}: ms per forward")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="prelude bench profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded default model)")
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--prefills", type=int, default=4)
+    p.add_argument("--decode-rows", type=int, default=4)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_results/profile")
+    args = p.parse_args(argv)
+    from prelude.bench.results import write_json
+    from prelude.executor.device import cpu_isa_flags
+
+    flags = sorted(f for f in cpu_isa_flags() if f.startswith(("avx", "amx")))
+    print(f"CPU flags: {' '.join(flags) or 'none'}")
+    results = []
+    for dtype in args.dtypes.split(","):
+        res = run_dtype(dtype, args.model, args.prefills, args.prompt_tokens, args.decode_rows, args.decode_steps,
+                        args.seed)
+        print_result(res, args.prompt_tokens, args.decode_rows)
+        results.append(res)
+    out = Path(args.out)
+    write_json(out.with_suffix(".json"), {"cpu_flags": flags, "args": vars(args), "results": results})
+    print(f"wrote {plot(results, out.with_suffix('.png'))}")
+    return 0
