@@ -75,3 +75,24 @@ def test_chat_template_answer_is_sane(llm: LLM) -> None:
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # <|im_end|> ends the answer
     llm.engine.check_integrity()
+
+
+def test_bf16_greedy_picks_are_within_bf16_tolerance(hf_model) -> None:  # noqa: ANN001
+    """bfloat16 (what `--dtype auto` picks on a bf16-native CPU, with the bf16 fused kernels
+    and decode GEMMs): every greedy token is the float32 model's top token or within bf16
+    noise of it. Scored teacher-forced by transformers in float32 over the whole generated
+    text, since one near-tie flipped by bf16 rounding makes the two texts diverge."""
+    llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory_gib=0.25)
+    assert llm.engine.runner.model.dtype == torch.bfloat16
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    exact = 0
+    for result in llm.generate(PROMPTS, params):
+        ids, new = result.prompt_token_ids, result.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids + new])).logits[0, len(ids) - 1 : -1].float()
+        picked = logits.gather(1, torch.tensor(new)[:, None])[:, 0]
+        gap = logits.max(dim=1).values - picked  # 0 where bf16 picked float32's top token
+        assert gap.max().item() < 0.25, (result.prompt, gap.tolist())
+        exact += int((gap == 0).sum())
+    assert exact >= 0.9 * NEW_TOKENS * len(PROMPTS)  # near-ties are rare, not the rule
+    llm.engine.check_integrity()
