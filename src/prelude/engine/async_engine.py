@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
+from prelude.engine import stage_trace
 from prelude.engine.engine import LLMEngine
 from prelude.engine.errors import EngineDeadError, StepFailed
 from prelude.engine.handoff import KVHandoff
@@ -157,6 +158,10 @@ class AsyncEngine:
         """Stream a request validated elsewhere (a scale-out front validates once, a replica
         runs it); closing the stream early aborts it, as with generate(). A request with
         `hand_off` set ends, unless its first token finished it, with its KVHandoff."""
+        trace = stage_trace.current.get()
+        if trace is not None:
+            req.trace = trace
+            trace.mark("admit")
         async for item in self._submit(req.request_id, ("add", req)):
             yield item
 
@@ -181,6 +186,7 @@ class AsyncEngine:
         try:
             while True:
                 item = await sink.queue.get()
+                stage_trace.mark("hop_back")
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -259,6 +265,8 @@ class AsyncEngine:
                 continue
             req = payload
             assert isinstance(req, Request)
+            if req.trace is not None:
+                req.trace.mark("hop_to_engine")
             try:
                 self.engine.enqueue(req)
             except Exception as exc:  # noqa: BLE001 - reported to that caller only

@@ -33,6 +33,7 @@ from prelude.engine.request import (
     SamplingParams,
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler, lora_namespace
+from prelude.engine.stage_trace import StageTrace
 from prelude.executor.runner import LaunchedStep, ModelRunner
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 from prelude.tokenizer.base import Tokenizer
@@ -54,6 +55,7 @@ class InFlight:
     plan: ScheduleResult
     launched: LaunchedStep
     started: float
+    traces: tuple[StageTrace, ...] = ()  # of its traced requests (`--trace-stages`)
 
 
 class LLMEngine:
@@ -114,6 +116,7 @@ class LLMEngine:
         # is the device, so there is nothing to hide.
         self.overlap = config.overlap if config.overlap is not None else info.device.startswith("cuda")
         self._in_flight: InFlight | None = None
+        self._tracing = False  # set for good by the first traced request: off, steps look for no traces
         self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)
         self.observer: EngineObserver | None = None  # e.g. the server's Prometheus metrics
         if not info.is_encoder:
@@ -199,6 +202,8 @@ class LLMEngine:
             self._ready.append(emit(req, new_stream(self.tokenizer, req), 0, finished=True))
             return
         self._requests[req.request_id] = req
+        if req.trace is not None:
+            self._tracing = True
         if req.exec_class is ExecClass.PAGED:  # OneShot requests get no streaming state
             self._streams[req.request_id] = new_stream(self.tokenizer, req)
         self.scheduler.add(req)
@@ -247,11 +252,13 @@ class LLMEngine:
         failed: list[str] = []
         cause: BaseException | None = None
         in_flight, self._in_flight = self._in_flight, None
+        scheduling = time.perf_counter() if self._tracing else 0.0
         plan = self.scheduler.schedule(independent_only=in_flight is not None)
+        traces = self._traces(plan, scheduling) if self._tracing else ()
         launched = None
         if plan.batch is not None:
             try:
-                launched = InFlight(plan, self.runner.launch(plan.batch), time.perf_counter())
+                launched = InFlight(plan, self.runner.launch(plan.batch), time.perf_counter(), traces)
             except Exception as exc:  # noqa: BLE001 - contained: only this step's requests fail
                 failed, cause = failed + self._fail_step(plan), exc
         for step in (in_flight, None if self.overlap else launched):
@@ -262,7 +269,12 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - the forward raised when its result was awaited
                 failed, cause = failed + self._fail_step(step.plan), exc
                 continue
+            for trace in step.traces:
+                trace.mark("forward", step.launched.forward_done)
+                trace.mark("sample")
             outputs.extend(self._postprocess(step, result))
+            for trace in step.traces:
+                trace.mark("detokenize")
         if launched is not None and self.overlap:
             self._in_flight = launched
         self.idle = plan.batch is None and in_flight is None  # work may be held back on purpose
@@ -270,6 +282,16 @@ class LLMEngine:
             self._ready = outputs  # the other step's outputs go out with the next step
             raise StepFailed(failed, cause)
         return outputs
+
+    def _traces(self, plan: ScheduleResult, scheduling: float) -> tuple[StageTrace, ...]:
+        """Mark the wait and the schedule on the plan's traced requests; their traces."""
+        reqs = [*plan.oneshot, *(self._requests.get(rid) for rid in plan.scheduled)]
+        traces = tuple(req.trace for req in reqs if req is not None and req.trace is not None)
+        scheduled = time.perf_counter()
+        for trace in traces:
+            trace.mark("wait_for_step", scheduling)
+            trace.mark("schedule", scheduled)
+        return traces
 
     def _fail_step(self, plan: ScheduleResult) -> list[str]:
         """Release everything a failed step held and drop its requests; their ids."""

@@ -94,6 +94,7 @@ class Request:
     mlfq_level: int = 0
     mlfq_used: int = 0
     mlfq_starved_steps: int = 0
+    trace: Any = None  # stage_trace.StageTrace of a traced request (`--trace-stages`), else None
 
     @property
     def num_prompt_tokens(self) -> int:

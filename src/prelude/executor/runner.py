@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -26,6 +27,7 @@ from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
 from prelude.executor.sampler import sample_deferred
+from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import (
     BatchOutput,
@@ -81,6 +83,7 @@ class LaunchedStep:
     def __init__(self, build: Callable[[], BatchOutput]) -> None:
         self._build = build
         self._result: BatchOutput | None = None
+        self.forward_done: float | None = None  # perf_counter when the forward was run (or queued)
 
     def wait(self) -> BatchOutput:
         if self._result is None:
@@ -137,6 +140,15 @@ def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments 
         return None
 
 
+def step_size(batch: ForwardBatch) -> tuple[int, int]:
+    """(tokens computed, rows sampled) of a step."""
+    paged = batch.rows if isinstance(batch, (DecodeBatch, MixedBatch)) else ()
+    oneshot = batch.rows if isinstance(batch, OneShotBatch) else batch.oneshot_rows if isinstance(batch, MixedBatch) else ()
+    tokens = sum(len(r.token_ids) for r in paged) + sum(len(r.token_ids) - r.num_cached for r in oneshot)
+    sampled = sum(r.sample is not None for r in paged) + sum(r.sample is not None for r in oneshot)
+    return tokens, sampled
+
+
 class ModelRunner:
     """Owns the device, the model, its paged KV tensors and the attention backend;
     knows nothing of requests' lifecycles."""
@@ -177,6 +189,7 @@ class ModelRunner:
             self.adapters = AdapterSlots(cfg, lora, model.dtype, self.device)  # type: ignore[arg-type]
         segments = fused_segments_for(model, self.config)
         self._lora_forward = functools.partial(model.forward, segments=segments) if segments else model.forward
+        self.step_threads = StepThreads(self.device, *decoder_flops(cfg))
 
     def _forward_provider(self) -> ForwardProvider:
         """Compiled segments where asked for and possible; the eager forward otherwise."""
@@ -461,7 +474,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch) -> "LaunchedStep":
         """Queue the forward, sampling, heads and the one result copy; on CUDA this returns
-        while the device still works, so the host can schedule the next step meanwhile."""
+        while the device still works, so the host can schedule the next step meanwhile.
+        A CPU step too small to split runs on one thread (step_threads.py)."""
+        with self.step_threads.for_step(*step_size(batch)):
+            return self._launch(batch)
+
+    def _launch(self, batch: ForwardBatch) -> "LaunchedStep":
         if isinstance(batch, OneShotBatch):
             hidden, starts = self.forward_oneshot(batch.rows)
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
@@ -477,7 +495,10 @@ class ModelRunner:
             assert isinstance(batch, (DecodeBatch, MixedBatch))
             hidden, starts = self.forward_rows(batch.rows)
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
-        return self._outputs(hidden, starts, rows)
+        forward_done = time.perf_counter()
+        launched = self._outputs(hidden, starts, rows)
+        launched.forward_done = forward_done
+        return launched
 
     def execute(self, batch: ForwardBatch) -> BatchOutput:
         return self.launch(batch).wait()

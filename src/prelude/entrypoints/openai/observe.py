@@ -11,10 +11,13 @@ import logging
 import re
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from prelude.engine import stage_trace
 
 access_logger = logging.getLogger("prelude.access")
 
@@ -43,17 +46,40 @@ def request_record(scope_state: Any) -> RequestRecord | None:
     return getattr(scope_state, STATE_KEY, None)
 
 
-class RequestObserver:
-    """`count(route, status, exec_class)` is called once per finished request."""
+class StageTraces:
+    """The stage breakdowns of the last finished traced requests (`--trace-stages`)."""
 
-    def __init__(self, app: ASGIApp, count: Any = None) -> None:
+    def __init__(self, keep: int = 10_000) -> None:
+        self._done: deque[dict[str, Any]] = deque(maxlen=keep)
+
+    def add(self, route: str, status: int, trace: stage_trace.StageTrace) -> None:
+        self._done.append({"route": route, "status": status, "total_s": trace.total, "stages_s": trace.stages()})
+
+    def take(self) -> list[dict[str, Any]]:
+        """Every breakdown kept so far, oldest first; the store is emptied."""
+        out = list(self._done)
+        self._done.clear()
+        return out
+
+
+class RequestObserver:
+    """`count(route, status, exec_class)` is called once per finished request. With
+    `traces`, each request runs under a StageTrace (see engine/stage_trace.py) whose
+    breakdown is kept there when the response has been sent."""
+
+    def __init__(self, app: ASGIApp, count: Any = None, traces: StageTraces | None = None) -> None:
         self.app = app
         self._count = count
+        self._traces = traces
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        trace = None
+        if self._traces is not None:
+            trace = stage_trace.StageTrace()
+            stage_trace.current.set(trace)  # this request's task (and its children) only
         given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"").decode("latin-1")
         record = RequestRecord(given if _REQUEST_ID.match(given) else uuid.uuid4().hex)
         scope.setdefault("state", {})[STATE_KEY] = record
@@ -74,6 +100,9 @@ class RequestObserver:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             if record.cancelled:
                 status = 499
+            if trace is not None and trace.marks and self._traces is not None:  # kept: engine-backed routes
+                trace.mark("serialize")
+                self._traces.add(route, status, trace)
             self._finished(scope, route, status, record, time.perf_counter() - t0)
 
     def _finished(self, scope: Scope, route: str, status: int, record: RequestRecord, seconds: float) -> None:

@@ -11,6 +11,7 @@ from typing import Any, AsyncGenerator
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
+from prelude.engine import stage_trace
 from prelude.engine.client import EngineClient
 from prelude.engine.request import RequestOutput
 from prelude.entrypoints.openai.errors import APIError
@@ -80,7 +81,9 @@ def render_chat(engine: EngineClient, messages: list[ChatMessage], add_generatio
     text = _render_text(engine, plain, add_generation_prompt and not continue_final, template_kwargs or {})
     if continue_final:
         text = _cut_after_final(text, plain)
-    return encode_chat_prompt(engine.tokenizer, text, plain)  # the system turn through the prefix memo
+    ids = encode_chat_prompt(engine.tokenizer, text, plain)  # the system turn through the prefix memo
+    stage_trace.mark("tokenize")
+    return ids
 
 
 # --- completions ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any, AsyncGenerator
 from fastapi.responses import JSONResponse
 from starlette.requests import Request as HTTPRequest
 
+from prelude.engine import stage_trace
 from prelude.engine.client import EngineClient
 from prelude.engine.request import RequestOutput
 from prelude.entrypoints.openai.errors import APIError
@@ -105,6 +106,7 @@ def _prepare(engine: EngineClient, req: CompletionRequest, limits: ServerLimits)
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_k)
     limits.check_inputs(len(_prompt_items(req.prompt)), "prompt")
     prompt_ids, prompt_texts = _prompts(engine, req)
+    stage_trace.mark("tokenize")
     limits.check_tokens([len(ids) for ids in prompt_ids], req.n)
     jobs = fan_out(prompt_ids, params)
     for job in jobs[:: params.n]:  # one check per prompt

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from starlette.requests import Request as HTTPRequest
 
+from prelude.engine import stage_trace
 from prelude.engine.client import EngineClient
 from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput, SamplingParams
 from prelude.entrypoints.openai.disconnect import until_disconnect
@@ -92,7 +93,9 @@ async def _tokenized(http: HTTPRequest, engine: EngineClient, items: list[str | 
                      chat: bool = False) -> list[list[int]]:
     """Token ids of each input; the count is checked first, big bodies are tokenized off the loop."""
     limits_of(http).check_inputs(len(items), "input")
-    return await off_loop_if_large(http, lambda: [_tokens(engine, item, chat) for item in items])
+    ids = await off_loop_if_large(http, lambda: [_tokens(engine, item, chat) for item in items])
+    stage_trace.mark("tokenize")
+    return ids
 
 
 def _usage(prompts: list[list[int]]) -> dict[str, int]:

@@ -1,0 +1,60 @@
+"""The load generator of `prelude bench overhead`, run in a process of its own so that the
+client's work never shares an interpreter (or its GIL) with the benchmark driver, and
+its own CPU cost is measured: the driver reads `client_cpu_s` (this process's CPU
+seconds over the timed requests) next to the server's figures.
+
+Reads one job as JSON on stdin, writes one JSON object on stdout:
+  {"base", "model", "kind": completion|stream|classify|embed, "payloads": [...],
+   "warmup": [...], "concurrency", "max_tokens", "items": texts per payload}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from prelude.bench.loadgen import LoadSpec, Sender, completion_sender, json_sender, run_load, summarize
+
+
+def sender_for(job: dict[str, Any]) -> Sender:
+    base, model, kind, items = job["base"], job.get("model"), job["kind"], int(job.get("items", 1))
+    named = {"model": model} if model else {}
+    if kind == "stream":
+        return completion_sender(base, model, int(job["max_tokens"]))
+    if kind == "completion":
+        max_tokens = int(job["max_tokens"])
+        return json_sender(base, "/v1/completions",
+                           lambda p: {**named, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                                      "ignore_eos": True}, lambda _: items)
+    if kind == "classify":
+        return json_sender(base, "/v1/classify", lambda p: {**named, "input": p, "labels": ["yes", "no"]},
+                           lambda _: items)
+    if kind == "embed":
+        return json_sender(base, "/v1/embeddings", lambda p: {**named, "input": p}, lambda _: items)
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    spec = LoadSpec(int(job["concurrency"]), None, len(job.get("warmup", ())), int(job.get("seed", 0)))
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    result = asyncio.run(run_load(sender_for(job), job["payloads"], spec, warmup=job.get("warmup", ())))
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    out = summarize(result, float(job.get("input_tokens", 0)))
+    # The client's own cost over warm-up and timed requests together (the same per request).
+    sent = len(job["payloads"]) + len(job.get("warmup", ()))
+    out["client_cpu_ms_per_request"] = 1000 * cpu / max(1, sent)
+    out["client_cpu_share"] = cpu / wall if wall > 0 else 0.0  # 1.0: one core busy all the time
+    return out
+
+
+def main() -> int:
+    job = json.load(sys.stdin)
+    json.dump(run_job(job), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

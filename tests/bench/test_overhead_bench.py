@@ -1,0 +1,43 @@
+"""`prelude bench overhead`: medians over rounds, the goals against vLLM, the loadgen's job."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from prelude.bench.overhead_bench import _median_points, goals
+from prelude.bench.overhead_loadgen import sender_for
+
+
+def test_median_points_take_each_metric_over_rounds() -> None:
+    rounds = [{"c1": {"kind": "completion", "e2e_p50_ms": 3.0, "req_s": 10.0}},
+              {"c1": {"kind": "completion", "e2e_p50_ms": 1.0, "req_s": 30.0}},
+              {"c1": {"kind": "completion", "e2e_p50_ms": 2.0, "req_s": 20.0}}]
+    point = _median_points(rounds)["c1"]
+    assert point == {"kind": "completion", "rounds": 3, "e2e_p50_ms": 2.0, "req_s": 20.0}
+
+
+def test_goals_compare_prelude_with_vllm_in_the_right_direction() -> None:
+    pre = {"c1": {"e2e_p50_ms": 2.5}, "oneshot_c32": {"req_s": 500.0}, "decode_c8": {"tpot_p50_ms": 2.0},
+           "multi_c4": {"items_s": 1000.0}}
+    vllm = {"c1": {"e2e_p50_ms": 12.5}, "oneshot_c32": {"req_s": 200.0}, "decode_c8": {"tpot_p50_ms": 3.0},
+            "multi_c4": {"items_s": 500.0}}
+    rows = {r["goal"]: r for r in goals({"prelude": pre, "vllm": vllm})}
+    assert rows["128/1 c=1 E2E p50 <= 2.0 ms"]["met"] is False
+    assert rows["128/1 c=1 E2E p50: vllm / prelude >= 4"]["value"] == 5.0
+    assert rows["128/1 c=32 req/s: prelude / vllm >= 2"]["met"] is True
+    assert math.isclose(rows["decode 16/64 c=8 TPOT p50: vllm / prelude >= 2"]["value"], 1.5)
+    assert rows["decode 16/64 c=8 TPOT p50: vllm / prelude >= 2"]["met"] is False
+    assert rows["8-prompt requests prompts/s: prelude / vllm >= 2.5"]["met"] is False
+
+
+def test_goals_without_vllm_are_open() -> None:
+    rows = goals({"prelude": {"c1": {"e2e_p50_ms": 1.5}}})
+    assert rows[0]["met"] is True
+    assert all(r["met"] is None for r in rows[1:])
+
+
+def test_loadgen_refuses_an_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="unknown kind"):
+        sender_for({"base": "http://x", "kind": "nope"})
