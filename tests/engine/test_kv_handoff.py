@@ -149,3 +149,22 @@ def test_a_handoff_that_does_not_fit_is_refused(hf: Any) -> None:
         decode.import_kv(prefill.take_handoffs()[0])
     decode.check_integrity()
     assert not decode.has_unfinished()
+
+
+def test_a_failed_copy_in_frees_what_the_import_took(hf: Any) -> None:
+    """The scheduler allocates the blocks and the runner fills them: when the fill raises,
+    the blocks go back and the request is not left half-imported."""
+    prefill, decode = tiny_engine(hf), tiny_engine(hf)
+    free = decode.kv.pool.num_free_blocks
+    prefill.enqueue(replace(prefill.prepare("z", list(b"a prompt to copy"), SamplingParams(max_tokens=8)), hand_off=True))
+    _run(prefill)
+
+    def broken_copy(table: list[int], kv: Any) -> None:
+        raise RuntimeError("device copy failed")
+
+    decode.runner.write_kv_blocks = broken_copy  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        decode.import_kv(prefill.take_handoffs()[0])
+    decode.check_integrity()
+    assert not decode.has_unfinished() and not decode.kv.holders()
+    assert decode.kv.pool.num_free_blocks == free

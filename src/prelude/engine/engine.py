@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from prelude.config import EngineConfig
 from prelude.engine.validation import RequestRules, validate_request
 from prelude.engine.grammar import GrammarCompiler
-from prelude.forward_batch import BatchOutput, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
+from prelude.forward_batch import BatchOutput, OneShotBatch
 from prelude.engine.errors import StepFailed
 from prelude.engine.handoff import KVHandoff, resumable_copy
 from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
@@ -32,20 +32,13 @@ from prelude.engine.request import (
     RequestStatus,
     SamplingParams,
 )
-from prelude.engine.scheduler import ScheduleResult, Scheduler, lora_namespace
+from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.engine.stage_trace import StageTrace
 from prelude.executor.runner import LaunchedStep, ModelRunner
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.engine")
-
-
-def oneshot_rows(batch: ForwardBatch | None) -> tuple[OneShotRow, ...]:
-    """The rows of a step that own no KV: a OneShot batch's, or a fused Mixed batch's."""
-    if isinstance(batch, OneShotBatch):
-        return batch.rows
-    return batch.oneshot_rows if isinstance(batch, MixedBatch) else ()
 
 
 @dataclass(frozen=True)
@@ -72,7 +65,7 @@ class LLMEngine:
         self.runner = runner
         runner.limit_sampled_vocab(tokenizer.vocab_size)
         self.info = info = runner.info
-        block_size = runner.block_size
+        self.block_size = block_size = runner.block_size
         limit = config.scheduler.max_model_len or info.max_position_embeddings
         if info.is_encoder:
             num_blocks = 1  # encoders keep no KV: every request is OneShot
@@ -295,8 +288,7 @@ class LLMEngine:
 
     def _fail_step(self, plan: ScheduleResult) -> list[str]:
         """Release everything a failed step held and drop its requests; their ids."""
-        for row in oneshot_rows(plan.batch):  # publish nothing: the blocks may hold partial KV
-            self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks))
+        self.scheduler.end_step(plan, ok=False)
         failed = [req.request_id for req in plan.oneshot if self._requests.get(req.request_id) is req]
         failed += [rid for rid in plan.scheduled if rid in self._requests]
         for rid in failed:
@@ -311,21 +303,15 @@ class LLMEngine:
         if self.observer is not None:
             kind, num_tokens = batch_kind(plan.batch)
             self.observer.step_finished(kind, seconds, num_tokens)
+        self.scheduler.end_step(plan, ok=True)  # computed counts advance, blocks published, holds end
         now = time.monotonic()
         outputs = [] if isinstance(plan.batch, OneShotBatch) else self._postprocess_paged(plan, result, now)
-        rows = oneshot_rows(plan.batch)
-        if rows:  # a OneShot step, or the OneShot rows of a fused step
-            outputs += self._postprocess_oneshot(rows, plan.oneshot, result, now)
-        self.kv.trim()
+        if plan.oneshot_rows:  # a OneShot step, or the OneShot rows of a fused step
+            outputs += self._postprocess_oneshot(plan.oneshot, result, now)
         return outputs
 
-    def _postprocess_oneshot(
-        self, rows: tuple[OneShotRow, ...], requests: list[Request], result: BatchOutput, now: float
-    ) -> list[RequestOutput]:
-        """One final output per request; the step's block holds end here."""
-        for row in rows:  # publish full prompt blocks, drop the step's holds
-            self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks),
-                             lora_namespace(row.lora))
+    def _postprocess_oneshot(self, requests: list[Request], result: BatchOutput, now: float) -> list[RequestOutput]:
+        """One final output per request (the step's block holds ended in `end_step`)."""
         outputs = []
         for req in requests:
             if self._requests.get(req.request_id) is not req:
@@ -343,16 +329,12 @@ class LLMEngine:
         return outputs
 
     def _postprocess_paged(self, plan: ScheduleResult, result: BatchOutput, now: float) -> list[RequestOutput]:
-        """Advance computed counts, publish filled blocks, append sampled tokens."""
+        """Append sampled tokens and deliver heads (`end_step` advanced the computed counts)."""
         outputs = []
-        for request_id, n in plan.scheduled.items():
+        for request_id in plan.scheduled:
             req = self._requests.get(request_id)
             if req is None:
                 continue  # aborted while its step was in flight
-            req.num_computed_tokens += n
-            if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
-                self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens,
-                                       lora_namespace(req.lora))
             stream = self._streams[request_id]
             head = result.heads.get(request_id)
             if head is not None:
@@ -383,9 +365,9 @@ class LLMEngine:
         """The first token is out: copy the request's KV blocks out and end its life here.
         Its blocks go back through the normal path (full prompt blocks were published to
         the prefix cache as they filled, so they stay hit-able here)."""
-        blocks = self.kv.block_table(req.request_id)[: blocks_needed(req.num_computed_tokens, self.kv.block_size)]
+        blocks = self.scheduler.computed_blocks(req)
         self._handoffs.append(KVHandoff(
-            resumable_copy(req), req.num_computed_tokens, self.kv.block_size, self.runner.read_kv_blocks(blocks),
+            resumable_copy(req), req.num_computed_tokens, self.block_size, self.runner.read_kv_blocks(blocks),
             exported_at=time.monotonic()))
         self.handoff_counts["exported"] += 1
         self.scheduler.remove(req)
@@ -408,9 +390,9 @@ class LLMEngine:
         rid = req.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        if handoff.block_size != self.kv.block_size or len(req.output_token_ids) != 1 \
+        if handoff.block_size != self.block_size or len(req.output_token_ids) != 1 \
                 or handoff.num_computed_tokens != req.num_prompt_tokens \
-                or handoff.num_blocks != blocks_needed(handoff.num_computed_tokens, self.kv.block_size):
+                or handoff.num_blocks != blocks_needed(handoff.num_computed_tokens, self.block_size):
             raise ValueError(f"hand-off of {rid!r} does not fit this engine (block size {handoff.block_size}, "
                              f"{handoff.num_computed_tokens} tokens in {handoff.num_blocks} blocks)")
         if self.attach_grammar(req).grammar is not None:
@@ -435,12 +417,15 @@ class LLMEngine:
             self._finish(req)
             self._ready.append(emit(req, stream, len(stream.text), finished=True))
             return
-        table = self.scheduler.adopt(req, handoff.num_computed_tokens)
-        if table is None:
+        try:  # the scheduler allocates, the runner fills the blocks; a failed copy frees them
+            adopted = self.scheduler.adopt(req, handoff.num_computed_tokens,
+                                           lambda table: self.runner.write_kv_blocks(table, handoff.kv))
+        except BaseException:
+            del self._requests[rid], self._streams[rid]
+            raise
+        if not adopted:
             self.handoff_counts["imported_recomputed"] += 1
             self.scheduler.add(req)
-            return
-        self.runner.write_kv_blocks(table, handoff.kv)
 
     def _finish(self, req: Request) -> None:
         self.scheduler.remove(req)

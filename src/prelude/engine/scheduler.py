@@ -38,7 +38,7 @@ from prelude.forward_batch import (
 from prelude.engine.policies import SchedulingPolicy
 from prelude.engine.policies.base import by_arrival
 from prelude.engine.request import ExecClass, LoraRequest, Request, RequestStatus
-from prelude.kv.kv_manager import KVCacheManager
+from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 
 
 @dataclass
@@ -48,6 +48,13 @@ class ScheduleResult:
     preempted: list[Request] = field(default_factory=list)
     oneshot: list[Request] = field(default_factory=list)  # requests of the step's OneShot rows
     adapters: set[int] = field(default_factory=set)  # LoRA adapters (ids) the step's rows run with
+
+    @property
+    def oneshot_rows(self) -> tuple[OneShotRow, ...]:
+        """The rows that own no KV: a OneShot batch's, or a fused Mixed batch's."""
+        if isinstance(self.batch, OneShotBatch):
+            return self.batch.rows
+        return self.batch.oneshot_rows if isinstance(self.batch, MixedBatch) else ()
 
 
 def lora_namespace(lora: LoraRequest | None) -> str:
@@ -133,17 +140,51 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def adopt(self, request: Request, num_computed: int) -> list[int] | None:
+    def adopt(self, request: Request, num_computed: int, write: Callable[[list[int]], None]) -> bool:
         """A request whose first `num_computed` tokens another engine computed (a KV
-        hand-off): blocks for them and a place among the running requests. It bypasses
-        `max_num_seqs` (the sender's cap on hand-offs bounds this) but keeps the watermark
-        admissions keep; None (nothing taken) when the pool has no room."""
+        hand-off): blocks for them, filled by `write(block_table)`, and a place among the
+        running requests. It bypasses `max_num_seqs` (the sender's cap on hand-offs bounds
+        this) but keeps the watermark admissions keep; False (nothing taken) when the pool
+        has no room. If `write` raises, the blocks are freed before the error goes on."""
         if not self.kv.allocate(request.request_id, num_computed, reserve=self.watermark_blocks):
-            return None
+            return False
+        try:
+            write(list(self.kv.block_table(request.request_id)))
+        except BaseException:
+            self.kv.free(request.request_id)
+            raise
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return list(self.kv.block_table(request.request_id))
+        return True
+
+    def computed_blocks(self, request: Request) -> list[int]:
+        """The blocks holding the request's computed tokens, in table order (a hand-off
+        copies them out before `remove` lets go of them)."""
+        return self.kv.block_table(request.request_id)[: blocks_needed(request.num_computed_tokens, self.kv.block_size)]
+
+    def end_step(self, plan: ScheduleResult, ok: bool) -> None:
+        """The step's forward is over: release what the step held. On success, the paged
+        rows' computed counts advance and their filled blocks join the prefix cache, and
+        the OneShot rows' full prompt blocks are published; on failure nothing is
+        published (the blocks may hold partial KV). Either way the OneShot rows' holds
+        end here. A request aborted while its step was in flight is skipped: it left
+        `running` and its blocks are already free."""
+        if ok:
+            running = {r.request_id: r for r in self.running}
+            for request_id, n in plan.scheduled.items():
+                req = running.get(request_id)
+                if req is None:
+                    continue
+                req.num_computed_tokens += n
+                if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
+                    self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens, namespace(req))
+        for row in plan.oneshot_rows:
+            if ok:
+                self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks),
+                                 lora_namespace(row.lora))
+            else:
+                self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks))
 
     def remove(self, request: Request) -> None:
         """Take a request out of the queues and free its blocks (finish or abort)."""
@@ -317,6 +358,7 @@ class Scheduler:
         work that needs none of its results may go (OneShot rows, which own no running
         sequence); running sequences wait for their previous token."""
         now = time.monotonic() if now is None else now
+        self.kv.trim()  # the cache's bound holds for every lookup this step makes
         if independent_only:
             return self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
         decode_work = bool(self.waiting or self.running)
