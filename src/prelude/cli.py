@@ -69,6 +69,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--laps-long-chunk", type=int, default=512)
     p.add_argument("--laps-deadline-free", action="store_true", help="LAPS token-max mode (no TTFT deadlines)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served by name from the start")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA adapters resident at once (LRU; default 4 when --lora-modules is given, else 0: "
+                        "no adapters, not even loaded at run time)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank an adapter may have")
     p.add_argument("--fuse-oneshot", action=argparse.BooleanOptionalAction, default=True,
                    help="OneShot rows ride in the Decode/Mixed forward when budgets allow; --no-fuse-oneshot: "
                         "steps alternate between OneShot and Decode/Mixed batches")
@@ -77,10 +83,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--force-decode-path is its old name")
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def _lora_config(args: argparse.Namespace):  # noqa: ANN202
+    from prelude.config import LoraConfig
+
+    slots = args.max_loras if args.max_loras is not None else (4 if args.lora_modules else 0)
+    return LoraConfig(slots, args.max_lora_rank) if slots > 0 else None
+
+
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202
     from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, PolicyConfig, SchedulerConfig
 
     return EngineConfig(
+        lora=_lora_config(args),
         model=args.model,
         served_model_name=args.served_model_name,
         seed=args.seed,
@@ -214,6 +235,8 @@ def _serve_multiproc(args: argparse.Namespace) -> int:
         raise SystemExit("--api-server-count must be at least 1")
     if args.data_parallel_size is not None or args.ray_address is not None or args.laps_pools or args.disaggregate:
         raise SystemExit("--api-server-count runs one engine process; it does not combine with Ray scale-out yet")
+    if args.lora_modules:
+        raise SystemExit("--api-server-count does not serve LoRA adapters yet (its HTTP processes hold no adapter names)")
     limits = _server_limits(args)
     if limits.max_waiting_requests is not None:  # the bound is the server's: each HTTP process gets its share
         share = -(-limits.max_waiting_requests // args.api_server_count)
@@ -226,14 +249,21 @@ def _serve_multiproc(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from prelude.entrypoints.openai.api_server import build_app, run_server
+    from prelude.entrypoints.openai.errors import APIError
 
     if args.api_server_count is not None:
         return _serve_multiproc(args)
     log = logging.getLogger("prelude.cli")
+
     front = _front(args)
-    app = build_app(front, api_key=args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
-                    limits=_server_limits(args), metrics_require_key=args.metrics_require_key,
-                    trace_stages=args.trace_stages)
+    try:
+        app = build_app(front, api_key=args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
+                        limits=_server_limits(args), metrics_require_key=args.metrics_require_key,
+                        trace_stages=args.trace_stages, lora_modules=args.lora_modules)
+    except APIError as e:  # a bad --lora-modules adapter
+        log.error("%s", e.message)
+        front.shutdown()
+        return 2
     log.info("ready: serving %s on http://%s:%d in %.2f s from start",
              front.model_name, args.host, args.port, time.perf_counter() - _STARTED)
     try:

@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -26,10 +26,12 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_server(front: AsyncEngine) -> Iterator[str]:
-    """A real uvicorn server for `front` on a free loopback port; yields its base URL."""
+def running_server(front: AsyncEngine, **app_options: Any) -> Iterator[str]:
+    """A real uvicorn server for `front` (build_app(front, **app_options)) on a free
+    loopback port; yields its base URL."""
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(front), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(front, **app_options), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

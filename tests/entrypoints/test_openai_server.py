@@ -416,8 +416,8 @@ async def test_bad_input_is_400_and_the_server_keeps_serving(client: httpx.Async
 
 @pytest.mark.parametrize("path,req", [(COMPLETIONS, {"prompt": "x"}), (CHAT, {"messages": USER_HI}),
                                       ("/tokenize", {"prompt": "x"})])
-async def test_unknown_model_is_400_model_not_found(client: httpx.AsyncClient, path: str, req: dict[str, Any]) -> None:
-    err = assert_error(await client.post(path, json={**req, "model": "gpt-9"}))
+async def test_unknown_model_is_404_model_not_found(client: httpx.AsyncClient, path: str, req: dict[str, Any]) -> None:
+    err = assert_error(await client.post(path, json={**req, "model": "gpt-9"}), 404, "not_found_error")
     assert err["code"] == "model_not_found" and "does not exist" in err["message"] and err["param"] == "model"
 
 
@@ -506,7 +506,7 @@ def test_openai_client_n_and_logprobs(served: tuple[str, FakeEngine]) -> None:
 def test_openai_client_errors(served: tuple[str, FakeEngine]) -> None:
     base, _ = served
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x")
     assert info.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):

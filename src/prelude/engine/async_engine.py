@@ -22,7 +22,7 @@ from prelude.engine.engine import LLMEngine
 from prelude.engine.errors import EngineDeadError, StepFailed
 from prelude.engine.handoff import KVHandoff
 from prelude.engine.metrics import EngineObserver, RequestMetrics
-from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
+from prelude.engine.request import LoraRequest, PoolingParams, Request, RequestOutput, SamplingParams
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.async_engine")
@@ -136,21 +136,27 @@ class AsyncEngine:
         return self.engine.is_encoder
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: LoraRequest | None = None
     ) -> AsyncIterator[RequestOutput]:
-        return self._stream(request_id, prompt_token_ids, params, None)
+        return self._stream(request_id, prompt_token_ids, params, None, lora)
 
-    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams,
+                     lora: LoraRequest | None = None) -> RequestOutput:
         """One fixed-size result (embedding, head scores, label logprobs)."""
-        async for out in self._stream(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling):
+        async for out in self._stream(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling, lora):
             if out.finished:
                 return out
         raise RuntimeError(f"request {request_id} ended without a result")
 
+    async def check_adapter(self, lora: LoraRequest) -> None:
+        """Read and check a LoRA adapter off the event loop (raises ValueError saying why)."""
+        await asyncio.to_thread(self.engine.check_adapter, lora)
+
     async def _stream(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None,
+        lora: LoraRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        req = self.engine.prepare(request_id, prompt_token_ids, params, pooling)  # InvalidRequestError -> caller
+        req = self.engine.prepare(request_id, prompt_token_ids, params, pooling, lora)  # InvalidRequestError -> caller
         async for out in self.submit(req):
             yield out
 
@@ -203,9 +209,10 @@ class AsyncEngine:
             self._wake.set()
 
     def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None,
+        lora: LoraRequest | None = None,
     ) -> None:
-        self.engine.prepare("validate", prompt_token_ids, params, pooling)
+        self.engine.prepare("validate", prompt_token_ids, params, pooling, lora)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:

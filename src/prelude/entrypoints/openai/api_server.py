@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -18,6 +18,7 @@ from prelude.entrypoints.openai.disconnect import ClientDisconnected
 from prelude.entrypoints.openai.fields import check_unknown_fields
 from prelude.entrypoints.openai.request_gate import RequestGate, GatedEngine
 from prelude.entrypoints.openai.limits import ServerLimits
+from prelude.entrypoints.openai.lora_adapters import LoadLoraAdapterRequest, ServedAdapters, UnloadLoraAdapterRequest
 from prelude.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
 from prelude.entrypoints.openai.offload import OffLoopBodyRoute, json_answer, off_loop_if_large
 from prelude.entrypoints.openai.observe import RequestObserver, StageTraces, request_record
@@ -34,7 +35,7 @@ from prelude.entrypoints.openai.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
-from prelude.entrypoints.openai.routes import ROUTES, check_model
+from prelude.entrypoints.openai.routes import ROUTES
 from prelude.entrypoints.openai.serving_tokens import detokenize, tokenize
 from prelude.entrypoints.openai.streaming import SSEResponse
 
@@ -56,11 +57,17 @@ def build_app(
     limits: ServerLimits | None = None,
     metrics_require_key: bool = False,
     trace_stages: bool = False,
+    lora_modules: Sequence[tuple[str, str]] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine`. With `api_key`, every route but /health
     (and /metrics unless `metrics_require_key`) needs it as a bearer token. With
-    `trace_stages`, every request's host time is broken down by stage (GET /debug/stages)."""
+    `trace_stages`, every request's host time is broken down by stage (GET /debug/stages).
+    `lora_modules`: (name, PEFT directory) adapters served from the start (APIError when
+    one is bad)."""
     limits = limits or ServerLimits()
+    adapters = ServedAdapters(engine)
+    for name, path in lora_modules:
+        adapters.load_at_start(name, path)
     app = FastAPI(title="Prelude", version=VERSION)
     app.router.route_class = OffLoopBodyRoute  # large bodies parsed off the event loop
     install_error_handlers(app)
@@ -69,6 +76,7 @@ def build_app(
         engine.set_observer(metrics)
     gate = RequestGate(limits.max_waiting_requests)
     app.state.limits, app.state.gate, app.state.metrics = limits, gate, metrics
+    app.state.adapters = adapters
     # add_middleware wraps: the last added is outermost. Outer to inner: observe (ids,
     # log line, counts, 401s included), auth, body cap, the app.
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
@@ -127,20 +135,32 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": created, "owned_by": "prelude",
-            "root": engine.model_name, "max_model_len": engine.max_model_len,
-        }]}
+        base = {"id": engine.model_name, "object": "model", "created": created, "owned_by": "prelude",
+                "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [base, *({
+            "id": lora.name, "object": "model", "created": created, "owned_by": "prelude",
+            "root": lora.path, "parent": engine.model_name, "max_model_len": engine.max_model_len,
+        } for lora in adapters.models())]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        await adapters.load(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        adapters.unload(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     async def _served(url: str, body: Any, request: Request) -> Any:
         """Run one engine-backed handler behind the request gate; a client gone before
         the answer gets no body (and is logged as a cancel, not an error)."""
         mark("http_parse_validate")
-        check_model(engine, body.model)
+        lora = adapters.resolve(body.model)  # 404 for an unknown name
         check_unknown_fields(body, request.url.path)
         ticket = gate.enter()  # 429 / 503 before any work
         record = request_record(request.state)
-        gated = GatedEngine(engine, ticket, limits.request_timeout_s, record)
+        gated = GatedEngine(engine, ticket, limits.request_timeout_s, record, lora)
         try:
             response = await ROUTES[url].handler(body)(gated, body, request)
         except ClientDisconnected:
@@ -196,13 +216,13 @@ def build_app(
 
     @app.post("/tokenize", response_model=dict[str, Any])
     async def tokenize_route(body: TokenizeRequest, request: Request) -> Any:
-        check_model(engine, body.model)
+        adapters.resolve(body.model)  # adapters share the base's tokenizer
         check_unknown_fields(body, request.url.path)
         return await json_answer(await off_loop_if_large(request, tokenize, engine, body), request)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest, request: Request) -> dict[str, str]:
-        check_model(engine, body.model)
+        adapters.resolve(body.model)
         check_unknown_fields(body, request.url.path)
         return await off_loop_if_large(request, detokenize, engine, body)
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from prelude.engine.request import LoraRequest
 from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.observe import RequestRecord
 
@@ -98,8 +99,11 @@ class GatedEngine:
     freed) when the deadline passes. Everything else is the wrapped engine's."""
 
     def __init__(self, engine: Any, ticket: Ticket, timeout_s: float | None,
-                 record: RequestRecord | None = None) -> None:
+                 record: RequestRecord | None = None, lora: LoraRequest | None = None) -> None:
         self._engine = engine
+        # The LoRA adapter the request's `model` named: every engine call runs with it.
+        self._lora = {"lora": lora} if lora is not None else {}
+        self._model_name = lora.name if lora is not None else None
         self._ticket = ticket
         self._record = record
         self._t0 = time.monotonic()
@@ -108,6 +112,14 @@ class GatedEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+    @property
+    def model_name(self) -> str:
+        """What answers name as their model: the adapter, or the base."""
+        return self._model_name or self._engine.model_name
+
+    def validate(self, prompt_token_ids: list[int], params: Any, pooling: Any = None) -> None:
+        self._engine.validate(prompt_token_ids, params, pooling, **self._lora)
 
     def _saw(self, out: Any, first: bool) -> None:
         """Count one engine output into the request's log record."""
@@ -127,7 +139,7 @@ class GatedEngine:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        stream = self._engine.generate(request_id, prompt_token_ids, params)
+        stream = self._engine.generate(request_id, prompt_token_ids, params, **self._lora)
         first = True
         try:
             while True:
@@ -151,10 +163,11 @@ class GatedEngine:
         try:
             left = self._left()
             if left is None:
-                out = await self._engine.encode(request_id, prompt_token_ids, pooling)
+                out = await self._engine.encode(request_id, prompt_token_ids, pooling, **self._lora)
             else:
                 try:
-                    out = await asyncio.wait_for(self._engine.encode(request_id, prompt_token_ids, pooling), left)
+                    out = await asyncio.wait_for(self._engine.encode(request_id, prompt_token_ids, pooling,
+                                                                     **self._lora), left)
                 except asyncio.TimeoutError:
                     raise RequestTimeout(self._timeout_s or 0.0) from None
         finally:

@@ -64,7 +64,8 @@ ROUTES |= {url.removeprefix("/v1"): ROUTES[url] for url in
 
 
 def check_model(engine: EngineClient, name: str | None) -> None:
-    """A missing model means the served one; any other name is refused, as OpenAI does."""
+    """A missing model means the served one; any other name is refused with a 404, as
+    OpenAI does. (The HTTP app also serves LoRA adapters by name: see lora_adapters.py.)"""
     if name is not None and name != engine.model_name:
         raise APIError(f"The model `{name}` does not exist. This server serves `{engine.model_name}`.",
-                       param="model", code="model_not_found")
+                       404, param="model", code="model_not_found")
