@@ -250,20 +250,26 @@ def _serve_multiproc(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from prelude.entrypoints.openai.api_server import build_app, run_server
     from prelude.entrypoints.openai.errors import APIError
+    from prelude.startup import StartupError
 
     if args.api_server_count is not None:
         return _serve_multiproc(args)
     log = logging.getLogger("prelude.cli")
-
-    front = _front(args)
+    try:
+        front = _front(args)
+    except StartupError:
+        raise
+    except Exception as exc:  # what only loading can tell: still one line, the stack to the debug log
+        log.debug("loading failed", exc_info=True)
+        raise StartupError(f"loading {args.model or 'the default model'} failed: {type(exc).__name__}: {exc}; "
+                           "check --model (the stack: --log-level debug)") from exc
     try:
         app = build_app(front, api_key=args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
                         limits=_server_limits(args), metrics_require_key=args.metrics_require_key,
                         trace_stages=args.trace_stages, lora_modules=args.lora_modules)
     except APIError as e:  # a bad --lora-modules adapter
-        log.error("%s", e.message)
         front.shutdown()
-        return 2
+        raise StartupError(e.message) from None
     log.info("ready: serving %s on http://%s:%d in %.2f s from start",
              front.model_name, args.host, args.port, time.perf_counter() - _STARTED)
     try:
@@ -384,11 +390,18 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     from prelude.log_format import configure_logging
+    from prelude.startup import StartupError, check_serve_args
 
     configure_logging(args.log_level, args.log_format)
     if args.command == "run-batch":
         return _run_batch(args)
-    return _serve(args)
+    try:
+        check_serve_args(args)
+        return _serve(args)
+    except StartupError as exc:
+        # One line, no stack: the message names the problem and its fix.
+        print(f"prelude serve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
