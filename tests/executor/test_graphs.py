@@ -61,7 +61,7 @@ def test_packed_step_inputs_start_16_byte_aligned() -> None:
     """Triton specializes on pointer alignment: every device view of a step's packed inputs
     starts on a 16-byte boundary, as the graphs' static buffers do (else an eager step would
     compile another kernel variant mid-request)."""
-    from prelude.executor.runner import pack_int64
+    from prelude.executor.inputs import pack_int64
     from prelude.forward_batch import BatchRow, OneShotRow
 
     views = pack_int64(torch.device("cpu"), [1], [2, 3, 4], [], [5], [6, 7])
@@ -75,7 +75,7 @@ def test_packed_step_inputs_start_16_byte_aligned() -> None:
     decode = BatchRow("d", [5], start_pos=bs + 1, block_table=[1, 2], sample=None, head=None)
     prefill = BatchRow("p", [1, 2, 3], start_pos=0, block_table=[3], sample=None, head=None)
     oneshot = OneShotRow("o", [4, 5, 6, 7, 8], None, None)
-    inputs = runner.build_fused_inputs([decode, prefill], [oneshot])
+    inputs = runner.inputs.fused([decode, prefill], [oneshot])
     meta = inputs.meta
     assert meta.decodes is not None and meta.prefill_tensors is not None
     t = meta.prefill_tensors

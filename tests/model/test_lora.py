@@ -65,7 +65,7 @@ def runner_for(kind: str, num_blocks: int = 64) -> tuple[ModelRunner, KVCacheMan
 
 def logits_of(runner: ModelRunner, rows: list[BatchRow], row_slots: list[int], slots: LoraSlots,
               segments=EAGER_SEGMENTS) -> list[torch.Tensor]:
-    inputs = runner.build_paged_inputs(tuple(rows))
+    inputs = runner.inputs.paged(tuple(rows))
     batch = LoraBatch.build(row_slots, [len(r.token_ids) for r in rows], "cpu")
     step = None if batch is None else LoraStep(slots, batch)
     hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches,

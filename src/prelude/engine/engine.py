@@ -34,7 +34,8 @@ from prelude.engine.request import (
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.engine.stage_trace import StageTrace
-from prelude.executor.runner import LaunchedStep, ModelRunner
+from prelude.executor.outputs import LaunchedStep
+from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 from prelude.tokenizer.base import Tokenizer
 
@@ -43,7 +44,10 @@ logger = logging.getLogger("prelude.engine")
 
 @dataclass(frozen=True)
 class InFlight:
-    """A launched step whose results have not been post-processed yet."""
+    """A launched step whose results have not been post-processed yet: the executor's
+    handle (`LaunchedStep`, which knows no plan) with the engine's side of the step, the
+    plan whose holds and requests it settles. Kept apart so the executor stays below the
+    engine."""
 
     plan: ScheduleResult
     launched: LaunchedStep

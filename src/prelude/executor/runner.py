@@ -1,10 +1,11 @@
-"""ModelRunner.execute(ForwardBatch) -> BatchOutput: one path per execution class.
+"""ModelRunner.launch(ForwardBatch) -> LaunchedStep; `.wait()` -> BatchOutput. One path
+per batch type.
 
 The runner owns everything that lives on the device: the model (built through the model
 registry), its paged KV tensors, the attention backend and, on CUDA, the graphs (see
 graphs.py: steps that fit a captured bucket are replayed, the rest run eagerly). A step's
-integer inputs are packed on the host into one buffer (pinned on CUDA) and copied once,
-non-blocking; the results come back in one copy (see `HostCopy`).
+integer inputs are packed into one host-to-device copy (inputs.py); its outputs are
+projected only where rows asked and come back in one copy (outputs.py).
 """
 
 from __future__ import annotations
@@ -12,108 +13,32 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from prelude.config import ExecutorConfig, LoraConfig
 from prelude.executor.compiled import COMPILE_MODES, CompiledForwards, EagerForwards, ForwardProvider
 from prelude.executor.device import resolve_attention_backend, resolve_device, resolve_dtype
-from prelude.executor import label_heads
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
-from prelude.executor.host_copy import HostCopy, HostValue
+from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, pack_int64
 from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
-from prelude.executor.sampler import sample_deferred
+from prelude.executor.outputs import LaunchedStep, OutputHeads
 from prelude.executor.step_threads import StepThreads, decoder_flops
-from prelude.executor.vocab_mask import mask_padded_vocab
-from prelude.forward_batch import (
-    BatchOutput,
-    BatchRow,
-    DecodeBatch,
-    ForwardBatch,
-    HeadOutput,
-    HeadSpec,
-    MixedBatch,
-    OneShotBatch,
-    OneShotRow,
-    SampleSpec,
-)
-from prelude.model import heads
+from prelude.forward_batch import BatchRow, DecodeBatch, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.attention import get_attention_backend
-from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
 from prelude.model.base import KVCaches, Model
 from prelude.model.cpu_fused_kernels import DTYPES as CPU_FUSED_DTYPES, load_cpu_kernels
 from prelude.model.decoder_segments import DecoderSegments
 from prelude.model.fused_segments import fused_segments, triton_segments
 from prelude.model.loader import cache_root
 from prelude.model.lora import LoraBatch, LoraStep
-from prelude.params import LoraRequest, PoolingTask, TokenLogprob
+from prelude.params import LoraRequest
 
 logger = logging.getLogger("prelude.executor")
-
-
-_ALIGN = 2  # int64 values: every view starts on a 16-byte boundary
-
-
-def pack_int64(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor]:
-    """Copy several int lists to the device in one transfer; returns one view per list.
-    Each view starts 16-byte aligned: Triton specializes kernels on a pointer's 16-byte
-    alignment, so an odd offset would compile another variant mid-request (~1 s on an H100)
-    instead of reusing the one compiled for the graphs' static buffers."""
-    sizes = [len(p) for p in parts]
-    padded = [-(-n // _ALIGN) * _ALIGN for n in sizes]
-    values: list[int] = []
-    for p, n, width in zip(parts, sizes, padded):
-        values.extend(p)
-        values.extend([0] * (width - n))
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
-    return [view[:n] for view, n in zip(flat.split(padded), sizes)]
-
-
-class LaunchedStep:
-    """A step queued on the device; `wait` blocks until its one result copy has landed."""
-
-    def __init__(self, build: Callable[[], BatchOutput]) -> None:
-        self._build = build
-        self._result: BatchOutput | None = None
-        self.forward_done: float | None = None  # perf_counter when the forward was run (or queued)
-
-    def wait(self) -> BatchOutput:
-        if self._result is None:
-            self._result = self._build()
-        return self._result
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """A forward's device inputs and where each row starts in the flattened batch."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    starts: list[int]
-    token_type_ids: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class _RowLayout:
-    """Host-side description of one row before the single copy to the device."""
-
-    ids: Sequence[int]
-    positions: Sequence[int]
-    slots: Sequence[int]  # -1: K/V not kept
-    block_table: Sequence[int]
-    context_len: int
-    own_kv_in_cache: bool
-    decode: bool
-    segments: Sequence[int] | None = None  # per new token; None: one plain causal row
 
 
 def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments | None:
@@ -163,6 +88,8 @@ class ModelRunner:
         self._scratch_slot = 0
         self.graphs: GraphRunner | None = None
         self.emittable_vocab: int | None = None  # the tokenizer's table: head rows past it are never sampled
+        self.inputs = InputBuilder(self.device, block_size, model.is_encoder)
+        self.outputs = OutputHeads(model)
         cfg = model.config
         self.info = ModelInfo(
             vocab_size=int(cfg.vocab_size),
@@ -228,8 +155,8 @@ class ModelRunner:
         """A throwaway forward of a fresh `num_tokens`-token prompt on scratch KV (nothing
         is written or read there): the shapes a compile needs, none of the server's state."""
         scratch = self.model.allocate_kv_cache(1, self.block_size)
-        lay = _RowLayout([0] * num_tokens, range(num_tokens), [-1] * num_tokens, (), num_tokens, False, decode=False)
-        inputs = self._inputs([lay], write_kv=False)
+        lay = RowLayout([0] * num_tokens, range(num_tokens), [-1] * num_tokens, (), num_tokens, False, decode=False)
+        inputs = self.inputs.pack([lay], write_kv=False)
         with torch.inference_mode():
             self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch, segments=segments)
 
@@ -296,8 +223,8 @@ class ModelRunner:
             capture = Capture.CUDA
         if self.model.is_encoder or not self.kv_caches:
             return
-        reads_row_tensors = getattr(self.model, "attention", None) is not None and \
-            self.model.attention.name == "triton"  # type: ignore[attr-defined]
+        attention = getattr(self.model, "attention", None)
+        reads_row_tensors = bool(getattr(attention, "reads_prefill_tensors", False))
         config = config or GraphConfig(capture_prefill=reads_row_tensors)
         if config.capture_prefill and not reads_row_tensors:
             raise ValueError("prefill graphs need an attention backend that reads PrefillTensors (triton)")
@@ -306,132 +233,6 @@ class ModelRunner:
             config, self.device, self.block_size,
             max_blocks_per_row=-(-max_model_len // self.block_size), scratch_slot=self._scratch_slot, capture=capture,
         )
-
-    # --- inputs -------------------------------------------------------------------------
-
-    def _inputs(self, layouts: list[_RowLayout], write_kv: bool) -> StepInputs:
-        """Flatten rows into device inputs with one host-to-device copy."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[int] = []
-        table_spans: list[tuple[int, int]] = []
-        starts: list[int] = []
-        dec_index: list[int] = []
-        dec_lens: list[int] = []
-        dec_tables: list[Sequence[int]] = []
-        segmented = any(lay.segments is not None for lay in layouts)
-        segments: list[int] = []
-        for lay in layouts:
-            start = len(ids)
-            starts.append(start)
-            ids.extend(lay.ids)
-            positions.extend(lay.positions)
-            slots.extend(lay.slots)
-            if segmented:
-                segments.extend(lay.segments if lay.segments is not None else [0] * len(lay.ids))
-            if lay.decode:
-                dec_index.append(start)
-                dec_lens.append(lay.context_len)
-                dec_tables.append(lay.block_table)
-            else:
-                table_spans.append((len(tables), len(lay.block_table)))
-                tables.extend(lay.block_table)
-        width = max((len(t) for t in dec_tables), default=0)
-        padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
-        kept = [i for i, s in enumerate(slots) if s >= 0]
-        any_kept = write_kv and bool(kept)
-        all_kept = len(kept) == len(slots)
-        pre = [(start, lay) for lay, start in zip(layouts, starts) if not lay.decode]
-        pre_width = max((len(lay.block_table) for _, lay in pre), default=0)
-        pre_columns = ([start for start, _ in pre], [len(lay.ids) for _, lay in pre],
-                       [lay.context_len for _, lay in pre], [int(lay.own_kv_in_cache) for _, lay in pre])
-        pre_tables = [b for _, lay in pre for b in (*lay.block_table, *([0] * (pre_width - len(lay.block_table))))]
-        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept, *d_pre, d_pre_tables,
-         d_segments) = pack_int64(
-            self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
-            kept if any_kept and not all_kept else [], *pre_columns, pre_tables, segments,
-        )
-        prefills = []
-        span = iter(table_spans)
-        for lay, start in zip(layouts, starts):
-            if lay.decode:
-                continue
-            off, n = next(span)
-            prefills.append(PrefillSlice(start, len(lay.ids), lay.context_len, d_tables[off : off + n],
-                                         own_kv_in_cache=lay.own_kv_in_cache, segmented=lay.segments is not None))
-        decodes = None
-        if dec_index:
-            decodes = DecodeRows(
-                query_index=d_dec_index,
-                block_tables=d_dec_tables.view(len(dec_index), width),
-                context_lens=d_dec_lens,
-                max_context_len=max(dec_lens),
-            )
-        prefill_tensors = None
-        if pre:
-            prefill_tensors = PrefillTensors(*d_pre, d_pre_tables.view(len(pre), pre_width),
-                                             max_query_len=max(len(lay.ids) for _, lay in pre))
-        meta = AttentionMetadata(
-            slot_mapping=d_slots if any_kept else None,
-            prefills=tuple(prefills),
-            decodes=decodes,
-            block_size=self.block_size,
-            kept_tokens=None if all_kept or not any_kept else d_kept,
-            prefill_tensors=prefill_tensors,
-            segment_ids=d_segments if segmented else None,
-        )
-        return StepInputs(d_ids, d_pos, meta, starts)
-
-    def _paged_layout(self, row: BatchRow) -> _RowLayout:
-        bs = self.block_size
-        n = len(row.token_ids)
-        context_len = row.start_pos + n
-        table = row.block_table
-        slots = [table[p // bs] * bs + p % bs for p in range(row.start_pos, context_len)]
-        nb = (context_len + bs - 1) // bs
-        return _RowLayout(row.token_ids, range(row.start_pos, context_len), slots,
-                          table if n == 1 else table[:nb], context_len, True, decode=n == 1)
-
-    def _oneshot_layout(self, r: OneShotRow) -> _RowLayout:
-        """A prompt suffix after its cached prefix; only the blocks it publishes are written."""
-        bs = self.block_size
-        n = len(r.token_ids)
-        published_end = r.num_cached + len(r.publish_blocks) * bs
-        slots = [r.publish_blocks[(p - r.num_cached) // bs] * bs + p % bs if p < published_end else -1
-                 for p in range(r.num_cached, n)]
-        table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks else ()
-        if not r.item_lens:
-            return _RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
-        # Packed items: each restarts at the shared part's end and is its own segment.
-        shared = r.shared_len
-        assert r.num_cached <= shared and published_end <= shared, "only the shared part is cached"
-        positions = list(range(r.num_cached, shared))
-        segments = [0] * (shared - r.num_cached)
-        for i, length in enumerate(r.item_lens, start=1):
-            positions.extend(range(shared, shared + length))
-            segments.extend([i] * length)
-        return _RowLayout(r.token_ids[r.num_cached :], positions, slots, table, n, False, decode=False,
-                          segments=segments)
-
-    def build_paged_inputs(self, rows: Sequence[BatchRow]) -> StepInputs:
-        return self._inputs([self._paged_layout(r) for r in rows], write_kv=True)
-
-    def build_fused_inputs(self, paged: Sequence[BatchRow], oneshot: Sequence[OneShotRow]) -> StepInputs:
-        """Paged rows, then OneShot rows, in one forward: the paged rows write their K/V
-        to their blocks, the OneShot rows only to the blocks they publish (if any)."""
-        assert not self.model.is_encoder, "encoders keep no KV: they have no paged rows"
-        layouts = [self._paged_layout(r) for r in paged] + [self._oneshot_layout(r) for r in oneshot]
-        return self._inputs(layouts, write_kv=True)
-
-    def build_oneshot_inputs(self, rows: Sequence[OneShotRow]) -> StepInputs:
-        inputs = self._inputs([self._oneshot_layout(r) for r in rows], write_kv=True)
-        if not self.model.is_encoder:
-            return inputs
-        types = [t for r in rows for t in (r.head.pooling.token_type_ids if r.head and r.head.pooling
-                                           and r.head.pooling.token_type_ids else [0] * len(r.token_ids))]
-        (d_types,) = pack_int64(self.device, types)
-        return StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.starts, d_types)
 
     # --- forwards -----------------------------------------------------------------------
 
@@ -448,13 +249,13 @@ class ModelRunner:
 
     def forward_rows(self, rows: tuple[BatchRow, ...]) -> tuple[torch.Tensor, list[int]]:
         """Run the trunk on paged rows; returns hidden states [T, H] and each row's start."""
-        inputs = self.build_paged_inputs(rows)
+        inputs = self.inputs.paged(rows)
         return self.forward(inputs, self.lora_step([(r.lora, len(r.token_ids)) for r in rows])), inputs.starts
 
     def forward_oneshot(self, rows: Sequence[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
         """Flattened varlen prompt suffixes. A row attends to its cached prefix blocks and
         to its own K/V, which are temporaries except the full blocks it publishes."""
-        inputs = self.build_oneshot_inputs(rows)
+        inputs = self.inputs.oneshot(rows)
         lora = self.lora_step([(r.lora, len(r.token_ids) - r.num_cached) for r in rows])
         return self.forward(inputs, lora), inputs.starts
 
@@ -472,20 +273,20 @@ class ModelRunner:
     # --- one entry point, one path per class ------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, batch: ForwardBatch) -> "LaunchedStep":
+    def launch(self, batch: ForwardBatch) -> LaunchedStep:
         """Queue the forward, sampling, heads and the one result copy; on CUDA this returns
         while the device still works, so the host can schedule the next step meanwhile.
         A CPU step too small to split runs on one thread (step_threads.py)."""
         with self.step_threads.for_step(*step_size(batch)):
             return self._launch(batch)
 
-    def _launch(self, batch: ForwardBatch) -> "LaunchedStep":
+    def _launch(self, batch: ForwardBatch) -> LaunchedStep:
         if isinstance(batch, OneShotBatch):
             hidden, starts = self.forward_oneshot(batch.rows)
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
             rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
         elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
-            inputs = self.build_fused_inputs(batch.rows, batch.oneshot_rows)
+            inputs = self.inputs.fused(batch.rows, batch.oneshot_rows)
             lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows]
                                   + [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.oneshot_rows])
             hidden, starts = self.forward(inputs, lora), inputs.starts
@@ -496,79 +297,7 @@ class ModelRunner:
             hidden, starts = self.forward_rows(batch.rows)
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
         forward_done = time.perf_counter()
-        launched = self._outputs(hidden, starts, rows)
+        launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab)
         launched.forward_done = forward_done
         return launched
 
-    def execute(self, batch: ForwardBatch) -> BatchOutput:
-        return self.launch(batch).wait()
-
-    def _outputs(
-        self,
-        hidden: torch.Tensor,
-        starts: list[int],
-        rows: list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
-    ) -> "LaunchedStep":
-        """Project only what each row asked for: last-token logits, prompt logprobs, heads."""
-        copy = HostCopy()
-        want = [(rid, starts[i] + len(tok) - 1, spec) for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
-        sampled_build = None
-        if want:
-            (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
-            logits = mask_padded_vocab(self.model.compute_logits(hidden.index_select(0, index)), self.emittable_vocab)
-            sampled_build = sample_deferred(logits, [s for _, _, s in want], copy)
-        pending = {rid: self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head, copy)
-                   for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}
-        copy.start()
-
-        def build() -> BatchOutput:
-            sampled = dict(zip([rid for rid, _, _ in want], sampled_build())) if sampled_build else {}
-            return BatchOutput(sampled=sampled, heads={rid: b() for rid, b in pending.items()})
-
-        return LaunchedStep(build)
-
-    def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec, copy: HostCopy):  # noqa: ANN202
-        """Queue a row's head tensors on `copy`; returns a builder run after the copy."""
-        prompt: tuple[HostValue, HostValue, HostValue | None, HostValue | None] | None = None
-        if head.prompt_logprobs is not None and len(tokens) > 1:
-            actual, rank, vals, ids = heads.prompt_token_logprobs(
-                self.model.compute_logits, hidden[:-1], tokens, head.prompt_logprobs
-            )
-            prompt = (copy.add(actual), copy.add(rank), copy.add(vals) if vals is not None else None,
-                      copy.add(ids) if ids is not None else None)
-        p = head.pooling
-        scores: HostValue | None = None
-        embedding: HostValue | None = None
-        if p is not None and p.task is PoolingTask.LABELS:
-            rows_at, label_ids = pack_int64(self.device, label_heads.score_rows(len(tokens), p), p.label_token_ids)
-            scores = copy.add(label_heads.label_scores(
-                hidden.index_select(0, rows_at), label_ids, p.label_softmax,
-                self.model.compute_logits, self.model.compute_label_logits,
-            ).reshape(-1))
-        elif p is not None and p.task is PoolingTask.SEQUENCE_LOGPROBS:
-            predictors, targets = label_heads.sequence_rows(tokens, p.item_lens)
-            rows_at, d_targets = pack_int64(self.device, predictors, targets)
-            scores = copy.add(label_heads.sequence_logprobs(
-                hidden.index_select(0, rows_at), d_targets, p.item_lens, self.model.compute_logits))
-        elif p is not None and p.task is PoolingTask.CLASSIFY:
-            scores = copy.add(self.model.classify(hidden))
-        elif p is not None:
-            pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
-            embedding = copy.add(heads.normalize(pooled) if p.normalize else pooled)
-
-        def build() -> HeadOutput:
-            prompt_lps: list[TokenLogprob | None] | None = None
-            if head.prompt_logprobs is not None:
-                prompt_lps = [None]
-                if prompt is not None:
-                    actual, rank, vals, ids = (v.get() if v is not None else None for v in prompt)
-                    for j, lp in enumerate(actual):  # type: ignore[arg-type]
-                        top = () if ids is None else tuple((int(i), v) for i, v in zip(ids[j], vals[j]))  # type: ignore[index]
-                        prompt_lps.append(TokenLogprob(tokens[j + 1], lp, top, int(rank[j])))  # type: ignore[index]
-            return HeadOutput(
-                prompt_logprobs=prompt_lps,
-                scores=scores.get() if scores is not None else None,
-                embedding=embedding.get() if embedding is not None else None,
-            )
-
-        return build

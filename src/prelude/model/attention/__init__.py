@@ -12,6 +12,9 @@ from prelude.model.attention.torch_backend import TorchAttention
 
 class AttentionBackend(Protocol):
     name: str
+    # Reads `AttentionMetadata.prefill_tensors` (device row tensors) rather than the
+    # host-side `prefills` list: only such a backend can run inside a captured prefill graph.
+    reads_prefill_tensors: bool
 
     def forward(
         self,

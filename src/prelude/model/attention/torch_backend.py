@@ -97,6 +97,7 @@ class TorchAttention:
     """The attention backend interface: write new K/V, attend, return [T, Hq, D]."""
 
     name = "torch"
+    reads_prefill_tensors = False  # prefills run per row from host-side slices
 
     def forward(
         self,

@@ -90,6 +90,7 @@ class TritonAttention:
     """Same protocol as TorchAttention: write new K/V, attend, return [T, Hq, D]."""
 
     name = "triton"
+    reads_prefill_tensors = True  # prefill rows come from device tensors: graph-capturable
 
     def __init__(self) -> None:
         # (metadata, its converted tensors): the last forward's, reused across its layers

@@ -1,0 +1,195 @@
+"""A step's integer inputs, packed on the host and copied to the device once.
+
+Rows (paged prompt chunks and decode rows, OneShot prompts) become `RowLayout`s, host
+lists of ids, positions, KV slots and block tables; `InputBuilder.pack` flattens them
+into one int64 buffer (pinned on CUDA), copies it non-blocking and hands out aligned
+views as the forward's `StepInputs` and attention metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from prelude.forward_batch import BatchRow, OneShotRow
+from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
+
+_ALIGN = 2  # int64 values: every view starts on a 16-byte boundary
+
+
+def pack_int64(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor]:
+    """Copy several int lists to the device in one transfer; returns one view per list.
+    Each view starts 16-byte aligned: Triton specializes kernels on a pointer's 16-byte
+    alignment, so an odd offset would compile another variant mid-request (~1 s on an H100)
+    instead of reusing the one compiled for the graphs' static buffers."""
+    sizes = [len(p) for p in parts]
+    padded = [-(-n // _ALIGN) * _ALIGN for n in sizes]
+    values: list[int] = []
+    for p, n, width in zip(parts, sizes, padded):
+        values.extend(p)
+        values.extend([0] * (width - n))
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return [view[:n] for view, n in zip(flat.split(padded), sizes)]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A forward's device inputs and where each row starts in the flattened batch."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    starts: list[int]
+    token_type_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Host-side description of one row before the single copy to the device."""
+
+    ids: Sequence[int]
+    positions: Sequence[int]
+    slots: Sequence[int]  # -1: K/V not kept
+    block_table: Sequence[int]
+    context_len: int
+    own_kv_in_cache: bool
+    decode: bool
+    segments: Sequence[int] | None = None  # per new token; None: one plain causal row
+
+
+class InputBuilder:
+    """Packs rows into a forward's device inputs for one runner's device and block size."""
+
+    def __init__(self, device: torch.device, block_size: int, is_encoder: bool) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.is_encoder = is_encoder
+
+    def pack(self, layouts: list[RowLayout], write_kv: bool) -> StepInputs:
+        """Flatten rows into device inputs with one host-to-device copy."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[int] = []
+        table_spans: list[tuple[int, int]] = []
+        starts: list[int] = []
+        dec_index: list[int] = []
+        dec_lens: list[int] = []
+        dec_tables: list[Sequence[int]] = []
+        segmented = any(lay.segments is not None for lay in layouts)
+        segments: list[int] = []
+        for lay in layouts:
+            start = len(ids)
+            starts.append(start)
+            ids.extend(lay.ids)
+            positions.extend(lay.positions)
+            slots.extend(lay.slots)
+            if segmented:
+                segments.extend(lay.segments if lay.segments is not None else [0] * len(lay.ids))
+            if lay.decode:
+                dec_index.append(start)
+                dec_lens.append(lay.context_len)
+                dec_tables.append(lay.block_table)
+            else:
+                table_spans.append((len(tables), len(lay.block_table)))
+                tables.extend(lay.block_table)
+        width = max((len(t) for t in dec_tables), default=0)
+        padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
+        kept = [i for i, s in enumerate(slots) if s >= 0]
+        any_kept = write_kv and bool(kept)
+        all_kept = len(kept) == len(slots)
+        pre = [(start, lay) for lay, start in zip(layouts, starts) if not lay.decode]
+        pre_width = max((len(lay.block_table) for _, lay in pre), default=0)
+        pre_columns = ([start for start, _ in pre], [len(lay.ids) for _, lay in pre],
+                       [lay.context_len for _, lay in pre], [int(lay.own_kv_in_cache) for _, lay in pre])
+        pre_tables = [b for _, lay in pre for b in (*lay.block_table, *([0] * (pre_width - len(lay.block_table))))]
+        (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept, *d_pre, d_pre_tables,
+         d_segments) = pack_int64(
+            self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
+            kept if any_kept and not all_kept else [], *pre_columns, pre_tables, segments,
+        )
+        prefills = []
+        span = iter(table_spans)
+        for lay, start in zip(layouts, starts):
+            if lay.decode:
+                continue
+            off, n = next(span)
+            prefills.append(PrefillSlice(start, len(lay.ids), lay.context_len, d_tables[off : off + n],
+                                         own_kv_in_cache=lay.own_kv_in_cache, segmented=lay.segments is not None))
+        decodes = None
+        if dec_index:
+            decodes = DecodeRows(
+                query_index=d_dec_index,
+                block_tables=d_dec_tables.view(len(dec_index), width),
+                context_lens=d_dec_lens,
+                max_context_len=max(dec_lens),
+            )
+        prefill_tensors = None
+        if pre:
+            prefill_tensors = PrefillTensors(*d_pre, d_pre_tables.view(len(pre), pre_width),
+                                             max_query_len=max(len(lay.ids) for _, lay in pre))
+        meta = AttentionMetadata(
+            slot_mapping=d_slots if any_kept else None,
+            prefills=tuple(prefills),
+            decodes=decodes,
+            block_size=self.block_size,
+            kept_tokens=None if all_kept or not any_kept else d_kept,
+            prefill_tensors=prefill_tensors,
+            segment_ids=d_segments if segmented else None,
+        )
+        return StepInputs(d_ids, d_pos, meta, starts)
+
+    def paged_layout(self, row: BatchRow) -> RowLayout:
+        bs = self.block_size
+        n = len(row.token_ids)
+        context_len = row.start_pos + n
+        table = row.block_table
+        slots = [table[p // bs] * bs + p % bs for p in range(row.start_pos, context_len)]
+        nb = (context_len + bs - 1) // bs
+        return RowLayout(row.token_ids, range(row.start_pos, context_len), slots,
+                          table if n == 1 else table[:nb], context_len, True, decode=n == 1)
+
+    def oneshot_layout(self, r: OneShotRow) -> RowLayout:
+        """A prompt suffix after its cached prefix; only the blocks it publishes are written."""
+        bs = self.block_size
+        n = len(r.token_ids)
+        published_end = r.num_cached + len(r.publish_blocks) * bs
+        slots = [r.publish_blocks[(p - r.num_cached) // bs] * bs + p % bs if p < published_end else -1
+                 for p in range(r.num_cached, n)]
+        table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks else ()
+        if not r.item_lens:
+            return RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
+        # Packed items: each restarts at the shared part's end and is its own segment.
+        shared = r.shared_len
+        assert r.num_cached <= shared and published_end <= shared, "only the shared part is cached"
+        positions = list(range(r.num_cached, shared))
+        segments = [0] * (shared - r.num_cached)
+        for i, length in enumerate(r.item_lens, start=1):
+            positions.extend(range(shared, shared + length))
+            segments.extend([i] * length)
+        return RowLayout(r.token_ids[r.num_cached :], positions, slots, table, n, False, decode=False,
+                          segments=segments)
+
+    def paged(self, rows: Sequence[BatchRow]) -> StepInputs:
+        return self.pack([self.paged_layout(r) for r in rows], write_kv=True)
+
+    def fused(self, paged: Sequence[BatchRow], oneshot: Sequence[OneShotRow]) -> StepInputs:
+        """Paged rows, then OneShot rows, in one forward: the paged rows write their K/V
+        to their blocks, the OneShot rows only to the blocks they publish (if any)."""
+        assert not self.is_encoder, "encoders keep no KV: they have no paged rows"
+        layouts = [self.paged_layout(r) for r in paged] + [self.oneshot_layout(r) for r in oneshot]
+        return self.pack(layouts, write_kv=True)
+
+    def oneshot(self, rows: Sequence[OneShotRow]) -> StepInputs:
+        inputs = self.pack([self.oneshot_layout(r) for r in rows], write_kv=True)
+        if not self.is_encoder:
+            return inputs
+        types = [t for r in rows for t in (r.head.pooling.token_type_ids if r.head and r.head.pooling
+                                           and r.head.pooling.token_type_ids else [0] * len(r.token_ids))]
+        (d_types,) = pack_int64(self.device, types)
+        return StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.starts, d_types)

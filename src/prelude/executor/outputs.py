@@ -1,0 +1,117 @@
+"""What a step returns: sampled tokens and head outputs, projected only where a row
+asked for them, queued on the device and copied to the host once.
+
+`OutputHeads.launch` queues the last-token logits and sampling (deferred: the sampled ids
+stay on the device until the copy), prompt logprobs, pooled embeddings, classifier and
+label scores on one `HostCopy`, and returns a `LaunchedStep` whose `wait` builds the
+`BatchOutput` once that copy has landed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from prelude.executor import label_heads
+from prelude.executor.host_copy import HostCopy, HostValue
+from prelude.executor.inputs import pack_int64
+from prelude.executor.sampler import sample_deferred
+from prelude.executor.vocab_mask import mask_padded_vocab
+from prelude.forward_batch import BatchOutput, HeadOutput, HeadSpec, SampleSpec
+from prelude.model import heads
+from prelude.model.base import Model
+from prelude.params import PoolingTask, TokenLogprob
+
+
+class LaunchedStep:
+    """A step queued on the device; `wait` blocks until its one result copy has landed."""
+
+    def __init__(self, build: Callable[[], BatchOutput]) -> None:
+        self._build = build
+        self._result: BatchOutput | None = None
+        self.forward_done: float | None = None  # perf_counter when the forward was run (or queued)
+
+    def wait(self) -> BatchOutput:
+        if self._result is None:
+            self._result = self._build()
+        return self._result
+
+
+class OutputHeads:
+    """A model's output projections for one step's rows (the trunk's hidden states in)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.device = model.device
+
+    def launch(
+        self,
+        hidden: torch.Tensor,
+        starts: list[int],
+        rows: list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
+        emittable_vocab: int | None,
+    ) -> LaunchedStep:
+        """Project only what each row asked for: last-token logits, prompt logprobs, heads."""
+        copy = HostCopy()
+        want = [(rid, starts[i] + len(tok) - 1, spec) for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
+        sampled_build = None
+        if want:
+            (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
+            logits = mask_padded_vocab(self.model.compute_logits(hidden.index_select(0, index)), emittable_vocab)
+            sampled_build = sample_deferred(logits, [s for _, _, s in want], copy)
+        pending = {rid: self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head, copy)
+                   for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}
+        copy.start()
+
+        def build() -> BatchOutput:
+            sampled = dict(zip([rid for rid, _, _ in want], sampled_build())) if sampled_build else {}
+            return BatchOutput(sampled=sampled, heads={rid: b() for rid, b in pending.items()})
+
+        return LaunchedStep(build)
+
+    def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec, copy: HostCopy):  # noqa: ANN202
+        """Queue a row's head tensors on `copy`; returns a builder run after the copy."""
+        prompt: tuple[HostValue, HostValue, HostValue | None, HostValue | None] | None = None
+        if head.prompt_logprobs is not None and len(tokens) > 1:
+            actual, rank, vals, ids = heads.prompt_token_logprobs(
+                self.model.compute_logits, hidden[:-1], tokens, head.prompt_logprobs
+            )
+            prompt = (copy.add(actual), copy.add(rank), copy.add(vals) if vals is not None else None,
+                      copy.add(ids) if ids is not None else None)
+        p = head.pooling
+        scores: HostValue | None = None
+        embedding: HostValue | None = None
+        if p is not None and p.task is PoolingTask.LABELS:
+            rows_at, label_ids = pack_int64(self.device, label_heads.score_rows(len(tokens), p), p.label_token_ids)
+            scores = copy.add(label_heads.label_scores(
+                hidden.index_select(0, rows_at), label_ids, p.label_softmax,
+                self.model.compute_logits, self.model.compute_label_logits,
+            ).reshape(-1))
+        elif p is not None and p.task is PoolingTask.SEQUENCE_LOGPROBS:
+            predictors, targets = label_heads.sequence_rows(tokens, p.item_lens)
+            rows_at, d_targets = pack_int64(self.device, predictors, targets)
+            scores = copy.add(label_heads.sequence_logprobs(
+                hidden.index_select(0, rows_at), d_targets, p.item_lens, self.model.compute_logits))
+        elif p is not None and p.task is PoolingTask.CLASSIFY:
+            scores = copy.add(self.model.classify(hidden))
+        elif p is not None:
+            pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
+            embedding = copy.add(heads.normalize(pooled) if p.normalize else pooled)
+
+        def build() -> HeadOutput:
+            prompt_lps: list[TokenLogprob | None] | None = None
+            if head.prompt_logprobs is not None:
+                prompt_lps = [None]
+                if prompt is not None:
+                    actual, rank, vals, ids = (v.get() if v is not None else None for v in prompt)
+                    for j, lp in enumerate(actual):  # type: ignore[arg-type]
+                        top = () if ids is None else tuple((int(i), v) for i, v in zip(ids[j], vals[j]))  # type: ignore[index]
+                        prompt_lps.append(TokenLogprob(tokens[j + 1], lp, top, int(rank[j])))  # type: ignore[index]
+            return HeadOutput(
+                prompt_logprobs=prompt_lps,
+                scores=scores.get() if scores is not None else None,
+                embedding=embedding.get() if embedding is not None else None,
+            )
+
+        return build
