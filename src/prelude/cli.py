@@ -33,9 +33,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16/AMX, else float32 (float16: GPU only)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto (triton on CUDA when installed, else torch) | torch (SDPA, any device) | "
-                        "triton (this project's kernels, CUDA)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+                   help="auto (triton on CUDA when installed, cpu on the CPU, else torch) | torch (SDPA, any "
+                        "device) | triton (this project's kernels, CUDA) | cpu (C paged attention; PRELUDE_CPU_ATTENTION=0 "
+                        "turns it off)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                    help="run RMSNorm, rotary and SiLU as separate torch ops, not the fused Triton (CUDA) or C "
@@ -357,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     run_batch.set_defaults(router="prefix")  # a job's shared prefixes stay on one replica
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
-                                         "decisions | profile | overhead")
+                                         "decisions | profile | overhead | attention")
     bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
-                                         "decisions", "profile", "overhead"])
+                                         "decisions", "profile", "overhead", "attention"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -384,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.profile_bench import main as bench_main
         elif args.which == "overhead":
             from prelude.bench.overhead_bench import main as bench_main
+        elif args.which == "attention":
+            from prelude.bench.attention_bench import main as bench_main
         else:
             from prelude.bench.oneshot_bench import main as bench_main
         return bench_main(rest)

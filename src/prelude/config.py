@@ -138,7 +138,7 @@ class ExecutorConfig:
 
     device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU and bf16-native CPUs, else float32) | float32 | bfloat16 | float16 (GPU only)
-    attention_backend: str = "auto"  # auto (triton on CUDA when installed, else torch) | torch (any device) | triton (CUDA)
+    attention_backend: str = "auto"  # auto (triton on CUDA when installed, cpu on the CPU, else torch) | torch (any device) | triton (CUDA) | cpu (C kernel)
     enforce_eager: bool = False  # no CUDA graphs
     # Decoders: RMSNorm(+residual), q/k norm + rotary and SiLU*up fused (Triton kernels on CUDA,
     # C kernels for float32 and bfloat16 on an AVX2 CPU)

@@ -55,9 +55,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def resolve_attention_backend(name: str, device: torch.device, has_triton: bool | None = None) -> str:
     """`auto` is this project's Triton kernels on CUDA (prefill graphs need them) when triton
-    is installed, else torch SDPA (every CPU: the Triton kernels are for GPUs)."""
+    is installed, else torch SDPA; on the CPU the C paged-attention kernel ("cpu", which
+    itself falls back to torch SDPA where it cannot be built)."""
     if name != "auto":
         return name
+    if device.type == "cpu":
+        return "cpu"
     if has_triton is None:
         has_triton = importlib.util.find_spec("triton") is not None
     return "triton" if device.type == "cuda" and has_triton else "torch"

@@ -90,7 +90,7 @@ def cpu_has_avx2_fma() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 
 
-def load(source: Path, switch: str, what: str) -> ctypes.CDLL | None:
+def load(source: Path, switch: str, what: str, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     """`source`'s library, built on first use on this machine; None (with a log line naming
     `what` is off) when the environment variable `switch` is "0", without AVX2+FMA, or when
     it cannot be built or loaded. Loading an already built library is a dlopen."""
@@ -100,7 +100,7 @@ def load(source: Path, switch: str, what: str) -> ctypes.CDLL | None:
         logger.info("%s off: this CPU has no AVX2+FMA", what)
         return None
     try:
-        return ctypes.CDLL(str(build(source)))
+        return ctypes.CDLL(str(build(source, flags)))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         logger.warning("%s off: %s", what, exc)
         return None

@@ -36,7 +36,16 @@ def _triton() -> AttentionBackend:
     return TritonAttention()
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention, "triton": _triton}
+def _cpu() -> AttentionBackend:
+    # The C kernel over the block pool, built on first use; torch SDPA where it cannot be
+    # (no compiler or AVX2+FMA, or PRELUDE_CPU_ATTENTION=0: native_lib logs why).
+    from prelude.model.attention.cpu_backend import load_cpu_attention
+
+    backend = load_cpu_attention()
+    return backend if backend is not None else TorchAttention()
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention, "triton": _triton, "cpu": _cpu}
 
 
 def get_attention_backend(name: str = "torch", device: torch.device | None = None) -> AttentionBackend:

@@ -1,0 +1,149 @@
+"""One layer's attention call, C paged kernel ("cpu") vs torch SDPA ("torch"), on the CPU.
+
+Shapes (SmolLM2-135M's heads by default: 9 query / 3 KV heads of 64):
+- judge: `rows` rows of `prefix` cached + `new` tokens (OneShot: the new tokens' K/V are the
+  forward's own, as the judge's classify rows run);
+- decode at each concurrency of `--decode`: one query per row over `decode_ctx` cached tokens.
+Each case times both backends on the same tensors, alternated call by call (order flipped
+every round), and reports medians, plus the load average (this machine's is shared).
+Writes JSON and, with matplotlib, a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prelude.bench.results import write_json
+from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillTensors, PrefillSlice
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _case(rows: int, prefix: int, new: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+          dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
+    """Inputs of one layer call: rows of `prefix` pooled tokens and `new` tokens (new == 1:
+    decode rows with their token written to the pool; else OneShot rows)."""
+    decode = new == 1
+    ctx = prefix + new
+    per_row = (ctx + block_size - 1) // block_size
+    num_blocks = rows * per_row + 1
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1  # scattered blocks, as a busy pool has
+    tables = order[: rows * per_row].view(rows, per_row).contiguous()
+    total = rows * new
+    q = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    starts = torch.arange(rows) * new
+    if decode:
+        slots = torch.stack([tables[r, prefix // block_size] * block_size + prefix % block_size for r in range(rows)])
+        meta = AttentionMetadata(slots, (), DecodeRows(starts, tables, torch.full((rows,), ctx), ctx), block_size)
+    else:
+        prefills = tuple(PrefillSlice(int(s), new, ctx, tables[r], own_kv_in_cache=False) for r, s in enumerate(starts))
+        tensors = PrefillTensors(starts, torch.full((rows,), new), torch.full((rows,), ctx),
+                                 torch.zeros(rows, dtype=torch.int64), tables, new)
+        meta = AttentionMetadata(None, prefills, None, block_size, prefill_tensors=tensors)
+    return (q, k, v, k_cache, v_cache), meta
+
+
+def _time(backends: dict[str, Any], inputs: tuple[torch.Tensor, ...], meta: AttentionMetadata, scale: float,
+          rounds: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {name: [] for name in backends}
+    names = list(backends)
+    with torch.inference_mode():
+        for name in names:  # warm-up (builds, first-touch)
+            backends[name].forward(*inputs, meta, scale)
+        for i in range(rounds):
+            for name in names if i % 2 == 0 else names[::-1]:
+                t0 = time.perf_counter()
+                backends[name].forward(*inputs, meta, scale)
+                samples[name].append(time.perf_counter() - t0)
+    return {name: 1000 * statistics.median(s) for name, s in samples.items()}
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['case']}\n{r['dtype']}" for r in results]
+    x = range(len(results))
+    ax.bar([i - 0.2 for i in x], [r["torch_ms"] for r in results], width=0.4, label="torch SDPA")
+    ax.bar([i + 0.2 for i in x], [r["cpu_ms"] for r in results], width=0.4, label="C paged kernel")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("ms per layer call (median)")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="prelude bench attention")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--judge", default="16x1024+64", help="ROWSxPREFIX+NEW ('' to skip)")
+    ap.add_argument("--decode", default="4,16,64", help="decode concurrencies ('' to skip)")
+    ap.add_argument("--decode-ctx", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: torch's default)")
+    ap.add_argument("--json", default="bench_results/attention.json")
+    args = ap.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    from prelude.model.attention.cpu_backend import load_cpu_attention
+    from prelude.model.attention.torch_backend import TorchAttention
+
+    kernel = load_cpu_attention()
+    if kernel is None:
+        print("the C attention kernel is off here (see the log line above); nothing to compare")
+        return 1
+    backends = {"torch": TorchAttention(), "cpu": kernel}
+    cases: list[tuple[str, int, int, int]] = []
+    if args.judge:
+        rows, rest = args.judge.split("x")
+        prefix, new = rest.split("+")
+        cases.append((f"judge {args.judge}", int(rows), int(prefix), int(new)))
+    for c in filter(None, args.decode.split(",")):
+        cases.append((f"decode c={c} ctx={args.decode_ctx}", int(c), args.decode_ctx - 1, 1))
+    results = []
+    print(f"threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"heads {args.heads}/{args.kv_heads}x{args.head_dim}, block {args.block_size}")
+    print("| case | dtype | torch SDPA ms | C kernel ms | speed-up | loadavg |")
+    print("|---|---|---|---|---|---|")
+    for dtype_name in args.dtypes.split(","):
+        dtype = _DTYPES[dtype_name]
+        for label, rows, prefix, new in cases:
+            inputs, meta = _case(rows, prefix, new, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype)
+            ms = _time(backends, inputs, meta, args.head_dim**-0.5, args.rounds)
+            load = os.getloadavg()[0]
+            results.append({"case": label, "dtype": dtype_name, "torch_ms": ms["torch"], "cpu_ms": ms["cpu"],
+                            "loadavg_1m": load})
+            print(f"| {label} | {dtype_name} | {ms['torch']:.2f} | {ms['cpu']:.2f} | {ms['torch'] / ms['cpu']:.2f}x "
+                  f"| {load:.2f} |", flush=True)
+    path = write_json(args.json, {"config": vars(args), "threads": torch.get_num_threads(), "results": results})
+    if plot(results, path.with_suffix(".png")):
+        print(f"wrote {path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""The "cpu" attention backend: paged attention in C over the block pool (cpu_attention.c).
+
+One library call per layer serves every row of the forward (prefill rows over a cached
+prefix plus new tokens, OneShot or chunked, decode rows, multi-item segments), reading K/V
+through the block tables in place: no per-row Python loop, no gather of a prefix into a
+contiguous copy, no mask tensor. The KV write is one call as well. float32 and bf16; the
+math is float32 inside.
+
+Built on first use for this CPU (native_lib.py, -march=native, cached per ISA); `load_cpu_attention()` is
+None without a compiler or AVX2+FMA, or with PRELUDE_CPU_ATTENTION=0, and the backend
+registry then falls back to torch SDPA (torch_backend.py). Anything the kernel does not
+take (another dtype, a CUDA tensor) goes to the torch backend as well.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from prelude.model import native_lib
+from prelude.model.attention.metadata import AttentionMetadata, PrefillTensors
+from prelude.model.attention.torch_backend import TorchAttention
+
+_SOURCE = Path(__file__).resolve().parent.parent / "cpu_attention.c"
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The shared flags without -ffp-contract=off: this kernel's a * b + c are meant as FMAs (its
+# numerics follow no eager op's roundings; an online softmax reorders them anyway).
+_FLAGS = tuple(f for f in native_lib.FLAGS if f != "-ffp-contract=off")
+MAX_HEAD_DIM = 4096  # the C side's per-row scratch
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A forward's row tensors as the C call reads them (int64, contiguous), kept while they
+    are referenced by the pointers below."""
+
+    pre: PrefillTensors | None
+    pre_tables: torch.Tensor | None
+    dec_index: torch.Tensor | None
+    dec_lens: torch.Tensor | None
+    dec_tables: torch.Tensor | None
+    segments: torch.Tensor | None
+    slots: torch.Tensor | None
+
+
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
+def _prefill_tensors(meta: AttentionMetadata) -> PrefillTensors | None:
+    """The runner's PrefillTensors, or (metadata built elsewhere) the same from the slices."""
+    if meta.prefill_tensors is not None:
+        return meta.prefill_tensors
+    if not meta.prefills:
+        return None
+    width = max(s.block_table.numel() for s in meta.prefills)
+    tables = torch.zeros(len(meta.prefills), max(width, 1), dtype=torch.int64)
+    for i, s in enumerate(meta.prefills):
+        tables[i, : s.block_table.numel()] = s.block_table
+    cols = torch.tensor([[s.query_start, s.query_len, s.context_len, int(s.own_kv_in_cache)] for s in meta.prefills],
+                        dtype=torch.int64).t().contiguous()
+    return PrefillTensors(cols[0], cols[1], cols[2], cols[3], tables, max(s.query_len for s in meta.prefills))
+
+
+class CpuAttention:
+    """Same protocol as TorchAttention: write new K/V, attend, return [T, Hq, D]."""
+
+    name = "cpu"
+    devices = ("cpu",)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+        self._attend = lib.prelude_paged_attention
+        self._attend.argtypes = [
+            ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,  # q, k, v
+            ptr, ptr, i64, i64, i64, i64,  # caches, strides, block size
+            i64, ptr, ptr, ptr, ptr, ptr, i64,  # prefill rows
+            i64, ptr, ptr, ptr, i64,  # decode rows
+            ptr, ptr, i64, i64,  # segments, out
+            i64, i64, i64, f32, c_int, c_int,
+        ]
+        self._write = lib.prelude_write_kv
+        self._write.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64,
+                                c_int]
+        for fn in (self._attend, self._write):
+            fn.restype = c_int
+        self._fallback = TorchAttention()
+        # (metadata, its row tensors): every layer of a forward gets the same metadata object
+        self._prepared: tuple[AttentionMetadata, _Rows] | None = None
+
+    def _rows(self, meta: AttentionMetadata) -> _Rows:
+        if self._prepared is not None and self._prepared[0] is meta:
+            return self._prepared[1]
+        pre = _prefill_tensors(meta)
+        if pre is not None:
+            pre = PrefillTensors(_i64(pre.query_start), _i64(pre.query_lens), _i64(pre.context_lens),
+                                 _i64(pre.own_kv_in_cache), _i64(pre.block_tables), pre.max_query_len)
+        dec = meta.decodes
+        rows = _Rows(
+            pre=pre,
+            pre_tables=pre.block_tables if pre is not None else None,
+            dec_index=_i64(dec.query_index) if dec is not None else None,
+            dec_lens=_i64(dec.context_lens) if dec is not None else None,
+            dec_tables=_i64(dec.block_tables) if dec is not None else None,
+            segments=_i64(meta.segment_ids) if meta.segment_ids is not None else None,
+            slots=_i64(meta.slot_mapping) if meta.slot_mapping is not None else None,
+        )
+        self._prepared = (meta, rows)
+        return rows
+
+    def serves(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
+                and q.shape[-1] <= MAX_HEAD_DIM)
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """Scatter new tokens' K/V ([T, H_kv, D]) into their pool slots; slot -1: not kept."""
+        k, v = self._last_contiguous(k), self._last_contiguous(v)
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k.dtype != k_cache.dtype:
+            raise ValueError("K/V caches must share strides and the new K/V's dtype, with a contiguous head_dim")
+        t, kv_heads, head_dim = k.shape
+        rc = self._write(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                         k_cache.stride(2), k_cache.shape[1], slots.data_ptr(), t, kv_heads, head_dim,
+                         k.element_size(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("cpu_attention.c refused the arguments of write_kv")
+
+    @staticmethod
+    def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+        return x if x.stride(-1) == 1 else x.contiguous()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if not self.serves(q, k_cache):
+            return self._fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
+        rows = self._rows(meta)
+        if rows.slots is not None:
+            self.write_kv(k_cache, v_cache, k, v, rows.slots)
+        q, k, v = self._last_contiguous(q), self._last_contiguous(k), self._last_contiguous(v)
+        out = torch.empty_like(q)
+        pre, null = rows.pre, None
+        rc = self._attend(
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache.shape[1],
+            0 if pre is None else pre.query_lens.numel(),
+            null if pre is None else pre.query_start.data_ptr(),
+            null if pre is None else pre.query_lens.data_ptr(),
+            null if pre is None else pre.context_lens.data_ptr(),
+            null if pre is None else pre.own_kv_in_cache.data_ptr(),
+            null if pre is None else pre.block_tables.data_ptr(),
+            0 if pre is None else pre.block_tables.stride(0),
+            0 if rows.dec_index is None else rows.dec_index.numel(),
+            null if rows.dec_index is None else rows.dec_index.data_ptr(),
+            null if rows.dec_lens is None else rows.dec_lens.data_ptr(),
+            null if rows.dec_tables is None else rows.dec_tables.data_ptr(),
+            0 if rows.dec_tables is None else rows.dec_tables.stride(0),
+            null if rows.segments is None else rows.segments.data_ptr(),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"cpu_attention.c refused the forward's arguments (code {rc})")
+        return out
+
+
+def build() -> Path:
+    """Compile the library into the cache unless it is there (`make install` calls this)."""
+    return native_lib.build(_SOURCE, _FLAGS)
+
+
+def load_cpu_attention() -> CpuAttention | None:
+    """The backend, built on first use on this machine; None where the kernel cannot run."""
+    lib = native_lib.load(_SOURCE, "PRELUDE_CPU_ATTENTION", "CPU paged attention (torch SDPA serves instead)",
+                          _FLAGS)
+    return None if lib is None else CpuAttention(lib)
