@@ -46,7 +46,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", default="off", choices=["off", "background", "ahead"],
                    help="CPU decoders: compile the layers' math with inductor, cached on disk; background: serve "
                         "eagerly until each compiled shape is ready; ahead: before ready (default off: no gain "
-                        "on a CPU whose GEMMs dominate, see README)")
+                        "on a CPU whose GEMMs dominate, see docs/design.md)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

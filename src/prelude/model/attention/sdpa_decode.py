@@ -8,7 +8,7 @@ Measured per layer call on an AVX2 EPYC (float32, SmolLM2 heads 9q/3kv, one thre
 against grouped matmuls + masked softmax: B=1 ctx 160: 0.15 -> 0.12 ms; B=8 ctx<=160:
 1.28 -> 0.54 ms; B=8 ctx<=1024: 12.9 -> 5.4 ms; B=32 ctx<=300: 10.1 -> 7.1 ms.
 FlexAttention over the paged pool (a block mask per step, no gather) was slower still:
-0.44 / 18.2 / 9.9 ms for the first three (README design notes).
+0.44 / 18.2 / 9.9 ms for the first three (docs/design.md).
 """
 
 from __future__ import annotations
