@@ -51,7 +51,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="memory budget of the paged KV cache")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="memory budget of the paged KV cache (default: on CUDA what --gpu-memory-utilization "
+                        "leaves after weights, activations and graphs; on the CPU 1 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the fraction of the device's memory this engine may use, KV cache included "
+                        "(default 0.9, as vLLM)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--prefix-cache-max-blocks", type=int, default=None,
@@ -114,6 +119,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory_gib,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             max_cached_blocks=args.prefix_cache_max_blocks,
         ),

@@ -85,10 +85,13 @@ def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: block size and how many blocks (from a memory budget)."""
+    """Paged KV cache: block size and how many blocks (see executor/kv_sizing.py)."""
 
     block_size: int = 16
-    kv_cache_memory_gib: float = 1.0
+    # None: on CUDA what is left of gpu_memory_utilization after weights, activations and
+    # graphs; on the CPU 1 GiB. Set: exactly this budget on any device.
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9  # vLLM's name and default
     num_blocks: int | None = None  # overrides the memory budget when set (tests)
     enable_prefix_caching: bool = True
     max_cached_blocks: int | None = None  # unreferenced cached blocks kept at most (None: no cap)

@@ -62,6 +62,9 @@ _RANGES: dict[str, _Range] = {
 def check_flags(args: argparse.Namespace) -> None:
     for dest, rule in _RANGES.items():
         rule.check(getattr(args, dest, None))
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    if utilization is not None and not 0 < utilization <= 1:
+        raise StartupError(f"--gpu-memory-utilization {utilization:g} is out of range: pass a fraction in (0, 1]")
     if getattr(args, "port", 0) > 65535:
         raise StartupError(f"--port {args.port} is out of range: use 1-65535 (or 0 for any free port)")
 

@@ -34,6 +34,7 @@ from prelude.engine.request import (
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.engine.stage_trace import StageTrace
+from prelude.executor.kv_sizing import kv_cache_budget
 from prelude.executor.outputs import LaunchedStep
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
@@ -75,11 +76,7 @@ class LLMEngine:
             num_blocks = 1  # encoders keep no KV: every request is OneShot
             self.max_model_len = min(limit, info.max_position_embeddings)
         else:
-            # Resident LoRA slots come out of the same memory budget as the KV cache.
-            lora_bytes = runner.adapters.nbytes if runner.adapters is not None else 0
-            num_blocks = config.cache.num_blocks or max(
-                1, (int(config.cache.kv_cache_memory_gib * 2**30) - lora_bytes) // info.kv_bytes_per_block
-            )
+            num_blocks, why = self._kv_blocks(config)
             if info.sliding_window:
                 # Full attention equals sliding-window attention only within the window.
                 limit = min(limit, info.sliding_window)
@@ -118,10 +115,27 @@ class LLMEngine:
         self.observer: EngineObserver | None = None  # e.g. the server's Prometheus metrics
         if not info.is_encoder:
             logger.info(
-                "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d",
+                "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d; budget: %s",
                 num_blocks, block_size, num_blocks * info.kv_bytes_per_block / 2**30, info.device, self.max_model_len,
+                why,
             )
         runner.start_background_work()  # e.g. --compile background: off the loading path
+
+    def _kv_blocks(self, config: EngineConfig) -> tuple[int, str]:
+        """How many KV blocks, and why (see executor/kv_sizing.py)."""
+        if config.cache.num_blocks:
+            return config.cache.num_blocks, "num_blocks set explicitly"
+        runner, sched = self.runner, config.scheduler
+        memory = None
+        if config.cache.kv_cache_memory_gib is None:  # measured only when it decides something
+            largest = max(sched.max_num_batched_tokens, sched.max_oneshot_tokens or 0)
+            memory = runner.device_memory(largest, sched.max_num_seqs)
+        budget = kv_cache_budget(
+            memory, kv_cache_memory_gib=config.cache.kv_cache_memory_gib,
+            gpu_memory_utilization=config.cache.gpu_memory_utilization,
+            resident_bytes=runner.adapters.nbytes if runner.adapters is not None else 0,  # LoRA slots
+        )
+        return max(1, budget.bytes // self.info.kv_bytes_per_block), budget.reason
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":

@@ -22,6 +22,7 @@ from prelude.executor.compiled import COMPILE_MODES, CompiledForwards, EagerForw
 from prelude.executor.device import resolve_attention_backend, resolve_device, resolve_dtype
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, pack_int64
+from prelude.executor.kv_sizing import GRAPH_RESERVE_BYTES, DeviceMemory
 from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
@@ -152,13 +153,41 @@ class ModelRunner:
             self.forwards.start()
 
     def _compile_example(self, num_tokens: int, segments: DecoderSegments) -> None:
-        """A throwaway forward of a fresh `num_tokens`-token prompt on scratch KV (nothing
-        is written or read there): the shapes a compile needs, none of the server's state."""
+        """The shapes a compile needs, none of the server's state."""
+        self._throwaway_forward(num_tokens, segments)
+
+    @torch.inference_mode()
+    def _throwaway_forward(self, num_tokens: int, segments: DecoderSegments | None = None) -> torch.Tensor:
+        """A forward of a fresh `num_tokens`-token prompt on scratch KV (nothing is written
+        or read there); its hidden states."""
         scratch = self.model.allocate_kv_cache(1, self.block_size)
         lay = RowLayout([0] * num_tokens, range(num_tokens), [-1] * num_tokens, (), num_tokens, False, decode=False)
         inputs = self.inputs.pack([lay], write_kv=False)
-        with torch.inference_mode():
-            self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch, segments=segments)
+        if segments is None:
+            return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch)
+        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch, segments=segments)
+
+    @torch.inference_mode()
+    def device_memory(self, num_tokens: int, num_sampled: int) -> DeviceMemory | None:
+        """CUDA: the device's memory now (weights loaded, no KV yet), with the peak
+        temporaries of a throwaway forward of `num_tokens` prompt tokens that projects
+        `num_sampled` rows to logits (the largest step). None elsewhere: the CPU keeps a
+        fixed budget (kv_sizing.py)."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        hidden = self._throwaway_forward(num_tokens)
+        self.model.compute_logits(hidden[: max(1, min(num_sampled, num_tokens))])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        graphs = 0 if self.config.enforce_eager or self.model.is_encoder else GRAPH_RESERVE_BYTES
+        return DeviceMemory(total_bytes=total, free_bytes=free, peak_activation_bytes=peak, graph_reserve_bytes=graphs)
 
     @classmethod
     def create(
