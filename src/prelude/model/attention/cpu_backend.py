@@ -69,6 +69,7 @@ class CpuAttention:
     """Same protocol as TorchAttention: write new K/V, attend, return [T, Hq, D]."""
 
     name = "cpu"
+    reads_prefill_tensors = False  # a CPU backend: no captured graphs
     devices = ("cpu",)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
