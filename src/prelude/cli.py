@@ -270,10 +270,15 @@ def _serve(args: argparse.Namespace) -> int:
         log.debug("loading failed", exc_info=True)
         raise StartupError(f"loading {args.model or 'the default model'} failed: {type(exc).__name__}: {exc}; "
                            "check --model (the stack: --log-level debug)") from exc
+    from prelude.entrypoints.batch.store import default_batch_dir
+    from prelude.entrypoints.batch.worker import BatchRunnerConfig
+
     try:
         app = build_app(front, api_key=args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
                         limits=_server_limits(args), metrics_require_key=args.metrics_require_key,
-                        trace_stages=args.trace_stages, lora_modules=args.lora_modules)
+                        trace_stages=args.trace_stages, lora_modules=args.lora_modules,
+                        batch_dir=args.batch_dir or default_batch_dir(),
+                        batch_runner=BatchRunnerConfig(max_inflight=args.batch_max_inflight))
     except APIError as e:  # a bad --lora-modules adapter
         front.shutdown()
         raise StartupError(e.message) from None
@@ -304,6 +309,15 @@ def _run_batch(args: argparse.Namespace) -> int:
         return run_batch(args, front, _server_limits(args))
     finally:
         front.shutdown()
+
+
+def _add_batch_api_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch API (/v1/files, /v1/batches)")
+    g.add_argument("--batch-dir", default=None,
+                   help="where /v1/files and /v1/batches keep files and batch states (default: "
+                        "~/.cache/prelude/batches); a restarted server resumes its unfinished batches")
+    g.add_argument("--batch-max-inflight", type=int, default=32,
+                   help="/v1/batches: batch lines in the engine while no interactive request is in flight")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -355,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
     _add_engine_args(serve)
     _add_server_args(serve)
+    _add_batch_api_args(serve)
     _add_cluster_args(serve)
     run_batch = sub.add_parser("run-batch", help="run an OpenAI Batch file offline (no HTTP in between)")
     _add_batch_args(run_batch)
@@ -364,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     run_batch.set_defaults(router="prefix")  # a job's shared prefixes stay on one replica
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
-                                         "decisions | profile | overhead | attention")
+                                         "decisions | profile | overhead | attention | batch")
     bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
-                                         "decisions", "profile", "overhead", "attention"])
+                                         "decisions", "profile", "overhead", "attention", "batch"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -385,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.simulate_bench import main as bench_main
         elif args.which == "sched":
             from prelude.bench.sched_bench import main as bench_main
+        elif args.which == "batch":
+            from prelude.bench.batch_bench import main as bench_main
         elif args.which == "decisions":
             from prelude.bench.decisions_bench import main as bench_main
         elif args.which == "profile":

@@ -17,8 +17,18 @@ logger = logging.getLogger("prelude.batch")
 
 def run_batch(args: argparse.Namespace, front: Any, limits: Any) -> int:
     """Run the job on `front` (an EngineClient); 0 when every line succeeded, 1 otherwise."""
+    from prelude.entrypoints.openai.errors import APIError
+    from prelude.entrypoints.openai.lora_adapters import ServedAdapters
+
+    adapters = ServedAdapters(front)
+    try:
+        for name, path in args.lora_modules:
+            adapters.load_at_start(name, path)
+    except APIError as exc:
+        print(f"prelude run-batch: {exc.message}", file=sys.stderr)
+        return 1
     options = JobOptions(max_inflight=args.max_inflight or 2 * args.max_num_seqs, limits=limits,
-                         progress=args.progress)
+                         progress=args.progress, adapters=adapters)
     try:
         summary = asyncio.run(run_job(front, args.input_file, args.output_file, options, resume=args.resume))
     except (DuplicateCustomIds, OutputFileError, FileNotFoundError) as exc:

@@ -20,6 +20,7 @@ from prelude.entrypoints.batch.lines import LineError, error_line, load_object, 
 from prelude.entrypoints.batch.output import OutputLog
 from prelude.entrypoints.batch.plan import Plan, plan_job
 from prelude.entrypoints.openai.limits import ServerLimits
+from prelude.entrypoints.openai.lora_adapters import ServedAdapters
 from prelude.entrypoints.openai.offline import answer
 
 logger = logging.getLogger("prelude.batch")
@@ -31,6 +32,8 @@ class JobOptions:
     limits: ServerLimits = field(default_factory=ServerLimits)
     fsync_every: int = 64  # output lines per fsync (and at least one fsync a second)
     progress: bool = False  # a tqdm bar on stderr
+    endpoint: str | None = None  # /v1/batches: every line's url must be the batch's endpoint
+    adapters: ServedAdapters | None = None  # LoRA adapters a line's `model` may name
 
 
 @dataclass
@@ -117,10 +120,13 @@ class _Progress:
             self._bar.close()
 
 
-async def _answer_line(engine: Any, raw: bytes, number: int, limits: ServerLimits) -> tuple[str, bytes]:
+async def _answer_line(engine: Any, raw: bytes, number: int, options: JobOptions) -> tuple[str, bytes]:
     """(status key, output line) of one input line: never raises for bad input."""
     try:
         line = parse_line(load_object(raw, number), number)
+        if options.endpoint is not None and line.url != options.endpoint:
+            raise LineError("mismatched_url", f"line {number}: url {line.url!r} is not the batch's endpoint "
+                                              f"{options.endpoint!r}")
     except LineError as exc:
         cid = None
         try:
@@ -128,11 +134,11 @@ async def _answer_line(engine: Any, raw: bytes, number: int, limits: ServerLimit
         except LineError:
             pass
         return "error", error_line(cid if isinstance(cid, str) else None, exc.code, exc.message)
-    status, body = await answer(engine, line.url, line.body, limits, len(raw))
+    status, body = await answer(engine, line.url, line.body, options.limits, len(raw), options.adapters)
     return str(status), response_line(line.custom_id, status, body)
 
 
-Pace = Callable[[], Awaitable[None]]
+Pace = Callable[[Callable[[], int]], Awaitable[None]]  # awaited before a line goes in, given "how many are in flight"
 
 
 async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, log: OutputLog,
@@ -160,7 +166,7 @@ async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, 
 
         async def one(raw: bytes, number: int) -> None:
             try:
-                status, line = await _answer_line(counting, raw, number, options.limits)
+                status, line = await _answer_line(counting, raw, number, options)
                 finished(status, line)
             finally:
                 slots.release()
@@ -170,7 +176,7 @@ async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, 
             for offset, size, number in plan.lines():
                 await slots.acquire()
                 if pace is not None:
-                    await pace()
+                    await pace(running.__len__)
                 if stop is not None and stop.is_set():
                     slots.release()
                     summary.cancelled = True

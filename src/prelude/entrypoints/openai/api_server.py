@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import uvicorn
@@ -12,6 +13,9 @@ from fastapi.responses import JSONResponse, Response
 
 from prelude.engine.client import EngineClient
 from prelude.engine.stage_trace import STAGES, mark
+from prelude.entrypoints.batch.store import BatchStore
+from prelude.entrypoints.batch.worker import BatchRunner, BatchRunnerConfig
+from prelude.entrypoints.openai.batch_routes import install_batch_routes
 from prelude.entrypoints.openai.drain import DrainingServer
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from prelude.entrypoints.openai.disconnect import ClientDisconnected
@@ -58,12 +62,15 @@ def build_app(
     metrics_require_key: bool = False,
     trace_stages: bool = False,
     lora_modules: Sequence[tuple[str, str]] = (),
+    batch_dir: str | Path | None = None,
+    batch_runner: BatchRunnerConfig | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine`. With `api_key`, every route but /health
     (and /metrics unless `metrics_require_key`) needs it as a bearer token. With
     `trace_stages`, every request's host time is broken down by stage (GET /debug/stages).
     `lora_modules`: (name, PEFT directory) adapters served from the start (APIError when
-    one is bad)."""
+    one is bad). With `batch_dir`, /v1/files and /v1/batches keep their files and
+    batches there."""
     limits = limits or ServerLimits()
     adapters = ServedAdapters(engine)
     for name, path in lora_modules:
@@ -85,6 +92,12 @@ def build_app(
         app.add_middleware(BearerAuth, api_key=api_key, open_paths=frozenset(open_paths))
     traces = StageTraces() if trace_stages else None
     app.add_middleware(RequestObserver, count=metrics.count_request, traces=traces)
+    if batch_dir is not None:
+        # Batch lines go to the engine itself, not through the gate: the gate's count is
+        # the interactive traffic the batch yields to.
+        runner = BatchRunner(engine, BatchStore(batch_dir), limits, busy=lambda: gate.active > 0,
+                             config=batch_runner or BatchRunnerConfig(), adapters=adapters)
+        install_batch_routes(app, runner)
     created = int(time.time())
 
     @app.get("/health")

@@ -17,6 +17,8 @@ from prelude.entrypoints.openai.errors import APIError, error_body, error_body_f
 from prelude.entrypoints.openai.fields import check_unknown_fields
 from prelude.entrypoints.openai.limits import BODY_SIZE_KEY, ServerLimits
 from prelude.entrypoints.openai.offload import render_json, validate_body
+from prelude.entrypoints.openai.lora_adapters import ServedAdapters
+from prelude.entrypoints.openai.request_gate import GatedEngine, RequestGate
 from prelude.entrypoints.openai.routes import ROUTES, check_model
 
 logger = logging.getLogger("prelude.batch")
@@ -51,9 +53,10 @@ def is_routed(url: str) -> bool:
     return url in ROUTES
 
 
-async def answer(engine: EngineClient, url: str, body: Any, limits: ServerLimits,
-                 body_bytes: int = 0) -> tuple[int, bytes]:
-    """(status, JSON body) of POST `url` with `body` (parsed JSON), as the server answers it."""
+async def answer(engine: EngineClient, url: str, body: Any, limits: ServerLimits, body_bytes: int = 0,
+                 adapters: ServedAdapters | None = None) -> tuple[int, bytes]:
+    """(status, JSON body) of POST `url` with `body` (parsed JSON), as the server answers it.
+    `adapters`: the LoRA adapters a body's `model` may name (None: the base model only)."""
     route = ROUTES.get(url)
     if route is None:
         known = ", ".join(sorted(u for u in ROUTES if u.startswith("/v1/")))
@@ -63,9 +66,17 @@ async def answer(engine: EngineClient, url: str, body: Any, limits: ServerLimits
         req = validate_body(body, route.body)
         if getattr(req, "stream", False):
             raise APIError("stream is not supported in a batch: each line gets one whole answer", param="stream")
-        check_model(engine, req.model)  # type: ignore[attr-defined]
+        name = req.model  # type: ignore[attr-defined]
+        lora = adapters.resolve(name) if adapters is not None else check_model(engine, name)
         check_unknown_fields(req, url)
-        result = await route.handler(req)(engine, req, OfflineRequest(limits, body_bytes))
+        # The route's engine view (adapter, request timeout), on a gate of its own: batch
+        # lines are not the interactive traffic the server's gate counts.
+        ticket = RequestGate().enter()
+        try:
+            gated = GatedEngine(engine, ticket, limits.request_timeout_s, None, lora)
+            result = await route.handler(req)(gated, req, OfflineRequest(limits, body_bytes))
+        finally:
+            ticket.close()
     except RequestValidationError as exc:
         message, param = validation_message(exc)
         return 400, render_json(error_body(message, 400, param))

@@ -1,0 +1,289 @@
+"""`prelude bench batch`: a judge file (one shared rubric + short items, 1 output token)
+through `prelude run-batch`, through `prelude serve` at a sweep of concurrencies, and
+through vLLM's run_batch; and the RSS of a long embeddings job. Prints the figures,
+writes JSON and a PNG.
+
+Job time is from the job's start to its last answer, without the model load: run-batch's
+own summary, the first to last request against the server, and vLLM's "Reading batch"
+to "Writing outputs" log lines (its process wall, start-up included, is kept beside)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+_WORDS = ("accuracy relevance evidence claim answer score rubric criterion reasoning fluent concise correct "
+          "complete helpful harmless honest source citation detail example context summary fact error").split()
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def _text_of_tokens(tok: Any, n: int, rng: random.Random) -> str:
+    """A text of about `n` tokens (random words, cut on a token boundary)."""
+    words = " ".join(rng.choice(_WORDS) for _ in range(n * 2))
+    ids = tok.encode(words, add_special_tokens=False).ids[:n]
+    return tok.decode(ids)
+
+
+def judge_file(path: Path, model_dir: Path, lines: int, rubric_tokens: int, item_tokens: int, seed: int = 0) -> Path:
+    tok = _tokenizer(model_dir)
+    rng = random.Random(seed)
+    rubric = "You are a strict judge. Grade the answer below. " + _text_of_tokens(tok, rubric_tokens, rng)
+    with open(path, "w") as f:
+        for i in range(lines):
+            body = {"model": MODEL_NAME, "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "system", "content": rubric},
+                                 {"role": "user", "content": f"Item {i}: " + _text_of_tokens(tok, item_tokens, rng)}]}
+            f.write(json.dumps({"custom_id": f"judge-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}) + "\n")
+    return path
+
+
+def embeddings_file(path: Path, lines: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(lines):
+            text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 24)))
+            f.write(json.dumps({"custom_id": f"emb-{i}", "method": "POST", "url": "/v1/embeddings",
+                                "body": {"model": MODEL_NAME, "input": text}}) + "\n")
+    return path
+
+
+class _Watched:
+    """A subprocess whose stderr lines are kept with the time each arrived."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env=env, bufsize=1)
+        self.lines: list[tuple[float, str]] = []
+        self.peak_rss_kib = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic() - self.t0, line.rstrip()))
+
+    def wait(self) -> float:
+        while self.proc.poll() is None:
+            self._sample_rss()
+            time.sleep(0.2)
+        self._reader.join(timeout=5)
+        return time.monotonic() - self.t0
+
+    def _sample_rss(self) -> None:
+        try:
+            for row in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if row.startswith("VmRSS:"):
+                    self.peak_rss_kib = max(self.peak_rss_kib, int(row.split()[1]))
+        except (OSError, ValueError):
+            pass
+
+    def first(self, pattern: str) -> tuple[float, str] | None:
+        return next(((t, line) for t, line in self.lines if re.search(pattern, line)), None)
+
+
+def run_prelude_batch(inp: Path, out: Path, flags: list[str]) -> dict[str, Any]:
+    w = _Watched([sys.executable, "-m", "prelude.cli", "run-batch", "-i", str(inp), "-o", str(out),
+                  "--no-progress", "--log-level", "warning", *flags])
+    wall = w.wait()
+    hit = w.first(r"lines run .* in ([0-9.]+) s")
+    if w.proc.returncode not in (0, 1) or hit is None:
+        raise RuntimeError("run-batch failed: " + "\n".join(line for _, line in w.lines[-20:]))
+    job_s = float(re.search(r" in ([0-9.]+) s \(", hit[1]).group(1))
+    return {"process_wall_s": wall, "job_s": job_s, "summary": hit[1], "exit": w.proc.returncode}
+
+
+def run_vllm_batch(python: str, inp: Path, out: Path, model_dir: Path, dtype: str) -> dict[str, Any]:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env.pop("PYTHONPATH", None)
+    w = _Watched([python, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(inp), "-o", str(out),
+                  "--model", str(model_dir), "--served-model-name", MODEL_NAME, "--dtype", dtype], env=env)
+    wall = w.wait()
+    start, end = w.first(r"Reading batch from"), w.first(r"Writing outputs to")
+    if w.proc.returncode != 0 or start is None or end is None:
+        raise RuntimeError("vLLM run_batch failed: " + "\n".join(line for _, line in w.lines[-20:]))
+    return {"process_wall_s": wall, "job_s": end[0] - start[0], "startup_s": start[0]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _send_all(base: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[float, int]:
+    import httpx
+
+    slots = asyncio.Semaphore(concurrency)
+    errors = 0
+
+    async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        nonlocal errors
+        async with slots:
+            r = await client.post(base + "/v1/chat/completions", json=body)
+            errors += r.status_code != 200
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(client, b) for b in bodies))
+        return time.monotonic() - t0, errors
+
+
+def run_serve(inp: Path, flags: list[str], concurrencies: list[int]) -> dict[str, Any]:
+    import httpx
+
+    port = _free_port()
+    w = _Watched([sys.executable, "-m", "prelude.cli", "serve", "--port", str(port), "--log-level", "warning", *flags])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if w.proc.poll() is not None:
+                raise RuntimeError("prelude serve exited: " + "\n".join(line for _, line in w.lines[-20:]))
+            time.sleep(0.25)
+        bodies = [json.loads(line)["body"] for line in inp.read_text().splitlines()]
+        points = {}
+        for c in concurrencies:
+            job_s, errors = asyncio.run(_send_all(base, bodies, c))
+            points[c] = {"job_s": job_s, "req_s": len(bodies) / job_s, "errors": errors}
+            print(f"  serve c={c}: {len(bodies) / job_s:.2f} req/s ({job_s:.1f} s, {errors} errors)", flush=True)
+        return points
+    finally:
+        w.proc.terminate()
+        try:
+            w.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+
+
+def rss_job(inp: Path, out: Path, flags: list[str]) -> dict[str, Any]:
+    """Peak RSS of a run-batch job against the RSS it had when its first answer was written
+    (model loaded, engine warm): the growth a long job adds."""
+    w = _Watched([sys.executable, "-m", "prelude.cli", "run-batch", "-i", str(inp), "-o", str(out),
+                  "--no-progress", "--log-level", "warning", *flags])
+    baseline = None
+    samples = []
+    while w.proc.poll() is None:
+        w._sample_rss()
+        if baseline is None and out.exists() and out.stat().st_size > 0:
+            baseline = w.peak_rss_kib
+        samples.append(w.peak_rss_kib)
+        time.sleep(0.2)
+    wall = w.wait()
+    hit = w.first(r"lines run")
+    return {"process_wall_s": wall, "rss_at_first_answer_mib": (baseline or 0) / 1024,
+            "peak_rss_mib": w.peak_rss_kib / 1024, "growth_mib": (w.peak_rss_kib - (baseline or 0)) / 1024,
+            "summary": hit[1] if hit else None}
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names, rates = [], []
+    for name, value in result["judge"].items():
+        if name == "serve":
+            for c, point in value.items():
+                names.append(f"serve c={c}")
+                rates.append(point["req_s"])
+        elif isinstance(value, dict) and "req_s" in value:
+            names.append(name)
+            rates.append(value["req_s"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(names, rates)
+    ax.set_xlabel("judge lines / s (job time, model load excluded)")
+    ax.set_title(f"{result['lines']} judge lines: {result['rubric_tokens']}-token rubric + "
+                 f"{result['item_tokens']}-token items, 1 output token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prelude.model.loader import load_model_files
+
+    ap = argparse.ArgumentParser(prog="prelude bench batch", description=__doc__)
+    ap.add_argument("--lines", type=int, default=10_000, help="judge lines")
+    ap.add_argument("--rubric-tokens", type=int, default=1024)
+    ap.add_argument("--item-tokens", type=int, default=64)
+    ap.add_argument("--which", default="run-batch,serve,vllm", help="any of run-batch, serve, vllm, rss")
+    ap.add_argument("--concurrency", default="16,64", help="serve: the concurrencies swept (the best counts)")
+    ap.add_argument("--rss-lines", type=int, default=100_000, help="rss: embeddings lines")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--vllm-python", default="/tmp/vllmvenv/bin/python")
+    ap.add_argument("--out", default="bench_results/batch")
+    ap.add_argument("--flags", default="", help="extra flags for prelude run-batch and serve")
+    args = ap.parse_args(argv)
+    which = set(args.which.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = load_model_files(None).model_dir
+    flags = ["--dtype", args.dtype, *args.flags.split()]
+    result: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+                              "lines": args.lines, "rubric_tokens": args.rubric_tokens, "item_tokens": args.item_tokens,
+                              "dtype": args.dtype, "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
+                              "judge": {}}
+    judge = judge_file(out / "judge.jsonl", model_dir, args.lines, args.rubric_tokens, args.item_tokens)
+    if "run-batch" in which:
+        r = run_prelude_batch(judge, out / "judge.prelude.jsonl", flags)
+        r["req_s"] = args.lines / r["job_s"]
+        result["judge"]["run-batch"] = r
+        print(f"  run-batch: {r['req_s']:.2f} req/s ({r['job_s']:.1f} s job, {r['process_wall_s']:.1f} s process)",
+              flush=True)
+    if "serve" in which:
+        result["judge"]["serve"] = run_serve(judge, flags, [int(c) for c in args.concurrency.split(",")])
+    if "vllm" in which:
+        r = run_vllm_batch(args.vllm_python, judge, out / "judge.vllm.jsonl", model_dir, args.dtype)
+        r["req_s"] = args.lines / r["job_s"]
+        result["judge"]["vllm run_batch"] = r
+        print(f"  vLLM run_batch: {r['req_s']:.2f} req/s ({r['job_s']:.1f} s job, {r['process_wall_s']:.1f} s process)",
+              flush=True)
+    if "rss" in which:
+        emb = embeddings_file(out / "embeddings.jsonl", args.rss_lines)
+        r = rss_job(emb, out / "embeddings.out.jsonl", flags)
+        result["embeddings_rss"] = r
+        print(f"  embeddings x{args.rss_lines}: RSS {r['rss_at_first_answer_mib']:.0f} MiB at the first answer, "
+              f"peak {r['peak_rss_mib']:.0f} MiB (+{r['growth_mib']:.1f} MiB); {r['summary']}", flush=True)
+    result["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    best_serve = max((p["req_s"] for p in result["judge"].get("serve", {}).values()), default=None)
+    rb = result["judge"].get("run-batch", {}).get("req_s")
+    vl = result["judge"].get("vllm run_batch", {}).get("req_s")
+    if rb and best_serve:
+        result["run_batch_over_best_serve"] = rb / best_serve
+        print(f"  run-batch / best serve: {rb / best_serve:.2f}x")
+    if rb and vl:
+        result["run_batch_over_vllm"] = rb / vl
+        print(f"  run-batch / vLLM run_batch: {rb / vl:.2f}x")
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    if result["judge"]:
+        _plot(result, out / "judge.png")
+    print(f"wrote {out / 'result.json'}; load average before {result['loadavg_before']}, after {result['loadavg_after']}")
+    return 0
