@@ -166,7 +166,10 @@ class EngineConfig:
     served_model_name: str | None = None
     seed: int = 0
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    # Post-process step N after step N+1 is launched (see LLMEngine.step). None: on with CUDA.
+    # Overlap: while step N is in flight, step N+1 takes only the work that needs none of
+    # N's results (Scheduler.schedule(independent_only=True) decides which; today OneShot
+    # rows, while running sequences wait for their previous token), is launched, and only
+    # then is N post-processed. No independent work: N is awaited at once. None: on with CUDA.
     overlap: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
