@@ -343,7 +343,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before an error ends them")
     g.add_argument("--trace-stages", action="store_true",
-                   help="time every request's host stages (parse, tokenize, admit, hops, schedule, forward, "
+                   help="time every request's host stages (parse, tokenize, validate, hops, schedule, forward, "
                         "sample, detokenize, serialize); read them at GET /debug/stages (prelude bench overhead)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-format", default="text", choices=["text", "json"],

@@ -62,7 +62,7 @@ async def test_every_route_but_health_needs_the_key(metrics_require_key: bool) -
         assert_error(await c.get("/not/a/route"), 401, "authentication_error")  # default deny
 
 
-async def test_overload_answers_429_and_leaves_the_admitted_alone() -> None:
+async def test_overload_answers_429_and_leaves_the_let_through_alone() -> None:
     engine = FakeEngine()
     engine.first_token = asyncio.Event()  # both admitted requests wait to start until released
     app = build_app(engine, limits=ServerLimits(max_waiting_requests=2))

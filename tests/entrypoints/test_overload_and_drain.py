@@ -87,7 +87,7 @@ def _hold_steps(engine: Any) -> threading.Event:
     return release
 
 
-def test_burst_at_4x_the_bound_gets_429s_and_the_admitted_complete(hf_model: Any) -> None:
+def test_burst_at_4x_the_bound_gets_429s_and_the_let_through_complete(hf_model: Any) -> None:
     served = _Served(hf_model, ServerLimits(max_waiting_requests=4), max_num_seqs=2)
     gate = served.app.state.gate
     release = _hold_steps(served.engine)

@@ -167,7 +167,7 @@ class AsyncEngine:
         trace = stage_trace.current.get()
         if trace is not None:
             req.trace = trace
-            trace.mark("admit")
+            trace.mark("validate")
         async for item in self._submit(req.request_id, ("add", req)):
             yield item
 

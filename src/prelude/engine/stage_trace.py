@@ -20,7 +20,7 @@ from contextvars import ContextVar
 STAGES = (
     "http_parse_validate",  # ASGI entry -> the handler runs (routing, JSON, pydantic)
     "tokenize",  # prompt text -> ids
-    "admit",  # sampling params, limits, admission rules, the Request built
+    "validate",  # sampling params, limits, request rules, the Request built
     "hop_to_engine",  # the inbox: caller thread -> engine thread
     "wait_for_step",  # on the engine thread until a step starts that takes it
     "schedule",  # that step's schedule()
