@@ -379,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     run_batch.set_defaults(router="prefix")  # a job's shared prefixes stay on one replica
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
-                                         "decisions | profile | overhead | attention | batch")
+                                         "decisions | profile | overhead | attention | batch | lora")
     bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
-                                         "decisions", "profile", "overhead", "attention", "batch"])
+                                         "decisions", "profile", "overhead", "attention", "batch", "lora"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -410,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.overhead_bench import main as bench_main
         elif args.which == "attention":
             from prelude.bench.attention_bench import main as bench_main
+        elif args.which == "lora":
+            from prelude.bench.lora_bench import main as bench_main
         else:
             from prelude.bench.oneshot_bench import main as bench_main
         return bench_main(rest)

@@ -64,9 +64,11 @@ def runner_for(kind: str, num_blocks: int = 64) -> tuple[ModelRunner, KVCacheMan
 
 
 def logits_of(runner: ModelRunner, rows: list[BatchRow], row_slots: list[int], slots: LoraSlots,
-              segments=EAGER_SEGMENTS) -> list[torch.Tensor]:
+              segments=EAGER_SEGMENTS, all_slots: bool = False) -> list[torch.Tensor]:
+    """`all_slots`: the masked all-slots path (few tokens), else the grouped one."""
     inputs = runner.inputs.paged(tuple(rows))
-    batch = LoraBatch.build(row_slots, [len(r.token_ids) for r in rows], "cpu")
+    batch = LoraBatch.build(row_slots, [len(r.token_ids) for r in rows], "cpu", slots.num_slots if all_slots else 0)
+    assert batch is None or (batch.one_hot is not None) == all_slots
     step = None if batch is None else LoraStep(slots, batch)
     hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches,
                                   segments=segments, lora=step)
@@ -93,10 +95,11 @@ def test_adapter_logits_equal_peft_merged(tmp_path: Path, kind: str, targets: tu
     segment_sets = [EAGER_SEGMENTS] + [s for s in [fused_segments_for(runner.model, runner.config)] if s]
     prompt = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     want = hf_logits(merged, prompt)
-    for n, segments in enumerate(segment_sets):
+    for n, (segments, all_slots) in enumerate((s, a) for s in segment_sets for a in (False, True)):
         assert kv.allocate(f"r{n}", len(prompt))
-        (got,) = logits_of(runner, [BatchRow(f"r{n}", prompt, 0, kv.block_table(f"r{n}"), None)], [1], slots, segments)
-        assert (got - want).abs().max().item() <= 1e-4, segments.label
+        (got,) = logits_of(runner, [BatchRow(f"r{n}", prompt, 0, kv.block_table(f"r{n}"), None)], [1], slots, segments,
+                           all_slots)
+        assert (got - want).abs().max().item() <= 1e-4, (segments.label, all_slots)
         assert (got - hf_logits(hf_base(kind), prompt)).abs().max().item() > 1e-2  # the adapter does change them
 
 
@@ -121,13 +124,19 @@ def test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tmp_path: Path
     mixed = logits_of(runner, rows, row_slots, slots)
     for a, m in zip(alone, mixed):
         assert (a - m).abs().max().item() <= 1e-4
+    rows_again = []
+    for i, p in enumerate(prompts):  # the same rows through the masked all-slots path
+        assert kv.allocate(f"again{i}", len(p))
+        rows_again.append(BatchRow(f"again{i}", p, 0, kv.block_table(f"again{i}"), None))
+    for a, m in zip(alone, logits_of(runner, rows_again, row_slots, slots, all_slots=True)):
+        assert (a - m).abs().max().item() <= 1e-4
     # ...and a decode step of the same rows (one token each, interleaved adapters)
     decode_rows = []
     for i, (p, lg) in enumerate(zip(prompts, mixed)):
         tok = int(lg[-1].argmax())
         assert kv.allocate(f"mix{i}", len(p) + 1)
         decode_rows.append(BatchRow(f"mix{i}", [tok], len(p), kv.block_table(f"mix{i}"), None))
-    stepped = logits_of(runner, decode_rows, row_slots, slots)
+    stepped = logits_of(runner, decode_rows, row_slots, slots, all_slots=True)
     for i, (p, lg) in enumerate(zip(prompts, mixed)):
         assert kv.allocate(f"full{i}", len(p) + 1)
         full = p + [int(lg[-1].argmax())]
@@ -179,16 +188,19 @@ def check_triton_delta(dtype_name: str) -> None:
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
     slots, n_in, rank, n_out = 3, 40, 24, 70  # none a power of two: the tiles' masks are exercised
-    a = (torch.randn(slots, n_in, rank, generator=gen) * 0.3).to(dtype)
+    a = (torch.randn(n_in, slots, rank, generator=gen) * 0.3).to(dtype)  # LoraSlots' layout
     b = (torch.randn(slots, rank, n_out, generator=gen) * 0.3).to(dtype)
     row_slots, row_lens = [2, -1, 0, 2, 1], [3, 2, 1, 4, 1]
     tokens = sum(row_lens)
     x = torch.randn(tokens, n_in, generator=gen).to(dtype)
     base = torch.randn(tokens, n_out, generator=gen).to(dtype)
     batch = LoraBatch.build(row_slots, row_lens, "cpu")
-    assert batch is not None
+    assert batch is not None and batch.one_hot is None
     want = batch.delta_into(base.clone().float(), x.float(), a.float(), b.float())
-    got = kernels.lora_delta_(base.clone(), x, a, b, batch.token_slots)
+    all_slots = LoraBatch.build(row_slots, row_lens, "cpu", slots)
+    assert all_slots is not None and all_slots.one_hot is not None
+    torch.testing.assert_close(all_slots.delta_into(base.clone().float(), x.float(), a.float(), b.float()), want)
+    got = kernels.lora_delta_(base.clone(), x, a.permute(1, 0, 2), b, batch.token_slots)
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert torch.equal(got[3:5], base[3:5])  # base rows are left as they were

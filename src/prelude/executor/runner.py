@@ -296,7 +296,7 @@ class ModelRunner:
         if self.adapters is None:
             raise ValueError("a row names a LoRA adapter but LoRA is off (no --max-loras slots)")
         slots = self.adapters.slots_for([lora for lora, _ in rows])
-        batch = LoraBatch.build(slots, [n for _, n in rows], self.device)
+        batch = LoraBatch.build(slots, [n for _, n in rows], self.device, self.adapters.slots.num_slots)
         return None if batch is None else LoraStep(self.adapters.slots, batch)
 
     # --- one entry point, one path per class ------------------------------------------

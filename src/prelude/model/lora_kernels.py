@@ -54,12 +54,12 @@ def _expand_kernel(Y, Slots, B, Out, stride_y, stride_bs, stride_br, stride_o, R
 
 def lora_delta_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 token_slots: torch.Tensor) -> torch.Tensor:
-    """out[t] += (x[t] @ a[s]) @ b[s] where s = token_slots[t] >= 0; out, x: [T, *] with
-    unit column stride; a: [S, in, R], b: [S, R, out] contiguous. Returns out."""
+    """out[t] += (x[t] @ a[s]) @ b[s] where s = token_slots[t] >= 0; out, x: [T, *] and
+    a: [S, in, R] with unit last stride; b: [S, R, out] contiguous. Returns out."""
     tokens, n_in = x.shape
     rank, n_out = b.shape[1], b.shape[2]
     assert out.shape == (tokens, n_out) and a.shape[1:] == (n_in, rank) and token_slots.shape == (tokens,)
-    assert out.stride(1) == 1 and x.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    assert out.stride(1) == 1 and x.stride(1) == 1 and a.stride(2) == 1 and b.is_contiguous()
     if tokens == 0:
         return out
     y = torch.empty(tokens, rank, dtype=torch.float32, device=x.device)
