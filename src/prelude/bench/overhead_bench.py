@@ -43,7 +43,7 @@ import httpx
 from prelude.bench.peers.launch import PeerOptions, PeerSpec, PeerUnavailable, peer_spec
 from prelude.bench.prompts import exact_prompt
 from prelude.bench.results import write_json
-from prelude.bench.server_proc import free_port, server_process
+from prelude.bench.server_proc import cpu_seconds, free_port, server_process
 
 SCENARIOS = ("c1", "oneshot", "classify", "embed", "decode", "multi", "stages")
 SERVED_NAME = "free-llama"
@@ -99,17 +99,22 @@ def _point(kind: str, summary: dict[str, Any]) -> dict[str, Any]:
     return {"kind": kind, **{k: summary[k] for k in keep if k in summary}}
 
 
-def run_peer(base: str, wl: dict[str, list[Any]], scenarios: set[str], name: str) -> dict[str, dict[str, Any]]:
-    """Every scenario against one running server: scenario point -> figures."""
+def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str], name: str) -> dict[str, dict[str, Any]]:
+    """Every scenario against one running server: scenario point -> figures. Beside the
+    client's figures, the server's own CPU time per request (all its threads and its
+    engine child process): what a busy machine inflates least."""
     out: dict[str, dict[str, Any]] = {}
     warm = wl["warm"]
 
     def run(key: str, kind: str, payloads: list[Any], c: int, **kw: Any) -> None:
-        out[key] = _point(kind, load(base, kind, payloads, c, warm if kind in ("completion", "stream")
-                                     else wl["pooling"][:4], **kw))
+        warmup = warm if kind in ("completion", "stream") else wl["pooling"][:4]
+        cpu0 = cpu_seconds(pid)
+        out[key] = _point(kind, load(base, kind, payloads, c, warmup, **kw))
         s = out[key]
+        s["server_cpu_ms_per_request"] = 1000 * (cpu_seconds(pid) - cpu0) / (len(payloads) + len(warmup))
         print(f"  {name:>12} {key:<12} req/s {s['req_s']:8.1f}  items/s {s['items_s']:8.1f}  "
               f"E2E p50 {s['e2e_p50_ms']:7.2f} ms  TPOT p50 {s['tpot_p50_ms']:6.2f} ms  "
+              f"server {s['server_cpu_ms_per_request']:.2f} ms CPU/req  "
               f"client {s['client_cpu_ms_per_request']:.2f} ms CPU/req ({s['client_cpu_share']:.2f} core)"
               + (f"  errors {s['errors']}: {s.get('first_error', '')[:80]}" if s["errors"] else ""), flush=True)
 
@@ -155,11 +160,12 @@ def _specs(names: list[str], opts: PeerOptions, skipped: dict[str, str]) -> list
     return specs
 
 
-def _start(name: str, opts: PeerOptions, extra: tuple[str, ...] = ()):  # noqa: ANN202
+def _start(name: str, opts: PeerOptions, extra: tuple[str, ...] = (), started: list[Any] | None = None):  # noqa: ANN202
     port = free_port()
     spec = peer_spec(name, port, replace(opts, prelude_args=opts.prelude_args + extra))
     env = os.environ | dict(spec.env) if spec.env else None
-    return server_process(list(spec.command), port, timeout_s=900, env=env, ready_path=spec.ready_path)
+    return server_process(list(spec.command), port, timeout_s=900, env=env, ready_path=spec.ready_path,
+                          started=started)
 
 
 def _median_points(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -282,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{args.rounds}: {name}", flush=True)
             t0 = time.perf_counter()
             try:
-                with _start(name, opts) as base:
+                started: list[Any] = []
+                with _start(name, opts, started=started) as base:
                     startup[name].append(time.perf_counter() - t0)
-                    rounds[name].append(run_peer(base, wl, scenarios, name))
+                    rounds[name].append(run_peer(base, started[0].pid, wl, scenarios, name))
             except (RuntimeError, TimeoutError) as exc:
                 result["skipped"][name] = str(exc).splitlines()[0][:300]
                 print(f"{name} failed: {exc}", flush=True)

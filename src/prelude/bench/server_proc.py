@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +14,28 @@ from contextlib import contextmanager
 import httpx
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process and its waited-for children used
+    so far (Linux /proc; 0.0 elsewhere). vLLM's engine core is a child process: its time
+    is read from the children it has (not yet waited for) as well."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    pids = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            pids += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -21,13 +44,16 @@ def free_port() -> int:
 
 @contextmanager
 def server_process(
-    cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None, ready_path: str = "/health"
+    cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None, ready_path: str = "/health",
+    started: list[subprocess.Popen] | None = None,
 ) -> Iterator[str]:
     """Run `cmd` (a server listening on 127.0.0.1:`port`) until `ready_path` answers 200;
-    yields its base URL and stops it afterwards."""
+    yields its base URL and stops it afterwards. `started` receives the process."""
     # Logs go to a file, not a pipe: a chatty server (llama.cpp) would block on a full pipe.
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    if started is not None:
+        started.append(proc)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
