@@ -44,6 +44,11 @@ class _Sink:
     queue: "asyncio.Queue[RequestOutput | KVHandoff | BaseException]"
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         """Takes an engine, or a factory that builds it on the engine thread.
@@ -248,6 +253,25 @@ class AsyncEngine:
         except RuntimeError:  # the caller's event loop is closed
             pass
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up per event loop: call_soon_threadsafe writes to the
+        loop's self-pipe, and one write per output was a syscall and a loop wake-up each
+        (64 per step at c=64 decode)."""
+        if len(outputs) == 1:
+            self._deliver(outputs[0].request_id, outputs[0])
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is not None:  # else the caller is gone; its abort is already in the inbox
+                    by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed
+                pass
+
     def _drain_inbox(self) -> None:
         with self._lock:
             items = list(self._inbox)
@@ -303,8 +327,7 @@ class AsyncEngine:
             for rid in exc.request_ids:
                 self._deliver(rid, error)
             return
-        for out in outputs:
-            self._deliver(out.request_id, out)
+        self._deliver_step(outputs)
         for handoff in self.engine.take_handoffs():  # after its first-token output
             self._deliver(handoff.request_id, handoff)
         if self.engine.idle and not outputs:

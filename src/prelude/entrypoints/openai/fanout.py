@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
@@ -56,6 +57,12 @@ def fan_out(prompts: list[list[int]], params: SamplingParams) -> list[Job]:
 
 async def merged_outputs(engine: EngineClient, request_id: str, jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestOutput]]:
     """Increments of all jobs as they arrive. Closing this iterator early aborts every job."""
+    if len(jobs) == 1:  # one sequence: its own stream, no pump task and queue between
+        (job,) = jobs
+        async with aclosing(engine.generate(f"{request_id}-{job.index}", job.prompt_ids, job.params)) as stream:
+            async for out in stream:
+                yield job, out
+        return
     queue: asyncio.Queue[tuple[Job, RequestOutput | Exception]] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
