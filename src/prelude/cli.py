@@ -236,12 +236,24 @@ def _front(args: argparse.Namespace):  # noqa: ANN202
 
 def _serve_multiproc(args: argparse.Namespace) -> int:
     """--api-server-count N: N HTTP processes over one engine process."""
-    from prelude.entrypoints.multiproc.supervisor import Supervisor
+    from dataclasses import replace
+
+    from prelude.entrypoints.multiproc.supervisor import RayEngines, Supervisor
 
     if args.api_server_count < 1:
         raise SystemExit("--api-server-count must be at least 1")
+    config = _engine_config(args)
+    ray_engines = None
     if args.data_parallel_size is not None or args.ray_address is not None or args.laps_pools or args.disaggregate:
-        raise SystemExit("--api-server-count runs one engine process; it does not combine with Ray scale-out yet")
+        from prelude.cluster.launch import engine_factory
+
+        cluster = _cluster_config(args)
+        if cluster.disaggregate is not None:
+            prefill_cfg, decode_cfg = (replace(config, scheduler=replace(config.scheduler, policy=p))
+                                       for p in (args.prefill_policy, args.decode_policy))
+            ray_engines = RayEngines(cluster, engine_factory(prefill_cfg), engine_factory(decode_cfg))
+        else:
+            ray_engines = RayEngines(cluster, engine_factory(config))
     if args.lora_modules:
         raise SystemExit("--api-server-count does not serve LoRA adapters yet (its HTTP processes hold no adapter names)")
     limits = _server_limits(args)
@@ -251,7 +263,7 @@ def _serve_multiproc(args: argparse.Namespace) -> int:
     settings = {"seed": args.seed, "api_key": args.api_key or os.environ.get("PRELUDE_API_KEY") or None,
                 "limits": limits, "metrics_require_key": args.metrics_require_key,
                 "log_level": args.log_level, "log_format": args.log_format}
-    return Supervisor(_engine_config(args), args.api_server_count, args.host, args.port, settings).run()
+    return Supervisor(config, args.api_server_count, args.host, args.port, settings, ray_engines).run()
 
 
 def _serve(args: argparse.Namespace) -> int:

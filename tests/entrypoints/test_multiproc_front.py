@@ -248,3 +248,22 @@ def test_engine_process_death_fails_waiting_requests_and_exits_nonzero() -> None
         assert s.proc.wait(timeout=120) != 0
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+def test_ray_replicas_behind_two_http_processes() -> None:
+    """--data-parallel-size 1 --api-server-count 2: each HTTP process has its own Ray
+    client over the same named replica (which runs the engine)."""
+    pytest.importorskip("ray")
+    s = _Server("--data-parallel-size", "1")
+    try:
+        assert {h["replicas_total"] for h in s.health.values()} == {1}
+        for _ in range(4):
+            r = _post(s.base, "/v1/completions", {"prompt": [5, 17, 99], "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert _post(s.base, "/v1/completions", {"prompt": "x"}, headers={}).status_code == 401
+        text = httpx.get(s.base + "/metrics", timeout=60).text
+        assert _metric(text, "prelude:http_requests_total", route="/v1/completions", status="200") == 4
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0

@@ -13,7 +13,7 @@ import ray
 from prelude.cluster.client import FaultConfig, RayEngineClient
 from prelude.cluster.disagg import DisaggregatedClient
 from prelude.cluster.pools import PoolConfig, PoolController
-from prelude.cluster.replica import EngineFactory, EngineReplica
+from prelude.cluster.replica import EngineFactory, EngineReplica, ReplicaInfo
 from prelude.cluster.router import Router, RouterConfig
 from prelude.config import EngineConfig
 from prelude.tokenizer.base import Tokenizer
@@ -58,27 +58,30 @@ class ClusterConfig:
         return self.replica_threads or 1
 
 
-def ensure_ray(address: str | None, num_cpus: int | None = None) -> None:
+def ensure_ray(address: str | None, num_cpus: int | None = None, namespace: str | None = None) -> None:
     """Join `address`, or start a local instance sized so that every replica can be placed
     (logical CPUs: on a small machine the replicas share the cores, which is the point
-    of --replica-threads)."""
+    of --replica-threads). A `namespace` lets other drivers (the HTTP processes of
+    --api-server-count) find the replicas by name."""
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, namespace=namespace)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus or 1), include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus or 1), include_dashboard=False, log_to_driver=True,
+                 namespace=namespace)
 
 
 def start_replicas(factory: EngineFactory, cluster: ClusterConfig, seed: int = 0,
-                   decode_factory: EngineFactory | None = None) -> list[Any]:
+                   decode_factory: EngineFactory | None = None, names: list[str] | None = None) -> list[Any]:
     """Replica i builds its engine with `factory`, except the decode replicas of a
-    disaggregated cluster (the last D), which use `decode_factory` when given."""
+    disaggregated cluster (the last D), which use `decode_factory` when given. With
+    `names`, replica i is the named actor names[i] (ray.get_actor finds it)."""
     actor = ray.remote(EngineReplica)
     return [
         actor.options(
             num_cpus=cluster.cpus_per_replica, max_restarts=cluster.max_restarts, max_task_retries=0,
-            max_concurrency=1000,
+            max_concurrency=1000, **({"name": names[i]} if names else {}),
         ).remote(decode_factory if decode_factory is not None and i >= cluster.num_prefill else factory,
                  i, cluster.replica_threads, seed)
         for i in range(cluster.num_replicas)
@@ -101,14 +104,20 @@ def start_client(
             raise ValueError("the replicas' tokenizer does not pickle: pass a tokenizer_factory")
         infos[0] = replace(infos[0], tokenizer=tokenizer_factory())
     logger.info("%d replicas of %s up", len(replicas), infos[0].model_name)
+    return client_over(replicas, cluster, infos[0], seed)
+
+
+def client_over(replicas: list[Any], cluster: ClusterConfig, info: ReplicaInfo, seed: int = 0) -> RayEngineClient:
+    """The front's EngineClient over running replicas (each HTTP process of
+    --api-server-count builds its own over the same named replicas)."""
     pools = None
     if cluster.laps_pools is not None:
         s = cluster.laps_pools[0]
         pools = PoolController(cluster.pool, range(s), range(s, cluster.num_prefill))
     if cluster.disaggregate is not None:
         return DisaggregatedClient(replicas, Router(cluster.router, cluster.num_replicas), cluster.disaggregate[0],
-                                   cluster.max_requests_in_scheduler, infos[0], cluster.faults, pools, seed=seed)
-    return RayEngineClient(replicas, Router(cluster.router, cluster.num_replicas), infos[0], cluster.faults, pools,
+                                   cluster.max_requests_in_scheduler, info, cluster.faults, pools, seed=seed)
+    return RayEngineClient(replicas, Router(cluster.router, cluster.num_replicas), info, cluster.faults, pools,
                            seed=seed)
 
 

@@ -164,6 +164,15 @@ class EngineService:
         return self.exit_code
 
 
+def _event_loop_runner() -> Any:
+    """uvloop's when installed, as uvicorn picks for the HTTP processes (fewer microseconds per hop)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
 def engine_main(config: EngineConfig, path: str, ready: Connection, log_level: str, log_format: str) -> None:
     """The engine process's entry (multiprocessing spawn target)."""
     from prelude.entrypoints.multiproc.supervisor import child_setup
@@ -179,7 +188,7 @@ def engine_main(config: EngineConfig, path: str, ready: Connection, log_level: s
     engine.set_observer(ServerMetrics(engine))  # multiprocess mode: the HTTP processes read these
     service = EngineService(engine, path)
     try:
-        code = asyncio.run(service.run(ready))
+        code = _event_loop_runner()(service.run(ready))
     finally:
         engine.shutdown()
     raise SystemExit(code)

@@ -9,6 +9,7 @@ import logging
 import pickle
 import socket
 from dataclasses import dataclass, replace
+from typing import Any
 
 import uvicorn
 
@@ -24,12 +25,23 @@ _DEATH_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True)
+class RayReplicas:
+    """Engines on Ray instead of an engine process: the named replica actors to join."""
+
+    address: str  # the Ray cluster's GCS address
+    namespace: str
+    names: tuple[str, ...]
+    cluster: Any  # prelude.cluster.launch.ClusterConfig (not imported here: Ray is optional)
+
+
+@dataclass(frozen=True)
 class FrontSettings:
     """What every HTTP process is started with (picklable: a spawn argument)."""
 
     model: str | None
-    engine_path: str  # the engine process's Unix socket
-    engine_pid: int
+    engine_path: str | None  # the engine process's Unix socket (None: engines on Ray)
+    engine_pid: int | None
+    ray: RayReplicas | None
     count: int
     seed: int
     api_key: str | None
@@ -43,14 +55,15 @@ class FrontServer(DrainingServer):
     """DrainingServer whose engine connection joins its event loop at startup, and which
     stops (exit code 1) once the engine process is gone and the failed requests are answered."""
 
-    def __init__(self, config: uvicorn.Config, client: ProcEngineClient, limits: ServerLimits, gate: object) -> None:
+    def __init__(self, config: uvicorn.Config, client: Any, limits: ServerLimits, gate: object) -> None:
         super().__init__(config, gate, limits.shutdown_timeout_s, client)  # type: ignore[arg-type]
         self.client = client
         self.engine_died = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await self.client.start()
-        self.client.on_dead = self._on_engine_death
+        if isinstance(self.client, ProcEngineClient):
+            await self.client.start()
+            self.client.on_dead = self._on_engine_death
         await super().startup(sockets)
 
     def _on_engine_death(self) -> None:
@@ -64,7 +77,7 @@ class FrontServer(DrainingServer):
         asyncio.get_running_loop().create_task(stop())
 
 
-def _connect(path: str) -> tuple[socket.socket, object]:
+def _connect(path: str) -> tuple[socket.socket, Any]:
     """Connect to the engine process and read its ReplicaInfo (blocking: before the loop runs)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
@@ -72,18 +85,47 @@ def _connect(path: str) -> tuple[socket.socket, object]:
     return conn, info
 
 
+def _tokenizer_for(info: Any, model: str | None) -> Any:
+    """`info` with a tokenizer: engines ship none (it is large, or does not pickle), so each
+    HTTP process loads its own from the same files."""
+    from prelude.model.loader import resolve_model_dir
+    from prelude.tokenizer.loading import load_tokenizer
+
+    if info.tokenizer is not None:
+        return info
+    return replace(info, tokenizer=load_tokenizer(resolve_model_dir(model)[0]))
+
+
+def _ray_client(spec: RayReplicas, settings: FrontSettings, index: int) -> Any:
+    """This HTTP process's own client over the named replicas (its own router and monitor)."""
+    import ray
+
+    from prelude.cluster.launch import client_over
+
+    ray.init(address=spec.address, namespace=spec.namespace, log_to_driver=False)
+    replicas = [ray.get_actor(name) for name in spec.names]
+    info = _tokenizer_for(ray.get(replicas[0].info.remote()), settings.model)
+    client = client_over(replicas, spec.cluster, info, seed=settings.seed * 1_000_003 + index)
+    replicas_health = client.health
+    # /health says which HTTP process answered, as ProcEngineClient's does.
+    client.health = lambda: {**replicas_health(), "api_server": index, "api_servers": settings.count}
+    return client
+
+
 def front_main(index: int, listener: socket.socket, settings: FrontSettings) -> None:
     """One HTTP process's entry (multiprocessing spawn target); exits 1 if the engine died."""
     from prelude.entrypoints.multiproc.supervisor import child_setup
     from prelude.entrypoints.openai.api_server import build_app
-    from prelude.model.loader import resolve_model_dir
-    from prelude.tokenizer.loading import load_tokenizer
 
     child_setup(settings.log_level, settings.log_format)
-    conn, info = _connect(settings.engine_path)
-    if info.tokenizer is None:  # shipped without it: each HTTP process loads its own
-        info = replace(info, tokenizer=load_tokenizer(resolve_model_dir(settings.model)[0]))
-    client = ProcEngineClient(info, conn, index, settings.count, settings.seed, settings.engine_pid)
+    client: Any
+    if settings.ray is not None:
+        client = _ray_client(settings.ray, settings, index)
+    else:
+        assert settings.engine_path is not None
+        conn, info = _connect(settings.engine_path)
+        client = ProcEngineClient(_tokenizer_for(info, settings.model), conn, index, settings.count, settings.seed,
+                                  settings.engine_pid)
     app = build_app(client, api_key=settings.api_key, limits=settings.limits,
                     metrics_require_key=settings.metrics_require_key)
     config = uvicorn.Config(app, timeout_keep_alive=30, access_log=False, log_config=None)
@@ -92,5 +134,6 @@ def front_main(index: int, listener: socket.socket, settings: FrontSettings) -> 
     try:
         server.run(sockets=[listener])
     finally:
-        client.shutdown()
+        # A Ray client only stops watching: the replicas belong to the supervisor.
+        client.close() if settings.ray is not None else client.shutdown()
     raise SystemExit(1 if server.engine_died else 0)

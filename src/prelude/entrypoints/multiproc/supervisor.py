@@ -23,12 +23,14 @@ import socket
 import tempfile
 import time
 from multiprocessing.connection import wait
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from types import FrameType
+from typing import Any, Callable
 
 from prelude.config import EngineConfig
 from prelude.entrypoints.multiproc.engine_proc import engine_main
-from prelude.entrypoints.multiproc.front_proc import FrontSettings, front_main
+from prelude.entrypoints.multiproc.front_proc import FrontSettings, RayReplicas, front_main
 
 logger = logging.getLogger("prelude.supervisor")
 
@@ -49,12 +51,24 @@ def child_setup(log_level: str, log_format: str) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class RayEngines:
+    """--data-parallel-size and friends: Ray replicas run the engines instead of one engine process."""
+
+    cluster: Any  # prelude.cluster.launch.ClusterConfig
+    factory: Callable[[], Any]
+    decode_factory: Callable[[], Any] | None = None
+
+
 class Supervisor:
-    def __init__(self, config: EngineConfig, count: int, host: str, port: int, settings: dict[str, object]) -> None:
+    def __init__(self, config: EngineConfig, count: int, host: str, port: int, settings: dict[str, object],
+                 ray_engines: RayEngines | None = None) -> None:
         self.config, self.count, self.host, self.port = config, count, host, port
         self.settings = settings
+        self.ray_engines = ray_engines
         self._stopping = False
         self._fronts: list[BaseProcess] = []
+        self._replicas: list[Any] = []
 
     def _signal(self, sig: int, frame: FrameType | None) -> None:
         if self._stopping:
@@ -73,38 +87,81 @@ class Supervisor:
         workdir = tempfile.mkdtemp(prefix="prelude-serve-")
         metrics_dir = os.path.join(workdir, "metrics")
         os.mkdir(metrics_dir)
-        # Before any child starts: prometheus_client picks its multiprocess mode at import.
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-        engine_path = os.path.join(workdir, "engine.sock")
         ctx = mp.get_context("spawn")  # no fork of a process that may hold threads
         listener = socket.create_server((self.host, self.port), backlog=2048)
         signal.signal(signal.SIGTERM, self._signal)
         signal.signal(signal.SIGINT, self._signal)
-        ready_r, ready_w = ctx.Pipe(duplex=False)
-        log_level, log_format = str(self.settings["log_level"]), str(self.settings["log_format"])
-        engine = ctx.Process(target=engine_main, name="prelude-engine",
-                             args=(self.config, engine_path, ready_w, log_level, log_format))
+        engine: BaseProcess | None = None
         try:
-            engine.start()
-            ready_w.close()
-            if not self._await_engine(engine, ready_r):
-                return 1
-            front_settings = FrontSettings(model=self.config.model, engine_path=engine_path, engine_pid=engine.pid,
-                                           count=self.count, **self.settings)  # type: ignore[arg-type]
+            if self.ray_engines is not None:
+                # Ray's own processes start before the variable exists: their metrics are Ray's.
+                ray_spec, engine_path, engine_pid = self._start_ray_replicas(), None, None
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+                signal.signal(signal.SIGTERM, self._signal)  # ray.init installed its own (an abort)
+                signal.signal(signal.SIGINT, self._signal)
+            else:
+                # Before any child starts: prometheus_client picks its multiprocess mode at import.
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+                engine_path = os.path.join(workdir, "engine.sock")
+                engine = self._start_engine(ctx, engine_path)
+                if engine is None:
+                    return 1
+                ray_spec, engine_pid = None, engine.pid
+            front_settings = FrontSettings(model=self.config.model, engine_path=engine_path, engine_pid=engine_pid,
+                                           ray=ray_spec, count=self.count, **self.settings)  # type: ignore[arg-type]
             for i in range(self.count):
                 p = ctx.Process(target=front_main, name=f"prelude-api-{i}", args=(i, listener, front_settings))
                 p.start()
                 self._fronts.append(p)
             listener.close()  # the HTTP processes hold it now
-            logger.info("ready: %d api servers on http://%s:%d, engine process %d", self.count, self.host,
-                        self.port, engine.pid)
+            logger.info("ready: %d api servers on http://%s:%d over %s", self.count, self.host, self.port,
+                        f"engine process {engine_pid}" if engine is not None else "Ray replicas")
             return self._watch(engine)
         finally:
-            for p in [*self._fronts, engine]:
+            for p in [*self._fronts, *([engine] if engine is not None else [])]:
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=5)
+            if self.ray_engines is not None:
+                import ray
+
+                ray.shutdown()  # the replicas are this driver's actors: they go with it
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _start_engine(self, ctx: Any, path: str) -> BaseProcess | None:
+        """The engine process, started and ready (its socket listening); None if it failed."""
+        ready_r, ready_w = ctx.Pipe(duplex=False)
+        log_level, log_format = str(self.settings["log_level"]), str(self.settings["log_format"])
+        engine = ctx.Process(target=engine_main, name="prelude-engine",
+                             args=(self.config, path, ready_w, log_level, log_format))
+        engine.start()
+        ready_w.close()
+        if self._await_engine(engine, ready_r):
+            return engine
+        if engine.is_alive():
+            engine.kill()
+        engine.join(timeout=5)
+        return None
+
+    def _start_ray_replicas(self) -> RayReplicas:
+        """Ray replicas as named actors, each HTTP process joins them with its own client."""
+        import uuid
+
+        import ray
+
+        from prelude.cluster.launch import ensure_ray, start_replicas
+
+        spec = self.ray_engines
+        assert spec is not None
+        cluster = spec.cluster
+        namespace = f"prelude-{uuid.uuid4().hex[:12]}"
+        ensure_ray(cluster.ray_address, cluster.num_replicas * cluster.cpus_per_replica, namespace=namespace)
+        names = tuple(f"replica-{i}" for i in range(cluster.num_replicas))
+        replicas = start_replicas(spec.factory, cluster, int(self.settings["seed"]),  # type: ignore[call-overload]
+                                  spec.decode_factory, names=list(names))
+        ray.get([r.info.remote() for r in replicas])  # every replica built its engine
+        self._replicas = replicas  # Ray ends an actor whose owner dropped every handle
+        return RayReplicas(ray.get_runtime_context().gcs_address, namespace, names, cluster)
 
     def _await_engine(self, engine: BaseProcess, ready: object) -> bool:
         while True:
@@ -124,11 +181,12 @@ class Supervisor:
                 logger.error("the engine process exited during start-up (exit code %s)", engine.exitcode)
                 return False
 
-    def _watch(self, engine: BaseProcess) -> int:
-        """Until every HTTP process is down, then stop the engine; the exit code."""
+    def _watch(self, engine: BaseProcess | None) -> int:
+        """Until every HTTP process is down, then stop the engine; the exit code. (Ray
+        replicas, `engine` None, are restarted by Ray and stopped with the driver.)"""
         code, exited = 0, set()
         while True:
-            if not engine.is_alive():
+            if engine is not None and not engine.is_alive():
                 logger.error("the engine process exited (exit code %s); the api servers fail their requests",
                              engine.exitcode)
                 self._join_all(self._fronts, _FRONT_EXIT_S)
@@ -145,7 +203,9 @@ class Supervisor:
                     self._signal(signal.SIGTERM, None)
             if not live:
                 break
-            wait([engine.sentinel, *(p.sentinel for p in live)], timeout=1.0)
+            wait([*([engine.sentinel] if engine is not None else []), *(p.sentinel for p in live)], timeout=1.0)
+        if engine is None:
+            return code
         engine.terminate()  # SIGTERM: the engine process stops its loop and exits 0
         engine.join(timeout=30)
         return code or int(engine.exitcode != 0)
