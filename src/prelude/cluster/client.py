@@ -4,8 +4,11 @@ A request is validated here, once (tokens checked, budget clamped, class picked)
 routed to a replica, which runs the prepared Request. Faults use Ray's own machinery:
 replicas are actors with `max_restarts`; a call to a dead one raises RayActorError,
 and a monitor thread pings a down replica until Ray has restarted it. Retries: a
-request that has streamed nothing yet moves to another replica; one whose stream has
-started ends with EngineUnavailableError (an explicit error event; the client decides).
+request that has produced nothing yet moves to another replica (at most
+`FaultConfig.max_retries` times); one that has produced output ends with ReplicaLostError,
+which a consumer that has sent nothing to its client (a non-streamed answer) answers by
+running the request again (counted here as a rerun), and a started stream turns into an
+error event.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from prelude.cluster.pools import PoolController
 from prelude.cluster.router import Router
-from prelude.engine.client import EngineUnavailableError
+from prelude.engine.client import EngineUnavailableError, ReplicaLostError
 from prelude.engine.metrics import RequestMetrics
 from prelude.engine.remote import ReplicaInfo, ValidatingFront
 from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
@@ -38,6 +41,7 @@ class FaultConfig:
     poll_s: float = 0.5  # how often the monitor pings down replicas
     call_timeout_s: float = 10.0  # metrics / integrity calls to one replica
     wait_for_replica_s: float = 30.0  # a request with no live replica waits this long, then 503
+    max_retries: int = 3  # moves of one request to another replica after its replica died, then 503
 
 
 class RayEngineClient(ValidatingFront):
@@ -57,8 +61,11 @@ class RayEngineClient(ValidatingFront):
         self._pools = pools  # LAPS spatial mode: short and long prompts on separate replica pools
         self._unprefilled = [0] * len(replicas)  # prompt tokens sent that have no first token yet
         self._up = [True] * len(replicas)
-        self._counts = {"retried_total": 0, "failed_mid_stream_total": 0, "replica_failures_total": 0,
-                        "replica_recoveries_total": 0}
+        self._counts = {"retried_total": 0, "failed_mid_stream_total": 0, "rerun_total": 0,
+                        "replica_failures_total": 0, "replica_recoveries_total": 0}
+        # Requests that died with output on a replica, by id: a consumer that runs one
+        # again (ReplicaLostError) is counted and logged as a rerun. Bounded, oldest out.
+        self._lost: dict[str, int] = {}
         self._stopping = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="prelude-replica-monitor", daemon=True)
         self._monitor.start()
@@ -91,17 +98,33 @@ class RayEngineClient(ValidatingFront):
         return r
 
     def _replica_failed(
-        self, r: int, exc: BaseException, streamed: bool, role: str, req: Request, retry_count: str = "retried_total"
+        self, r: int, exc: BaseException, streamed: bool, role: str, req: Request, tries: int,
+        retry_count: str = "retried_total",
     ) -> None:
-        """Replica `r` died serving `req`: mark it down; a request that has streamed cannot
-        move (raises the error its client sees), one that has not is tried elsewhere."""
+        """Replica `r` died serving `req`: mark it down; a request that has produced output
+        cannot move (raises ReplicaLostError), one that has not is tried elsewhere, at
+        most `max_retries` times (`tries`: moves so far)."""
         self._mark_down(r, exc)
         if streamed:
             self._counts["failed_mid_stream_total"] += 1
-            raise EngineUnavailableError(
+            self._lost[req.request_id] = r
+            while len(self._lost) > 10_000:
+                del self._lost[next(iter(self._lost))]
+            raise ReplicaLostError(
                 f"the {role} replica serving this request failed after it started streaming: {exc}") from None
+        if tries >= self.faults.max_retries:
+            raise EngineUnavailableError(
+                f"request {req.request_id}: {tries + 1} {role} replicas failed under it; retry later") from None
         self._counts[retry_count] += 1
-        logger.warning("%s replica %d failed before request %s streamed; trying another", role, r, req.request_id)
+        logger.warning("%s replica %d failed before request %s streamed; trying another (move %d of at most %d)",
+                       role, r, req.request_id, tries + 1, self.faults.max_retries)
+
+    def _note_rerun(self, request_id: str) -> None:
+        """A request that died with output on a replica is run again by its consumer."""
+        r = self._lost.pop(request_id, None)
+        if r is not None:
+            self._counts["rerun_total"] += 1
+            logger.warning("request %s runs again from the start (replica %d died before it answered)", request_id, r)
 
     def _release(self, r: int, req: Request, gen: object, *, streamed: bool, ended: bool) -> None:
         """A stream on replica `r` is over: drop its load, and cancel the replica's
@@ -113,6 +136,7 @@ class RayEngineClient(ValidatingFront):
             ray.cancel(gen)
 
     async def _run(self, req: Request) -> AsyncIterator[RequestOutput]:
+        tries = 0
         while True:
             r = await self._pick(req)
             self._in_flight[r] += 1
@@ -131,7 +155,8 @@ class RayEngineClient(ValidatingFront):
                         return
                 raise EngineUnavailableError(f"replica {r} ended request {req.request_id} without a result")
             except _REPLICA_DOWN as exc:
-                self._replica_failed(r, exc, streamed, "engine", req)
+                self._replica_failed(r, exc, streamed, "engine", req, tries)
+                tries += 1
             finally:
                 self._release(r, req, gen, streamed=streamed, ended=finished)
 
@@ -139,6 +164,7 @@ class RayEngineClient(ValidatingFront):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         req = self._prepare(request_id, prompt_token_ids, params, None)  # InvalidRequestError before any stream
+        self._note_rerun(request_id)
         return self._run(req)
 
     async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:

@@ -14,7 +14,8 @@ the rest (decode policy: MLFQ by default).
 Faults: before its first token, a request whose prefill replica died moves to another
 one (as in RayEngineClient); a decode replica that dies before it streamed anything is
 replaced by another with the same hand-off (the object store still holds it, owned by
-this front); a stream that has started ends with EngineUnavailableError.
+this front); a request that has produced output ends with ReplicaLostError (a
+non-streamed answer runs again from the start, a started stream ends with an error event).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class DisaggregatedClient(RayEngineClient):
     async def _prefill(self, req: Request) -> AsyncIterator[RequestOutput | ray.ObjectRef]:
         """The first-token increment, then the reference of the hand-off (its KV stays in
         the object store: the front never reads it)."""
+        tries = 0
         while True:
             r = await self._pick(req)
             self._in_flight[r] += 1
@@ -169,7 +171,8 @@ class DisaggregatedClient(RayEngineClient):
                 yield ref
                 return
             except _REPLICA_DOWN as exc:
-                self._replica_failed(r, exc, streamed, "prefill", req)
+                self._replica_failed(r, exc, streamed, "prefill", req, tries)
+                tries += 1
             finally:
                 self._release(r, req, gen, streamed=streamed, ended=done)
 
@@ -178,6 +181,7 @@ class DisaggregatedClient(RayEngineClient):
         rest; a decode replica that dies before streaming is replaced by another. Once a
         replica streams, the front drops its reference (Ray frees the object when the
         decode task lets go of it too)."""
+        tries = 0
         while handoff is not None:
             d = await self.gate.acquire(self._live_decode, self.faults.wait_for_replica_s)
             self._in_flight[d] += 1
@@ -193,7 +197,8 @@ class DisaggregatedClient(RayEngineClient):
                         return
                 raise EngineUnavailableError(f"replica {d} ended request {req.request_id} without a result")
             except _REPLICA_DOWN as exc:
-                self._replica_failed(d, exc, streamed, "decode", req, retry_count="decode_retried_total")
+                self._replica_failed(d, exc, streamed, "decode", req, tries, retry_count="decode_retried_total")
+                tries += 1
             finally:
                 self._in_flight[d] -= 1
                 self.gate.release(d)

@@ -21,6 +21,12 @@ class EngineUnavailableError(RuntimeError):
     mid-stream, or none is alive): HTTP 503, the client may retry."""
 
 
+class ReplicaLostError(EngineUnavailableError):
+    """The replica serving a request died after the request had produced output. What it
+    produced is void; a consumer that has sent none of it to its client (a non-streamed
+    answer) runs the request again from the start, a started stream ends with an error."""
+
+
 class EngineClient(Protocol):
     @property
     def model_name(self) -> str: ...

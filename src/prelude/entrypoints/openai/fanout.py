@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
 
-from prelude.engine.client import EngineClient
+from prelude.engine.client import EngineClient, ReplicaLostError
 from prelude.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from prelude.entrypoints.openai.disconnect import until_disconnect
+
+logger = logging.getLogger("prelude.server")
+
+# A non-streamed answer whose replica died after producing output runs again from the start
+# (nothing reached its client), at most this many times.
+MAX_RERUNS = 2
 
 
 @dataclass(frozen=True)
@@ -92,12 +99,23 @@ async def merged_outputs(engine: EngineClient, request_id: str, jobs: list[Job])
 async def collect_choices(
     engine: EngineClient, request_id: str, jobs: list[Job], http_request: HTTPRequest | None
 ) -> list[Choice]:
-    """Run all jobs to completion; cancel them if the HTTP client goes away."""
-    choices = [Choice(j.index) for j in jobs]
+    """Run all jobs to completion; cancel them if the HTTP client goes away. The client
+    sees nothing before the end, so when a replica dies under a job with output
+    (ReplicaLostError) every job runs again from the start, at most MAX_RERUNS times."""
 
     async def consume() -> list[Choice]:
-        async for job, out in merged_outputs(engine, request_id, jobs):
-            choices[job.index].add(out)
-        return choices
+        for rerun in range(MAX_RERUNS + 1):
+            choices = [Choice(j.index) for j in jobs]
+            try:
+                async with aclosing(merged_outputs(engine, request_id, jobs)) as outputs:
+                    async for job, out in outputs:
+                        choices[job.index].add(out)
+                return choices
+            except ReplicaLostError as exc:
+                if rerun == MAX_RERUNS:
+                    raise
+                logger.warning("request %s: %s; running it again from the start (%d of at most %d)",
+                               request_id, exc, rerun + 1, MAX_RERUNS)
+        raise AssertionError("unreachable")
 
     return await until_disconnect(consume(), http_request)
