@@ -188,3 +188,53 @@ def test_load_and_unload_while_requests_run(server, adapter_dirs) -> None:  # no
     assert post(base, "/v1/load_lora_adapter",
                 {"lora_name": "judge", "lora_path": str(adapter_dirs["judge"][0])}).status_code == 200
     assert completion(base, "judge", "a long one", 60).json()["choices"][0]["text"] == want_judge
+
+
+def save_classifier_adapter(path: Path, num_labels: int, seed: int) -> Any:
+    """A PEFT sequence-classification adapter (LoRA on all projections, its own `score`
+    head in modules_to_save) over hf_tiny_llama()'s weights; returns the PEFT model."""
+    import peft
+    import torch
+    import transformers
+
+    causal = hf_tiny_llama()
+    model = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(**{**causal.config.to_dict(), "num_labels": num_labels, "pad_token_id": 0}))
+    model.model.load_state_dict(causal.model.state_dict())
+    cfg = peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, init_lora_weights=False,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(model.float().eval(), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def test_an_adapter_with_its_own_head_serves_classify_and_score(server, tmp_path: Path) -> None:  # noqa: ANN001
+    import math
+
+    import torch
+
+    base, _ = server
+    models = {}
+    for name, labels in (("cls3", 3), ("scorer", 1)):
+        models[name] = save_classifier_adapter(tmp_path / name, labels, seed=labels)
+        r = post(base, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(tmp_path / name)})
+        assert r.status_code == 200, r.text
+    with torch.no_grad():
+        want = torch.softmax(models["cls3"](torch.tensor([list(b"judge this")])).logits[0].float(), -1).tolist()
+    got = post(base, "/classify", {"model": "cls3", "input": "judge this"}).json()
+    assert got["model"] == "cls3" and got["data"][0]["num_classes"] == 3
+    assert got["data"][0]["probs"] == pytest.approx(want, abs=1e-4)
+    assert got["data"][0]["label"] == f"LABEL_{max(range(3), key=want.__getitem__)}"
+    with torch.no_grad():
+        logit = models["scorer"](torch.tensor([list(b"q\nd")])).logits[0, 0].item()
+    score = post(base, "/v1/score", {"model": "scorer", "text_1": "q", "text_2": ["d"]}).json()
+    assert score["data"][0]["score"] == pytest.approx(1 / (1 + math.exp(-logit)), abs=1e-4)
+    # the base (no head) still refuses /classify without labels
+    assert post(base, "/classify", {"input": "judge this"}).status_code == 400
+    for name in models:
+        assert post(base, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200

@@ -9,7 +9,7 @@ seven projections, resident in slots. Steps, alternated trial by trial, medians:
 - no adapter loaded: the same base decode and prefill steps on a runner built without
   LoRA slots ("plain") vs one with its slots loaded ("base" rows take the plain forward
   there too): with no adapter in a step nothing of LoRA runs.
-A step is runner.execute (forward, logits of the last tokens, greedy sampling). The
+A step is runner.launch(...).wait() (forward, logits of the last tokens, greedy sampling). The
 machine's load average is recorded before and after. Writes JSON and a PNG.
 """
 
@@ -123,17 +123,17 @@ def run(model: str | None, dtype: str, adapters: int, rank: int, rows: int, cont
         batches, blocks = _batches(rows, context, prompt_tokens, block_size, loras)
         for r in (runner, plain):
             r.allocate_kv_cache(blocks)
-        runner.execute(batches["decode-lora"])  # loads every adapter into its slot (from disk, once)
+        runner.launch(batches["decode-lora"]).wait()  # loads every adapter into its slot (from disk, once)
     load_before = _loadavg()
     decode = _alternate({
-        "base": lambda: runner.execute(batches["decode-base"]),
-        "lora": lambda: runner.execute(batches["decode-lora"]),
-        "plain": lambda: plain.execute(batches["decode-base"]),
+        "base": lambda: runner.launch(batches["decode-base"]).wait(),
+        "lora": lambda: runner.launch(batches["decode-lora"]).wait(),
+        "plain": lambda: plain.launch(batches["decode-base"]).wait(),
     }, trials)
     prefill = _alternate({
-        "base": lambda: runner.execute(batches["prefill-base"]),
-        "lora": lambda: runner.execute(batches["prefill-lora"]),
-        "plain": lambda: plain.execute(batches["prefill-base"]),
+        "base": lambda: runner.launch(batches["prefill-base"]).wait(),
+        "lora": lambda: runner.launch(batches["prefill-lora"]).wait(),
+        "plain": lambda: plain.launch(batches["prefill-base"]).wait(),
     }, prefill_trials)
     load_after = _loadavg()
     med = {work: {k: 1000 * statistics.median(v) for k, v in times.items()}

@@ -153,9 +153,10 @@ class AsyncEngine:
                 return out
         raise RuntimeError(f"request {request_id} ended without a result")
 
-    async def check_adapter(self, lora: LoraRequest) -> None:
-        """Read and check a LoRA adapter off the event loop (raises ValueError saying why)."""
-        await asyncio.to_thread(self.engine.check_adapter, lora)
+    async def check_adapter(self, lora: LoraRequest) -> tuple[str, ...]:
+        """Read and check a LoRA adapter off the event loop (raises ValueError saying why);
+        the labels of its own classification head, or ()."""
+        return await asyncio.to_thread(self.engine.check_adapter, lora)
 
     async def _stream(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None,

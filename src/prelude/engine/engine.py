@@ -183,17 +183,27 @@ class LLMEngine:
         """Validation: check the request, build the Request and pick its class (raises
         InvalidRequestError). Touches no engine state, so the async front calls it on the
         caller's thread."""
-        req = validate_request(request_id, prompt_token_ids, params, self.request_rules,
+        rules = self.request_rules
+        if lora is not None and pooling is not None:  # an adapter may bring its own classification head
+            rules = replace(rules, labels=self.labels_for(lora))
+        req = validate_request(request_id, prompt_token_ids, params, rules,
                                seed_source=self._rng, pooling=pooling, lora=lora)
         return self.attach_grammar(req)
 
-    def check_adapter(self, lora: LoraRequest) -> None:
+    def check_adapter(self, lora: LoraRequest) -> tuple[str, ...]:
         """Read a LoRA adapter and check it against the model (raises LoraError, or
-        ValueError when this engine has no adapter slots). Any thread: it reads files and
-        touches no engine state."""
+        ValueError when this engine has no adapter slots); returns the labels of its own
+        classification head (() without one). Any thread: it reads files and touches no
+        engine state."""
         if self.runner.adapters is None:
             raise ValueError("this engine runs without LoRA (start it with --max-loras > 0 or --lora-modules)")
-        self.runner.adapters.read(lora)
+        return self.runner.adapters.read(lora).labels
+
+    def labels_for(self, lora: LoraRequest | None) -> tuple[str, ...]:
+        """The classification labels a request sees: its adapter's own head's, else the base's."""
+        if lora is not None and self.runner.adapters is not None:
+            return self.runner.adapters.labels(lora) or self.labels
+        return self.labels
 
     def attach_grammar(self, req: Request) -> Request:
         """Give a constrained generation its matcher (any thread; a malformed constraint

@@ -31,6 +31,7 @@ class AdapterSlots:
         self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype, device)
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
         self.num_loads = 0  # adapters read from disk into a slot (tests, metrics)
+        self._labels: dict[int, tuple[str, ...]] = {}  # adapter id -> its head's labels (() without a head)
 
     @property
     def nbytes(self) -> int:
@@ -39,7 +40,20 @@ class AdapterSlots:
     def read(self, lora: LoraRequest) -> LoraAdapter:
         """Read and check an adapter against the base (raises LoraError): what loading one
         checks before any request may use it."""
-        return read_adapter(lora.name, lora.path, self.model_config, self.config.max_lora_rank)
+        adapter = read_adapter(lora.name, lora.path, self.model_config, self.config.max_lora_rank)
+        self._labels[lora.id] = adapter.labels
+        return adapter
+
+    def labels(self, lora: LoraRequest) -> tuple[str, ...]:
+        """The labels of the adapter's own classification head (modules_to_save), or ()."""
+        if lora.id not in self._labels:
+            self.read(lora)
+        return self._labels[lora.id]
+
+    def head(self, lora: LoraRequest) -> torch.Tensor | None:
+        """A resident adapter's classification head (None: it has none, the base's serves)."""
+        slot = self._resident.get(lora.id)
+        return None if slot is None else self.slots.heads[slot]
 
     def resident(self) -> list[int]:
         return list(self._resident)

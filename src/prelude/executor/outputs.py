@@ -9,9 +9,10 @@ label scores on one `HostCopy`, and returns a `LaunchedStep` whose `wait` builds
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 
 from prelude.executor import label_heads
 from prelude.executor.host_copy import HostCopy, HostValue
@@ -51,6 +52,7 @@ class OutputHeads:
         starts: list[int],
         rows: list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
         emittable_vocab: int | None,
+        classify_heads: Mapping[str, torch.Tensor] | None = None,
     ) -> LaunchedStep:
         """Project only what each row asked for: last-token logits, prompt logprobs, heads."""
         copy = HostCopy()
@@ -60,7 +62,8 @@ class OutputHeads:
             (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
             logits = mask_padded_vocab(self.model.compute_logits(hidden.index_select(0, index)), emittable_vocab)
             sampled_build = sample_deferred(logits, [s for _, _, s in want], copy)
-        pending = {rid: self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head, copy)
+        own = classify_heads or {}  # rows whose LoRA adapter brings its own classification head
+        pending = {rid: self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head, copy, own.get(rid))
                    for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}
         copy.start()
 
@@ -70,7 +73,8 @@ class OutputHeads:
 
         return LaunchedStep(build)
 
-    def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec, copy: HostCopy):  # noqa: ANN202
+    def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec, copy: HostCopy,  # noqa: ANN202
+              classify_head: torch.Tensor | None = None):
         """Queue a row's head tensors on `copy`; returns a builder run after the copy."""
         prompt: tuple[HostValue, HostValue, HostValue | None, HostValue | None] | None = None
         if head.prompt_logprobs is not None and len(tokens) > 1:
@@ -94,7 +98,8 @@ class OutputHeads:
             scores = copy.add(label_heads.sequence_logprobs(
                 hidden.index_select(0, rows_at), d_targets, p.item_lens, self.model.compute_logits))
         elif p is not None and p.task is PoolingTask.CLASSIFY:
-            scores = copy.add(self.model.classify(hidden))
+            scores = copy.add(self.model.classify(hidden) if classify_head is None
+                              else F.linear(hidden[-1], classify_head).float())
         elif p is not None:
             pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
             embedding = copy.add(heads.normalize(pooled) if p.normalize else pooled)

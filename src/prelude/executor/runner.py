@@ -288,6 +288,14 @@ class ModelRunner:
         lora = self.lora_step([(r.lora, len(r.token_ids) - r.num_cached) for r in rows])
         return self.forward(inputs, lora), inputs.starts
 
+    def _adapter_heads(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """Rows whose adapter carries its own classification head: request id -> head."""
+        if self.adapters is None:
+            return {}
+        rows = batch.rows + (batch.oneshot_rows if isinstance(batch, MixedBatch) else ())
+        found = {r.request_id: self.adapters.head(r.lora) for r in rows if r.lora is not None and r.head is not None}
+        return {rid: head for rid, head in found.items() if head is not None}
+
     def lora_step(self, rows: Sequence[tuple[LoraRequest | None, int]]) -> LoraStep | None:
         """The adapters of a step's rows (each row's adapter and computed token count, in
         the forward's row order), loaded into slots; None when every row is the base."""
@@ -326,7 +334,7 @@ class ModelRunner:
             hidden, starts = self.forward_rows(batch.rows)
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
         forward_done = time.perf_counter()
-        launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab)
+        launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch))
         launched.forward_done = forward_done
         return launched
 

@@ -39,6 +39,7 @@ import torch
 
 from prelude.config import ModelConfig
 from prelude.model.decoder_segments import HeadWeights, Linear, TailWeights, linear
+from prelude.model.linear import bound_onednn_caches, prepack_enabled
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -211,22 +212,46 @@ class LoraSlots:
             self.a.append(a)
             self.b.append(b)
         self.heads: list[torch.Tensor | None] = [None] * num_slots
+        # The all-slots path's operands reordered once for oneDNN (as model/linear.py's
+        # Projection does for decode-sized calls): unpacked, a bf16 matmul this small spent
+        # most of its ~400 us reordering B at every call. Made on first use after a load.
+        self.prepack = prepack_enabled(dtype, self.device)
+        self._packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in (*self.a, *self.b) for t in layer.values())
+        return LoraSlots.bytes_for(self.config, self.num_slots, self.max_rank, self.dtype, self.device)
 
     @staticmethod
-    def bytes_for(config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
-        """Device bytes of a LoraSlots, before building one (the memory budget)."""
+    def bytes_for(config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> int:
+        """Device bytes of a LoraSlots, before building one (the memory budget): the slots,
+        and their oneDNN copies where the CPU prepacks."""
         per_layer = sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in _pieces(config).values())
-        return per_layer * config.num_hidden_layers * num_slots * dtype.itemsize
+        copies = 2 if prepack_enabled(dtype, torch.device(device)) else 1
+        return copies * per_layer * config.num_hidden_layers * num_slots * dtype.itemsize
+
+    def packed(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """oneDNN copies of a projection's A [slots k R, in] and B [out, slots k R] (None
+        where the CPU does not prepack)."""
+        key = (layer, proj)
+        found = self._packed.get(key)
+        if found is None and self.prepack:
+            bound_onednn_caches()
+            a, b = self.a[layer][proj], self.b[layer][proj]
+            try:
+                found = self._packed[key] = (
+                    torch.ops.mkldnn._reorder_linear_weight(a.flatten(1).t().contiguous(), None),
+                    torch.ops.mkldnn._reorder_linear_weight(b.flatten(0, 1).t().contiguous(), None))
+            except (RuntimeError, AttributeError):  # op missing, or no bf16 reorder on this CPU
+                self.prepack = False
+        return found
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write `adapter` into `slot` (replacing what was there)."""
         if adapter.rank > self.max_rank:
             raise LoraError(f"rank {adapter.rank} is over --max-lora-rank {self.max_rank}")
-        self.clear(slot)
+        self.clear(slot)  # (drops the packed copies too)
         r = self.max_rank
         for (layer, target), (a, b) in adapter.weights.items():
             proj = next(p for p, ts in FUSED.items() if target in ts)
@@ -246,6 +271,7 @@ class LoraSlots:
             for t in layer.values():
                 t[slot].zero_()
         self.heads[slot] = None
+        self._packed.clear()
 
 
 @dataclass(frozen=True)
@@ -289,14 +315,22 @@ class LoraBatch:
                     groups.append((s, torch.cat([torch.arange(a, b) for a, b in runs])))
         return LoraBatch(token_slots.to(device, non_blocking=True), tuple(groups))
 
-    def delta_into(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """out[t] += (x[t] @ a[slot t]) @ b[slot t] for every token of an adapter; returns out."""
+    def delta_into(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """out[t] += (x[t] @ a[slot t]) @ b[slot t] for every token of an adapter (a:
+        [in, slots, k R], b: [slots, k R, out]; `packed`: their oneDNN copies, see
+        LoraSlots.packed); returns out, or a new tensor holding the sum."""
         if out.device.type == "cuda":
             from prelude.model.lora_kernels import lora_delta_
 
             return lora_delta_(out, x, a.permute(1, 0, 2), b, self.token_slots)
         if self.one_hot is not None:
-            return out.addmm_((x @ a.flatten(1)).mul_(self._mask(a.shape[2], x.dtype)), b.flatten(0, 1))
+            mask = self._mask(a.shape[2], x.dtype)
+            if packed is not None:
+                lp = torch.ops.mkldnn._linear_pointwise
+                shrunk = lp(x.contiguous(), packed[0], None, "none", [], "").mul_(mask)
+                return lp.binary(shrunk, out.contiguous(), packed[1], None, "add")
+            return out.addmm_((x @ a.flatten(1)).mul_(mask), b.flatten(0, 1))
         for slot, rows in self.groups:
             if isinstance(rows, slice):
                 out[rows].addmm_(x[rows] @ a[:, slot], b[slot])
@@ -317,14 +351,16 @@ class LoraBatch:
 class LoraLinear:
     """A projection operand plus this batch's adapters: what `linear(x, w)` calls."""
 
-    __slots__ = ("base", "bias", "a", "b", "batch")
+    __slots__ = ("base", "bias", "slots", "layer", "proj", "batch")
 
-    def __init__(self, base: Linear, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+    def __init__(self, base: Linear, bias: torch.Tensor | None, slots: LoraSlots, layer: int, proj: str,
                  batch: LoraBatch) -> None:
-        self.base, self.bias, self.a, self.b, self.batch = base, bias, a, b, batch
+        self.base, self.bias, self.slots, self.layer, self.proj, self.batch = base, bias, slots, layer, proj, batch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.batch.delta_into(linear(x, self.base, self.bias), x, self.a, self.b)
+        s, layer, proj = self.slots, self.layer, self.proj
+        packed = s.packed(layer, proj) if self.batch.one_hot is not None else None
+        return self.batch.delta_into(linear(x, self.base, self.bias), x, s.a[layer][proj], s.b[layer][proj], packed)
 
 
 @dataclass(frozen=True)
@@ -335,11 +371,10 @@ class LoraStep:
     batch: LoraBatch
 
     def head(self, layer: int, w: HeadWeights) -> HeadWeights:
-        a, b = self.slots.a[layer]["qkv"], self.slots.b[layer]["qkv"]
-        return w._replace(qkv=LoraLinear(w.qkv, w.qkv_bias, a, b, self.batch), qkv_bias=None)
+        return w._replace(qkv=LoraLinear(w.qkv, w.qkv_bias, self.slots, layer, "qkv", self.batch), qkv_bias=None)
 
     def tail(self, layer: int, w: TailWeights) -> TailWeights:
-        a, b, batch = self.slots.a[layer], self.slots.b[layer], self.batch
-        return w._replace(o_proj=LoraLinear(w.o_proj, None, a["o_proj"], b["o_proj"], batch),
-                          gate_up=LoraLinear(w.gate_up, None, a["gate_up"], b["gate_up"], batch),
-                          down=LoraLinear(w.down, None, a["down"], b["down"], batch))
+        s, batch = self.slots, self.batch
+        return w._replace(o_proj=LoraLinear(w.o_proj, None, s, layer, "o_proj", batch),
+                          gate_up=LoraLinear(w.gate_up, None, s, layer, "gate_up", batch),
+                          down=LoraLinear(w.down, None, s, layer, "down", batch))

@@ -173,7 +173,8 @@ def build_app(
         check_unknown_fields(body, request.url.path)
         ticket = gate.enter()  # 429 / 503 before any work
         record = request_record(request.state)
-        gated = GatedEngine(engine, ticket, limits.request_timeout_s, record, lora)
+        gated = GatedEngine(engine, ticket, limits.request_timeout_s, record, lora,
+                            adapters.labels(lora) if lora is not None else None)
         try:
             response = await ROUTES[url].handler(body)(gated, body, request)
         except ClientDisconnected:

@@ -38,6 +38,7 @@ class ServedAdapters:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self._by_name: dict[str, LoraRequest] = {}
+        self._labels: dict[str, tuple[str, ...]] = {}  # an adapter's own classification head's labels
         self._ids = itertools.count(1)
         self._loading: set[str] = set()
 
@@ -68,20 +69,27 @@ class ServedAdapters:
         lora = LoraRequest(name, path, next(self._ids))
         self._loading.add(name)  # a second load of the name while this one reads is refused
         try:
-            await check(lora)
+            labels = await check(lora)
         except ValueError as e:  # model.lora.LoraError, or an engine without slots
             raise APIError(f"cannot load LoRA adapter `{name}`: {e}", 400, param="lora_path",
                            code="invalid_lora_adapter") from None
         finally:
             self._loading.discard(name)
         self._by_name[name] = lora
+        self._labels[name] = tuple(labels or ())
         return lora
+
+    def labels(self, lora: LoraRequest) -> tuple[str, ...]:
+        """The labels /classify and /v1/score answer with under this adapter: its own
+        head's (modules_to_save), else the base model's."""
+        return self._labels.get(lora.name) or self._engine.labels
 
     def load_at_start(self, name: str, path: str) -> LoraRequest:
         """`--lora-modules`: the same checks, before the server listens (raises APIError)."""
         return asyncio.run(self.load(name, path))
 
     def unload(self, name: str) -> None:
+        self._labels.pop(name, None)
         if self._by_name.pop(name, None) is None:
             raise APIError(f"no LoRA adapter named `{name}` is loaded", 404, param="lora_name",
                            code="lora_adapter_not_found")

@@ -99,11 +99,13 @@ class GatedEngine:
     freed) when the deadline passes. Everything else is the wrapped engine's."""
 
     def __init__(self, engine: Any, ticket: Ticket, timeout_s: float | None,
-                 record: RequestRecord | None = None, lora: LoraRequest | None = None) -> None:
+                 record: RequestRecord | None = None, lora: LoraRequest | None = None,
+                 labels: tuple[str, ...] | None = None) -> None:
         self._engine = engine
         # The LoRA adapter the request's `model` named: every engine call runs with it.
         self._lora = {"lora": lora} if lora is not None else {}
         self._model_name = lora.name if lora is not None else None
+        self._labels = labels  # the adapter's classification labels (None: the engine's)
         self._ticket = ticket
         self._record = record
         self._t0 = time.monotonic()
@@ -117,6 +119,10 @@ class GatedEngine:
     def model_name(self) -> str:
         """What answers name as their model: the adapter, or the base."""
         return self._model_name or self._engine.model_name
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self._engine.labels if self._labels is None else self._labels
 
     def validate(self, prompt_token_ids: list[int], params: Any, pooling: Any = None) -> None:
         self._engine.validate(prompt_token_ids, params, pooling, **self._lora)
