@@ -64,3 +64,12 @@ def test_auto_attention_backend_is_triton_on_cuda_only() -> None:
     assert resolve_attention_backend("auto", cpu, has_triton=True) == "cpu"  # the C kernel (SDPA if it cannot build)
     assert resolve_attention_backend("torch", cuda, has_triton=True) == "torch"  # an explicit name stays
     assert resolve_attention_backend("triton", cpu) == "triton"  # refused later by the registry, with its reason
+
+
+def test_dtype_reason_names_the_flags_behind_auto() -> None:
+    from prelude.executor.device import dtype_reason
+
+    cpu = torch.device("cpu")
+    assert "avx512_bf16" in dtype_reason("auto", cpu, frozenset({"avx2", "avx512_bf16"}))
+    assert "no AVX512-BF16" in dtype_reason("auto", cpu, frozenset({"avx2", "fma"}))
+    assert dtype_reason("float32", cpu) == "asked for"

@@ -117,3 +117,76 @@ def test_no_compiler_or_switched_off_means_no_kernel(tmp_path, monkeypatch: pyte
     monkeypatch.delenv("CC")
     monkeypatch.setenv("PRELUDE_BLOCKS_KERNEL", "0")
     assert load_kernel() is None
+
+
+def _bf16_kernel(kernel):  # noqa: ANN001, ANN202
+    if not kernel.bf16:
+        from prelude.model.native_lib import cpu_isa_flags
+
+        pytest.skip("bf16 activations need AVX512-BF16; this CPU has "
+                    + " ".join(sorted(f for f in cpu_isa_flags() if f.startswith(("avx", "amx")))))
+    return kernel
+
+
+@pytest.mark.parametrize("gguf_type", GGUF_TYPES)
+@pytest.mark.parametrize("rows,k", [(1, 160), (2, 608), (3, 160), (4, 608), (5, 160), (9, 608)])
+def test_bf16_kernel_equals_linear_over_the_same_weights(kernel, gguf_type: str, rows: int, k: int) -> None:  # noqa: ANN001
+    """bf16 rows (odd block counts; more blocks than one 16-lane step of minimums) against
+    float32 F.linear over the dequantized weights: the one rounding of the output to bf16."""
+    kernel = _bf16_kernel(kernel)
+    blocks, ref = quantized(gguf_type, 72, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    bias = torch.randn(72).to(torch.bfloat16)
+    got = kernel.linear(x, blocks, bias)
+    want = F.linear(x.float(), ref, bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 72)
+    torch.testing.assert_close(got.float(), want, rtol=2**-8 + 1e-5, atol=1e-3)
+    assert (got != want.to(torch.bfloat16)).sum().item() <= max(1, got.numel() // 50)  # a sum-order tie, rarely
+    with pytest.raises(ValueError, match="bias"):
+        kernel.linear(x, blocks, bias.float())
+
+
+def test_avx2_build_has_no_bf16_path() -> None:
+    """Built for AVX2+FMA only (what an AVX2-only CPU gets), the library says it cannot take
+    bf16 rows, and bf16 projections stay on their dense route."""
+    import ctypes
+
+    from prelude.model import blocks_kernel, native_lib
+
+    if load_kernel() is None:
+        pytest.skip("the blocks kernel cannot run here (no C compiler or no AVX2+FMA)")
+    avx2 = blocks_kernel.BlocksKernel(ctypes.CDLL(str(blocks_kernel.build(native_lib.AVX2_FLAGS))))
+    assert not avx2.bf16 and avx2.takes(torch.float32) and not avx2.takes(torch.bfloat16)
+    blocks, ref = quantized("Q4_1", 8, 64)
+    with pytest.raises(ValueError):
+        avx2.linear(torch.randn(2, 64).to(torch.bfloat16), blocks)
+    proj = Projection(ref.to(torch.bfloat16), None, blocks=BlocksPath(blocks, avx2))
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert torch.equal(proj(x), F.linear(x, ref.to(torch.bfloat16)))
+
+
+def test_limit_blocks_moves_the_row_cut(kernel) -> None:  # noqa: ANN001
+    blocks, ref = quantized("Q8_0", 16, 64)
+    proj = Projection(ref, None, blocks=BlocksPath(blocks, kernel))
+    proj.limit_blocks(2)
+    assert proj.blocks is not None and proj.blocks.max_rows == 2
+    x = torch.randn(3, 64)
+    assert torch.equal(proj(x[:2]), kernel.linear(x[:2], blocks))
+    assert torch.equal(proj(x), F.linear(x, ref))  # 3 rows: the dense route
+    proj.limit_blocks(0)
+    assert proj.blocks is None
+
+
+def test_decode_route_crossover_and_cache(kernel, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from prelude.model import decode_routes
+
+    assert decode_routes.crossover({1: (1.0, 2.0), 2: (1.5, 2.0), 4: (3.0, 2.1), 8: (1.0, 9.0)}) == 2
+    assert decode_routes.crossover({1: (2.0, 1.0)}) == 0
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))
+    pairs = [quantized("Q4_1", 64, 128, seed=s) for s in range(2)]
+    pairs = [(ref, b) for b, ref in pairs]
+    first = decode_routes.choose(pairs, kernel, torch.float32)
+    assert first.source == "measured" and first.ms and first.blocks_max_rows == decode_routes.crossover(first.ms)
+    again = decode_routes.choose(pairs, kernel, torch.float32)
+    assert again.source == "cached" and again.blocks_max_rows == first.blocks_max_rows and again.ms == first.ms
+    assert "decode GEMMs in float32" in again.describe(torch.float32)

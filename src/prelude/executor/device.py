@@ -42,6 +42,18 @@ def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> tor
     return torch.bfloat16 if cpu_has_native_bf16(flags) else torch.float32
 
 
+def dtype_reason(name: str, device: torch.device, flags: frozenset[str] | None = None) -> str:
+    """Why `resolve_dtype(name, device)` picks what it picks (one phrase, for the start-up log)."""
+    if name != "auto":
+        return "asked for"
+    if device.type != "cpu":
+        return "auto: the GPU's tensor-core type"
+    native = sorted((cpu_isa_flags() if flags is None else flags) & _NATIVE_BF16_FLAGS)
+    if native:
+        return f"auto: this CPU has {', '.join(native)}, native bf16 dot products"
+    return "auto: this CPU has no AVX512-BF16 or AMX, where bf16 GEMMs are emulated and lose to float32"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto` picks by device and CPU capability (see `auto_dtype`); tests compare float32 exactly."""
     if name == "auto":

@@ -19,7 +19,13 @@ import torch
 
 from prelude.config import ExecutorConfig, LoraConfig
 from prelude.executor.compiled import COMPILE_MODES, CompiledForwards, EagerForwards, ForwardProvider
-from prelude.executor.device import resolve_attention_backend, resolve_device, resolve_dtype
+from prelude.executor.device import (
+    cpu_isa_flags,
+    dtype_reason,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, pack_int64
 from prelude.executor.kv_sizing import GRAPH_RESERVE_BYTES, DeviceMemory
@@ -53,7 +59,12 @@ def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments 
         if model.dtype not in CPU_FUSED_DTYPES or head_dim < 2 or head_dim % 2:
             return None
         kernels = load_cpu_kernels()
-        return None if kernels is None else fused_segments(kernels, "cpu")
+        if kernels is None:
+            return None
+        isa = "AVX-512" if "avx512_f" in cpu_isa_flags() else "AVX2"
+        logger.info("elementwise ops: fused C kernels in %s (%s build for this CPU)",
+                    str(model.dtype).removeprefix("torch."), isa)
+        return fused_segments(kernels, "cpu")
     if model.device.type != "cuda":
         return None
     if head_dim < 2 or head_dim & (head_dim - 1):  # the rotary kernel tiles a head in two power-of-two halves
@@ -205,6 +216,7 @@ class ModelRunner:
         block-format projections, which CPU decode reads where it can."""
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), dtype_reason(config.dtype, device))
         attention = get_attention_backend(resolve_attention_backend(config.attention_backend, device), device)
         # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]

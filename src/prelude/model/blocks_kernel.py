@@ -1,6 +1,7 @@
 """The few-row GEMM over GGUF blocks (blocks_gemm.c), built once per machine
-(model/native_lib.py) and called through ctypes. Without a compiler or an AVX2+FMA CPU,
-`load_kernel()` returns None and projections keep their float32 path.
+(model/native_lib.py) and called through ctypes: float32 activations on any AVX2+FMA CPU,
+bf16 activations where the CPU has AVX512-BF16 (`BlocksKernel.bf16`). Without a compiler
+or an AVX2+FMA CPU, `load_kernel()` returns None and projections keep their dense path.
 """
 
 from __future__ import annotations
@@ -27,18 +28,36 @@ class BlocksKernel:
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int, ctypes.c_void_p]
         self._fn = fn
+        available = lib.prelude_blocks_gemm_bf16_available
+        available.restype = ctypes.c_int
+        # bf16 activations: built only where the compiler targeted AVX512-BF16 (this CPU has it)
+        self.bf16 = bool(available())
+        self._fn_bf16 = None
+        if self.bf16:
+            self._fn_bf16 = lib.prelude_blocks_gemm_bf16
+            self._fn_bf16.restype = ctypes.c_int
+            self._fn_bf16.argtypes = fn.argtypes
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Whether activations of `dtype` can read the blocks here."""
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16)
 
     def linear(self, x: torch.Tensor, blocks: GgmlBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] float32 -> [..., N]: x W^T (+ bias) with W in `blocks`."""
+        """x [..., K] float32 (or bf16 where `takes` it) -> [..., N] in x's dtype: x W^T
+        (+ bias, in x's dtype) with W in `blocks`."""
         k = blocks.in_features
         rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-        if rows.dtype != torch.float32 or rows.shape[1] != k:
-            raise ValueError(f"blocks GEMM takes float32 rows of {k}, got {rows.dtype} {tuple(rows.shape)}")
+        if not self.takes(rows.dtype) or rows.shape[1] != k:
+            raise ValueError(f"blocks GEMM takes float32{' or bfloat16' if self.bf16 else ''} rows of {k}, "
+                             f"got {rows.dtype} {tuple(rows.shape)}")
+        if bias is not None and bias.dtype != rows.dtype:
+            raise ValueError(f"a {bias.dtype} bias beside {rows.dtype} rows")
         m = rows.shape[0]
-        out = torch.empty(m, blocks.out_features, dtype=torch.float32)
+        out = torch.empty(m, blocks.out_features, dtype=rows.dtype)
         if m:
             scratch = torch.empty(m * k // 32, dtype=torch.float32)  # each x block's sum
-            rc = self._fn(KINDS.index(blocks.kind), rows.data_ptr(), m, k, blocks.qs.data_ptr(),
+            call = self._fn if rows.dtype == torch.float32 else self._fn_bf16
+            rc = call(KINDS.index(blocks.kind), rows.data_ptr(), m, k, blocks.qs.data_ptr(),
                           blocks.d.data_ptr(), None if blocks.m is None else blocks.m.data_ptr(),
                           blocks.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
                           torch.get_num_threads(), scratch.data_ptr())
@@ -47,9 +66,9 @@ class BlocksKernel:
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], blocks.out_features)
 
 
-def build() -> Path:
+def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
     """Compile the library into the cache unless it is there (`make install` calls this)."""
-    return native_lib.build(_SOURCE)
+    return native_lib.build(_SOURCE, flags)
 
 
 def load_kernel() -> BlocksKernel | None:

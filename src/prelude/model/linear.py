@@ -13,18 +13,20 @@ hundreds of MiB that way). Both copies are kept: projection weights are held twi
 prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
 
 A GGUF checkpoint's projections can also come in their stored block format (Q4_0, Q4_1,
-Q8_0: model/ggml_blocks.py). Calls of at most BLOCKS_MAX_ROWS float32 rows then read the
-blocks (model/blocks_kernel.py): 5-8x fewer bytes than float32, the same weights. On the
-AVX2 EPYC, SmolLM2-135M's projections and head per decode step (30 distinct layers, so
-weights stream from memory; alternated medians): 1 row 32.2 -> 11.0 ms, 4 rows 40.1 ->
-20.2 ms, 8 rows 43.8 -> 38.2 ms, 16 rows 59.4 -> 78.6 ms (the kernel is compute-bound
-there, hence the cut at 8).
+Q8_0: model/ggml_blocks.py). Few-row calls then read the blocks (model/blocks_kernel.py:
+float32 rows on any AVX2 CPU, bf16 rows on an AVX512-BF16 one): 5-8x fewer bytes, the
+same weights. The blocks' work grows with every row, so up to how many rows they pay is
+measured per CPU and dtype (decode_routes.py; BlocksPath.max_rows). On the AVX2 EPYC,
+SmolLM2-135M's projections and head per decode step (alternated medians): 1 row 32.2 ->
+11.0 ms, 4 rows 40.1 -> 20.2 ms, 8 rows 43.8 -> 38.2 ms, 16 rows 59.4 -> 78.6 ms. On the
+AVX512-BF16 Zen 5 in bf16 (one thread's CPU time): 1 row 12.2 -> 6.6 ms, 4 rows 12.7 ->
+9.6 ms, 8 rows 15.2 -> 18.4 ms.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,7 @@ from prelude.model.ggml_blocks import GgmlBlocks
 
 
 PACKED_MAX_ROWS = 32  # decode batches; larger calls run F.linear on the plain weight
-BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks where the layer has them
+BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 each): every layer shares
 # its shapes' kernels, so this holds each of a decoder's ~5 weight shapes at every row count
 # the packed path takes.
@@ -59,10 +61,12 @@ def prepack_enabled(dtype: torch.dtype, device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class BlocksPath:
-    """A projection's GGUF blocks and the kernel that reads them."""
+    """A projection's GGUF blocks, the kernel that reads them, and the most rows a call may
+    have to read them (decode_routes.py measures where they stop paying on this CPU)."""
 
     blocks: GgmlBlocks
     kernel: BlocksKernel
+    max_rows: int = BLOCKS_MAX_ROWS
 
 
 class Projection:
@@ -84,6 +88,12 @@ class Projection:
         self._want_packed = prepack
         self._packed: torch.Tensor | None = None
 
+    def limit_blocks(self, max_rows: int) -> None:
+        """Read the blocks for calls of at most `max_rows` rows (0: never); the model sets
+        this once, when it is built, from decode_routes.choose."""
+        if self.blocks is not None:
+            self.blocks = replace(self.blocks, max_rows=max_rows) if max_rows > 0 else None
+
     @property
     def packed(self) -> bool:
         """Whether decode-sized calls take a path of their own (blocks, or a prepacked
@@ -101,7 +111,7 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.blocks is not None and 0 < rows.shape[0] <= BLOCKS_MAX_ROWS and x.dtype == torch.float32:
+        if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
             return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)
         packed = self._packed_weight() if 0 < rows.shape[0] <= PACKED_MAX_ROWS else None
         if packed is None:

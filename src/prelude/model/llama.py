@@ -7,6 +7,7 @@ trunk returns hidden states, `compute_logits` projects only the rows asked for.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Mapping
 
 import torch
@@ -24,13 +25,16 @@ from prelude.model.decoder_segments import (
     Linear,
     TailWeights,
 )
-from prelude.model.blocks_kernel import load_kernel
+from prelude.model import decode_routes
+from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.linear import BlocksPath, Projection, prepack_enabled
 from prelude.model.lora import LoraStep
 from prelude.model.rope import RotaryEmbedding
 
+
+logger = logging.getLogger("prelude.model.llama")
 
 BlocksFor = Callable[..., BlocksPath | None]  # weight names (stacked in order) -> their blocks
 
@@ -89,8 +93,11 @@ class LlamaForCausalLM:
         cast = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         self.embed = cast["model.embed_tokens.weight"]
         prepack = prepack and prepack_enabled(dtype, self.device)
-        # Decode reads a GGUF's block-format projections (float32 activations on the CPU).
-        kernel = load_kernel() if prepack and dtype == torch.float32 and blocks else None
+        # Decode reads a GGUF's block-format projections (float32 activations on the CPU, or
+        # bf16 on an AVX512-BF16 one) for the row counts where that measured faster.
+        kernel = load_kernel() if prepack and blocks else None
+        if kernel is not None and not kernel.takes(dtype):
+            kernel = None
 
         def blocks_for(*names: str) -> BlocksPath | None:
             if kernel is None or not blocks:
@@ -114,6 +121,10 @@ class LlamaForCausalLM:
         head_name = "lm_head.weight" if "lm_head.weight" in cast else "model.embed_tokens.weight"
         self._lm_head_proj = (Projection(self.lm_head, None, prepack, blocks_for(head_name))
                               if self.lm_head is not None else None)
+        # Where decode reads GGUF blocks instead of oneDNN (None: no blocks in this model/CPU/dtype)
+        self.decode_route: decode_routes.RouteChoice | None = None
+        if kernel is not None:
+            self._choose_decode_route(kernel)
         self.attention = attention or get_attention_backend("torch")
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, dtype, self.device)
         self.q_size = config.num_attention_heads * config.head_dim
@@ -121,6 +132,20 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.shape = LayerShape(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                 config.rms_norm_eps)
+
+    def _choose_decode_route(self, kernel: BlocksKernel) -> None:
+        """Blocks or oneDNN per decode row count, as measured on this CPU (decode_routes.py)."""
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        projections += [self._lm_head_proj] if self._lm_head_proj is not None else []
+        with_blocks = [p for p in projections if p.blocks is not None]
+        if not with_blocks:
+            return
+        choice = decode_routes.choose([(p.weight, p.blocks.blocks) for p in with_blocks], kernel,  # type: ignore[union-attr]
+                                      self.dtype)
+        logger.info("%s", choice.describe(self.dtype))
+        self.decode_route = choice
+        for p in with_blocks:
+            p.limit_blocks(choice.blocks_max_rows)
 
     @property
     def weights_are_plain(self) -> bool:

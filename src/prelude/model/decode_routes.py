@@ -1,0 +1,141 @@
+"""Which decode GEMM route serves how many rows, measured on this CPU, once.
+
+A GGUF model's projections can be read two ways in decode: from their stored blocks
+(blocks_kernel.py: 4-8x fewer bytes, but work that grows with every row) or from a
+oneDNN-prepacked dense copy (linear.py: reads more bytes, amortizes them over rows). The
+crossover depends on the CPU (AVX2 vs AVX-512, AVX512-BF16, memory bandwidth) and the
+dtype, so it is measured, not assumed: the model's own projections, every layer (decode
+streams the weights from memory, as a step does), at 1, 2, 4, ... 16 rows until the blocks
+lose (their cost grows with rows, the dense route's barely), both routes alternated.
+Timed as the calling thread's CPU time with one torch thread, best of a few rounds: a
+wall clock on a shared machine measured the other tenants (a 1-row step read 379 vs
+490 ms under a load of 15, against ~6 vs ~9 ms of CPU time), and both routes spread over
+threads the same way (by output feature), so one thread's ratio is the team's. The answer is cached per CPU, dtype, model shapes and kernel sources, so only a
+machine's first start with a model pays (~0.5-1 s); later starts read a small JSON file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from prelude.model import native_lib
+from prelude.model.blocks_kernel import BlocksKernel
+from prelude.model.ggml_blocks import GgmlBlocks
+
+logger = logging.getLogger("prelude.model.decode_routes")
+
+ROW_COUNTS = (1, 2, 4, 8, 16)
+_ROUNDS = 5
+_SOURCES = ("blocks_gemm.c", "decode_routes.py")
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    """GGUF blocks for calls of at most `blocks_max_rows` rows (0: never), the dense
+    prepacked route above; `ms` per row count: (blocks, dense) per decode step's
+    projections; `source`: measured now, or read from the cache."""
+
+    blocks_max_rows: int
+    ms: dict[int, tuple[float, float]]
+    source: str
+
+    def describe(self, dtype: torch.dtype) -> str:
+        name = str(dtype).removeprefix("torch.")
+        rule = ("oneDNN prepacked for every row count" if self.blocks_max_rows == 0 else
+                f"GGUF blocks for <= {self.blocks_max_rows} rows, oneDNN prepacked above")
+        figures = ", ".join(f"{r} rows {b:.1f} vs {d:.1f} ms" for r, (b, d) in sorted(self.ms.items()))
+        return f"decode GEMMs in {name}: {rule} ({self.source} on this CPU, blocks vs oneDNN per step: {figures})"
+
+
+def crossover(ms: dict[int, tuple[float, float]]) -> int:
+    """The largest row count up to which the blocks were faster at every measured count."""
+    best = 0
+    for rows in sorted(ms):
+        blocks, dense = ms[rows]
+        if blocks >= dense:
+            break
+        best = rows
+    return best
+
+
+def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.dtype) -> Path:
+    from prelude.model.loader import cache_root  # the loader owns the cache layout
+
+    here = Path(__file__).parent
+    key = [str(dtype), torch.__version__, ",".join(sorted(native_lib.cpu_isa_flags())),
+           str(torch.get_num_threads())]
+    key += [f"{tuple(w.shape)}:{b.kind}" for w, b in pairs]
+    key += [(here / s).read_text() for s in _SOURCES]
+    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"decode-routes-{digest}.json"
+
+
+def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequence[torch.Tensor], kernel: BlocksKernel,
+               dtype: torch.dtype, rows: int) -> tuple[float, float]:
+    """(blocks, dense) ms of CPU time for one call of every projection at `rows` rows."""
+    xs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w, _ in pairs}}
+
+    def blocks() -> None:
+        for w, b in pairs:
+            kernel.linear(xs[w.shape[1]], b)
+
+    def dense() -> None:
+        for (w, _), p in zip(pairs, packed):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+    times: dict[str, list[float]] = {"blocks": [], "dense": []}
+    blocks(), dense()  # first calls: oneDNN builds its kernel for this row count
+    for i in range(_ROUNDS):
+        for name, fn in (("blocks", blocks), ("dense", dense))[:: 1 if i % 2 == 0 else -1]:
+            t0 = time.thread_time()
+            fn()
+            times[name].append(time.thread_time() - t0)
+    return 1000 * min(times["blocks"]), 1000 * min(times["dense"])
+
+
+def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel,
+             dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w, _ in pairs]
+    ms: dict[int, tuple[float, float]] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for rows in ROW_COUNTS:
+                ms[rows] = _time_rows(pairs, packed, kernel, dtype, rows)
+                if ms[rows][0] >= ms[rows][1]:
+                    break  # more rows only add to the blocks' work
+    finally:
+        torch.set_num_threads(threads)
+    return ms
+
+
+def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel, dtype: torch.dtype) -> RouteChoice:
+    """The row counts the blocks serve, for the projections `pairs` (dense weight in
+    `dtype`, its blocks): from the cache, else measured now and cached."""
+    path = _cache_file(pairs, dtype)
+    try:
+        data = json.loads(path.read_text())
+        ms = {int(r): (float(b), float(d)) for r, (b, d) in data["ms"].items()}
+        return RouteChoice(int(data["blocks_max_rows"]), ms, "cached")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ms = _measure(pairs, kernel, dtype)
+    choice = RouteChoice(crossover(ms), ms, "measured")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**asdict(choice), "source": "measured"}))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache: measured again next start
+        logger.warning("could not cache the decode route choice: %s", exc)
+    return choice
