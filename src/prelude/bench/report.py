@@ -27,6 +27,9 @@ def markdown(result: dict[str, Any]) -> str:
     sc = result["scenarios"]
     lines = [f"# prelude bench serve — {result['when']}", "", f"Machine: {result['machine']}.",
              f"Command: `{result['command']}`", ""]
+    if result.get("cpu"):
+        lines += [f"Every figure: dtype | CPU flags = {result['cpu']}; load average at the start "
+                  f"{result.get('load_average', 'unknown')}, at the end {result.get('load_average_end', 'unknown')}.", ""]
     if result.get("skipped"):
         lines += ["Skipped peers: " + "; ".join(f"{k}: {v}" for k, v in result["skipped"].items()), ""]
     lines += ["## Startup to ready (process start to first 200 from its health route)", ""]

@@ -208,7 +208,7 @@ def run_scenarios(
     flops, roof = raw.roofline(512)
     ceiling |= {"gemm_gflops": flops / 1e9, "roofline_long_req_s": roof}
     print(f"GEMM roofline: {flops / 1e9:.0f} GFLOP/s -> {roof:.2f} req/s at 512-in/1-out; "
-          f"Prelude eager forward: {ceiling['best_long_req_s']:.2f} req/s", flush=True)
+          f"Prelude eager forward: {ceiling['best_long_req_s']:.2f} req/s  [{_TAG}]", flush=True)
     if "a" in scenarios and completers:
         # vLLM's idle OpenMP threads spin for KMP_BLOCKTIME (200 ms) after a request:
         # longer pauses keep that spin off the next peer's request.
@@ -219,7 +219,7 @@ def run_scenarios(
                     "raw_forward_ms": {"p50": 1000 * percentile(raw_s, 50), "p95": 1000 * percentile(raw_s, 95)}}
         ceiling["forward_short_ms"] = out["a"]["raw_forward_ms"]["p50"]
         _show("a", out["a"]["peers"], ("e2e_p50_ms", "ttft_p50_ms", "rpm"))
-        print(f"[a] raw forward p50 {ceiling['forward_short_ms']:.1f} ms", flush=True)
+        print(f"[a] raw forward p50 {ceiling['forward_short_ms']:.1f} ms  [{_TAG}]", flush=True)
     if "b" in scenarios and completers:
         out["b"] = {"points": {}, "ceiling_req_s": {}}
         for c, prompts in wl.sweep.items():
@@ -276,10 +276,19 @@ def run_scenarios(
     return out, ceiling
 
 
+_TAG = ""  # "dtype | CPU flags", set by main: printed beside every figure
+
+
+def figure_tag(dtype: str, flags: frozenset[str]) -> str:
+    """What a figure was measured with: the dtype and the CPU's AVX/AMX flags."""
+    isa = sorted(f for f in flags if f.startswith(("avx", "amx")))
+    return f"{dtype} | {' '.join(isa) or 'no AVX'}{'' if any(f.startswith('amx') for f in isa) else ' (no AMX)'}"
+
+
 def _show(label: str, peers: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> None:
     for name, s in peers.items():
         figures = "  ".join(f"{k}={s[k]:.1f}" for k in keys)
-        print(f"[{label}] {name:<22} {figures}  errors={s['errors']}", flush=True)
+        print(f"[{label}] {name:<22} {figures}  errors={s['errors']}  [{_TAG}]", flush=True)
 
 
 def goals(result: dict[str, Any]) -> list[dict[str, str]]:
@@ -306,6 +315,9 @@ def goals(result: dict[str, Any]) -> list[dict[str, str]]:
     roof = ceiling.get("roofline_long_req_s")
     r = best / roof if best and roof else None
     add("512/1: prelude best req/s >= 0.6x the GEMM roofline", r, None if r is None else r >= 0.6)
+    c16 = points.get("16", {}).get("prelude", {}).get("req_s")
+    r = c16 / roof if c16 and roof else None
+    add("issue 24: 512/1 c=16: prelude req/s >= 0.85x the GEMM roofline", r, None if r is None else r >= 0.85)
     c = sc.get("c", {}).get("peers", {})
     if "prelude" in c and "llama.cpp" in c and c["llama.cpp"]["output_tok_s"] > 0:
         r = c["prelude"]["output_tok_s"] / c["llama.cpp"]["output_tok_s"]
@@ -328,6 +340,8 @@ def _vllm_goals(sc: dict[str, Any], add: Callable[..., None]) -> None:
         return pre / other if pre and other else None
 
     for goal, value, target, higher in (
+        ("issue 24: judge (e): prelude req/s / vllm >= 1.5", ratio("e", "req_s"), 1.5, True),
+        ("issue 24: 512/1 c=16: prelude req/s / vllm >= 1.1", ratio("b", "req_s", "16"), 1.1, True),
         ("512/1 c=16: prelude req/s / vllm >= 1.2", ratio("b", "req_s", "16"), 1.2, True),
         ("decode 128/32 c=4: prelude output tok/s / vllm >= 1.2", ratio("c", "output_tok_s"), 1.2, True),
         ("judge (e): prelude req/s / vllm >= 1.2", ratio("e", "req_s"), 1.2, True),
@@ -335,6 +349,13 @@ def _vllm_goals(sc: dict[str, Any], add: Callable[..., None]) -> None:
         ("128/1 c=1: prelude E2E p50 / vllm <= 0.8", ratio("a", "e2e_p50_ms"), 0.8, False),
     ):
         add(goal, value, None if value is None else (value >= target if higher else value <= target))
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def machine() -> str:
@@ -404,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         from prelude.executor.device import auto_dtype
 
         args.dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
+    global _TAG
+    from prelude.executor.device import cpu_isa_flags
+
+    _TAG = figure_tag(args.dtype, cpu_isa_flags())
+    print(f"every figure: [{_TAG}]", flush=True)
     opts = PeerOptions(dtype=args.dtype, llama_python=args.llama_python, vllm_python=args.vllm_python,
                        prelude_args=tuple(shlex.split(args.prelude_args)), baseline_src=args.baseline_src)
     names = args.peers.split(",")
@@ -411,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
         "command": "prelude bench serve " + shlex.join(sys.argv[1:] if argv is None else argv),
         "scale": args.scale, "sizes": sizes, "dtype": args.dtype, "rate": args.rate, "startup_s": {}, "skipped": {},
+        "cpu": _TAG, "load_average": _loadavg(),
     }
     with start_peers(names, opts, result["skipped"], cold=args.cold_start) as peers:
         result["startup_s"] = {p.spec.name: p.startup_s for p in peers}
@@ -418,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         # Loaded after the servers started, so their start-up timings stay undisturbed.
         with RawModel(args.dtype) as raw:
             result["scenarios"], result["ceiling"] = run_scenarios(peers, wl, args, scenarios, raw, tok)
+    result["load_average_end"] = _loadavg()
     result["goals"] = goals(result)
     out = Path(args.out)
     write_json(out.with_suffix(".json"), result)

@@ -1,0 +1,50 @@
+"""`prelude bench profile`: a profiled run's time lands in the right category, and the
+labels it puts around projections, attention and the fused kernels are taken off after."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prelude.bench.profile_bench import CATEGORIES, labelled, profile_steps
+from prelude.model.cpu_fused_kernels import CpuFusedKernels
+from prelude.model.linear import Projection
+
+
+class _Attention:
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+class _Model:
+    def __init__(self) -> None:
+        self.attention = _Attention()
+
+
+def test_categories_follow_the_labelled_calls() -> None:
+    model = _Model()
+    proj = Projection(torch.randn(256, 256))
+    x, q = torch.randn(64, 256), torch.randn(1, 4, 64, 32)
+
+    def run() -> int:
+        for _ in range(3):
+            y = proj(x)  # gemm (labelled while profiling)
+            model.attention.forward(q)  # attention (labelled)
+            F.silu(y) * y  # eager elementwise ops
+        return 3
+
+    res = profile_steps(run, model)
+    ms = res["ms_per_forward"]
+    assert set(ms) == set(CATEGORIES) and res["forwards"] == 3
+    assert ms["gemm"] > 0 and ms["attention"] > 0 and ms["elementwise"] > 0
+    assert sum(ms.values()) <= res["wall_ms_per_forward"] * 1.05
+    assert any(name in ("aten::mm", "aten::linear", "aten::addmm") for name, _ in res["top_ops_ms"]["gemm"])
+
+
+def test_labels_are_taken_off() -> None:
+    model = _Model()
+    call, rms = Projection.__call__, CpuFusedKernels.rms_norm
+    with labelled(model):
+        assert Projection.__call__ is not call and "forward" in vars(model.attention)
+    assert Projection.__call__ is call and CpuFusedKernels.rms_norm is rms
+    assert "forward" not in vars(model.attention)
