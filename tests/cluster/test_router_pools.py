@@ -67,3 +67,26 @@ def test_decode_placer_backpressure() -> None:
     assert p.place() is None and p.waits == 1
     p.release(1)
     assert p.place() == 1
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "prefix"])
+def test_adapter_requests_keep_affinity_unless_out_of_balance(policy: str) -> None:
+    r = Router(RouterConfig(policy, balance_abs_threshold=2, balance_rel_threshold=1.5), 3)
+    first = {name: r.route([7, 8, 9, 10], [0, 0, 0], adapter=name).replica for name in ("judge", "chat")}
+    for _ in range(4):  # the same adapter goes home, whatever the policy's own choice would be
+        for name, home in first.items():
+            d = r.route([1, 2, 3, 4], [0, 0, 0], adapter=name)
+            assert (d.replica, d.reason) == (home, "adapter_affinity")
+    loads = [0.0, 0.0, 0.0]
+    loads[first["judge"]] = 10  # home out of balance: the request goes elsewhere, and that becomes home
+    moved = r.route([1, 2, 3, 4], loads, adapter="judge")
+    assert moved.replica != first["judge"]
+    assert r.route([5], [0, 0, 0], adapter="judge").replica == moved.replica
+    assert r.route([5], [0, 0, 0], [x for x in range(3) if x != moved.replica], adapter="judge").replica != moved.replica
+
+
+def test_prefix_trees_do_not_match_across_adapters() -> None:
+    t = ApproxPrefixTree(block_size=4, max_blocks=100)
+    t.insert(list(range(8)), adapter="judge")
+    assert t.match(list(range(8)), adapter="judge") == 8
+    assert t.match(list(range(8))) == 0 and t.match(list(range(8)), adapter="chat") == 0

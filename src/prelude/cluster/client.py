@@ -28,7 +28,7 @@ from prelude.cluster.router import Router
 from prelude.engine.client import EngineUnavailableError, ReplicaLostError
 from prelude.engine.metrics import RequestMetrics
 from prelude.engine.remote import ReplicaInfo, ValidatingFront
-from prelude.engine.request import PoolingParams, Request, RequestOutput, SamplingParams
+from prelude.engine.request import LoraRequest, PoolingParams, Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger("prelude.cluster")
 
@@ -85,7 +85,8 @@ class RayEngineClient(ValidatingFront):
                 self._pools.rebalance(time.monotonic(), self._unprefilled)
                 pool = [r for r in self._pools.members(self._pools.pool_of(req.num_prompt_tokens)) if self._up[r]]
                 cands = pool or cands  # a pool with no live replica borrows the other's
-            return self._router.route(req.prompt_token_ids, self._in_flight, cands).replica
+            adapter = req.lora.name if req.lora is not None else None
+            return self._router.route(req.prompt_token_ids, self._in_flight, cands, adapter=adapter).replica
 
     async def _pick(self, req: Request) -> int:
         """A live replica (a failed one is down until Ray has restarted it); waits,
@@ -161,18 +162,29 @@ class RayEngineClient(ValidatingFront):
                 self._release(r, req, gen, streamed=streamed, ended=finished)
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: LoraRequest | None = None
     ) -> AsyncIterator[RequestOutput]:
-        req = self._prepare(request_id, prompt_token_ids, params, None)  # InvalidRequestError before any stream
+        req = self._prepare(request_id, prompt_token_ids, params, None, lora)  # InvalidRequestError before any stream
         self._note_rerun(request_id)
         return self._run(req)
 
-    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
-        req = self._prepare(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling)
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams,
+                     lora: LoraRequest | None = None) -> RequestOutput:
+        req = self._prepare(request_id, prompt_token_ids, SamplingParams(max_tokens=0), pooling, lora)
         async for out in self._run(req):
             if out.finished:
                 return out
         raise RuntimeError(f"request {request_id} ended without a result")
+
+    async def check_adapter(self, lora: LoraRequest) -> tuple[str, ...]:
+        """Read and check a LoRA adapter on a live replica (every replica reads it from the
+        same path when a step needs it); the labels of its own head, or ()."""
+        live = [r for r in range(len(self._replicas)) if self._up[r]]
+        if not live:
+            raise EngineUnavailableError("no engine replica is available; retry later")
+        labels = await self._replicas[live[0]].check_adapter.remote(lora)
+        self._adapter_labels[lora.id] = labels
+        return labels
 
     async def abort(self, request_id: str) -> None:
         for r, replica in enumerate(self._replicas):

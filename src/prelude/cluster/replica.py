@@ -48,6 +48,10 @@ class EngineReplica:
         by the front to learn that a restarted replica is back."""
         return os.getpid()
 
+    def check_adapter(self, lora: LoraRequest) -> tuple[str, ...]:
+        """Read and check a LoRA adapter against this replica's model (ValueError saying why)."""
+        return self.front.engine.check_adapter(lora)
+
     def _bind(self, req: Request) -> Request:
         return bind_prepared(self.front.engine, req)
 

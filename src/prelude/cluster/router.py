@@ -5,6 +5,9 @@ there: a tree over fixed-size token blocks, stored as chained block hashes (a bl
 key folds in its parent's key, so one dict lookup per block walks the tree). It is
 approximate on purpose: it never hears about the replica's own evictions, and it
 forgets its least recently used blocks past a capacity, which stands in for them.
+Requests under a LoRA adapter keep affinity to one replica (where its slot is likely
+resident and its prefixes cached): its last replica, unless that one is out of balance
+or not a candidate; prefix trees are kept per adapter (K/V never match across adapters).
 The rule follows SGLang's cache-aware router: when load is out of balance (the
 busiest replica has more than `balance_abs_threshold` requests more than the idlest
 AND more than `balance_rel_threshold` times as many) go to the idlest; otherwise go to
@@ -52,24 +55,24 @@ class ApproxPrefixTree:
         self.max_blocks = max_blocks
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
-    def _keys(self, tokens: Sequence[int]) -> list[int]:
-        keys, parent, bs = [], 0, self.block_size
+    def _keys(self, tokens: Sequence[int], adapter: str | None = None) -> list[int]:
+        keys, parent, bs = [], 0 if adapter is None else hash(adapter), self.block_size
         for start in range(0, len(tokens) - bs + 1, bs):
             parent = hash((parent, tuple(tokens[start:start + bs])))
             keys.append(parent)
         return keys
 
-    def match(self, tokens: Sequence[int]) -> int:
-        """Tokens of the longest cached prefix (whole blocks)."""
+    def match(self, tokens: Sequence[int], adapter: str | None = None) -> int:
+        """Tokens of the longest cached prefix (whole blocks) under `adapter`."""
         n = 0
-        for key in self._keys(tokens):
+        for key in self._keys(tokens, adapter):
             if key not in self._blocks:
                 break
             n += 1
         return n * self.block_size
 
-    def insert(self, tokens: Sequence[int]) -> None:
-        for key in self._keys(tokens):
+    def insert(self, tokens: Sequence[int], adapter: str | None = None) -> None:
+        for key in self._keys(tokens, adapter):
             self._blocks[key] = None
             self._blocks.move_to_end(key)
         while len(self._blocks) > self.max_blocks:
@@ -99,20 +102,35 @@ class Router:
         self.stats = RouterStats()
         self._next = 0
         self._trees = [ApproxPrefixTree(config.block_size, config.tree_max_blocks) for _ in range(num_replicas)]
+        self._adapter_home: OrderedDict[str, int] = OrderedDict()  # LoRA adapter -> its replica, LRU bounded
 
-    def route(self, prompt: Sequence[int], loads: Sequence[float], candidates: Sequence[int] | None = None) -> Decision:
+    def route(self, prompt: Sequence[int], loads: Sequence[float], candidates: Sequence[int] | None = None,
+              adapter: str | None = None) -> Decision:
         cands = list(range(self.num_replicas)) if candidates is None else list(candidates)
         if not cands:
             raise RuntimeError("no replica is available")
         policy = self.config.policy
-        if policy == "round_robin":
+        home = self._adapter_home.get(adapter) if adapter is not None else None
+        if home is not None and home in cands and not self._out_of_balance(home, loads, cands):
+            decision = Decision(home, "adapter_affinity")
+        elif policy == "round_robin":
             decision = self._round_robin(cands)
         elif policy == "least_load":
             decision = Decision(self._least_loaded(cands, loads), "least_load")
         else:
-            decision = self._prefix(prompt, loads, cands)
-        self._record(decision, prompt)
+            decision = self._prefix(prompt, loads, cands, adapter)
+        self._record(decision, prompt, adapter)
+        if adapter is not None:
+            self._adapter_home[adapter] = decision.replica
+            self._adapter_home.move_to_end(adapter)
+            while len(self._adapter_home) > 4096:
+                self._adapter_home.popitem(last=False)
         return decision
+
+    def _out_of_balance(self, replica: int, loads: Sequence[float], cands: list[int]) -> bool:
+        """`replica` is busier than the idlest candidate by the balance thresholds."""
+        lo, load = min(loads[r] for r in cands), loads[replica]
+        return load - lo > self.config.balance_abs_threshold and load > self.config.balance_rel_threshold * lo
 
     def _round_robin(self, cands: list[int]) -> Decision:
         # The next candidate at or after the cursor, so a dead replica's turn passes on.
@@ -126,24 +144,26 @@ class Router:
         self._next = (pick + 1) % self.num_replicas
         return pick
 
-    def _prefix(self, prompt: Sequence[int], loads: Sequence[float], cands: list[int]) -> Decision:
+    def _prefix(self, prompt: Sequence[int], loads: Sequence[float], cands: list[int],
+                adapter: str | None = None) -> Decision:
         cfg = self.config
         lo, hi = min(loads[r] for r in cands), max(loads[r] for r in cands)
         if hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo:
             return Decision(self._least_loaded(cands, loads), "balance")
-        matches = {r: self._trees[r].match(prompt) for r in cands}
+        matches = {r: self._trees[r].match(prompt, adapter) for r in cands}
         best = max(cands, key=lambda r: (matches[r], -loads[r]))
         if matches[best] > 0 and matches[best] >= cfg.cache_threshold * len(prompt):
             return Decision(best, "prefix_match", matches[best])
         return Decision(self._least_loaded(cands, loads), "no_match")
 
-    def _record(self, decision: Decision, prompt: Sequence[int]) -> None:
+    def _record(self, decision: Decision, prompt: Sequence[int], adapter: str | None = None) -> None:
         r = decision.replica
-        matched = self._trees[r].match(prompt) if decision.reason != "prefix_match" else decision.matched_tokens
+        matched = (self._trees[r].match(prompt, adapter) if decision.reason != "prefix_match"
+                   else decision.matched_tokens)
         self.stats.decisions[(r, decision.reason)] += 1
         self.stats.prompt_tokens[r] += len(prompt)
         self.stats.matched_tokens[r] += matched
-        self._trees[r].insert(prompt)
+        self._trees[r].insert(prompt, adapter)
 
     def forget(self, replica: int) -> None:
         """The replica restarted: whatever it cached is gone."""

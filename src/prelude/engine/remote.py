@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from prelude.engine.engine import LLMEngine
 from prelude.engine.grammar import grammar_text
-from prelude.engine.request import PoolingParams, Request, SamplingParams
+from prelude.engine.request import LoraRequest, PoolingParams, Request, SamplingParams
 from prelude.engine.validation import RequestRules, validate_request
 from prelude.tokenizer.base import Tokenizer
 
@@ -68,6 +68,7 @@ class ValidatingFront:
         self.info = info
         # Unseeded requests draw their sampling seed here, at validation, as the engine does.
         self._seed_source = random.Random(seed)
+        self._adapter_labels: dict[int, tuple[str, ...]] = {}  # LoRA id -> its own head's labels (check_adapter)
 
     @property
     def model_name(self) -> str:
@@ -95,15 +96,20 @@ class ValidatingFront:
         return self.info.is_encoder
 
     def _prepare(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None,
+        lora: LoraRequest | None = None,
     ) -> Request:
-        req = validate_request(request_id, prompt_token_ids, params, self.info.rules, seed_source=self._seed_source,
-                    pooling=pooling)
+        rules = self.info.rules
+        if lora is not None and self._adapter_labels.get(lora.id):  # an adapter with its own classification head
+            rules = replace(rules, labels=self._adapter_labels[lora.id])
+        req = validate_request(request_id, prompt_token_ids, params, rules, seed_source=self._seed_source,
+                               pooling=pooling, lora=lora)
         if params.structured is not None and pooling is None:
             grammar_text(params.structured)  # a malformed constraint is a 400 here, not a failed stream
         return req
 
     def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None,
+        lora: LoraRequest | None = None,
     ) -> None:
-        self._prepare("validate", prompt_token_ids, params, pooling)
+        self._prepare("validate", prompt_token_ids, params, pooling, lora)
