@@ -163,10 +163,12 @@ class ProcEngineClient(ValidatingFront):
             self._send(Abort(request_id))
 
     def fail_all(self, error: BaseException) -> int:
-        """End every request of this process with `error` (a drain past its timeout); each
-        stream's cleanup sends its abort."""
-        for queue in self._streams.values():
+        """End every request of this process with `error` (a drain past its timeout) and
+        abort it in the engine."""
+        for rid, queue in self._streams.items():
             queue.put_nowait(error)
+            if self._dead is None:
+                self._send(Abort(rid))
         return len(self._streams)
 
     def is_healthy(self) -> bool:
