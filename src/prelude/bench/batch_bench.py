@@ -1,6 +1,7 @@
 """`prelude bench batch`: a judge file (one shared rubric + short items, 1 output token)
 through `prelude run-batch`, through `prelude serve` at a sweep of concurrencies, and
-through vLLM's run_batch; and the RSS of a long embeddings job. Prints the figures,
+through vLLM's run_batch; the latency of interactive requests while a /v1/batches job
+runs on the server; and the RSS of a long embeddings job. Prints the figures,
 writes JSON and a PNG.
 
 Job time is from the job's start to its last answer, without the model load: run-batch's
@@ -181,6 +182,78 @@ def run_serve(inp: Path, flags: list[str], concurrencies: list[int]) -> dict[str
             w.proc.kill()
 
 
+def _interactive_e2e(base: str, prompts: list[str]) -> list[float]:
+    """c=1: each 128/1 request after the previous answer; seconds per request (one output
+    token, so this is the TTFT plus one detokenize)."""
+    import httpx
+
+    times = []
+    with httpx.Client(timeout=600) as client:
+        for prompt in prompts:
+            t0 = time.monotonic()
+            r = client.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            times.append(time.monotonic() - t0)
+    return times
+
+
+def run_ttft(judge: Path, model_dir: Path, flags: list[str], requests: int, batch_dir: Path) -> dict[str, Any]:
+    """Interactive 128/1 c=1 latency on an idle server, then while a /v1/batches job of the
+    judge file runs on it, then idle again (the batch cancelled)."""
+    import statistics
+
+    import httpx
+
+    tok = _tokenizer(model_dir)
+    rng = random.Random(1)
+    prompts = [_text_of_tokens(tok, 128, rng) for _ in range(3 * requests)]
+    port = _free_port()
+    w = _Watched([sys.executable, "-m", "prelude.cli", "serve", "--port", str(port), "--log-level", "warning",
+                  "--batch-dir", str(batch_dir), *flags])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(2400):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        _interactive_e2e(base, prompts[:2])  # warm-up
+        idle = _interactive_e2e(base, prompts[:requests])
+        with open(judge, "rb") as f:
+            fid = httpx.post(base + "/v1/files", files={"file": ("judge.jsonl", f)}, data={"purpose": "batch"},
+                             timeout=600).json()["id"]
+        batch = httpx.post(base + "/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions",
+                                                        "completion_window": "24h"}, timeout=60).json()
+        while True:  # the batch is running and has answered a line: the rubric is hot, the engine busy
+            state = httpx.get(f"{base}/v1/batches/{batch['id']}", timeout=60).json()
+            if state["request_counts"]["completed"] >= 1 or state["status"] not in ("validating", "in_progress"):
+                break
+            time.sleep(0.2)
+        before = state["request_counts"]["completed"]
+        busy = _interactive_e2e(base, prompts[requests:2 * requests])
+        after = httpx.get(f"{base}/v1/batches/{batch['id']}", timeout=60).json()
+        httpx.post(f"{base}/v1/batches/{batch['id']}/cancel", timeout=60)
+        while httpx.get(f"{base}/v1/batches/{batch['id']}", timeout=60).json()["status"] not in (
+                "cancelled", "completed", "failed"):
+            time.sleep(0.2)
+        idle_after = _interactive_e2e(base, prompts[2 * requests:])
+    finally:
+        w.proc.terminate()
+        try:
+            w.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+    med = statistics.median
+    idle_ms = med(idle + idle_after) * 1000
+    busy_ms = med(busy) * 1000
+    return {"idle_ms": [t * 1000 for t in idle], "busy_ms": [t * 1000 for t in busy],
+            "idle_after_ms": [t * 1000 for t in idle_after], "idle_p50_ms": idle_ms, "busy_p50_ms": busy_ms,
+            "ratio": busy_ms / idle_ms, "batch_status_during": after["status"],
+            "batch_lines_done_during": after["request_counts"]["completed"] - before}
+
+
 def rss_job(inp: Path, out: Path, flags: list[str]) -> dict[str, Any]:
     """Peak RSS of a run-batch job against the RSS it had when its first answer was written
     (model loaded, engine warm): the growth a long job adds."""
@@ -234,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lines", type=int, default=10_000, help="judge lines")
     ap.add_argument("--rubric-tokens", type=int, default=1024)
     ap.add_argument("--item-tokens", type=int, default=64)
-    ap.add_argument("--which", default="run-batch,serve,vllm", help="any of run-batch, serve, vllm, rss")
+    ap.add_argument("--which", default="run-batch,serve,vllm", help="any of run-batch, serve, vllm, ttft, rss")
     ap.add_argument("--concurrency", default="16,64", help="serve: the concurrencies swept (the best counts)")
+    ap.add_argument("--ttft-requests", type=int, default=8, help="ttft: interactive requests per phase")
     ap.add_argument("--rss-lines", type=int, default=100_000, help="rss: embeddings lines")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--vllm-python", default="/tmp/vllmvenv/bin/python")
@@ -251,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                               "lines": args.lines, "rubric_tokens": args.rubric_tokens, "item_tokens": args.item_tokens,
                               "dtype": args.dtype, "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
                               "judge": {}}
-    judge = judge_file(out / "judge.jsonl", model_dir, args.lines, args.rubric_tokens, args.item_tokens)
+    if which & {"run-batch", "serve", "vllm", "ttft"}:
+        judge = judge_file(out / "judge.jsonl", model_dir, args.lines, args.rubric_tokens, args.item_tokens)
     if "run-batch" in which:
         r = run_prelude_batch(judge, out / "judge.prelude.jsonl", flags)
         r["req_s"] = args.lines / r["job_s"]
@@ -266,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         result["judge"]["vllm run_batch"] = r
         print(f"  vLLM run_batch: {r['req_s']:.2f} req/s ({r['job_s']:.1f} s job, {r['process_wall_s']:.1f} s process)",
               flush=True)
+    if "ttft" in which:
+        r = run_ttft(judge, model_dir, flags, args.ttft_requests, out / "batch-dir")
+        result["interactive_ttft"] = r
+        print(f"  interactive 128/1 c=1 while a batch runs: p50 {r['busy_p50_ms']:.0f} ms vs idle "
+              f"{r['idle_p50_ms']:.0f} ms ({r['ratio']:.2f}x; {r['batch_lines_done_during']} batch lines answered "
+              "meanwhile)", flush=True)
     if "rss" in which:
         emb = embeddings_file(out / "embeddings.jsonl", args.rss_lines)
         r = rss_job(emb, out / "embeddings.out.jsonl", flags)

@@ -34,6 +34,7 @@ class JobOptions:
     progress: bool = False  # a tqdm bar on stderr
     endpoint: str | None = None  # /v1/batches: every line's url must be the batch's endpoint
     adapters: ServedAdapters | None = None  # LoRA adapters a line's `model` may name
+    unavailable_retries: int = 5  # a line whose engine replica died under it runs again this often
 
 
 @dataclass
@@ -134,7 +135,15 @@ async def _answer_line(engine: Any, raw: bytes, number: int, options: JobOptions
         except LineError:
             pass
         return "error", error_line(cid if isinstance(cid, str) else None, exc.code, exc.message)
-    status, body = await answer(engine, line.url, line.body, options.limits, len(raw), options.adapters)
+    for attempt in range(options.unavailable_retries + 1):
+        status, body = await answer(engine, line.url, line.body, options.limits, len(raw), options.adapters)
+        # A replica that died under the line (scale-out): the cluster client moves requests
+        # that had not answered yet; one that had started fails with this code. The line
+        # runs again rather than being lost to the job.
+        if status != 503 or b'"engine_unavailable"' not in body or attempt == options.unavailable_retries:
+            break
+        logger.warning("line %d: %s; running it again", number, body[:200].decode(errors="replace"))
+        await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
     return str(status), response_line(line.custom_id, status, body)
 
 
