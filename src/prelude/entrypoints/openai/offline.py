@@ -19,7 +19,7 @@ from prelude.entrypoints.openai.limits import BODY_SIZE_KEY, ServerLimits
 from prelude.entrypoints.openai.offload import render_json, validate_body
 from prelude.entrypoints.openai.lora_adapters import ServedAdapters
 from prelude.entrypoints.openai.request_gate import GatedEngine, RequestGate
-from prelude.entrypoints.openai.routes import ROUTES, check_model
+from prelude.entrypoints.openai.routes import ROUTES
 
 logger = logging.getLogger("prelude.batch")
 
@@ -67,7 +67,7 @@ async def answer(engine: EngineClient, url: str, body: Any, limits: ServerLimits
         if getattr(req, "stream", False):
             raise APIError("stream is not supported in a batch: each line gets one whole answer", param="stream")
         name = req.model  # type: ignore[attr-defined]
-        lora = adapters.resolve(name) if adapters is not None else check_model(engine, name)
+        lora = (adapters or ServedAdapters(engine)).resolve(name)  # the server's 404 for another name
         check_unknown_fields(req, url)
         # The route's engine view (adapter, request timeout), on a gate of its own: batch
         # lines are not the interactive traffic the server's gate counts.

@@ -9,8 +9,6 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel
 
-from prelude.engine.client import EngineClient
-from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ClassifyRequest,
@@ -61,11 +59,3 @@ ROUTES: dict[str, Route] = {
 # The unversioned spellings the server also answers (vLLM's).
 ROUTES |= {url.removeprefix("/v1"): ROUTES[url] for url in
            ("/v1/classify", "/v1/score", "/v1/generative_scoring", "/v1/rerank", "/v1/reward")}
-
-
-def check_model(engine: EngineClient, name: str | None) -> None:
-    """A missing model means the served one; any other name is refused with a 404, as
-    OpenAI does. (The HTTP app also serves LoRA adapters by name: see lora_adapters.py.)"""
-    if name is not None and name != engine.model_name:
-        raise APIError(f"The model `{name}` does not exist. This server serves `{engine.model_name}`.",
-                       404, param="model", code="model_not_found")
