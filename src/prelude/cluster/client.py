@@ -112,7 +112,7 @@ class RayEngineClient(ValidatingFront):
             while len(self._lost) > 10_000:
                 del self._lost[next(iter(self._lost))]
             raise ReplicaLostError(
-                f"the {role} replica serving this request failed after it started streaming: {exc}") from None
+                f"the {role} replica serving this request failed after it had produced output: {exc}") from None
         if tries >= self.faults.max_retries:
             raise EngineUnavailableError(
                 f"request {req.request_id}: {tries + 1} {role} replicas failed under it; retry later") from None
