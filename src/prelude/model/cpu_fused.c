@@ -187,15 +187,18 @@ int prelude_add_rms_norm(const void *x, int64_t stride_x, const void *r, int64_t
  * rounded to the dtype. */
 INLINE void rotary_head(const int bf, const void *src, void *dst, const void *nw, float eps, const void *cos,
                         const void *sin, int64_t d, float *tmp) {
-    /* the head's values as float32 (after the norm, rounded to the dtype) */
+    /* the head's values as float32 (after the norm, rounded to the dtype); float32 rows
+     * without a norm are read in place */
+    const float *x = tmp;
     if (nw != 0) {
         scale_row(bf, src, nw, inv_rms(sum_squares(bf, src, d), d, eps), tmp, 1, d);
-    } else {
+    } else if (bf) {
         int64_t i = 0;
         for (; i + 8 <= d; i += 8) _mm256_storeu_ps(tmp + i, ld8(bf, src, i));
         for (; i < d; i++) tmp[i] = ld1(bf, src, i);
+    } else {
+        x = (const float *)src;
     }
-    const float *x = tmp;
     const int64_t half = d / 2;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     int64_t i = 0;
