@@ -268,7 +268,7 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  /* 16 lanes: insertf32x8 is AVX512DQ */
 /* exp8 on 16 lanes: SiLU is bound by exp and the division, so the wider vectors pay. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.0f));
@@ -332,7 +332,7 @@ INLINE void silu_mul_rows(const int bf, const void *gate_up, int64_t stride_in, 
         void *o = row_at_w(bf, out, t * n);
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         int64_t i = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
         for (; i + 16 <= n; i += 16) {
             const __m512 gv = ld16(bf, g, i);
             const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv),
