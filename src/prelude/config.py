@@ -166,10 +166,11 @@ class EngineConfig:
     served_model_name: str | None = None
     seed: int = 0
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    # Overlap: while step N is in flight, step N+1 takes only the work that needs none of
-    # N's results (Scheduler.schedule(independent_only=True) decides which; today OneShot
-    # rows, while running sequences wait for their previous token), is launched, and only
-    # then is N post-processed. No independent work: N is awaited at once. None: on with CUDA.
+    # Overlap: while step N is in flight, step N+1 is scheduled around it and launched, and
+    # only then is N post-processed (Scheduler.schedule(in_flight=...) decides): decode rows
+    # of N's sampling requests go one position ahead, their input tokens copied from N's
+    # sampled ids on the device; rows needing the token on the host (grammar, penalties)
+    # wait a step; new prompts and OneShot rows go as usual. None: on with CUDA.
     overlap: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -17,10 +17,10 @@ class _Recorder:
         self._launch = runner.launch
         runner.launch = self.launch
 
-    def launch(self, batch):  # noqa: ANN001, ANN201
-        step = self._launch(batch)
+    def launch(self, batch, carried=None):  # noqa: ANN001, ANN201
+        step = self._launch(batch, carried)
         n = len(self.events)
-        self.events.append(f"launch{n}:{type(batch).__name__}")
+        self.events.append(f"launch{n}:{type(batch).__name__}" + (f":carried{len(carried.request_ids)}" if carried else ""))
         wait = step.wait
 
         def recorded_wait():  # noqa: ANN202
@@ -67,8 +67,11 @@ def test_overlapped_loop_gives_the_same_answers_and_launches_before_it_waits() -
             assert overlapped[rid] == value, rid
     # Some step was launched while the previous one was still in flight (launch k+1 before wait k).
     order = rec.events
-    assert any(order.index(f"launch{k + 1}:OneShotBatch") < order.index(f"wait{k}")
-               for k in range(len(order)) if f"launch{k + 1}:OneShotBatch" in order and f"wait{k}" in order)
+    launches = {int(e[6:].split(":")[0]): e for e in order if e.startswith("launch")}
+    assert any(order.index(launches[k + 1]) < order.index(f"wait{k}")
+               for k in launches if k + 1 in launches and f"wait{k}" in order)
+    # Decode rows went ahead too: launched with their input tokens carried from the step in flight.
+    assert any(":carried" in e for e in launches.values())
     assert engine.kv.pool.num_free_blocks + engine.kv.pool.num_evictable_blocks == engine.kv.pool.num_blocks
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from prelude.config import EngineConfig
 from prelude.engine.validation import RequestRules, validate_request
 from prelude.engine.grammar import GrammarCompiler
-from prelude.forward_batch import BatchOutput, OneShotBatch
+from prelude.forward_batch import BatchOutput, DecodeBatch, MixedBatch, OneShotBatch
 from prelude.engine.errors import StepFailed
 from prelude.engine.handoff import KVHandoff, resumable_copy
 from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
@@ -35,7 +35,7 @@ from prelude.engine.request import (
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.engine.stage_trace import StageTrace
 from prelude.executor.kv_sizing import kv_cache_budget
-from prelude.executor.outputs import LaunchedStep
+from prelude.executor.outputs import CarriedTokens, LaunchedStep
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 from prelude.tokenizer.base import Tokenizer
@@ -267,19 +267,25 @@ class LLMEngine:
 
         Overlap is a choice (`EngineConfig.overlap`, on with CUDA): `launch` returns while
         the device computes, and the step stays in flight into the next iteration. That
-        iteration schedules only work that does not depend on the in-flight results
-        (OneShot rows), launches it, and only then post-processes the step in flight."""
+        iteration schedules the next step before the one in flight has been read: its
+        decode rows one position further, their inputs the tokens the step in flight
+        samples, copied on the device (`plan.carried`); new prompts and OneShot rows as
+        usual. Only then is the step in flight post-processed, so a stop string, a stop
+        token or an abort is seen one step late and the row scheduled ahead is dropped.
+        Rows that need the token on the host first (a grammar's mask, penalties) wait."""
         outputs, self._ready = self._ready, []
         failed: list[str] = []
         cause: BaseException | None = None
         in_flight, self._in_flight = self._in_flight, None
         scheduling = time.perf_counter() if self._tracing else 0.0
-        plan = self.scheduler.schedule(independent_only=in_flight is not None)
+        plan = self._schedule(in_flight)
         traces = self._traces(plan, scheduling) if self._tracing else ()
         launched = None
         if plan.batch is not None:
+            carried = CarriedTokens(in_flight.launched, tuple(plan.carried)) if plan.carried and in_flight else None
             try:
-                launched = InFlight(plan, self.runner.launch(plan.batch), time.perf_counter(), traces)
+                queued = self.runner.launch(plan.batch, carried) if carried else self.runner.launch(plan.batch)
+                launched = InFlight(plan, queued, time.perf_counter(), traces)
             except Exception as exc:  # noqa: BLE001 - contained: only this step's requests fail
                 failed, cause = failed + self._fail_step(plan), exc
         for step in (in_flight, None if self.overlap else launched):
@@ -303,6 +309,15 @@ class LLMEngine:
             self._ready = outputs  # the other step's outputs go out with the next step
             raise StepFailed(failed, cause)
         return outputs
+
+    def _schedule(self, in_flight: InFlight | None) -> ScheduleResult:
+        """The next plan; with a step in flight, scheduled around it (see `step`)."""
+        if in_flight is None:
+            return self.scheduler.schedule()
+        batch = in_flight.plan.batch
+        paged = batch.rows if isinstance(batch, (DecodeBatch, MixedBatch)) else ()
+        sampling = frozenset(r.request_id for r in paged if r.sample is not None)
+        return self.scheduler.schedule(in_flight=in_flight.plan.scheduled, sampling=sampling)
 
     def _traces(self, plan: ScheduleResult, scheduling: float) -> tuple[StageTrace, ...]:
         """Mark the wait and the schedule on the plan's traced requests; their traces."""

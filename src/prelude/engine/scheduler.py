@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from prelude.config import SchedulerConfig
 from prelude.forward_batch import (
@@ -48,6 +48,9 @@ class ScheduleResult:
     preempted: list[Request] = field(default_factory=list)
     oneshot: list[Request] = field(default_factory=list)  # requests of the step's OneShot rows
     adapters: set[int] = field(default_factory=set)  # LoRA adapters (ids) the step's rows run with
+    # Rows scheduled ahead (overlap): their input is the token the step in flight samples
+    # for the same request. Request ids, in row order.
+    carried: list[str] = field(default_factory=list)
 
     @property
     def oneshot_rows(self) -> tuple[OneShotRow, ...]:
@@ -94,13 +97,32 @@ def head_spec(req: Request) -> HeadSpec | None:
     return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=req.pooling)
 
 
-def sample_spec(req: Request) -> SampleSpec | None:
-    if len(req.output_token_ids) >= req.max_output_tokens:
+def sample_spec(req: Request, pending: int = 0) -> SampleSpec | None:
+    """`pending`: tokens sampled by a step still in flight, not yet in output_token_ids
+    (a row scheduled ahead); they count toward the output position the seed mixes in."""
+    if len(req.output_token_ids) + pending >= req.max_output_tokens:
         return None  # nothing (more) to generate: a head-only request
     # The token lists are shared, not copied: the batch is consumed before
     # postprocessing appends the next token.
     mask = req.grammar.bitmask() if req.grammar is not None else None  # structured outputs: allowed tokens
-    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed, mask)
+    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed, mask, pending)
+
+
+# The input id of a row scheduled ahead: its real token is sampled by the step in flight
+# and copied into the inputs on the device (ModelRunner.launch's `carried`).
+PENDING_TOKEN = 0
+
+
+def runs_ahead(req: Request, max_model_len: int) -> bool:
+    """Whether a request whose step is in flight (sampling its next token) may have its
+    next decode row scheduled before that token is known. Rows whose next step needs the
+    token on the host opt out and wait one step: a grammar (the mask follows the token),
+    penalties (they count output tokens), a hand-off (it ends after the first token).
+    The in-flight token must not be its last (max_tokens, the context)."""
+    p = req.params
+    return (req.grammar is None and not req.hand_off and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty
+            and len(req.output_token_ids) + 1 < req.max_output_tokens and req.num_tokens + 1 < max_model_len)
 
 
 def is_decoding(req: Request) -> bool:
@@ -130,6 +152,7 @@ class Scheduler:
         self.hidden_size = hidden_size
         self._last_was_oneshot = False
         self._oneshot_turn = True  # fused steps: OneShot prompts go before paged prompts
+        self._busy: Mapping[str, int] = {}  # this schedule: requests of the step in flight -> its tokens
         # Keep ~1% of the pool free at admission so running decodes rarely preempt.
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
 
@@ -338,6 +361,15 @@ class Scheduler:
                 return False
         return True
 
+    def _allocate_ahead(self, req: Request, victims: list[Request], result: ScheduleResult) -> bool:
+        """Room for a row scheduled ahead (the token in flight plus this one), preempting
+        only requests not in flight; False (it waits a step) when none is left to go."""
+        while not self.kv.allocate(req.request_id, req.num_tokens + 1):
+            if not victims:
+                return False
+            self._preempt(victims.pop(), result)
+        return True
+
     def _remaining(self) -> Callable[[Request], int]:
         """Prompt tokens a request still has to compute, net of its cached prefix (memoized
         for one step: the policy may ask several times)."""
@@ -353,14 +385,31 @@ class Scheduler:
 
         return remaining
 
-    def schedule(self, now: float | None = None, independent_only: bool = False) -> ScheduleResult:
+    def schedule(
+        self, now: float | None = None, independent_only: bool = False,
+        in_flight: Mapping[str, int] | None = None, sampling: frozenset[str] = frozenset(),
+    ) -> ScheduleResult:
         """The next step's batch. `independent_only`: a step is still in flight, so only
         work that needs none of its results may go (OneShot rows, which own no running
-        sequence); running sequences wait for their previous token."""
+        sequence); running sequences wait for their previous token.
+
+        `in_flight` (decode overlap): the paged requests of the step in flight -> the tokens
+        it computes; `sampling`: those whose row there samples. Such a request that
+        `runs_ahead` gets its next decode row now, one position further, its input the
+        token in flight (`ScheduleResult.carried`); the others in flight wait a step. Every
+        other request is scheduled as usual, and no request in flight is preempted."""
         now = time.monotonic() if now is None else now
         self.kv.trim()  # the cache's bound holds for every lookup this step makes
         if independent_only:
             return self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
+        self._busy = in_flight or {}
+        try:
+            return self._schedule(now, sampling)
+        finally:
+            self._busy = {}
+
+    def _schedule(self, now: float, sampling: frozenset[str]) -> ScheduleResult:
+        busy = self._busy
         decode_work = bool(self.waiting or self.running)
         fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
         if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
@@ -373,22 +422,37 @@ class Scheduler:
         oneshot_rows: list[OneShotRow] = []
 
         # 1. Decode slots, in the decode policy's order (the rest keep their KV and wait).
-        decoding = [r for r in self.running if is_decoding(r)]
-        prefilling = [r for r in self.running if not is_decoding(r)]
+        # Requests in flight decode ahead or wait; they are never preempted (their step
+        # still writes their blocks).
+        max_len = self.config.max_model_len or 0
+        ahead = {r.request_id for r in self.running if r.request_id in busy and r.request_id in sampling
+                 and (not max_len or runs_ahead(r, max_len))}
+        decoding = [r for r in self.running if (r.request_id not in busy and is_decoding(r)) or r.request_id in ahead]
+        prefilling = [r for r in self.running if r.request_id not in busy and not is_decoding(r)]
         order = self.policy.decode.order(decoding, now)
         slots = self.config.max_decode_batch or len(order)
-        victims = by_arrival(prefilling) + order
+        victims = by_arrival(prefilling) + [r for r in order if r.request_id not in busy]
         served: list[Request] = []
         while order and budget > 0 and len(served) < slots:
             req = order.pop(0)
             if not self._adapter_fits(req, result):
                 continue  # its adapter waits for a step with a free slot (it keeps its KV)
-            victims.remove(req)
-            ok = self._allocate_or_preempt(req, req.num_tokens, victims, result)
+            if req.request_id in ahead:  # its next row, after the token in flight
+                if not self._allocate_ahead(req, victims, result):
+                    order = [r for r in order if r.status is RequestStatus.RUNNING]
+                    continue
+                rows.append(BatchRow(req.request_id, [PENDING_TOKEN], req.num_tokens,
+                                     list(self.kv.block_table(req.request_id)), sample_spec(req, pending=1),
+                                     None, req.lora))
+                result.carried.append(req.request_id)
+            else:
+                victims.remove(req)
+                ok = self._allocate_or_preempt(req, req.num_tokens, victims, result)
+                if not ok:
+                    order = [r for r in order if r.status is RequestStatus.RUNNING]  # drop the preempted
+                    continue
+                rows.append(self._row(req, 1))
             order = [r for r in order if r.status is RequestStatus.RUNNING]  # drop the preempted
-            if not ok:
-                continue
-            rows.append(self._row(req, 1))
             result.scheduled[req.request_id] = 1
             served.append(req)
             budget -= 1
@@ -435,7 +499,7 @@ class Scheduler:
 
     def _schedule_prefills(self, now: float, budget: int, rows: list[BatchRow], result: ScheduleResult) -> int:
         """Prompt rows within `budget`, appended to `rows`; returns the tokens they take."""
-        in_progress = [r for r in self.running if not is_decoding(r)]
+        in_progress = [r for r in self.running if not is_decoding(r) and r.request_id not in self._busy]
         candidates = in_progress + self.waiting
         if not candidates:
             return 0

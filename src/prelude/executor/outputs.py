@@ -9,6 +9,7 @@ label scores on one `HostCopy`, and returns a `LaunchedStep` whose `wait` builds
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
@@ -26,17 +27,31 @@ from prelude.params import PoolingTask, TokenLogprob
 
 
 class LaunchedStep:
-    """A step queued on the device; `wait` blocks until its one result copy has landed."""
+    """A step queued on the device; `wait` blocks until its one result copy has landed.
+    `sampled_ids` [R] are its sampled tokens on the device, row `sampled_rows[request_id]`."""
 
-    def __init__(self, build: Callable[[], BatchOutput]) -> None:
+    def __init__(self, build: Callable[[], BatchOutput], sampled_ids: torch.Tensor | None = None,
+                 sampled_rows: dict[str, int] | None = None) -> None:
         self._build = build
         self._result: BatchOutput | None = None
         self.forward_done: float | None = None  # perf_counter when the forward was run (or queued)
+        self.sampled_ids = sampled_ids
+        self.sampled_rows = sampled_rows or {}
 
     def wait(self) -> BatchOutput:
         if self._result is None:
             self._result = self._build()
         return self._result
+
+
+@dataclass(frozen=True)
+class CarriedTokens:
+    """Decode overlap: rows whose input token is sampled by `source`, a step still in
+    flight. The runner copies them from its `sampled_ids` on the device (no host round
+    trip): the next step is launched before this one's results are read."""
+
+    source: LaunchedStep
+    request_ids: tuple[str, ...]
 
 
 class OutputHeads:
@@ -71,7 +86,8 @@ class OutputHeads:
             sampled = dict(zip([rid for rid, _, _ in want], sampled_build())) if sampled_build else {}
             return BatchOutput(sampled=sampled, heads={rid: b() for rid, b in pending.items()})
 
-        return LaunchedStep(build)
+        return LaunchedStep(build, sampled_build.token_ids if sampled_build else None,
+                            {rid: i for i, (rid, _, _) in enumerate(want)})
 
     def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec, copy: HostCopy,  # noqa: ANN202
               classify_head: torch.Tensor | None = None):

@@ -32,7 +32,7 @@ from prelude.executor.kv_sizing import GRAPH_RESERVE_BYTES, DeviceMemory
 from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
-from prelude.executor.outputs import LaunchedStep, OutputHeads
+from prelude.executor.outputs import CarriedTokens, LaunchedStep, OutputHeads
 from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.forward_batch import BatchRow, DecodeBatch, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
 from prelude.model.ggml_blocks import GgmlBlocks
@@ -288,9 +288,23 @@ class ModelRunner:
         forward = self.forwards.forward_for(inputs.input_ids.shape[0])
         return forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.token_type_ids)
 
-    def forward_rows(self, rows: tuple[BatchRow, ...]) -> tuple[torch.Tensor, list[int]]:
+    def _carry(self, inputs: StepInputs, rows: Sequence[BatchRow], carried: CarriedTokens | None) -> None:
+        """Put the tokens a step in flight sampled into the inputs of the rows scheduled
+        ahead of it: one gather and one scatter on the device, queued behind that step."""
+        if carried is None or not carried.request_ids:
+            return
+        source = carried.source
+        if source.sampled_ids is None:
+            raise ValueError("rows were scheduled ahead of a step that samples nothing")
+        where = {r.request_id: i for i, r in enumerate(rows)}
+        dst, src = pack_int64(self.device, [inputs.starts[where[rid]] for rid in carried.request_ids],
+                              [source.sampled_rows[rid] for rid in carried.request_ids])
+        inputs.input_ids.index_copy_(0, dst, source.sampled_ids.index_select(0, src).to(inputs.input_ids.dtype))
+
+    def forward_rows(self, rows: tuple[BatchRow, ...], carried: CarriedTokens | None = None) -> tuple[torch.Tensor, list[int]]:
         """Run the trunk on paged rows; returns hidden states [T, H] and each row's start."""
         inputs = self.inputs.paged(rows)
+        self._carry(inputs, rows, carried)
         return self.forward(inputs, self.lora_step([(r.lora, len(r.token_ids)) for r in rows])), inputs.starts
 
     def forward_oneshot(self, rows: Sequence[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
@@ -322,20 +336,25 @@ class ModelRunner:
     # --- one entry point, one path per class ------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, batch: ForwardBatch) -> LaunchedStep:
+    def launch(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> LaunchedStep:
         """Queue the forward, sampling, heads and the one result copy; on CUDA this returns
         while the device still works, so the host can schedule the next step meanwhile.
-        A CPU step too small to split runs on one thread (step_threads.py)."""
+        `carried`: decode rows scheduled ahead of a step in flight, whose input tokens that
+        step samples (decode overlap). A CPU step too small to split runs on one thread
+        (step_threads.py)."""
         with self.step_threads.for_step(*step_size(batch)):
-            return self._launch(batch)
+            return self._launch(batch, carried)
 
-    def _launch(self, batch: ForwardBatch) -> LaunchedStep:
+    def _launch(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> LaunchedStep:
+        if carried is not None and isinstance(batch, OneShotBatch):
+            raise ValueError("a OneShot step has no rows to carry tokens into")
         if isinstance(batch, OneShotBatch):
             hidden, starts = self.forward_oneshot(batch.rows)
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
             rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
         elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
             inputs = self.inputs.fused(batch.rows, batch.oneshot_rows)
+            self._carry(inputs, batch.rows, carried)
             lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows]
                                   + [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.oneshot_rows])
             hidden, starts = self.forward(inputs, lora), inputs.starts
@@ -343,7 +362,7 @@ class ModelRunner:
             rows += [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.oneshot_rows]
         else:
             assert isinstance(batch, (DecodeBatch, MixedBatch))
-            hidden, starts = self.forward_rows(batch.rows)
+            hidden, starts = self.forward_rows(batch.rows, carried)
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
         forward_done = time.perf_counter()
         launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch))

@@ -83,7 +83,7 @@ def _row_params(specs: Sequence[SampleSpec], vocab: int, device: torch.device) -
     floats = torch.tensor([[0.0 if s.params.greedy else s.params.temperature for s in specs],
                            [s.params.top_p for s in specs], [s.params.min_p for s in specs]], dtype=torch.float32)
     ints = torch.tensor([[s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in specs],
-                         [s.seed for s in specs], [len(s.output_token_ids) for s in specs],
+                         [s.seed for s in specs], [s.position for s in specs],
                          [int(s.params.greedy) for s in specs]], dtype=torch.int64)
     f, i = _to_device_tensor(floats, device), _to_device_tensor(ints, device)
     return _RowParams(temperature=f[0], top_k=i[0], top_p=f[1], min_p=f[2], seeds=i[1], positions=i[2],
@@ -163,9 +163,19 @@ def _apply_token_masks(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> tor
     return logits.index_copy(0, index, masked)
 
 
-def sample_deferred(
-    logits: torch.Tensor, specs: Sequence[SampleSpec], copy: HostCopy
-) -> Callable[[], list[SampledToken]]:
+class DeferredSample:
+    """Sampled tokens queued on the device: `token_ids` [R] stays there (a row scheduled
+    ahead reads its input from it), calling it reads the host copy once it has landed."""
+
+    def __init__(self, token_ids: torch.Tensor, build: Callable[[], list[SampledToken]]) -> None:
+        self.token_ids = token_ids
+        self._build = build
+
+    def __call__(self) -> list[SampledToken]:
+        return self._build()
+
+
+def sample_deferred(logits: torch.Tensor, specs: Sequence[SampleSpec], copy: HostCopy) -> DeferredSample:
     """Queue the sampling of `logits` (float32 [R, V], one row per spec) on its device and
     its results on `copy`; the returned builder reads them once the copy has landed."""
     vocab = logits.shape[1]
@@ -180,7 +190,7 @@ def sample_deferred(
     want_k = [s.params.logprobs for s in specs]
     ids = copy.add(chosen)
     if all(k is None for k in want_k):
-        return lambda: [SampledToken(token_id=int(t), logprob=None) for t in ids.get()]
+        return DeferredSample(chosen, lambda: [SampledToken(token_id=int(t), logprob=None) for t in ids.get()])
     raw = torch.log_softmax(logits, dim=-1)
     k_max = max(k or 0 for k in want_k)
     chosen_lp = copy.add(raw.gather(1, chosen.unsqueeze(1)).squeeze(1))
@@ -197,7 +207,7 @@ def sample_deferred(
             results.append(SampledToken(token_id=int(tok), logprob=logprob))
         return results
 
-    return build
+    return DeferredSample(chosen, build)
 
 
 def sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampledToken]:
