@@ -118,7 +118,8 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(model.dtype).removeprefix("torch."),
         )
-        self.forwards: ForwardProvider = self._forward_provider()
+        segments = fused_segments_for(model, self.config)  # once: it logs what it picked
+        self.forwards: ForwardProvider = self._forward_provider(segments)
         # LoRA: resident adapter slots, and the forward that takes a LoraStep (the fused or
         # eager segments: compiled segments and captured graphs take plain weights only).
         self.adapters: AdapterSlots | None = None
@@ -126,16 +127,15 @@ class ModelRunner:
             if model.is_encoder:
                 raise ValueError("LoRA adapters are for decoder models")
             self.adapters = AdapterSlots(cfg, lora, model.dtype, self.device)  # type: ignore[arg-type]
-        segments = fused_segments_for(model, self.config)
         self._lora_forward = functools.partial(model.forward, segments=segments) if segments else model.forward
         self.step_threads = StepThreads(self.device, *decoder_flops(cfg))
 
-    def _forward_provider(self) -> ForwardProvider:
-        """Compiled segments where asked for and possible; the eager forward otherwise."""
+    def _forward_provider(self, segments: DecoderSegments | None) -> ForwardProvider:
+        """Compiled segments where asked for and possible; the eager forward (over the fused
+        `segments` where given) otherwise."""
         mode = self.config.compile
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}; use one of {', '.join(COMPILE_MODES)}")
-        segments = fused_segments_for(self.model, self.config)
         eager = EagerForwards(functools.partial(self.model.forward, segments=segments) if segments else
                               self.model.forward)
         if mode == "off":
