@@ -71,7 +71,7 @@ class _Watched:
 
     def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, bufsize=1)
         self.lines: list[tuple[float, str]] = []
         self.peak_rss_kib = 0
@@ -79,9 +79,10 @@ class _Watched:
         self._reader.start()
 
     def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append((time.monotonic() - self.t0, line.rstrip()))
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # tqdm's carriage returns split into lines too
+            for part in line.rstrip().split("\r"):
+                self.lines.append((time.monotonic() - self.t0, part))
 
     def wait(self) -> float:
         while self.proc.poll() is None:
@@ -120,10 +121,19 @@ def run_vllm_batch(python: str, inp: Path, out: Path, model_dir: Path, dtype: st
     w = _Watched([python, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(inp), "-o", str(out),
                   "--model", str(model_dir), "--served-model-name", MODEL_NAME, "--dtype", dtype], env=env)
     wall = w.wait()
-    start, end = w.first(r"Reading batch from"), w.first(r"Writing outputs to")
-    if w.proc.returncode != 0 or start is None or end is None:
+    # The job: its progress bar's own elapsed time at 100% (else the log lines around it).
+    done = w.first(r"Running batch: 100% .*\[(\d+):(\d+)<")
+    start = w.first(r"Reading batch from|Running batch:\s+0%")
+    end = w.first(r"Writing outputs to") or done
+    if done is None and (start is None or end is None):
         raise RuntimeError("vLLM run_batch failed: " + "\n".join(line for _, line in w.lines[-20:]))
-    return {"process_wall_s": wall, "job_s": end[0] - start[0], "startup_s": start[0]}
+    if done is not None:
+        minutes, seconds = re.search(r"\[(\d+):(\d+)<", done[1]).groups()
+        job_s = 60 * int(minutes) + int(seconds)
+    else:
+        job_s = end[0] - start[0]
+    return {"process_wall_s": wall, "job_s": float(job_s), "startup_s": start[0] if start else None,
+            "exit": w.proc.returncode}
 
 
 def _free_port() -> int:
