@@ -328,7 +328,7 @@ def _add_batch_api_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-dir", default=None,
                    help="where /v1/files and /v1/batches keep files and batch states (default: "
                         "~/.cache/prelude/batches); a restarted server resumes its unfinished batches")
-    g.add_argument("--batch-max-inflight", type=int, default=32,
+    g.add_argument("--batch-max-inflight", type=int, default=8,
                    help="/v1/batches: batch lines in the engine while no interactive request is in flight")
 
 

@@ -34,7 +34,7 @@ logger = logging.getLogger("prelude.batch")
 
 @dataclass(frozen=True)
 class BatchRunnerConfig:
-    max_inflight: int = 32  # batch lines in the engine while no interactive request is
+    max_inflight: int = 8  # batch lines in the engine while no interactive request is (a GPU wants more)
     yield_inflight: int = 1  # ... and while one is
     cooldown_s: float = 0.5  # interactive traffic counts as present this long after it was seen
     save_interval_s: float = 1.0  # request_counts written to disk at most this often
