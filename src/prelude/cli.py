@@ -256,6 +256,8 @@ def _serve_multiproc(args: argparse.Namespace) -> int:
             ray_engines = RayEngines(cluster, engine_factory(config))
     if args.lora_modules:
         raise SystemExit("--api-server-count does not serve LoRA adapters yet (its HTTP processes hold no adapter names)")
+    if args.trace_stages:
+        raise SystemExit("--api-server-count does not trace stages yet (the engine's timestamps stay in its process)")
     limits = _server_limits(args)
     if limits.max_waiting_requests is not None:  # the bound is the server's: each HTTP process gets its share
         share = -(-limits.max_waiting_requests // args.api_server_count)
