@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
 import socket
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,6 +24,7 @@ logger = logging.getLogger("prelude.front")
 
 # After the engine died, the requests failed here get this long to send their error bodies.
 _DEATH_FLUSH_S = 5.0
+_CONNECT_POLL_S = 0.05  # how often a starting HTTP process looks for the engine's socket
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,36 @@ class FrontServer(DrainingServer):
         asyncio.get_running_loop().create_task(stop())
 
 
-def _connect(path: str) -> tuple[socket.socket, Any]:
-    """Connect to the engine process and read its ReplicaInfo (blocking: before the loop runs)."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(path)
+def _connect(path: str, engine_pid: int | None = None) -> tuple[socket.socket, Any]:
+    """Connect to the engine process and read its ReplicaInfo (blocking: before the loop
+    runs). The engine may still be loading: wait for its socket, exit 1 if it died."""
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            conn.close()
+            if engine_pid is not None and not _alive(engine_pid):
+                raise SystemExit(1) from None
+            time.sleep(_CONNECT_POLL_S)
     info = pickle.loads(read_frame_blocking(conn))
     return conn, info
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A dead child of the supervisor is a zombie until reaped: still "there" for kill(0).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _tokenizer_for(info: Any, model: str | None) -> Any:
@@ -123,7 +150,7 @@ def front_main(index: int, listener: socket.socket, settings: FrontSettings) -> 
         client = _ray_client(settings.ray, settings, index)
     else:
         assert settings.engine_path is not None
-        conn, info = _connect(settings.engine_path)
+        conn, info = _connect(settings.engine_path, settings.engine_pid)
         client = ProcEngineClient(_tokenizer_for(info, settings.model), conn, index, settings.count, settings.seed,
                                   settings.engine_pid)
     app = build_app(client, api_key=settings.api_key, limits=settings.limits,

@@ -103,9 +103,7 @@ class Supervisor:
                 # Before any child starts: prometheus_client picks its multiprocess mode at import.
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
                 engine_path = os.path.join(workdir, "engine.sock")
-                engine = self._start_engine(ctx, engine_path)
-                if engine is None:
-                    return 1
+                engine, ready = self._start_engine(ctx, engine_path)
                 ray_spec, engine_pid = None, engine.pid
             front_settings = FrontSettings(model=self.config.model, engine_path=engine_path, engine_pid=engine_pid,
                                            ray=ray_spec, count=self.count, **self.settings)  # type: ignore[arg-type]
@@ -114,6 +112,10 @@ class Supervisor:
                 p.start()
                 self._fronts.append(p)
             listener.close()  # the HTTP processes hold it now
+            # The HTTP processes import and load their tokenizers while the engine loads;
+            # each connects once the engine's socket listens.
+            if engine is not None and not self._await_engine(engine, ready):
+                return 1
             logger.info("ready: %d api servers on http://%s:%d over %s", self.count, self.host, self.port,
                         f"engine process {engine_pid}" if engine is not None else "Ray replicas")
             return self._watch(engine)
@@ -128,20 +130,15 @@ class Supervisor:
                 ray.shutdown()  # the replicas are this driver's actors: they go with it
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _start_engine(self, ctx: Any, path: str) -> BaseProcess | None:
-        """The engine process, started and ready (its socket listening); None if it failed."""
+    def _start_engine(self, ctx: Any, path: str) -> tuple[BaseProcess, Any]:
+        """The engine process, started, and the pipe on which it says it is ready."""
         ready_r, ready_w = ctx.Pipe(duplex=False)
         log_level, log_format = str(self.settings["log_level"]), str(self.settings["log_format"])
         engine = ctx.Process(target=engine_main, name="prelude-engine",
                              args=(self.config, path, ready_w, log_level, log_format))
         engine.start()
         ready_w.close()
-        if self._await_engine(engine, ready_r):
-            return engine
-        if engine.is_alive():
-            engine.kill()
-        engine.join(timeout=5)
-        return None
+        return engine, ready_r
 
     def _start_ray_replicas(self) -> RayReplicas:
         """Ray replicas as named actors, each HTTP process joins them with its own client."""
