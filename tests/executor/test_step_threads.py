@@ -45,3 +45,13 @@ def test_default_model_shape_is_never_small() -> None:
                                  num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152)
     per_token, _ = decoder_flops(smol)
     assert per_token > SMALL_STEP_FLOPS  # one decode row of SmolLM2-135M keeps every thread
+
+
+def test_an_unreadable_config_keeps_the_team() -> None:
+    team = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg())).enabled
+        assert not StepThreads(torch.device("cpu"), *decoder_flops(types.SimpleNamespace())).enabled
+    finally:
+        torch.set_num_threads(team)

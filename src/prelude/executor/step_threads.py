@@ -26,7 +26,8 @@ class StepThreads:
     `flops_per_logit_row`: 2 x the LM head's weights (one per sampled row)."""
 
     def __init__(self, device: torch.device, flops_per_token: float, flops_per_logit_row: float) -> None:
-        self.enabled = device.type == "cpu" and torch.get_num_threads() > 1
+        # A config the estimate cannot read (0 flops) never counts as small.
+        self.enabled = device.type == "cpu" and torch.get_num_threads() > 1 and flops_per_token > 0
         self.flops_per_token = flops_per_token
         self.flops_per_logit_row = flops_per_logit_row
 
