@@ -14,7 +14,9 @@ from prelude.executor.runner import ModelRunner, fused_segments_for
 from prelude.forward_batch import BatchRow
 from prelude.kv.kv_manager import KVCacheManager
 from prelude.model.decoder_segments import EAGER_SEGMENTS
+from prelude.model.linear import prepack_enabled
 from prelude.model.lora import TARGETS, LoraBatch, LoraError, LoraSlots, LoraStep, read_adapter
+from prelude.model.lora_cpu import load_lora_kernel
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -130,6 +132,15 @@ def test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tmp_path: Path
         rows_again.append(BatchRow(f"again{i}", p, 0, kv.block_table(f"again{i}"), None))
     for a, m in zip(alone, logits_of(runner, rows_again, row_slots, slots, all_slots=True)):
         assert (a - m).abs().max().item() <= 1e-4
+    if slots.kernel is not None:  # ...and without the C kernel: the oneDNN (or aten) all-slots path
+        slots.kernel, slots.prepack = None, prepack_enabled(torch.float32, torch.device("cpu"))
+        rows_third = []
+        for i, p in enumerate(prompts):
+            assert kv.allocate(f"third{i}", len(p))
+            rows_third.append(BatchRow(f"third{i}", p, 0, kv.block_table(f"third{i}"), None))
+        for a, m in zip(alone, logits_of(runner, rows_third, row_slots, slots, all_slots=True)):
+            assert (a - m).abs().max().item() <= 1e-4
+        slots.kernel = load_lora_kernel()
     # ...and a decode step of the same rows (one token each, interleaved adapters)
     decode_rows = []
     for i, (p, lg) in enumerate(zip(prompts, mixed)):
@@ -210,3 +221,25 @@ def check_triton_delta(dtype_name: str) -> None:
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_triton_delta_equals_grouped_matmul(interp, dtype_name: str) -> None:
     interp(check_triton_delta, dtype_name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_kernel_equals_the_grouped_matmul(dtype: torch.dtype) -> None:
+    kernel = load_lora_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler or no AVX2+FMA here")
+    gen = torch.Generator().manual_seed(3)
+    slots, n_in, width, n_out = 3, 40, 24, 70
+    a = (torch.randn(n_in, slots, width, generator=gen) * 0.3).to(dtype)
+    b = (torch.randn(slots, width, n_out, generator=gen) * 0.3).to(dtype)
+    row_slots = [2, -1, 0, 2, 1]
+    x = torch.randn(5, n_in, generator=gen).to(dtype)
+    base = torch.randn(5, n_out, generator=gen).to(dtype)
+    batch = LoraBatch.build(row_slots, [1] * 5, "cpu")
+    assert batch is not None
+    want = batch.delta_into(base.clone().float(), x.float(), a.float(), b.float())
+    got = kernel.delta_(base.clone(), x, a, b, batch.token_slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output rounded once, after the sum
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert torch.equal(got[1], base[1])  # the base row is left as it was
+    assert not kernel.fits(x, torch.zeros(n_in, slots, 2048, dtype=dtype), torch.zeros(slots, 2048, n_out, dtype=dtype))

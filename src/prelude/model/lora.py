@@ -16,10 +16,11 @@ Without a LoraStep the forward is the plain one: no extra op.
 
 On the CPU, two ways, never a loop over rows (measured on the 2-core EPYC, one thread, a
 576 -> 960 projection with 4 adapters of rank 16 on q/k/v):
-- few tokens (decode, <= DENSE_MAX_TOKENS): every slot at once, x @ A viewed [in, slots
-  k R], masked to each token's own slot, then one addmm with B viewed [slots k R, out]:
-  three ops whatever the mix (bf16, 4 tokens: 44 us, where one shrink and expand per
-  adapter took 136 us; float32 47 vs 35 us);
+- few tokens (decode, <= DENSE_MAX_TOKENS): one call of a C kernel (lora_cpu.c) in which
+  every token reads its own slot (bf16, 4 tokens: 15 us); without it, every slot at once
+  on oneDNN-prepacked copies: x @ A viewed [in, slots k R], masked to each token's own
+  slot, then one expand-and-add with B viewed [slots k R, out] (three calls, ~35 us; with
+  aten's unpacked bf16 matmuls 44 us, and 136 us as one shrink and expand per adapter);
 - more tokens (prefill): grouped by adapter, one shrink and one expand per distinct
   adapter over its rows (a view when contiguous, else an index): no wasted FLOPs.
 On CUDA a Triton kernel pair (lora_kernels.py) reads the per-token slot index, so a
@@ -40,6 +41,7 @@ import torch
 from prelude.config import ModelConfig
 from prelude.model.decoder_segments import HeadWeights, Linear, TailWeights, linear
 from prelude.model.linear import bound_onednn_caches, prepack_enabled
+from prelude.model.lora_cpu import CPU_KERNEL_DTYPES, load_lora_kernel
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -216,7 +218,9 @@ class LoraSlots:
         # Projection does for decode-sized calls): unpacked, these small bf16 matmuls took
         # ~400 us per call in the profiler (the step 1.53x the base's; packed 1.33x). Made
         # on first use after a load.
-        self.prepack = prepack_enabled(dtype, self.device)
+        # The C kernel serves decode where it loads; the packed copies are its fallback.
+        self.kernel = load_lora_kernel() if self.device.type == "cpu" and dtype in CPU_KERNEL_DTYPES else None
+        self.prepack = self.kernel is None and prepack_enabled(dtype, self.device)
         self._packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -229,7 +233,9 @@ class LoraSlots:
         """Device bytes of a LoraSlots, before building one (the memory budget): the slots,
         and their oneDNN copies where the CPU prepacks."""
         per_layer = sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in _pieces(config).values())
-        copies = 2 if prepack_enabled(dtype, torch.device(device)) else 1
+        device = torch.device(device)
+        kernel = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and load_lora_kernel() is not None
+        copies = 2 if not kernel and prepack_enabled(dtype, device) else 1
         return copies * per_layer * config.num_hidden_layers * num_slots * dtype.itemsize
 
     def packed(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -359,9 +365,13 @@ class LoraLinear:
         self.base, self.bias, self.slots, self.layer, self.proj, self.batch = base, bias, slots, layer, proj, batch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        s, layer, proj = self.slots, self.layer, self.proj
-        packed = s.packed(layer, proj) if self.batch.one_hot is not None else None
-        return self.batch.delta_into(linear(x, self.base, self.bias), x, s.a[layer][proj], s.b[layer][proj], packed)
+        s, layer, proj, batch = self.slots, self.layer, self.proj, self.batch
+        out = linear(x, self.base, self.bias)
+        a, b = s.a[layer][proj], s.b[layer][proj]
+        if batch.one_hot is not None and s.kernel is not None and out.dtype == x.dtype and s.kernel.fits(x, a, b):
+            return s.kernel.delta_(out, x if x.stride(-1) == 1 else x.contiguous(), a, b, batch.token_slots)
+        packed = s.packed(layer, proj) if batch.one_hot is not None else None
+        return batch.delta_into(out, x, a, b, packed)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,50 @@
+"""The C LoRA delta for few-token CPU forwards (lora_cpu.c): one call per projection, each
+token reading only its own adapter's slot. Built on first use like the other C kernels
+(native_lib.py); `load_lora_kernel()` is None without a compiler or AVX2+FMA, or with
+PRELUDE_LORA_KERNEL=0 (then the oneDNN all-slots path of model/lora.py runs)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from prelude.model import native_lib
+
+_SOURCE = Path(__file__).with_name("lora_cpu.c")
+MAX_WIDTH = 1024
+MAX_OUT = 65536
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class LoraKernel:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.lora_bgmv
+        c_int, c_long, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
+        self._fn.argtypes = [c_int, c_int, c_int, c_int, c_int, ptr, c_long, ptr, ptr, ptr, c_long, ptr, c_int]
+        self._fn.restype = None
+
+    def fits(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return (x.dtype in (torch.float32, torch.bfloat16) and a.dtype == b.dtype == x.dtype
+                and a.shape[2] <= MAX_WIDTH and b.shape[2] <= MAX_OUT)
+
+    def delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               token_slots: torch.Tensor) -> torch.Tensor:
+        """out[t] += (x[t] @ a[:, s]) @ b[s] for s = token_slots[t] >= 0 (a: [in, S, W], b:
+        [S, W, out], both contiguous; out and x rows with unit column stride). Returns out."""
+        tokens, n_in = x.shape
+        n_slots, width, n_out = b.shape
+        assert out.dtype == x.dtype and out.shape == (tokens, n_out) and a.shape == (n_in, n_slots, width)
+        assert a.is_contiguous() and b.is_contiguous() and x.stride(1) == 1 and out.stride(1) == 1
+        assert token_slots.dtype == torch.long and token_slots.is_contiguous() and token_slots.shape == (tokens,)
+        self._fn(tokens, n_in, n_slots, width, n_out, x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
+                 out.data_ptr(), out.stride(0), token_slots.data_ptr(), int(x.dtype == torch.bfloat16))
+        return out
+
+
+@functools.cache
+def load_lora_kernel() -> LoraKernel | None:
+    lib = native_lib.load(_SOURCE, "PRELUDE_LORA_KERNEL", "the C LoRA kernel (decode uses the oneDNN all-slots path)")
+    return None if lib is None else LoraKernel(lib)
