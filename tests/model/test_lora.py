@@ -199,7 +199,7 @@ def check_triton_delta(dtype_name: str) -> None:
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
     slots, n_in, rank, n_out = 3, 40, 24, 70  # none a power of two: the tiles' masks are exercised
-    a = (torch.randn(n_in, slots, rank, generator=gen) * 0.3).to(dtype)  # LoraSlots' layout
+    a = (torch.randn(slots, n_in, rank, generator=gen) * 0.3).to(dtype)  # LoraSlots' layout
     b = (torch.randn(slots, rank, n_out, generator=gen) * 0.3).to(dtype)
     row_slots, row_lens = [2, -1, 0, 2, 1], [3, 2, 1, 4, 1]
     tokens = sum(row_lens)
@@ -211,7 +211,7 @@ def check_triton_delta(dtype_name: str) -> None:
     all_slots = LoraBatch.build(row_slots, row_lens, "cpu", slots)
     assert all_slots is not None and all_slots.one_hot is not None
     torch.testing.assert_close(all_slots.delta_into(base.clone().float(), x.float(), a.float(), b.float()), want)
-    got = kernels.lora_delta_(base.clone(), x, a.permute(1, 0, 2), b, batch.token_slots)
+    got = kernels.lora_delta_(base.clone(), x, a, b, batch.token_slots)
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert torch.equal(got[3:5], base[3:5])  # base rows are left as they were
@@ -230,7 +230,7 @@ def test_c_kernel_equals_the_grouped_matmul(dtype: torch.dtype) -> None:
         pytest.skip("no C compiler or no AVX2+FMA here")
     gen = torch.Generator().manual_seed(3)
     slots, n_in, width, n_out = 3, 40, 24, 70
-    a = (torch.randn(n_in, slots, width, generator=gen) * 0.3).to(dtype)
+    a = (torch.randn(slots, n_in, width, generator=gen) * 0.3).to(dtype)
     b = (torch.randn(slots, width, n_out, generator=gen) * 0.3).to(dtype)
     row_slots = [2, -1, 0, 2, 1]
     x = torch.randn(5, n_in, generator=gen).to(dtype)
@@ -242,4 +242,23 @@ def test_c_kernel_equals_the_grouped_matmul(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output rounded once, after the sum
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert torch.equal(got[1], base[1])  # the base row is left as it was
-    assert not kernel.fits(x, torch.zeros(n_in, slots, 2048, dtype=dtype), torch.zeros(slots, 2048, n_out, dtype=dtype))
+    assert not kernel.fits(x, torch.zeros(slots, n_in, 2048, dtype=dtype), torch.zeros(slots, 2048, n_out, dtype=dtype))
+
+
+def test_c_kernel_reads_only_the_diagonal_blocks_of_a_fused_projection() -> None:
+    kernel = load_lora_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler or no AVX2+FMA here")
+    gen = torch.Generator().manual_seed(4)
+    outs, rank, n_in = [12, 5, 7], 4, 16  # three targets, as q/k/v
+    a = torch.randn(2, n_in, 3 * rank, generator=gen)
+    b = torch.zeros(2, 3 * rank, sum(outs))
+    for j, off in enumerate((0, 12, 17)):
+        b[:, j * rank : (j + 1) * rank, off : off + outs[j]] = torch.randn(2, rank, outs[j], generator=gen)
+    x, base = torch.randn(3, n_in, generator=gen), torch.randn(3, sum(outs), generator=gen)
+    slots = torch.tensor([1, 0, -1])
+    want = kernel.delta_(base.clone(), x, a, b, slots)  # all columns of every row block
+    cols = torch.tensor([0, 12, 17, 24], dtype=torch.int32)
+    torch.testing.assert_close(kernel.delta_(base.clone(), x, a, b, slots, cols), want)
+    b[:, 0:rank, 12:] = 1e6  # off-diagonal: never read
+    torch.testing.assert_close(kernel.delta_(base.clone(), x, a, b, slots, cols), want)

@@ -8,7 +8,7 @@ targets' deltas: its slot holds the targets' A side by side ([in, k R]) and thei
 block diagonal ([k R, out]), so one shrink and one expand serve the fused projection.
 
 Resident adapters sit in `LoraSlots`: for each layer and fused projection, A as
-[in, slots, k R] and B as [slots, k R, out] (the scaling folded into B; ranks below
+[slots, in, k R] and B as [slots, k R, out] (the scaling folded into B; ranks below
 `max_rank` are zero-padded, which adds nothing). A forward gets a `LoraStep` (the slots
 and this batch's per-token slot index, -1 for the base) as an explicit argument; it wraps
 each projection operand so that the decoder's `linear(...)` call sites add the delta.
@@ -18,7 +18,7 @@ On the CPU, two ways, never a loop over rows (measured on the 2-core EPYC, one t
 576 -> 960 projection with 4 adapters of rank 16 on q/k/v):
 - few tokens (decode, <= DENSE_MAX_TOKENS): one call of a C kernel (lora_cpu.c) in which
   every token reads its own slot (bf16, 4 tokens: 15 us); without it, every slot at once
-  on oneDNN-prepacked copies: x @ A viewed [in, slots k R], masked to each token's own
+  on oneDNN-prepacked copies: x @ A as [in, slots k R], masked to each token's own
   slot, then one expand-and-add with B viewed [slots k R, out] (three calls, ~35 us; with
   aten's unpacked bf16 matmuls 44 us, and 136 us as one shrink and expand per adapter);
 - more tokens (prefill): grouped by adapter, one shrink and one expand per distinct
@@ -201,15 +201,15 @@ class LoraSlots:
         self.dtype = dtype
         self.device = torch.device(device)
         self._pieces = _pieces(config)
-        # a[layer][proj]: [in, S, k R] (viewed [in, S k R] by the all-slots path);
-        # b[layer][proj]: [S, k R, out]
+        # a[layer][proj]: [S, in, k R]; b[layer][proj]: [S, k R, out] (a slot's A and B
+        # contiguous: the C kernel and the grouped path read one slot's block)
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
         for _ in range(config.num_hidden_layers):
             a, b = {}, {}
             for p, (fan_in, outs) in self._pieces.items():
                 width = len(outs) * max_rank
-                a[p] = torch.zeros(fan_in, num_slots, width, dtype=dtype, device=self.device)
+                a[p] = torch.zeros(num_slots, fan_in, width, dtype=dtype, device=self.device)
                 b[p] = torch.zeros(num_slots, width, sum(outs), dtype=dtype, device=self.device)
             self.a.append(a)
             self.b.append(b)
@@ -222,6 +222,10 @@ class LoraSlots:
         self.kernel = load_lora_kernel() if self.device.type == "cpu" and dtype in CPU_KERNEL_DTYPES else None
         self.prepack = self.kernel is None and prepack_enabled(dtype, self.device)
         self._packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Each fused projection's target column bounds (B is block diagonal): the C kernel
+        # reads only the nonzero blocks (q/k/v: a third of B, gate/up: half).
+        self.columns = {p: torch.tensor([sum(outs[:j]) for j in range(len(outs) + 1)], dtype=torch.int32)
+                        for p, (_, outs) in self._pieces.items()}
 
     @property
     def nbytes(self) -> int:
@@ -248,7 +252,7 @@ class LoraSlots:
             a, b = self.a[layer][proj], self.b[layer][proj]
             try:
                 found = self._packed[key] = (
-                    torch.ops.mkldnn._reorder_linear_weight(a.flatten(1).t().contiguous(), None),
+                    torch.ops.mkldnn._reorder_linear_weight(a.transpose(1, 2).reshape(-1, a.shape[1]), None),
                     torch.ops.mkldnn._reorder_linear_weight(b.flatten(0, 1).t().contiguous(), None))
             except (RuntimeError, AttributeError):  # op missing, or no bf16 reorder on this CPU
                 self.prepack = False
@@ -266,15 +270,12 @@ class LoraSlots:
             outs = self._pieces[proj][1]
             off = sum(outs[:j])
             rank = a.shape[0]
-            self.a[layer][proj][:, slot, j * r : j * r + rank].copy_(a.t())
+            self.a[layer][proj][slot, :, j * r : j * r + rank].copy_(a.t())
             self.b[layer][proj][slot, j * r : j * r + rank, off : off + outs[j]].copy_(b.t())
         self.heads[slot] = None if adapter.head is None else adapter.head.to(self.dtype).to(self.device)
 
     def clear(self, slot: int) -> None:
-        for layer in self.a:
-            for t in layer.values():
-                t[:, slot].zero_()
-        for layer in self.b:
+        for layer in (*self.a, *self.b):
             for t in layer.values():
                 t[slot].zero_()
         self.heads[slot] = None
@@ -325,24 +326,24 @@ class LoraBatch:
     def delta_into(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """out[t] += (x[t] @ a[slot t]) @ b[slot t] for every token of an adapter (a:
-        [in, slots, k R], b: [slots, k R, out]; `packed`: their oneDNN copies, see
+        [slots, in, k R], b: [slots, k R, out]; `packed`: their oneDNN copies, see
         LoraSlots.packed); returns out, or a new tensor holding the sum."""
         if out.device.type == "cuda":
             from prelude.model.lora_kernels import lora_delta_
 
-            return lora_delta_(out, x, a.permute(1, 0, 2), b, self.token_slots)
+            return lora_delta_(out, x, a, b, self.token_slots)
         if self.one_hot is not None:
             mask = self._mask(a.shape[2], x.dtype)
             if packed is not None:
                 lp = torch.ops.mkldnn._linear_pointwise
                 shrunk = lp(x.contiguous(), packed[0], None, "none", [], "").mul_(mask)
                 return lp.binary(shrunk, out.contiguous(), packed[1], None, "add")
-            return out.addmm_((x @ a.flatten(1)).mul_(mask), b.flatten(0, 1))
+            return out.addmm_((x @ a.permute(1, 0, 2).reshape(a.shape[1], -1)).mul_(mask), b.flatten(0, 1))
         for slot, rows in self.groups:
             if isinstance(rows, slice):
-                out[rows].addmm_(x[rows] @ a[:, slot], b[slot])
+                out[rows].addmm_(x[rows] @ a[slot], b[slot])
             else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a[:, slot]) @ b[slot])
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a[slot]) @ b[slot])
         return out
 
     def _mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -369,7 +370,8 @@ class LoraLinear:
         out = linear(x, self.base, self.bias)
         a, b = s.a[layer][proj], s.b[layer][proj]
         if batch.one_hot is not None and s.kernel is not None and out.dtype == x.dtype and s.kernel.fits(x, a, b):
-            return s.kernel.delta_(out, x if x.stride(-1) == 1 else x.contiguous(), a, b, batch.token_slots)
+            return s.kernel.delta_(out, x if x.stride(-1) == 1 else x.contiguous(), a, b, batch.token_slots,
+                                   s.columns[proj])
         packed = s.packed(layer, proj) if batch.one_hot is not None else None
         return batch.delta_into(out, x, a, b, packed)
 

@@ -23,7 +23,8 @@ class LoraKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.lora_bgmv
         c_int, c_long, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
-        self._fn.argtypes = [c_int, c_int, c_int, c_int, c_int, ptr, c_long, ptr, ptr, ptr, c_long, ptr, c_int]
+        self._fn.argtypes = [c_int, c_int, c_int, c_int, c_int, ptr, c_long, ptr, ptr, ptr, c_long, ptr, c_int, c_int,
+                             ptr]
         self._fn.restype = None
 
     def fits(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -31,16 +32,23 @@ class LoraKernel:
                 and a.shape[2] <= MAX_WIDTH and b.shape[2] <= MAX_OUT)
 
     def delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               token_slots: torch.Tensor) -> torch.Tensor:
-        """out[t] += (x[t] @ a[:, s]) @ b[s] for s = token_slots[t] >= 0 (a: [in, S, W], b:
-        [S, W, out], both contiguous; out and x rows with unit column stride). Returns out."""
+               token_slots: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """out[t] += (x[t] @ a[s]) @ b[s] for s = token_slots[t] >= 0 (a: [S, in, W], b:
+        [S, W, out], both contiguous; out and x rows with unit column stride). `cols`
+        (int32, k + 1 column bounds): b is block diagonal over k targets, row block j
+        nonzero only in columns cols[j]:cols[j+1] (None: one target, all columns). Returns out."""
         tokens, n_in = x.shape
         n_slots, width, n_out = b.shape
-        assert out.dtype == x.dtype and out.shape == (tokens, n_out) and a.shape == (n_in, n_slots, width)
+        assert out.dtype == x.dtype and out.shape == (tokens, n_out) and a.shape == (n_slots, n_in, width)
         assert a.is_contiguous() and b.is_contiguous() and x.stride(1) == 1 and out.stride(1) == 1
         assert token_slots.dtype == torch.long and token_slots.is_contiguous() and token_slots.shape == (tokens,)
+        if cols is None:
+            cols = torch.tensor([0, n_out], dtype=torch.int32)
+        k = cols.numel() - 1
+        assert cols.dtype == torch.int32 and width % k == 0 and int(cols[-1]) == n_out
         self._fn(tokens, n_in, n_slots, width, n_out, x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
-                 out.data_ptr(), out.stride(0), token_slots.data_ptr(), int(x.dtype == torch.bfloat16))
+                 out.data_ptr(), out.stride(0), token_slots.data_ptr(), int(x.dtype == torch.bfloat16), k,
+                 cols.data_ptr())
         return out
 
 
