@@ -10,7 +10,7 @@ from typing import Callable
 from prelude.config import EngineConfig
 from prelude.executor.device import resolve_device
 from prelude.executor.runner import ModelRunner
-from prelude.model import blocks_kernel, cpu_fused_kernels
+from prelude.model import blocks_kernel, cpu_fused_kernels, lora_cpu
 from prelude.model.loader import load_model_files
 from prelude.tokenizer.base import Tokenizer
 
@@ -29,18 +29,19 @@ def _build_quietly(build: Callable[[], object]) -> None:
         pass
 
 
-def _build_cpu_kernels() -> list[threading.Thread]:
+def _build_cpu_kernels(lora: bool) -> list[threading.Thread]:
     """Compile the CPU's C kernels (~0.6 s each, first start only) on threads while the
     checkpoint loads: the compilers run beside the GGUF conversion instead of after it."""
+    builds = (blocks_kernel.build, cpu_fused_kernels.build, *((lora_cpu.build,) if lora else ()))
     threads = [threading.Thread(target=_build_quietly, args=(build,), name=f"build-{build.__module__}", daemon=True)
-               for build in (blocks_kernel.build, cpu_fused_kernels.build)]
+               for build in builds]
     for t in threads:
         t.start()
     return threads
 
 
 def load_runner(config: EngineConfig) -> LoadedRunner:
-    builds = _build_cpu_kernels() if resolve_device(config.executor.device).type == "cpu" else []
+    builds = _build_cpu_kernels(config.lora is not None) if resolve_device(config.executor.device).type == "cpu" else []
     loaded = load_model_files(config.model)
     for t in builds:
         t.join()

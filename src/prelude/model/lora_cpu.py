@@ -52,6 +52,11 @@ class LoraKernel:
         return out
 
 
+def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
+    """Compile the library into the cache unless it is there (`make install` calls this)."""
+    return native_lib.build(_SOURCE, flags)
+
+
 @functools.cache
 def load_lora_kernel() -> LoraKernel | None:
     lib = native_lib.load(_SOURCE, "PRELUDE_LORA_KERNEL", "the C LoRA kernel (decode uses the oneDNN all-slots path)")
