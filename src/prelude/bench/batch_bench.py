@@ -267,6 +267,7 @@ def run_ttft(judge: Path, model_dir: Path, flags: list[str], requests: int, batc
 def rss_job(inp: Path, out: Path, flags: list[str]) -> dict[str, Any]:
     """Peak RSS of a run-batch job against the RSS it had when its first answer was written
     (model loaded, engine warm): the growth a long job adds."""
+    out.unlink(missing_ok=True)  # the first answer is this run's
     w = _Watched([sys.executable, "-m", "prelude.cli", "run-batch", "-i", str(inp), "-o", str(out),
                   "--no-progress", "--log-level", "warning", *flags])
     baseline = None
