@@ -292,9 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                 with _start(name, opts, started=started) as base:
                     startup[name].append(time.perf_counter() - t0)
                     rounds[name].append(run_peer(base, started[0].pid, wl, scenarios, name))
-            except (RuntimeError, TimeoutError) as exc:
-                result["skipped"][name] = str(exc).splitlines()[0][:300]
-                print(f"{name} failed: {exc}", flush=True)
+            except (RuntimeError, TimeoutError) as exc:  # this round goes without it; the others count
+                result.setdefault("failed_rounds", []).append(
+                    {"peer": name, "round": r + 1, "error": str(exc).splitlines()[0][:300]})
+                print(f"{name} failed in round {r + 1}: {exc}", flush=True)
             loads.append(os.getloadavg()[0])
     result["peers"] = {name: _median_points(rs) for name, rs in rounds.items() if rs}
     result["startup_s"] = {name: statistics.median(s) for name, s in startup.items() if s}
