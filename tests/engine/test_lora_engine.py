@@ -140,3 +140,31 @@ def test_adapter_requests_on_an_engine_without_lora_are_refused(adapters) -> Non
     engine = tiny_engine(hf_tiny_llama())
     with pytest.raises(InvalidRequestError, match="without LoRA"):
         engine.add_request("x", PROMPTS[0], GREEDY, lora=adapters[0][0])
+
+
+def test_graph_replay_takes_the_adapter_index_as_an_input(adapters) -> None:
+    """Emulated capture (tests/executor/test_graphs.py): the decode buckets hold a static
+    per-token adapter index; replayed steps mixing adapters and the base answer as eager ones."""
+    from prelude.executor.graphs import Capture, GraphConfig
+
+    work = [(PROMPTS[0], adapters[0][0]), (PROMPTS[1], None), (PROMPTS[2], adapters[1][0])]
+    eager = run(tiny_engine(hf_tiny_llama(), lora=LoraConfig(max_loras=2, max_lora_rank=8)), work)
+    engine = tiny_engine(hf_tiny_llama(), lora=LoraConfig(max_loras=2, max_lora_rank=8))
+    if engine.runner.adapters is None or engine.runner.adapters.slots.kernel is None:
+        pytest.skip("emulated adapter graphs run the C kernel, which needs a compiler and AVX2+FMA")
+    engine.runner.capture_graphs(engine.max_model_len, Capture.EMULATE,
+                                 GraphConfig(decode_batch_sizes=(2, 4), capture_prefill=False))
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.adapter_index
+    replayed_with_adapters = 0
+    replay = graphs.run
+
+    def counting(ids, positions, meta, adapter_slots=None):  # noqa: ANN001, ANN202
+        nonlocal replayed_with_adapters
+        hidden = replay(ids, positions, meta, adapter_slots)
+        replayed_with_adapters += hidden is not None and adapter_slots is not None
+        return hidden
+
+    graphs.run = counting
+    assert run(engine, work) == eager
+    assert replayed_with_adapters >= 4  # the decode steps (3 rows -> bucket 4) were replays

@@ -262,3 +262,19 @@ def test_c_kernel_reads_only_the_diagonal_blocks_of_a_fused_projection() -> None
     torch.testing.assert_close(kernel.delta_(base.clone(), x, a, b, slots, cols), want)
     b[:, 0:rank, 12:] = 1e6  # off-diagonal: never read
     torch.testing.assert_close(kernel.delta_(base.clone(), x, a, b, slots, cols), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_triton_delta_on_cuda_equals_the_cpu() -> None:
+    from prelude.model.lora_kernels import lora_delta_
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 64, 48, generator=gen) * 0.3
+    b = torch.randn(3, 48, 960, generator=gen) * 0.3
+    x, base = torch.randn(6, 64, generator=gen), torch.randn(6, 960, generator=gen)
+    batch = LoraBatch.build([2, -1, 0, 1], [2, 1, 2, 1], "cpu")
+    assert batch is not None
+    want = batch.delta_into(base.clone(), x, a, b)
+    got = lora_delta_(base.cuda(), x.cuda(), a.cuda(), b.cuda(), batch.token_slots.cuda())
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)

@@ -10,6 +10,10 @@ A step that fits a bucket is copied into that bucket's static buffers (device-to
 padding rows write to a scratch KV block that no request owns) and replayed; anything
 larger, or mixed, runs eagerly. `Capture.EMULATE` replays by calling the forward on the
 static buffers, which runs on a CPU: tests check the padding logic there.
+
+With `adapter_index` (LoRA slots exist), every bucket also holds a static per-token
+adapter slot index (-1: the base, also for padding rows), the forward's fourth input: the
+LoRA kernels read it on the device, so one captured graph serves any mix of adapters.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, Pref
 
 logger = logging.getLogger("prelude.executor")
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# (ids, positions, meta, per-token adapter slots or None) -> hidden states
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, "torch.Tensor | None"], torch.Tensor]
 
 
 class Capture(enum.Enum):
@@ -46,22 +51,23 @@ class _Replay:
     """One captured bucket: static inputs, the captured forward and its static output."""
 
     def __init__(self, forward: Forward, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 capture: Capture, pool: object | None) -> None:
+                 capture: Capture, pool: object | None, adapter_index: bool = False) -> None:
         self.ids, self.positions, self.meta = ids, positions, meta
-        self._forward = forward
+        self.adapter_slots = torch.full_like(ids, -1) if adapter_index else None
+        self._forward = lambda i, p, m: forward(i, p, m, self.adapter_slots)
         self._capture = capture
         self._graph: torch.cuda.CUDAGraph | None = None
         if capture is Capture.CUDA:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up (allocator, autotuning) off the graph
-                forward(ids, positions, meta)
+                self._forward(ids, positions, meta)
             torch.cuda.current_stream().wait_stream(stream)
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph, pool=pool):
-                self.out = forward(ids, positions, meta)
+                self.out = self._forward(ids, positions, meta)
         else:
-            self.out = forward(ids, positions, meta)
+            self.out = self._forward(ids, positions, meta)
 
     @property
     def pool(self) -> object | None:
@@ -79,8 +85,9 @@ class GraphRunner:
     """Buckets of replayable forwards over one model's KV caches."""
 
     def __init__(self, forward: Forward, config: GraphConfig, device: torch.device, block_size: int,
-                 max_blocks_per_row: int, scratch_slot: int, capture: Capture) -> None:
+                 max_blocks_per_row: int, scratch_slot: int, capture: Capture, adapter_index: bool = False) -> None:
         self.config = config
+        self.adapter_index = adapter_index
         self.device = device
         self.block_size = block_size
         self.max_blocks = max_blocks_per_row
@@ -90,11 +97,11 @@ class GraphRunner:
         t0 = time.perf_counter()
         pool = None
         for b in sorted(config.decode_batch_sizes, reverse=True):  # largest first: the pool fits all
-            self._decode[b] = r = _Replay(forward, *self._decode_buffers(b), capture, pool)
+            self._decode[b] = r = _Replay(forward, *self._decode_buffers(b), capture, pool, adapter_index)
             pool = pool or r.pool
         if config.capture_prefill:
             for n in sorted(config.prefill_token_sizes, reverse=True):
-                self._prefill[n] = r = _Replay(forward, *self._prefill_buffers(n), capture, pool)
+                self._prefill[n] = r = _Replay(forward, *self._prefill_buffers(n), capture, pool, adapter_index)
                 pool = pool or r.pool
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d decode and %d prefill graphs (%s) in %.2f s", len(self._decode), len(self._prefill),
@@ -141,9 +148,13 @@ class GraphRunner:
         fits = [s for s in sizes if s >= n]
         return sizes[min(fits)] if fits else None
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Hidden states [T, H] from a replayed bucket, or None when no bucket fits."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            adapter_slots: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hidden states [T, H] from a replayed bucket, or None when no bucket fits (or the
+        step has adapters and the graphs were captured without an adapter index)."""
         t = ids.shape[0]
+        if adapter_slots is not None and not self.adapter_index:
+            return None
         if meta.decodes is not None and not meta.prefills and meta.prefill_tensors is None:
             replay = self._pick(self._decode, t)
             if replay is None or meta.slot_mapping is None or meta.kept_tokens is not None:
@@ -157,6 +168,10 @@ class GraphRunner:
             self._fill_prefill(replay, ids, positions, meta)
         else:
             return None
+        if replay.adapter_slots is not None:
+            replay.adapter_slots.fill_(-1)
+            if adapter_slots is not None:
+                replay.adapter_slots[:t].copy_(adapter_slots)
         return replay.replay()[:t]
 
     def _fill_tokens(self, replay: _Replay, ids: torch.Tensor, positions: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.forward_batch import BatchRow, DecodeBatch, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.attention import get_attention_backend
+from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.base import KVCaches, Model
 from prelude.model.cpu_fused_kernels import DTYPES as CPU_FUSED_DTYPES, load_cpu_kernels
 from prelude.model.decoder_segments import DecoderSegments
@@ -269,22 +270,33 @@ class ModelRunner:
         config = config or GraphConfig(capture_prefill=reads_row_tensors)
         if config.capture_prefill and not reads_row_tensors:
             raise ValueError("prefill graphs need an attention backend that reads PrefillTensors (triton)")
+        # With LoRA slots the graphs take the per-token adapter index as an input (the
+        # kernels read it on the device: Triton on CUDA; the C kernel when emulated on a CPU).
+        slots = self.adapters.slots if self.adapters is not None else None
+        adapter_index = slots is not None and (self.device.type == "cuda" or slots.kernel is not None)
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                    adapter_slots: torch.Tensor | None) -> torch.Tensor:
+            if adapter_slots is None or slots is None:
+                return self.forwards.forward_for(ids.shape[0])(ids, pos, meta, self.kv_caches)
+            return self._lora_forward(ids, pos, meta, self.kv_caches, lora=LoraStep(slots, LoraBatch.on_device(adapter_slots)))
+
         self.graphs = GraphRunner(
-            lambda ids, pos, meta: self.forwards.forward_for(ids.shape[0])(ids, pos, meta, self.kv_caches),
-            config, self.device, self.block_size,
-            max_blocks_per_row=-(-max_model_len // self.block_size), scratch_slot=self._scratch_slot, capture=capture,
+            forward, config, self.device, self.block_size, max_blocks_per_row=-(-max_model_len // self.block_size),
+            scratch_slot=self._scratch_slot, capture=capture, adapter_index=adapter_index,
         )
 
     # --- forwards -----------------------------------------------------------------------
 
     def forward(self, inputs: StepInputs, lora: LoraStep | None = None) -> torch.Tensor:
-        if lora is not None:
-            return self._lora_forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, lora=lora)
         # Captured graphs take no segment ids: multi-item rows always run eagerly.
         if self.graphs is not None and inputs.token_type_ids is None and inputs.meta.segment_ids is None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta,
+                                     None if lora is None else lora.batch.token_slots)
             if hidden is not None:
                 return hidden
+        if lora is not None:
+            return self._lora_forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, lora=lora)
         forward = self.forwards.forward_for(inputs.input_ids.shape[0])
         return forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.token_type_ids)
 

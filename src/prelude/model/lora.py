@@ -291,7 +291,15 @@ class LoraBatch:
     token_slots: torch.Tensor
     groups: tuple[tuple[int, slice | torch.Tensor], ...]
     one_hot: torch.Tensor | None = None
+    device_index: bool = False  # only `token_slots` is valid (a captured graph's static input)
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    @staticmethod
+    def on_device(token_slots: torch.Tensor) -> "LoraBatch":
+        """A batch that reads only the per-token index, whatever values it holds when the
+        forward runs (a captured graph's static input): the Triton kernels on CUDA, the C
+        kernel on a CPU."""
+        return LoraBatch(token_slots, (), None, device_index=True)
 
     @staticmethod
     def build(row_slots: Sequence[int], row_lens: Sequence[int], device: torch.device | str,
@@ -332,6 +340,7 @@ class LoraBatch:
             from prelude.model.lora_kernels import lora_delta_
 
             return lora_delta_(out, x, a, b, self.token_slots)
+        assert not self.device_index, "a graph's adapter index needs the C kernel on a CPU"
         if self.one_hot is not None:
             mask = self._mask(a.shape[2], x.dtype)
             if packed is not None:
@@ -369,7 +378,8 @@ class LoraLinear:
         s, layer, proj, batch = self.slots, self.layer, self.proj, self.batch
         out = linear(x, self.base, self.bias)
         a, b = s.a[layer][proj], s.b[layer][proj]
-        if batch.one_hot is not None and s.kernel is not None and out.dtype == x.dtype and s.kernel.fits(x, a, b):
+        few = batch.one_hot is not None or (batch.device_index and out.device.type == "cpu")
+        if few and s.kernel is not None and out.dtype == x.dtype and s.kernel.fits(x, a, b):
             return s.kernel.delta_(out, x if x.stride(-1) == 1 else x.contiguous(), a, b, batch.token_slots,
                                    s.columns[proj])
         packed = s.packed(layer, proj) if batch.one_hot is not None else None
