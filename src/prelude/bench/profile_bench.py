@@ -112,7 +112,6 @@ def _descendants(event: Any) -> Iterator[Any]:
 
 def profile_steps(run: Callable[[], int], model: Any) -> dict[str, Any]:
     """Profile `run` (which returns how many forwards it ran): ms per forward by category."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with labelled(model), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -128,7 +127,6 @@ def profile_steps(run: Callable[[], int], model: Any) -> dict[str, Any]:
     totals["other"] = max(0.0, wall_us - known)
     per = max(1, forwards)
     top = {c: sorted(((n, t / per / 1000) for n, t in ops[c].items()), key=lambda kv: -kv[1])[:6] for c in CATEGORIES}
-    del torch
     return {"forwards": forwards, "wall_ms_per_forward": wall_us / per / 1000,
             "ms_per_forward": {c: totals[c] / per / 1000 for c in CATEGORIES},
             "top_ops_ms": {c: [[n, round(t, 3)] for n, t in top[c]] for c in CATEGORIES}}
