@@ -6,6 +6,7 @@ processes; SIGTERM drains; a killed engine process fails every waiting request w
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -27,6 +28,11 @@ KEY = "sk-multiproc"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+def _die_with_parent() -> None:
+    """The server gets SIGTERM (a drain) if this test process is killed: no orphan servers."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class _Server:
     """A `prelude serve --api-server-count 2` process (and its children)."""
 
@@ -37,7 +43,7 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prelude.cli", "serve", "--model", str(tiny_llama_dir()), "--dtype", "float32",
              "--port", str(self.port), "--api-server-count", "2", "--api-key", KEY, *extra],
-            stdout=subprocess.DEVNULL, stderr=self.log)
+            stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=_die_with_parent)
         self.health = self._wait_for_both_fronts()
 
     def _wait_for_both_fronts(self, timeout_s: float = 300.0) -> dict[int, dict[str, Any]]:
