@@ -204,16 +204,24 @@ class RayEngineClient(ValidatingFront):
         not a death: busy replicas are left alone). Down replicas are pinged until Ray
         has restarted them; a restarted replica lost its cache, so the router forgets
         what it sent there."""
+        # One ping in flight per replica, kept until it answers: on a very busy machine an
+        # answer may take longer than a poll, and a fresh ping each poll would never see it
+        # (a restarted replica stayed down at a load average of 100).
+        pending: dict[int, Any] = {}
         while not self._stopping.wait(self.faults.poll_s):
-            pings = [(r, self._replicas[r].ping.remote()) for r in range(len(self._replicas))]
-            for r, ref in pings:
+            for r in range(len(self._replicas)):
+                if r not in pending:
+                    pending[r] = self._replicas[r].ping.remote()
+            for r, ref in list(pending.items()):
                 try:
                     ray.get(ref, timeout=self.faults.poll_s)
                 except GetTimeoutError:
                     continue
                 except _REPLICA_DOWN as exc:
+                    del pending[r]
                     self._mark_down(r, exc)
                     continue
+                del pending[r]
                 if self._up[r]:
                     continue
                 with self._router_lock:
