@@ -127,6 +127,10 @@ class SchedulerConfig:
     # False: steps alternate between a OneShot batch and a Decode/Mixed batch.
     fuse_oneshot: bool = True
     prefix_deferral: bool = True  # peers of a cold shared prefix wait one step for its leader
+    # A OneShot-only step waits for the rest of a burst of arrivals it expects (the answers
+    # of its last step coming back, engine/oneshot_gather.py), at most this long and 5% of
+    # that step's duration; 0: never waits.
+    oneshot_gather_ms: float = 250.0
     max_decode_batch: int | None = None  # decode slots per step (None: every running sequence)
     default_ttft_slo_ms: float | None = None  # TTFT target of requests that name none
     # Distinct LoRA adapters one step may hold: the executor's resident slots (--max-loras);

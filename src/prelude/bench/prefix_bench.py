@@ -2,6 +2,8 @@
 
 - Judge workload: a shared 1,024-token rubric + a unique 64-token item, 1 output token,
   concurrency 16; throughput with the prefix cache vs without (two servers, same run).
+- The same judge requests handed to an in-process engine in waves of 16 (no HTTP): what
+  the server should reach when requests arrive one by one. Both report rows per step.
 - Cold burst: 64 requests sharing a cold 1,024-token prefix sent at once; prefix tokens
   computed (from /metrics) and throughput with leader deferral vs without.
 Prints a table and writes JSON.
@@ -61,6 +63,40 @@ async def _run(base: str, prompts: list[list[int]], concurrency: int) -> float:
         return len(prompts) / (time.perf_counter() - t0)
 
 
+class _StepCounter:
+    """An engine observer that counts steps and their computed tokens."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens = 0
+
+    def request_finished(self, metrics: Any) -> None:
+        pass
+
+    def step_finished(self, kind: str, seconds: float, num_tokens: int) -> None:
+        self.steps += 1
+        self.tokens += num_tokens
+
+
+def in_process(prompts: list[list[int]], wave: int, dtype: str) -> dict[str, float]:
+    """req/s and rows per step of `prompts` handed to an in-process engine `wave` at a
+    time (the first prompt alone first: the rubric cached, as over HTTP)."""
+    from prelude.engine.request import SamplingParams
+    from prelude.entrypoints.llm import LLM
+
+    llm = LLM(dtype=dtype, max_num_batched_tokens=8192)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate(prompts[:1], params)
+    counter = _StepCounter()
+    llm.engine.observer = counter
+    rest = prompts[1:]
+    t0 = time.perf_counter()
+    for i in range(0, len(rest), wave):
+        llm.generate(rest[i : i + wave], params)
+    seconds = time.perf_counter() - t0
+    return {"req_per_s": len(rest) / seconds, "steps": counter.steps, "tokens": counter.tokens}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prelude bench prefix")
     ap.add_argument("--prefix-tokens", type=int, default=1024)
@@ -69,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default="bench_results/prefix.json")
+    ap.add_argument("--judge-only", action="store_true", help="the judge over HTTP (cache only) and in process")
+    ap.add_argument("--prelude-args", default="", help="extra `prelude serve` flags for every server")
     args = ap.parse_args(argv)
     from prelude.model.loader import load_model_files
 
@@ -78,15 +116,37 @@ def main(argv: list[str] | None = None) -> int:
     judge = [rubric + _ids(tok, args.item_tokens, rng) for _ in range(args.judge_requests)]
     cold = _ids(tok, args.prefix_tokens, rng)
     burst = [cold + _ids(tok, args.item_tokens, rng) for _ in range(args.burst)]
-    common = ["--dtype", args.dtype, "--max-num-batched-tokens", "8192"]
+    common = ["--dtype", args.dtype, "--max-num-batched-tokens", "8192", *args.prelude_args.split()]
     result: dict[str, Any] = {"prefix_tokens": args.prefix_tokens, "item_tokens": args.item_tokens, "dtype": args.dtype}
 
-    with prelude_server(common) as cached, prelude_server([*common, "--no-enable-prefix-caching"]) as uncached:
-        asyncio.run(_run(cached, judge[:1], 1))  # the rubric is cached once, as in steady state
-        result["judge_req_per_s_cache"] = asyncio.run(_run(cached, judge[1:], 16))
-        result["judge_req_per_s_no_cache"] = asyncio.run(_run(uncached, judge[1:], 16))
-        result["judge_cache_metrics"] = _metrics(cached)
-    result["judge_speedup"] = result["judge_req_per_s_cache"] / result["judge_req_per_s_no_cache"]
+    item_rows = float(args.item_tokens)
+    if args.judge_only:
+        with prelude_server(common) as cached:
+            asyncio.run(_run(cached, judge[:1], 1))  # the rubric is cached once, as in steady state
+            before = _metrics(cached)
+            result["judge_req_per_s_cache"] = asyncio.run(_run(cached, judge[1:], 16))
+            after = _metrics(cached)
+    else:
+        with prelude_server(common) as cached, prelude_server([*common, "--no-enable-prefix-caching"]) as uncached:
+            asyncio.run(_run(cached, judge[:1], 1))  # the rubric is cached once, as in steady state
+            before = _metrics(cached)
+            result["judge_req_per_s_cache"] = asyncio.run(_run(cached, judge[1:], 16))
+            after = _metrics(cached)
+            result["judge_req_per_s_no_cache"] = asyncio.run(_run(uncached, judge[1:], 16))
+            result["judge_cache_metrics"] = _metrics(cached)
+        result["judge_speedup"] = result["judge_req_per_s_cache"] / result["judge_req_per_s_no_cache"]
+    steps = after["step_duration_seconds_count"] - before["step_duration_seconds_count"]
+    result["judge_http_rows_per_step"] = (after["step_tokens_total"] - before["step_tokens_total"]) / item_rows / steps
+    local = in_process(judge, 16, args.dtype)
+    result["judge_in_process_req_per_s"] = local["req_per_s"]
+    result["judge_in_process_rows_per_step"] = local["tokens"] / item_rows / local["steps"]
+    print(f"judge ({args.prefix_tokens}-token rubric + {args.item_tokens}-token item, 1 out, c=16):")
+    print(f"  HTTP {result['judge_req_per_s_cache']:.2f} req/s ({result['judge_http_rows_per_step']:.1f} rows a step)"
+          f"   in process, waves of 16: {local['req_per_s']:.2f} req/s "
+          f"({result['judge_in_process_rows_per_step']:.1f} rows a step)")
+    if args.judge_only:
+        write_json(args.json, result)
+        return 0
 
     for mode, extra in (("deferral", []), ("no_deferral", ["--no-prefix-deferral"])):
         with prelude_server([*common, *extra]) as base:
@@ -101,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
             "deferred": after["prefix_cache_deferred_requests_total"],
         }
 
-    print(f"judge ({args.prefix_tokens}-token rubric + {args.item_tokens}-token item, 1 out, c=16):")
     print(f"  cache {result['judge_req_per_s_cache']:.2f} req/s   no cache {result['judge_req_per_s_no_cache']:.2f} "
           f"req/s   speedup {result['judge_speedup']:.2f}x")
     print(f"cold burst ({args.burst} requests sharing a cold {args.prefix_tokens}-token prefix):")

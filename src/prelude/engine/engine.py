@@ -284,8 +284,10 @@ class LLMEngine:
         if plan.batch is not None:
             carried = CarriedTokens(in_flight.launched, tuple(plan.carried)) if plan.carried and in_flight else None
             try:
+                # The clock starts before the launch: on a CPU `launch` runs the whole forward.
+                started = time.perf_counter()
                 queued = self.runner.launch(plan.batch, carried) if carried else self.runner.launch(plan.batch)
-                launched = InFlight(plan, queued, time.perf_counter(), traces)
+                launched = InFlight(plan, queued, started, traces)
             except Exception as exc:  # noqa: BLE001 - contained: only this step's requests fail
                 failed, cause = failed + self._fail_step(plan), exc
         for step in (in_flight, None if self.overlap else launched):

@@ -35,6 +35,7 @@ from prelude.forward_batch import (
     OneShotRow,
     SampleSpec,
 )
+from prelude.engine.oneshot_gather import BurstGather
 from prelude.engine.policies import SchedulingPolicy
 from prelude.engine.policies.base import by_arrival
 from prelude.engine.request import ExecClass, LoraRequest, Request, RequestStatus
@@ -155,6 +156,7 @@ class Scheduler:
         self._busy: Mapping[str, int] = {}  # this schedule: requests of the step in flight -> its tokens
         # Keep ~1% of the pool free at admission so running decodes rarely preempt.
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
+        self.gather = BurstGather(config.oneshot_gather_ms / 1000)
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -202,6 +204,8 @@ class Scheduler:
                 req.num_computed_tokens += n
                 if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
                     self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens, namespace(req))
+        if ok and plan.oneshot:
+            self.gather.step_ended(len(plan.oneshot), len(self.oneshot_waiting), time.monotonic())
         for row in plan.oneshot_rows:
             if ok:
                 self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks),
@@ -221,10 +225,11 @@ class Scheduler:
 
     # --- OneShot ----------------------------------------------------------------------
 
-    def activation_bytes(self, req: Request) -> int:
-        """Rough temporary memory of one OneShot row: a few hidden-size activations per
-        token, plus float32 vocab rows when every prompt position needs logprobs."""
-        n = req.num_prompt_tokens
+    def activation_bytes(self, req: Request, computed: int) -> int:
+        """Rough temporary memory of one OneShot row computing `computed` tokens (the prompt
+        past its cached prefix, whose K/V are read in place): a few hidden-size activations
+        per token, plus float32 vocab rows when every prompt position needs logprobs."""
+        n = computed
         per_token = 16 * self.hidden_size * 4
         if req.params.prompt_logprobs is not None:
             per_token += 2 * self.vocab_size * 4
@@ -274,7 +279,8 @@ class Scheduler:
             shareable = shareable_tokens(req)
             prefix = self._cached_prefix(req, shareable)
             n_cached = len(prefix) * bs
-            n, mem = req.num_prompt_tokens - n_cached, self.activation_bytes(req)
+            n = req.num_prompt_tokens - n_cached
+            mem = self.activation_bytes(req, n)
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
             if self._defer(req, self.kv.first_uncached_key(shareable, len(prefix), namespace(req)), leaders):
@@ -413,6 +419,8 @@ class Scheduler:
         decode_work = bool(self.waiting or self.running)
         fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
         if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
+            if not decode_work and self.gather.hold(self.oneshot_waiting, now):
+                return ScheduleResult(batch=None)  # the rest of the burst is on its way
             self._last_was_oneshot = True
             return self._schedule_oneshot(now)
         self._last_was_oneshot = False
@@ -559,7 +567,10 @@ class Scheduler:
         return n
 
     def observe_step(self, batch: ForwardBatch, seconds: float) -> None:
-        """Measured duration of a step with prompt work, for policies that model it."""
+        """Measured duration of a step: OneShot gathering bounds its holds by it, policies
+        that model prompt work fit it."""
+        if isinstance(batch, OneShotBatch) or (isinstance(batch, MixedBatch) and batch.oneshot_rows):
+            self.gather.observe(seconds)
         if isinstance(batch, MixedBatch) and batch.prefill_rows:
             prompts = [(len(r.token_ids), r.start_pos) for r in batch.prefill_rows]
             prompts += [(len(r.token_ids) - r.num_cached, r.num_cached) for r in batch.oneshot_rows]  # fused

@@ -72,6 +72,7 @@ class LLM:
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     max_model_len=max_model_len, policy=policy, fuse_oneshot=fuse_oneshot,
+                    oneshot_gather_ms=0.0,  # every request is handed over before the steps run
                 ),
                 lora=LoraConfig(max_loras, max_lora_rank) if max_loras > 0 else None,
             )

@@ -1,0 +1,100 @@
+"""Gathering a burst of OneShot requests into one step (engine/oneshot_gather.py): the rule
+with a fake clock, then the scheduler holding a OneShot-only step and letting it go."""
+
+from __future__ import annotations
+
+import random
+
+from prelude import SamplingParams
+from prelude.engine.oneshot_gather import GAP_S, BurstGather
+from prelude.engine.request import Request
+from prelude.engine.validation import RequestRules, validate_request
+from prelude.forward_batch import OneShotBatch
+from tests.engine.test_policies import make_request, make_scheduler
+
+GEN = random.Random(0)
+
+
+def oneshot(rid: str, arrival: float) -> Request:
+    rules = RequestRules(max_model_len=4096, vocab_size=100, eos_token_ids=frozenset())
+    return validate_request(rid, [1 + i % 50 for i in range(40)], SamplingParams(temperature=0.0, max_tokens=1), rules,
+                            seed_source=GEN, arrival_time=arrival)
+
+
+def test_gather_waits_for_the_burst_and_no_longer() -> None:
+    g = BurstGather(max_wait_s=0.05)
+    assert not g.hold([oneshot("a", 0.0)], 0.001)  # no OneShot step timed yet: nothing expected
+    g.observe(0.5)  # a 0.5 s step: holds of at most 25 ms (5%), arrival gaps of 10 ms (2%)
+    g.step_ended(finished=4, waiting=0, now=10.0)
+    early = [oneshot("a", 10.002)]
+    assert g.hold(early, 10.003)  # 1 of 4 back, the burst still coming
+    assert not g.hold(early, 10.002 + 0.011)  # a quiet stretch longer than the gap ends it
+    assert not g.hold([oneshot(str(i), 10.002) for i in range(4)], 10.003)  # all 4 back: go
+    # before the first answer comes back, the round trip is waited out, up to the bound
+    stale = [oneshot("old", 9.0)]
+    assert g.hold(stale, 10.02)
+    assert not g.hold(stale, 10.026)
+
+
+def test_gather_gap_grows_with_the_step_on_a_busy_machine() -> None:
+    g = BurstGather(max_wait_s=0.25)
+    g.observe(10.0)  # a 10 s step (a loaded machine): 200 ms gaps, holds capped at 250 ms
+    g.step_ended(finished=16, waiting=0, now=1.0)
+    burst = [oneshot("a", 1.1), oneshot("b", 1.15)]
+    assert g.hold(burst, 1.24)  # 90 ms after the last arrival: more than GAP_S, less than 2% of the step
+    assert GAP_S < 0.09 and not g.hold(burst, 1.26)  # the cap
+
+
+def test_gather_is_bounded_by_the_step_and_can_be_off() -> None:
+    g = BurstGather(max_wait_s=0.05)
+    g.observe(0.1)  # a 100 ms step: at most 5 ms of waiting
+    g.step_ended(finished=8, waiting=0, now=1.0)
+    assert g.hold([oneshot("a", 0.5)], 1.004)
+    assert not g.hold([oneshot("a", 0.5)], 1.006)
+    off = BurstGather(max_wait_s=0.0)
+    off.observe(1.0)
+    off.step_ended(finished=8, waiting=0, now=1.0)
+    assert not off.hold([oneshot("a", 1.0)], 1.001)
+
+
+def test_scheduler_holds_a_oneshot_step_for_its_burst_then_runs_it_whole() -> None:
+    s = make_scheduler("fcfs", budget=1024)
+    first = [oneshot(f"r{i}", 0.0) for i in range(4)]
+    for r in first:
+        s.add(r)
+    plan = s.schedule(now=0.0)
+    assert isinstance(plan.batch, OneShotBatch) and len(plan.batch.rows) == 4
+    s.observe_step(plan.batch, 1.0)
+    s.end_step(plan, ok=True)
+    for r in first:
+        s.remove(r)
+    opened = s.gather.opened
+    s.add(oneshot("n0", opened + 0.001))
+    assert s.schedule(now=opened + 0.002).batch is None  # 1 of the 4 expected is back
+    for i in range(1, 4):
+        s.add(oneshot(f"n{i}", opened + 0.002))
+    plan = s.schedule(now=opened + 0.003)
+    assert isinstance(plan.batch, OneShotBatch) and [r.request_id for r in plan.batch.rows] == ["n0", "n1", "n2", "n3"]
+
+
+def test_scheduler_never_holds_past_the_cap_or_with_paged_work() -> None:
+    s = make_scheduler("fcfs", budget=1024)
+    first = [oneshot(f"r{i}", 0.0) for i in range(4)]
+    for r in first:
+        s.add(r)
+    plan = s.schedule(now=0.0)
+    s.observe_step(plan.batch, 1.0)
+    s.end_step(plan, ok=True)
+    for r in first:
+        s.remove(r)
+    opened = s.gather.opened
+    s.add(oneshot("late", opened + 0.001))
+    assert s.schedule(now=opened + 0.06).batch is not None  # past the 50 ms cap
+    # a paged request in the engine: OneShot rows ride with it, nothing waits
+    s2 = make_scheduler("fcfs", budget=1024)
+    s2.gather.observe(1.0)
+    s2.gather.step_ended(finished=4, waiting=0, now=opened)
+    s2.add(make_request("paged", 8, 4, opened))
+    s2.add(oneshot("one", opened + 0.001))
+    plan = s2.schedule(now=opened + 0.002)
+    assert plan.batch is not None and [r.request_id for r in plan.oneshot] == ["one"]
