@@ -14,7 +14,7 @@ import pytest
 
 from tests.batch.conftest import completion_line, read_output, write_lines
 
-LINES = 120
+LINES = 400  # the job after the kill point is long next to a 5 ms poll, on any machine
 KILL_AT = 20  # output lines seen before the kill
 
 

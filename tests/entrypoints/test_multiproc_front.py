@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Iterator
 
 import httpx
@@ -160,13 +160,23 @@ def test_api_key_and_request_ids(server: _Server) -> None:
 
 
 def test_429_past_the_waiting_bound(server: _Server) -> None:
-    """--max-waiting-requests 2 over 2 processes (one each), 2 sequences at a time: a
-    burst of 12 gets 429s with Retry-After, and every admitted request completes."""
+    """--max-waiting-requests 2 over 2 processes (one each). The engine process is stopped
+    (SIGSTOP) during a burst of 12, so no request gets its first output and none stops waiting:
+    each HTTP process lets one through and refuses the rest with 429 and Retry-After, whatever
+    the machine's speed. Once the engine continues, every request let through completes."""
+    engine_pid = server.health[0]["engine_pid"]
     body = {"prompt": "burst", "max_tokens": 30, "ignore_eos": True}
     with ThreadPoolExecutor(12) as pool:
-        answers = list(pool.map(lambda _: _post(server.base, "/v1/completions", body), range(12)))
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            futures = [pool.submit(_post, server.base, "/v1/completions", body) for _ in range(12)]
+            refused = [f.result() for _, f in zip(range(10), as_completed(futures))]
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        answers = [f.result() for f in futures]
+    assert [a.status_code for a in refused] == [429] * 10
     statuses = [a.status_code for a in answers]
-    assert set(statuses) <= {200, 429} and statuses.count(429) >= 2, statuses
+    assert set(statuses) <= {200, 429} and statuses.count(429) >= 10, statuses
     for a in answers:
         if a.status_code == 429:
             assert a.headers["retry-after"] and a.json()["error"]["type"] == "rate_limit_error"
