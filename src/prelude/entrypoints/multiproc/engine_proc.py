@@ -175,7 +175,7 @@ def _event_loop_runner() -> Any:
 
 def engine_main(config: EngineConfig, path: str, ready: Connection, log_level: str, log_format: str) -> None:
     """The engine process's entry (multiprocessing spawn target)."""
-    from prelude.entrypoints.multiproc.supervisor import child_setup
+    from prelude.entrypoints.multiproc.child import child_setup
     from prelude.entrypoints.openai.prom import ServerMetrics
 
     child_setup(log_level, log_format)

@@ -13,7 +13,6 @@ process, which turns it into one drain) and die with this process (PR_SET_PDEATH
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -36,19 +35,6 @@ logger = logging.getLogger("prelude.supervisor")
 
 # After the engine died, the HTTP processes get this long to answer and exit on their own.
 _FRONT_EXIT_S = 15.0
-_PR_SET_PDEATHSIG = 1
-
-
-def child_setup(log_level: str, log_format: str) -> None:
-    """First thing in every child: logging, its own process group, death with the parent."""
-    from prelude.log_format import configure_logging
-
-    configure_logging(log_level, log_format)
-    os.setpgrp()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: an orphan is left to its own devices
-        pass
 
 
 @dataclass(frozen=True)
