@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
-import uvicorn
 
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.stage_trace import STAGES, StageTrace, current
-from prelude.entrypoints.openai.api_server import build_app
 
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
-from tests.entrypoints.conftest import _free_port
+from tests.entrypoints.conftest import running_server
 
 
 def test_stage_trace_sums_repeats_and_orders_by_time() -> None:
@@ -32,40 +27,18 @@ def test_marks_without_a_trace_do_nothing() -> None:
     mark("tokenize")  # no trace in this context: nothing to record, nothing raised
 
 
-def _serve(trace_stages: bool):  # noqa: ANN202
-    front = AsyncEngine(tiny_engine(hf_tiny_llama(), num_blocks=64, max_model_len=128))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(front, trace_stages=trace_stages), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(timeout=10)
-        front.shutdown()
-
-    return base, stop
+def _front() -> AsyncEngine:
+    return AsyncEngine(tiny_engine(hf_tiny_llama(), num_blocks=64, max_model_len=128))
 
 
 def test_traced_requests_report_every_stage_in_order() -> None:
-    base, stop = _serve(trace_stages=True)
-    try:
+    with running_server(_front(), trace_stages=True) as base:
         oneshot = httpx.post(base + "/v1/completions", json={"prompt": "hello there", "max_tokens": 1}, timeout=30)
         decode = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True,
                                                             "stream": True}, timeout=30)
         assert oneshot.status_code == decode.status_code == 200
         got = httpx.get(base + "/debug/stages", timeout=10).json()
         again = httpx.get(base + "/debug/stages", timeout=10).json()
-    finally:
-        stop()
     assert got["stages"] == list(STAGES)
     first, second = got["data"]
     assert first["route"] == second["route"] == "/v1/completions" and first["status"] == 200
@@ -79,10 +52,7 @@ def test_traced_requests_report_every_stage_in_order() -> None:
 
 
 def test_stages_route_is_off_by_default() -> None:
-    base, stop = _serve(trace_stages=False)
-    try:
+    with running_server(_front(), trace_stages=False) as base:
         assert httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30).status_code == 200
         r = httpx.get(base + "/debug/stages", timeout=10)
-    finally:
-        stop()
     assert r.status_code == 404 and "--trace-stages" in r.json()["error"]["message"]
