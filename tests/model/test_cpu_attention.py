@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ctypes
+import shutil
+import subprocess
+
 import pytest
 import torch
 
-from prelude.model.attention import get_attention_backend
+from prelude.model import native_lib
+from prelude.model.attention import cpu_backend, get_attention_backend
 from prelude.model.attention.cpu_backend import CpuAttention, load_cpu_attention
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
 from prelude.model.attention.torch_backend import TorchAttention
@@ -20,6 +25,28 @@ from prelude.model.attention.torch_backend import TorchAttention
 _BACKEND = load_cpu_attention()
 pytestmark = pytest.mark.skipif(_BACKEND is None, reason="the C attention kernel does not build here "
                                 "(no C compiler, no AVX2+FMA, or PRELUDE_CPU_ATTENTION=0)")
+
+
+@pytest.fixture(scope="module", params=("native", "avx2"))
+def backend(request: pytest.FixtureRequest) -> CpuAttention:
+    """The kernel as built for this CPU (its AVX512-BF16 forms where it has them), and built
+    for AVX2+FMA only: the float32 code an AVX2-only CPU runs for either dtype, checked too."""
+    assert _BACKEND is not None
+    if request.param == "native":
+        return _BACKEND
+    flags = tuple(f for f in native_lib.AVX2_FLAGS if f != "-ffp-contract=off")
+    return CpuAttention(ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, flags))))
+
+
+def test_native_build_takes_the_bf16_dot_product_where_the_cpu_has_it() -> None:
+    flags = native_lib.cpu_isa_flags()
+    if "avx512_bf16" not in flags:
+        pytest.skip(f"this CPU has no AVX512-BF16 (flags: {' '.join(sorted(f for f in flags if f.startswith('avx')))})")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to read the library's instructions")
+    text = subprocess.run([objdump, "-d", str(cpu_backend.build())], capture_output=True, text=True).stdout
+    assert "vdpbf16ps" in text
 
 
 @dataclass(frozen=True)
@@ -99,10 +126,9 @@ def make_batch(rows: list[Row], heads: int, kv_heads: int, head_dim: int, block_
     return Batch(q, k, v, k_cache, v_cache, meta)
 
 
-def check(b: Batch, scale: float = 0.3) -> None:
-    assert _BACKEND is not None
+def check(backend: CpuAttention, b: Batch, scale: float = 0.3) -> None:
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
-    out = _BACKEND.forward(b.q, b.k, b.v, kc, vc, b.meta, scale)
+    out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, scale)
     f = (lambda x: x.float()) if b.q.dtype != torch.float32 else (lambda x: x.clone())  # noqa: E731
     rkc, rvc = f(b.k_cache), f(b.v_cache)
     ref = TorchAttention().forward(f(b.q), f(b.k), f(b.v), rkc, rvc, b.meta, scale)
@@ -120,37 +146,37 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("head_dim", [64, 40, 37])
-def test_mixed_prefill_and_decode_rows(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_mixed_prefill_and_decode_rows(backend: CpuAttention, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
     # fresh prompt, chunk over a cached prefix, OneShot with and without prefix, decodes between
     rows = [Row(0, 7), Row(1, 1), Row(20, 6), Row(9, 1), Row(13, 3, own_in_cache=False),
             Row(0, 5, own_in_cache=False), Row(3, 1), Row(31, 2)]
-    check(make_batch(rows, heads, kv_heads, head_dim, block_size=8, dtype=dtype))
+    check(backend, make_batch(rows, heads, kv_heads, head_dim, block_size=8, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_block_boundaries(dtype: torch.dtype, block_size: int) -> None:
+def test_block_boundaries(backend: CpuAttention, dtype: torch.dtype, block_size: int) -> None:
     # contexts before, at and after block and key-tile (16) edges; decodes and chunks
     lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 1, 15, 16, 17, 33]
     rows = [Row(n - 1, 1) for n in lens if n > 0] + [Row(n, 4) for n in lens]
-    check(make_batch(rows, 6, 2, 24, block_size=block_size, dtype=dtype, seed=block_size))
+    check(backend, make_batch(rows, 6, 2, 24, block_size=block_size, dtype=dtype, seed=block_size))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("own_in_cache", [True, False])
-def test_long_suffixes_over_prefixes(dtype: torch.dtype, own_in_cache: bool) -> None:
+def test_long_suffixes_over_prefixes(backend: CpuAttention, dtype: torch.dtype, own_in_cache: bool) -> None:
     # the judge's shape in small (prefix + 64 new), a suffix spanning several query tiles, no prefix
     rows = [Row(100, 64, own_in_cache), Row(0, 150, own_in_cache), Row(37, 90, own_in_cache), Row(16, 2)]
-    check(make_batch(rows, 9, 3, 64, block_size=16, dtype=dtype, seed=3))
+    check(backend, make_batch(rows, 9, 3, 64, block_size=16, dtype=dtype, seed=3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_multi_item_segments(dtype: torch.dtype) -> None:
+def test_multi_item_segments(backend: CpuAttention, dtype: torch.dtype) -> None:
     # a query (segment 0) then items 1..3, over a cached prefix; a plain row and a decode beside it
     seg = (0, 0, 0, 1, 1, 2, 2, 2, 3)
     rows = [Row(10, len(seg), own_in_cache=False, segments=seg), Row(5, 6), Row(7, len(seg), segments=seg),
             Row(4, 1)]
-    check(make_batch(rows, 9, 3, 32, block_size=4, dtype=dtype, seed=5))
+    check(backend, make_batch(rows, 9, 3, 32, block_size=4, dtype=dtype, seed=5))
 
 
 def test_write_kv_skips_unkept_tokens() -> None:

@@ -6,6 +6,8 @@ Shapes (SmolLM2-135M's heads by default: 9 query / 3 KV heads of 64):
 - decode at each concurrency of `--decode`: one query per row over `decode_ctx` cached tokens.
 Each case times both backends on the same tensors, alternated call by call (order flipped
 every round), and reports medians, plus the load average (this machine's is shared).
+`--baseline OLD.c` builds another version of cpu_attention.c (say `git show
+main:src/prelude/model/cpu_attention.c > /tmp/old.c`) and times it in the same rounds.
 Writes JSON and, with matplotlib, a PNG beside it.
 """
 
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-ctx", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: torch's default)")
+    ap.add_argument("--baseline", default="", help="another cpu_attention.c to time beside (old vs new)")
     ap.add_argument("--json", default="bench_results/attention.json")
     args = ap.parse_args(argv)
     if args.threads > 0:
@@ -116,7 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     if kernel is None:
         print("the C attention kernel is off here (see the log line above); nothing to compare")
         return 1
-    backends = {"torch": TorchAttention(), "cpu": kernel}
+    backends: dict[str, Any] = {"torch": TorchAttention(), "cpu": kernel}
+    if args.baseline:
+        import ctypes
+
+        from prelude.model import native_lib
+        from prelude.model.attention import cpu_backend
+
+        lib = ctypes.CDLL(str(native_lib.build(Path(args.baseline).resolve(), cpu_backend._FLAGS)))
+        backends["baseline"] = cpu_backend.CpuAttention(lib)
     cases: list[tuple[str, int, int, int]] = []
     if args.judge:
         rows, rest = args.judge.split("x")
@@ -127,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(f"threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"heads {args.heads}/{args.kv_heads}x{args.head_dim}, block {args.block_size}")
-    print("| case | dtype | torch SDPA ms | C kernel ms | speed-up | loadavg |")
-    print("|---|---|---|---|---|---|")
+    base = " baseline ms |" if args.baseline else ""
+    print(f"| case | dtype | torch SDPA ms |{base} C kernel ms | speed-up | loadavg |")
+    print("|---|---|---|---|---|---|" + ("---|" if args.baseline else ""))
     for dtype_name in args.dtypes.split(","):
         dtype = _DTYPES[dtype_name]
         for label, rows, prefix, new in cases:
@@ -136,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             ms = _time(backends, inputs, meta, args.head_dim**-0.5, args.rounds)
             load = os.getloadavg()[0]
             results.append({"case": label, "dtype": dtype_name, "torch_ms": ms["torch"], "cpu_ms": ms["cpu"],
-                            "loadavg_1m": load})
-            print(f"| {label} | {dtype_name} | {ms['torch']:.2f} | {ms['cpu']:.2f} | {ms['torch'] / ms['cpu']:.2f}x "
+                            "baseline_ms": ms.get("baseline"), "loadavg_1m": load})
+            old = f" {ms['baseline']:.2f} |" if args.baseline else ""
+            print(f"| {label} | {dtype_name} | {ms['torch']:.2f} |{old} {ms['cpu']:.2f} | {ms['torch'] / ms['cpu']:.2f}x "
                   f"| {load:.2f} |", flush=True)
     path = write_json(args.json, {"config": vars(args), "threads": torch.get_num_threads(), "results": results})
     if plot(results, path.with_suffix(".png")):

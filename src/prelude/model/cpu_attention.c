@@ -38,6 +38,15 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #define MAX_M 128    /* query vectors (query tokens x heads of a group) per wide item */
 #define WIDE_MIN 12  /* fewer query vectors than this: the narrow form */
 #define CB 4         /* query vectors (of VW lanes) per register block */
+#define NKB 32       /* keys per tile of the bf16 forms (pairs of keys feed the bf16 dot product) */
+#define KT_MAX 32    /* the larger of NK and NKB */
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
 
 static inline vf vsplat(float x) { return (vf){0} + x; }
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
@@ -114,7 +123,9 @@ typedef struct {
 typedef struct {
     float *qt, *s, *acc, *kf, *vf, *m, *l;
     int32_t *qpos, *qseg;
-    int64_t kseg[NK];
+    uint32_t *qp, *pp, *vt; /* the bf16 forms' pair-packed Q, P and V (see below) */
+    uint16_t *kpad, *zero;  /* K rows padded to an even head_dim; a zero row */
+    int64_t kseg[KT_MAX];
 } Scratch;
 
 /* Pointer to the K (or V) of sequence position p of an item's row, KV head h. */
@@ -204,6 +215,52 @@ PV_BLOCK(2)
 PV_BLOCK(3)
 PV_BLOCK(4)
 
+/* Online softmax over one key tile, queries on the lanes: S^T [n][mp] (scores times `scale`,
+ * log2 domain) becomes P^T in place; the running max m and sum l are updated and the
+ * accumulator acc^T [rows][mp] is rescaled. masked: apply the causal / segment / padding
+ * mask (a tile wholly before the first query with no segments and no padding needs none). */
+static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t nvec, int64_t mp,
+                                int masked, float scale, int64_t rows) {
+    const vf vscale = vsplat(scale);
+    for (int64_t cv = 0; cv < nvec; cv++) {
+        vi qpos = *(const vi *)(s->qpos + cv * VW);
+        vi qseg = *(const vi *)(s->qseg + cv * VW);
+        vf mx = vsplat(-INFINITY);
+        for (int64_t j = 0; j < n; j++) {
+            vf sv = *(vf *)(s->s + j * mp + cv * VW);
+            if (scale != 1.0f) sv *= vscale;
+            if (masked) {
+                vi vis = qpos >= (int32_t)(p0 + j);
+                if (c->segments) {
+                    int32_t ks = (int32_t)s->kseg[j];
+                    vis &= (ks == 0) ? (vi){0} - 1 : (qseg == ks);
+                }
+                sv = vsel(vis, sv, vsplat(-INFINITY));
+            }
+            *(vf *)(s->s + j * mp + cv * VW) = sv;
+            mx = vmax(mx, sv);
+        }
+        vf m_old = *(vf *)(s->m + cv * VW);
+        vf m_new = vmax(m_old, mx);
+        vf m_safe = vsel(m_new == vsplat(-INFINITY), vsplat(0.0f), m_new);
+        vf alpha = exp2v(m_old - m_safe);
+        vf sum = vsplat(0.0f);
+        for (int64_t j = 0; j < n; j++) {
+            vf p = exp2v(*(vf *)(s->s + j * mp + cv * VW) - m_safe);
+            *(vf *)(s->s + j * mp + cv * VW) = p;
+            sum += p;
+        }
+        *(vf *)(s->m + cv * VW) = m_new;
+        *(vf *)(s->l + cv * VW) = *(vf *)(s->l + cv * VW) * alpha + sum;
+        /* alpha is 1 on every lane once the running max settles: skip the rescale then */
+        vi one = alpha == vsplat(1.0f);
+        int all_one = 1;
+        for (int i = 0; i < VW; i++) all_one &= one[i] != 0;
+        if (!all_one)
+            for (int64_t x = 0; x < rows; x++) *(vf *)(s->acc + x * mp + cv * VW) *= alpha;
+    }
+}
+
 static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
     const int64_t d = c->d, dp = c->dp, prefix = it->ctx - it->q_len;
@@ -238,39 +295,7 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
                 case 1: qk_block_1(s->kf + j * dp, dp, d, s->qt + cv * VW, mp, s->s + j * mp + cv * VW); break;
             }
         }
-        /* mask: causal (key position <= query position), segments, padding lanes */
-        const int masked = p0 + n - 1 > first_q || c->segments || it->mq * g != mp;
-        for (int64_t cv = 0; cv < nvec; cv++) {
-            vi qpos = *(const vi *)(s->qpos + cv * VW);
-            vi qseg = *(const vi *)(s->qseg + cv * VW);
-            vf mx = vsplat(-INFINITY);
-            for (int64_t j = 0; j < n; j++) {
-                vf sv = *(vf *)(s->s + j * mp + cv * VW);
-                if (masked) {
-                    vi vis = qpos >= (int32_t)(p0 + j);
-                    if (c->segments) {
-                        int32_t ks = (int32_t)s->kseg[j];
-                        vis &= (ks == 0) ? (vi){0} - 1 : (qseg == ks);
-                    }
-                    sv = vsel(vis, sv, vsplat(-INFINITY));
-                    *(vf *)(s->s + j * mp + cv * VW) = sv;
-                }
-                mx = vmax(mx, sv);
-            }
-            vf m_old = *(vf *)(s->m + cv * VW);
-            vf m_new = vmax(m_old, mx);
-            vf m_safe = vsel(m_new == vsplat(-INFINITY), vsplat(0.0f), m_new);
-            vf alpha = exp2v(m_old - m_safe);
-            vf sum = vsplat(0.0f);
-            for (int64_t j = 0; j < n; j++) {
-                vf p = exp2v(*(vf *)(s->s + j * mp + cv * VW) - m_safe);
-                *(vf *)(s->s + j * mp + cv * VW) = p;
-                sum += p;
-            }
-            *(vf *)(s->m + cv * VW) = m_new;
-            *(vf *)(s->l + cv * VW) = *(vf *)(s->l + cv * VW) * alpha + sum;
-            for (int64_t x = 0; x < dp; x++) *(vf *)(s->acc + x * mp + cv * VW) *= alpha;
-        }
+        softmax_tile(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments || it->mq * g != mp, 1.0f, dp);
         for (int64_t x = 0; x < dp; x += 4) {
             int64_t cv = 0;
             for (; cv + 4 <= nvec; cv += 4) pv_block_4(s->vf + x, dp, n, s->s + cv * VW, mp, s->acc + x * mp + cv * VW);
@@ -349,6 +374,276 @@ static void narrow_item(const Ctx *c, const Item *it, Scratch *s) {
     }
 }
 
+#if HAVE_DPBF16
+/* ---- bf16 forms (AVX512-BF16): the products on vdpbf16ps, bf16 pairs in, float32 sums ---
+ *
+ * vdpbf16ps adds a.lo * b.lo + a.hi * b.hi of each lane's 32-bit pair of bf16 to a float32
+ * lane, so both operands are laid out in pairs along the summed dimension:
+ * - Q·K^T sums over head_dim: a K row's adjacent (d, d+1) elements are already a pair, read
+ *   in place from the pool (broadcast); Q^T is packed once per item as qp [d/2][mp] pairs.
+ * - P·V sums over keys: P (float32 after the softmax) is rounded to bf16 into pairs of keys,
+ *   pp [NKB/2][mp] (queries on the lanes), as flash-attention kernels do; V is interleaved
+ *   per key pair, vt [NKB/2][dv] (head_dim on the lanes), once per tile.
+ * Scores, the softmax and the accumulators stay float32. Q is not pre-scaled (it would
+ * round twice): the scale multiplies the float32 scores. */
+
+/* V rows 2jp and 2jp+1 of the tile (zero rows past n) interleaved: vt[jp*dv + x] holds
+ * (V[2jp][x], V[2jp+1][x]); x past d is zero. dv: d rounded up to 32. */
+static inline void pack_v_pairs(const uint16_t *const *vr, int64_t n, int64_t d, int64_t dv, uint32_t *vt) {
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
+        const uint16_t *r0 = vr[2 * jp], *r1 = vr[2 * jp + 1];
+        for (int64_t x0 = 0; x0 < dv; x0 += 32) {
+            const int64_t left = d - x0;
+            const __mmask32 mask = left >= 32 ? 0xffffffffu : left <= 0 ? 0u : (__mmask32)((1u << left) - 1u);
+            const __m512i a = _mm512_maskz_loadu_epi16(mask, r0 + x0), b = _mm512_maskz_loadu_epi16(mask, r1 + x0);
+            _mm512_storeu_si512(vt + jp * dv + x0, _mm512_permutex2var_epi16(a, lo_idx, b));
+            _mm512_storeu_si512(vt + jp * dv + x0 + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+        }
+    }
+}
+
+/* The tile's K and V row pointers (zero rows from n up to the next multiple of 4, or of 2
+ * for V), and the keys' segment ids; with an odd head_dim the K rows are copied with a zero
+ * pad so that every pair is in bounds. */
+static inline void tile_rows_bf16(const Ctx *c, const Item *it, Scratch *s, int64_t p0, int64_t n, int64_t cache_end,
+                                  const uint16_t **kr, const uint16_t **vr) {
+    const int64_t prefix = it->ctx - it->q_len, dh = (c->d + 1) / 2;
+    for (int64_t j = 0; j < NKB; j++) {
+        if (j < n) {
+            const int64_t p = p0 + j;
+            kr[j] = (const uint16_t *)kv_ptr(c, it, p, cache_end, 0);
+            vr[j] = (const uint16_t *)kv_ptr(c, it, p, cache_end, 1);
+            s->kseg[j] = (c->segments && p >= prefix) ? c->segments[it->q0 + (p - prefix)] : 0;
+            if (c->d & 1) {
+                uint16_t *dst = s->kpad + j * 2 * dh;
+                memcpy(dst, kr[j], (size_t)c->d * 2);
+                dst[c->d] = 0;
+                kr[j] = dst;
+            }
+        } else {
+            kr[j] = vr[j] = s->zero;
+            s->kseg[j] = 0;
+        }
+    }
+}
+
+static inline __m512 bcast_pair(const uint16_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return (__m512)_mm512_set1_epi32((int)u);
+}
+
+/* S^T[j][cv] = sum_t K[j] pair t . qp[t][cv] for 4 keys and NC query vectors. */
+#define QK_BF16(NC)                                                                               \
+    static inline void qk_bf16_##NC(const uint16_t *const *kr, int64_t dh, const uint32_t *qp,   \
+                                    int64_t mp, float *st) {                                      \
+        __m512 a[4][NC];                                                                          \
+        for (int jj = 0; jj < 4; jj++)                                                            \
+            for (int cc = 0; cc < NC; cc++) a[jj][cc] = _mm512_setzero_ps();                      \
+        for (int64_t t = 0; t < dh; t++) {                                                        \
+            __m512bh qv[NC];                                                                      \
+            for (int cc = 0; cc < NC; cc++)                                                       \
+                qv[cc] = (__m512bh)_mm512_loadu_si512(qp + t * mp + cc * 16);                      \
+            for (int jj = 0; jj < 4; jj++) {                                                      \
+                __m512bh kb = (__m512bh)bcast_pair(kr[jj] + 2 * t);                               \
+                for (int cc = 0; cc < NC; cc++) a[jj][cc] = _mm512_dpbf16_ps(a[jj][cc], kb, qv[cc]); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int jj = 0; jj < 4; jj++)                                                            \
+            for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(st + jj * mp + cc * 16, a[jj][cc]);  \
+    }
+QK_BF16(1)
+QK_BF16(2)
+QK_BF16(3)
+QK_BF16(4)
+
+/* acc^T[x][cv] += sum_jp vt[jp][x] . pp[jp][cv] for 4 head dims and NC query vectors. */
+#define PV_BF16(NC)                                                                               \
+    static inline void pv_bf16_##NC(const uint32_t *vt, int64_t dv, int64_t np, const uint32_t *pp, \
+                                    int64_t mp, float *acc) {                                     \
+        __m512 a[4][NC];                                                                          \
+        for (int xx = 0; xx < 4; xx++)                                                            \
+            for (int cc = 0; cc < NC; cc++) a[xx][cc] = _mm512_loadu_ps(acc + xx * mp + cc * 16); \
+        for (int64_t jp = 0; jp < np; jp++) {                                                     \
+            __m512bh pv[NC];                                                                      \
+            for (int cc = 0; cc < NC; cc++)                                                       \
+                pv[cc] = (__m512bh)_mm512_loadu_si512(pp + jp * mp + cc * 16);                     \
+            for (int xx = 0; xx < 4; xx++) {                                                      \
+                __m512bh vb = (__m512bh)_mm512_set1_epi32((int)vt[jp * dv + xx]);                 \
+                for (int cc = 0; cc < NC; cc++) a[xx][cc] = _mm512_dpbf16_ps(a[xx][cc], vb, pv[cc]); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int xx = 0; xx < 4; xx++)                                                            \
+            for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(acc + xx * mp + cc * 16, a[xx][cc]); \
+    }
+PV_BF16(1)
+PV_BF16(2)
+PV_BF16(3)
+PV_BF16(4)
+
+static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
+    const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
+    const int64_t d = c->d, dp = c->dp, dh = (d + 1) / 2, dv = (d + 31) / 32 * 32, prefix = it->ctx - it->q_len;
+    /* Q^T in pairs; lane i is query token m0 + i / g, head kv_head * g + i % g */
+    memset(s->qp, 0, (size_t)(dh * mp) * 4);
+    for (int64_t i = 0; i < nm; i++) {
+        int64_t tok = it->q0 + it->m0 + i / g, head = it->kv_head * g + i % g;
+        const uint16_t *qr = (const uint16_t *)(c->q + (tok * c->sqt + head * c->sqh) * c->esize);
+        for (int64_t t = 0; t < dh; t++)
+            s->qp[t * mp + i] = qr[2 * t] | (2 * t + 1 < d ? (uint32_t)qr[2 * t + 1] << 16 : 0u);
+    }
+    for (int64_t i = 0; i < mp; i++) {
+        s->qpos[i] = i < nm ? (int32_t)(prefix + it->m0 + i / g) : -1; /* padding sees nothing */
+        s->qseg[i] = (i < nm && c->segments) ? (int32_t)c->segments[it->q0 + it->m0 + i / g] : 0;
+        s->m[i] = -INFINITY;
+        s->l[i] = 0.0f;
+    }
+    memset(s->acc, 0, (size_t)(dp * mp) * 4);
+    /* pair interleave of two float32 vectors rounded to bf16 (low half: key j, high: j+1) */
+    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+
+    const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
+    const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
+    const int64_t first_q = prefix + it->m0;
+    const uint16_t *kr[NKB], *vr[NKB];
+    for (int64_t p0 = 0; p0 < kv_end; p0 += NKB) {
+        const int64_t n = kv_end - p0 < NKB ? kv_end - p0 : NKB, np = (n + 1) / 2;
+        tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
+        for (int64_t j = 0; j < n; j += 4) {
+            int64_t cv = 0;
+            for (; cv + 4 <= nvec; cv += 4) qk_bf16_4(kr + j, dh, s->qp + cv * VW, mp, s->s + j * mp + cv * VW);
+            switch (nvec - cv) {
+                case 3: qk_bf16_3(kr + j, dh, s->qp + cv * VW, mp, s->s + j * mp + cv * VW); break;
+                case 2: qk_bf16_2(kr + j, dh, s->qp + cv * VW, mp, s->s + j * mp + cv * VW); break;
+                case 1: qk_bf16_1(kr + j, dh, s->qp + cv * VW, mp, s->s + j * mp + cv * VW); break;
+            }
+        }
+        softmax_tile(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments || it->mq * g != mp, c->qscale, dp);
+        for (int64_t jp = 0; jp < np; jp++)
+            for (int64_t cv = 0; cv < nvec; cv++) {
+                const __m512 lo = _mm512_loadu_ps(s->s + 2 * jp * mp + cv * VW);
+                const __m512 hi = 2 * jp + 1 < n ? _mm512_loadu_ps(s->s + (2 * jp + 1) * mp + cv * VW) : _mm512_setzero_ps();
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
+            }
+        pack_v_pairs(vr, n, d, dv, s->vt);
+        for (int64_t x = 0; x < dp; x += 4) {
+            int64_t cv = 0;
+            for (; cv + 4 <= nvec; cv += 4) pv_bf16_4(s->vt + x, dv, np, s->pp + cv * VW, mp, s->acc + x * mp + cv * VW);
+            switch (nvec - cv) {
+                case 3: pv_bf16_3(s->vt + x, dv, np, s->pp + cv * VW, mp, s->acc + x * mp + cv * VW); break;
+                case 2: pv_bf16_2(s->vt + x, dv, np, s->pp + cv * VW, mp, s->acc + x * mp + cv * VW); break;
+                case 1: pv_bf16_1(s->vt + x, dv, np, s->pp + cv * VW, mp, s->acc + x * mp + cv * VW); break;
+            }
+        }
+    }
+    float row[4096];
+    for (int64_t i = 0; i < nm; i++) {
+        float inv = s->l[i] == 0.0f ? 0.0f : 1.0f / s->l[i];
+        for (int64_t x = 0; x < d; x++) row[x] = s->acc[x * mp + i] * inv;
+        store_out(c, it->q0 + it->m0 + i / g, it->kv_head * g + i % g, row);
+    }
+}
+
+/* Sum of each of 16 vectors, as the 16 lanes of one (lane j: the sum of a[j]). */
+static inline __m512 hsum16(__m512 *a) {
+    __m512 b[8], e[4];
+    for (int k = 0; k < 8; k++)
+        b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        const __m512d x = (__m512d)b[2 * k], y = (__m512d)b[2 * k + 1];
+        e[k] = _mm512_add_ps((__m512)_mm512_unpacklo_pd(x, y), (__m512)_mm512_unpackhi_pd(x, y));
+    }
+    /* e[k]'s 128-bit lane L holds partial sums of keys 4k..4k+3; add the 4 lanes */
+    const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xdd));
+    const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(e[2], e[3], 0x88), _mm512_shuffle_f32x4(e[2], e[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xdd));
+}
+
+/* Decode and tiny chunks: keys on the lanes for the scores (per key a bf16 dot product over
+ * head_dim, 16 keys' partial vectors summed by one transpose-add tree), head_dim on the lanes
+ * for P·V (pairs of keys' P broadcast against interleaved V). */
+static void narrow_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
+    const int64_t g = c->group, nm = it->mq * g, d = c->d, dv = (d + 31) / 32 * 32, prefix = it->ctx - it->q_len;
+    uint16_t *qs = (uint16_t *)s->qp; /* [nm][dv] bf16, zero-padded */
+    float *acc = s->acc;              /* [nm][dv] */
+    for (int64_t i = 0; i < nm; i++) {
+        int64_t tok = it->q0 + it->m0 + i / g, head = it->kv_head * g + i % g;
+        memset(qs + i * dv, 0, (size_t)dv * 2);
+        memcpy(qs + i * dv, c->q + (tok * c->sqt + head * c->sqh) * c->esize, (size_t)d * 2);
+        memset(acc + i * dv, 0, (size_t)dv * 4);
+        s->m[i] = -INFINITY;
+        s->l[i] = 0.0f;
+        s->qpos[i] = (int32_t)(prefix + it->m0 + i / g);
+        s->qseg[i] = c->segments ? (int32_t)c->segments[tok] : 0;
+    }
+    const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
+    const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
+    const __m512 vscale = _mm512_set1_ps(c->qscale);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const uint16_t *kr[NKB], *vr[NKB];
+    for (int64_t p0 = 0; p0 < kv_end; p0 += NK) {
+        const int64_t n = kv_end - p0 < NK ? kv_end - p0 : NK, np = (n + 1) / 2;
+        tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
+        pack_v_pairs(vr, n, d, dv, s->vt);
+        int32_t ks[16] = {0};
+        if (c->segments)
+            for (int64_t j = 0; j < NK; j++) ks[j] = (int32_t)s->kseg[j];
+        const __m512i kseg = _mm512_loadu_si512(ks);
+        const __mmask16 seg0 = _mm512_cmpeq_epi32_mask(kseg, _mm512_setzero_si512());
+        for (int64_t i = 0; i < nm; i++) {
+            __m512 a[16];
+            for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+            for (int64_t x0 = 0; x0 < d; x0 += 32) {
+                const int64_t left = d - x0;
+                const __mmask32 mask = left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1u);
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qs + i * dv + x0);
+                for (int j = 0; j < 16; j++)
+                    a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_maskz_loadu_epi16(mask, kr[j] + x0), qv);
+            }
+            __m512 sv = _mm512_mul_ps(hsum16(a), vscale);
+            /* visible: inside the tile, not after the query (causal), same segment or shared */
+            __mmask16 vis = _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32((int32_t)(s->qpos[i] - p0)));
+            vis &= n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+            if (c->segments) vis &= seg0 | _mm512_cmpeq_epi32_mask(kseg, _mm512_set1_epi32(s->qseg[i]));
+            sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis, sv);
+            const float mx = _mm512_reduce_max_ps(sv);
+            const float m_new = s->m[i] > mx ? s->m[i] : mx;
+            const float m_safe = m_new == -INFINITY ? 0.0f : m_new;
+            vf sd;
+            memcpy(&sd, &sv, sizeof sd);
+            sd = exp2v(sd - m_safe);
+            __m512 p;
+            memcpy(&p, &sd, sizeof p);
+            const float alpha = s->m[i] == -INFINITY ? 0.0f : exp2v(vsplat(s->m[i] - m_safe))[0];
+            s->m[i] = m_new;
+            s->l[i] = s->l[i] * alpha + _mm512_reduce_add_ps(p);
+            uint32_t pp[8];
+            _mm256_storeu_si256((__m256i *)pp, (__m256i)_mm512_cvtneps_pbh(p)); /* (p[2k], p[2k+1]) pairs */
+            float *ai = acc + i * dv;
+            const __m512 va = _mm512_set1_ps(alpha);
+            for (int64_t x = 0; x < dv; x += 16) {
+                __m512 av = _mm512_loadu_ps(ai + x);
+                if (alpha != 1.0f) av = _mm512_mul_ps(av, va);
+                for (int64_t jp = 0; jp < np; jp++)
+                    av = _mm512_dpbf16_ps(av, (__m512bh)_mm512_set1_epi32((int)pp[jp]),
+                                          (__m512bh)_mm512_loadu_si512(s->vt + jp * dv + x));
+                _mm512_storeu_ps(ai + x, av);
+            }
+        }
+    }
+    for (int64_t i = 0; i < nm; i++) {
+        float inv = s->l[i] == 0.0f ? 0.0f : 1.0f / s->l[i];
+        for (int64_t x = 0; x < d; x++) acc[i * dv + x] *= inv;
+        store_out(c, it->q0 + it->m0 + i / g, it->kv_head * g + i % g, acc + i * dv);
+    }
+}
+#endif /* HAVE_DPBF16 */
+
 static void *alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 /* Attention of every row's new tokens; writes out[tok] ([T, heads, d]) for the query tokens
@@ -367,7 +662,7 @@ int prelude_paged_attention(
              block_size, heads, kv_heads, heads / kv_heads, d, (d + 3) / 4 * 4,
              scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4};
     const int64_t g = c.group;
-    const int64_t tile = g >= MAX_M ? 1 : MAX_M / g; /* query tokens per wide item */
+    const int64_t tile = g >= MAX_M ? 1 : MAX_M / g; /* most query tokens per wide item */
     int64_t count = n_dec * kv_heads;
     for (int64_t r = 0; r < n_pre; r++) {
         if (pre_len[r] < 0 || pre_ctx[r] < pre_len[r]) return 1;
@@ -379,24 +674,33 @@ int prelude_paged_attention(
     Item *items = malloc(sizeof(Item) * (size_t)count);
     if (!items) return 2;
     int64_t n = 0;
-    /* longest rows' items first would balance better; rows arrive in batch order */
-    for (int64_t r = 0; r < n_pre; r++)
-        for (int64_t m0 = 0; m0 < pre_len[r]; m0 += tile)
+    /* a row's query tokens split evenly over its items (64 tokens: 2 x 32, not 42 + 22: fewer
+     * padding lanes); longest rows' items first would balance better, rows come in batch order */
+    for (int64_t r = 0; r < n_pre; r++) {
+        const int64_t parts = (pre_len[r] + tile - 1) / tile;
+        for (int64_t part = 0; part < parts; part++) {
+            const int64_t m0 = pre_len[r] * part / parts, m1 = pre_len[r] * (part + 1) / parts;
             for (int64_t h = 0; h < kv_heads; h++)
-                items[n++] = (Item){pre_start[r], pre_len[r], pre_ctx[r], pre_own[r] != 0, pre_tables + r * pre_tstride,
-                                    h, m0, pre_len[r] - m0 < tile ? pre_len[r] - m0 : tile};
+                items[n++] = (Item){pre_start[r], pre_len[r], pre_ctx[r], pre_own[r] != 0,
+                                    pre_tables + r * pre_tstride, h, m0, m1 - m0};
+        }
+    }
     for (int64_t r = 0; r < n_dec; r++)
         for (int64_t h = 0; h < kv_heads; h++)
             items[n++] = (Item){dec_index[r], 1, dec_ctx[r], 1, dec_tables + r * dec_tstride, h, 0, 1};
+    count = n;
     const int64_t mp_max = ((tile * g > g ? tile * g : g) + VW - 1) / VW * VW;
+    const int64_t dh = (c.d + 1) / 2, dv = (c.d + 31) / 32 * 32;
+    const int use_bf16_forms = HAVE_DPBF16 && bf16;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (count > 1)
     {
         Scratch s;
         const int64_t span = c.dp > c.d ? c.dp : c.d;
+        const int64_t acc_n = c.dp * mp_max > WIDE_MIN * dv ? c.dp * mp_max : WIDE_MIN * dv;
         s.qt = alloc((size_t)(span * mp_max) * 4);
-        s.acc = alloc((size_t)(c.dp * mp_max) * 4);
-        s.s = alloc((size_t)(NK * mp_max) * 4);
+        s.acc = alloc((size_t)acc_n * 4);
+        s.s = alloc((size_t)(KT_MAX * mp_max) * 4);
         s.kf = alloc((size_t)(NK * c.dp) * 4);
         s.vf = alloc((size_t)(NK * c.dp) * 4);
         s.m = alloc((size_t)mp_max * 4);
@@ -404,6 +708,18 @@ int prelude_paged_attention(
         s.qpos = alloc((size_t)mp_max * 4);
         s.qseg = alloc((size_t)mp_max * 4);
         int ok = s.qt && s.acc && s.s && s.kf && s.vf && s.m && s.l && s.qpos && s.qseg;
+        s.qp = s.pp = s.vt = NULL;
+        s.kpad = s.zero = NULL;
+        if (use_bf16_forms) {
+            const int64_t qp_n = dh * mp_max > WIDE_MIN * dv ? dh * mp_max : WIDE_MIN * dv;
+            s.qp = alloc((size_t)qp_n * 4);
+            s.pp = alloc((size_t)(NKB / 2 * mp_max) * 4);
+            s.vt = alloc((size_t)(NKB / 2 * dv) * 4);
+            s.kpad = alloc((size_t)(NKB * 2 * dh) * 2);
+            s.zero = alloc((size_t)dv * 2);
+            ok = ok && s.qp && s.pp && s.vt && s.kpad && s.zero;
+            if (s.zero) memset(s.zero, 0, (size_t)dv * 2);
+        }
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -411,11 +727,20 @@ int prelude_paged_attention(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < count; i++) {
             if (!ok) continue;
-            if (items[i].mq * g >= WIDE_MIN) wide_item(&c, &items[i], &s);
+            const int wide = items[i].mq * g >= WIDE_MIN;
+#if HAVE_DPBF16
+            if (use_bf16_forms) {
+                if (wide) wide_item_bf16(&c, &items[i], &s);
+                else narrow_item_bf16(&c, &items[i], &s);
+                continue;
+            }
+#endif
+            if (wide) wide_item(&c, &items[i], &s);
             else narrow_item(&c, &items[i], &s);
         }
         free(s.qt); free(s.acc); free(s.s); free(s.kf); free(s.vf);
         free(s.m); free(s.l); free(s.qpos); free(s.qseg);
+        free(s.qp); free(s.pp); free(s.vt); free(s.kpad); free(s.zero);
     }
     free(items);
     return failed ? 2 : 0;
