@@ -264,6 +264,35 @@ def test_c_kernel_reads_only_the_diagonal_blocks_of_a_fused_projection() -> None
     torch.testing.assert_close(kernel.delta_(base.clone(), x, a, b, slots, cols), want)
 
 
+@pytest.mark.parametrize("n_in, outs, rank", [(40, [70], 5), (41, [12, 5, 7], 4), (96, [48, 16, 16], 16)])
+def test_grouped_c_kernel_equals_the_grouped_matmul(n_in: int, outs: list[int], rank: int) -> None:
+    """The many-token bf16 kernel (prefill): any mix of rows, an odd rank or input size,
+    a fused projection's diagonal blocks, equal to torch's grouped matmul in bf16."""
+    kernel = load_lora_kernel()
+    if kernel is None or not kernel.grouped:
+        pytest.skip("no C compiler or no AVX512-BF16 here")
+    gen = torch.Generator().manual_seed(5)
+    k, n_slots = len(outs), 4
+    bounds = [sum(outs[:j]) for j in range(k + 1)]
+    a = (torch.randn(n_slots, n_in, k * rank, generator=gen) * 0.3).to(torch.bfloat16)
+    b = torch.zeros(n_slots, k * rank, sum(outs))
+    for j in range(k):
+        b[:, j * rank : (j + 1) * rank, bounds[j] : bounds[j + 1]] = torch.randn(n_slots, rank, outs[j], generator=gen)
+    b = (b * 0.3).to(torch.bfloat16)
+    row_slots, row_lens = [2, -1, 0, 2, 3, 1], [3, 2, 1, 20, 9, 11]  # slot 2's rows are apart; tiles of 8 and tails
+    x = torch.randn(sum(row_lens), n_in, generator=gen).to(torch.bfloat16)
+    base = torch.randn(sum(row_lens), sum(outs), generator=gen).to(torch.bfloat16)
+    batch = LoraBatch.build(row_slots, row_lens, "cpu")
+    assert batch is not None and batch.one_hot is None
+    want = batch.delta_into(base.clone(), x, a, b)
+    cols = torch.tensor(bounds, dtype=torch.int32)
+    got = kernel.grouped_delta_(base.clone(), x, a, b, batch.token_slots, cols)
+    torch.testing.assert_close(got.float(), want.float(), atol=4e-2, rtol=2e-2)  # bf16 rounding of y and out
+    assert torch.equal(got[3:5], base[3:5])  # the base rows are left as they were
+    b[:, 0:rank, bounds[1]:] = 1e6  # off-diagonal: never read
+    torch.testing.assert_close(kernel.grouped_delta_(base.clone(), x, a, b, batch.token_slots, cols), got)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_triton_delta_on_cuda_equals_the_cpu() -> None:

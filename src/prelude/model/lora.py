@@ -21,8 +21,12 @@ On the CPU, two ways, never a loop over rows (measured on the 2-core EPYC, one t
   on oneDNN-prepacked copies: x @ A as [in, slots k R], masked to each token's own
   slot, then one expand-and-add with B viewed [slots k R, out] (three calls, ~35 us; with
   aten's unpacked bf16 matmuls 44 us, and 136 us as one shrink and expand per adapter);
-- more tokens (prefill): grouped by adapter, one shrink and one expand per distinct
-  adapter over its rows (a view when contiguous, else an index): no wasted FLOPs.
+- more tokens (prefill), bf16 on an AVX512-BF16 CPU: one call of the grouped C kernel
+  (lora_cpu.c's lora_sgmv): tokens grouped by slot, each slot's A and B's diagonal blocks
+  repacked once per call into vdpbf16ps pairs, tiles of 8 tokens sharing them (the default
+  model's 7 projections x 4 adapters x 128 tokens, one layer: 1.15 -> 0.58 ms, one thread);
+- otherwise (float32, or no AVX512-BF16): grouped by adapter, one shrink and one expand
+  per distinct adapter over its rows (a view when contiguous, else an index).
 On CUDA a Triton kernel pair (lora_kernels.py) reads the per-token slot index, so a
 captured CUDA graph takes the index as an input like the token ids.
 """
@@ -382,6 +386,10 @@ class LoraLinear:
         if few and s.kernel is not None and out.dtype == x.dtype and s.kernel.fits(x, a, b):
             return s.kernel.delta_(out, x if x.stride(-1) == 1 else x.contiguous(), a, b, batch.token_slots,
                                    s.columns[proj])
+        if (not few and s.kernel is not None and s.kernel.grouped and x.dtype == out.dtype == torch.bfloat16
+                and out.device.type == "cpu" and s.kernel.fits(x, a, b)):
+            return s.kernel.grouped_delta_(out, x if x.stride(-1) == 1 else x.contiguous(), a, b, batch.token_slots,
+                                           s.columns[proj])
         packed = s.packed(layer, proj) if batch.one_hot is not None else None
         return batch.delta_into(out, x, a, b, packed)
 

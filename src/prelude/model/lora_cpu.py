@@ -26,6 +26,11 @@ class LoraKernel:
         self._fn.argtypes = [c_int, c_int, c_int, c_int, c_int, ptr, c_long, ptr, ptr, ptr, c_long, ptr, c_int, c_int,
                              ptr]
         self._fn.restype = None
+        self._sgmv = lib.lora_sgmv
+        self._sgmv.argtypes = [c_int, c_int, c_int, c_int, c_int, ptr, c_long, ptr, ptr, ptr, c_long, ptr, c_int, ptr]
+        self._sgmv.restype = None
+        # The grouped many-token kernel is built only where the CPU has AVX512-BF16.
+        self.grouped = bool(lib.lora_sgmv_available())
 
     def fits(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
         return (x.dtype in (torch.float32, torch.bfloat16) and a.dtype == b.dtype == x.dtype
@@ -49,6 +54,23 @@ class LoraKernel:
         self._fn(tokens, n_in, n_slots, width, n_out, x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
                  out.data_ptr(), out.stride(0), token_slots.data_ptr(), int(x.dtype == torch.bfloat16), k,
                  cols.data_ptr())
+        return out
+
+
+    def grouped_delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       token_slots: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The same sum as `delta_` for many tokens (bf16 only, where `grouped`): tokens
+        grouped by slot, each slot's A and B repacked once per call, tiles of tokens
+        sharing them. Returns out."""
+        tokens, n_in = x.shape
+        n_slots, width, n_out = b.shape
+        assert self.grouped and x.dtype == torch.bfloat16
+        assert out.dtype == x.dtype and out.shape == (tokens, n_out) and a.shape == (n_slots, n_in, width)
+        assert a.is_contiguous() and b.is_contiguous() and x.stride(1) == 1 and out.stride(1) == 1
+        assert token_slots.dtype == torch.long and token_slots.is_contiguous() and token_slots.shape == (tokens,)
+        assert cols.dtype == torch.int32 and width % (cols.numel() - 1) == 0
+        self._sgmv(tokens, n_in, n_slots, width, n_out, x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
+                   out.data_ptr(), out.stride(0), token_slots.data_ptr(), cols.numel() - 1, cols.data_ptr())
         return out
 
 
