@@ -245,23 +245,50 @@ def test_c_kernel_equals_the_grouped_matmul(dtype: torch.dtype) -> None:
     assert not kernel.fits(x, torch.zeros(slots, n_in, 2048, dtype=dtype), torch.zeros(slots, 2048, n_out, dtype=dtype))
 
 
-def test_c_kernel_reads_only_the_diagonal_blocks_of_a_fused_projection() -> None:
+@pytest.mark.parametrize("dtype, rank, n_in", [(torch.float32, 4, 16), (torch.bfloat16, 4, 16), (torch.bfloat16, 5, 71)])
+def test_c_kernel_reads_only_the_diagonal_blocks_of_a_fused_projection(dtype: torch.dtype, rank: int,
+                                                                        n_in: int) -> None:
     kernel = load_lora_kernel()
     if kernel is None:
         pytest.skip("no C compiler or no AVX2+FMA here")
     gen = torch.Generator().manual_seed(4)
-    outs, rank, n_in = [12, 5, 7], 4, 16  # three targets, as q/k/v
-    a = torch.randn(2, n_in, 3 * rank, generator=gen)
-    b = torch.zeros(2, 3 * rank, sum(outs))
+    outs = [12, 5, 7]  # three targets, as q/k/v
+    a = torch.randn(2, n_in, 3 * rank, generator=gen).to(dtype)
+    b = torch.zeros(2, 3 * rank, sum(outs), dtype=dtype)
     for j, off in enumerate((0, 12, 17)):
         b[:, j * rank : (j + 1) * rank, off : off + outs[j]] = torch.randn(2, rank, outs[j], generator=gen)
-    x, base = torch.randn(3, n_in, generator=gen), torch.randn(3, sum(outs), generator=gen)
+    x, base = torch.randn(3, n_in, generator=gen).to(dtype), torch.randn(3, sum(outs), generator=gen).to(dtype)
     slots = torch.tensor([1, 0, -1])
     want = kernel.delta_(base.clone(), x, a, b, slots)  # all columns of every row block
     cols = torch.tensor([0, 12, 17, 24], dtype=torch.int32)
     torch.testing.assert_close(kernel.delta_(base.clone(), x, a, b, slots, cols), want)
     b[:, 0:rank, 12:] = 1e6  # off-diagonal: never read
     torch.testing.assert_close(kernel.delta_(base.clone(), x, a, b, slots, cols), want)
+
+
+def test_avx2_build_of_the_c_kernel_keeps_its_portable_bf16_path() -> None:
+    """Built for AVX2+FMA only (an AVX2-only CPU), the bf16 per-token kernel takes its
+    portable path, equal to the AVX512-BF16 one within bf16 rounding, and the grouped
+    kernel says it is not there (prefill keeps the torch grouped path)."""
+    import ctypes
+
+    from prelude.model import lora_cpu, native_lib
+
+    native = load_lora_kernel()
+    if native is None:
+        pytest.skip("no C compiler or no AVX2+FMA here")
+    avx2 = lora_cpu.LoraKernel(ctypes.CDLL(str(lora_cpu.build(native_lib.AVX2_FLAGS))))
+    assert not avx2.grouped
+    gen = torch.Generator().manual_seed(6)
+    outs, rank, n_in = [12, 5, 7], 5, 33
+    a = torch.randn(3, n_in, 3 * rank, generator=gen).to(torch.bfloat16)
+    b = torch.randn(3, 3 * rank, sum(outs), generator=gen).to(torch.bfloat16)
+    x, base = torch.randn(4, n_in, generator=gen).to(torch.bfloat16), torch.randn(4, sum(outs), generator=gen)
+    slots, cols = torch.tensor([2, -1, 0, 1]), torch.tensor([0, 12, 17, 24], dtype=torch.int32)
+    want = native.delta_(base.to(torch.bfloat16), x, a, b, slots, cols)
+    got = avx2.delta_(base.to(torch.bfloat16), x, a, b, slots, cols)
+    torch.testing.assert_close(got.float(), want.float(), atol=8e-2, rtol=2e-2)
+    assert torch.equal(got[1], base[1].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("n_in, outs, rank", [(40, [70], 5), (41, [12, 5, 7], 4), (96, [48, 16, 16], 16)])

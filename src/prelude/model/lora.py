@@ -45,7 +45,7 @@ import torch
 from prelude.config import ModelConfig
 from prelude.model.decoder_segments import HeadWeights, Linear, TailWeights, linear
 from prelude.model.linear import bound_onednn_caches, prepack_enabled
-from prelude.model.lora_cpu import CPU_KERNEL_DTYPES, load_lora_kernel
+from prelude.model.lora_cpu import CPU_KERNEL_DTYPES, SlotOperands, load_lora_kernel
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -230,6 +230,12 @@ class LoraSlots:
         # reads only the nonzero blocks (q/k/v: a third of B, gate/up: half).
         self.columns = {p: torch.tensor([sum(outs[:j]) for j in range(len(outs) + 1)], dtype=torch.int32)
                         for p, (_, outs) in self._pieces.items()}
+        # What the kernel's calls pass, per layer and projection (None where it does not fit).
+        self.operands: dict[tuple[int, str], SlotOperands | None] = {}
+        if self.kernel is not None:
+            for layer, (a, b) in enumerate(zip(self.a, self.b)):
+                for p in self._pieces:
+                    self.operands[(layer, p)] = self.kernel.operands(a[p], b[p], self.columns[p])
 
     @property
     def nbytes(self) -> int:
@@ -381,15 +387,14 @@ class LoraLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         s, layer, proj, batch = self.slots, self.layer, self.proj, self.batch
         out = linear(x, self.base, self.bias)
+        kernel = s.kernel
+        if kernel is not None and out.dtype == x.dtype:
+            ops = s.operands.get((layer, proj))
+            few = batch.one_hot is not None or batch.device_index
+            if ops is not None and ops.dtype == x.dtype and (few or (kernel.grouped and x.dtype == torch.bfloat16)):
+                return kernel.run_(out, x if x.stride(-1) == 1 else x.contiguous(), batch.token_slots, ops,
+                                   grouped=not few)
         a, b = s.a[layer][proj], s.b[layer][proj]
-        few = batch.one_hot is not None or (batch.device_index and out.device.type == "cpu")
-        if few and s.kernel is not None and out.dtype == x.dtype and s.kernel.fits(x, a, b):
-            return s.kernel.delta_(out, x if x.stride(-1) == 1 else x.contiguous(), a, b, batch.token_slots,
-                                   s.columns[proj])
-        if (not few and s.kernel is not None and s.kernel.grouped and x.dtype == out.dtype == torch.bfloat16
-                and out.device.type == "cpu" and s.kernel.fits(x, a, b)):
-            return s.kernel.grouped_delta_(out, x if x.stride(-1) == 1 else x.contiguous(), a, b, batch.token_slots,
-                                           s.columns[proj])
         packed = s.packed(layer, proj) if batch.one_hot is not None else None
         return batch.delta_into(out, x, a, b, packed)
 

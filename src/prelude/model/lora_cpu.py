@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +18,25 @@ _SOURCE = Path(__file__).with_name("lora_cpu.c")
 MAX_WIDTH = 1024
 MAX_OUT = 65536
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class SlotOperands:
+    """One projection's stacked slots as the kernels take them, checked once when the slots
+    are built (their storage never moves: loads copy into it), so a forward's call passes
+    only its tokens' pointers: ~120 calls a decode step, where per-call checks in Python
+    cost ~3% of the step."""
+
+    dtype: torch.dtype
+    n_in: int
+    n_slots: int
+    width: int
+    n_out: int
+    targets: int
+    a_ptr: int
+    b_ptr: int
+    cols_ptr: int
+    keep: tuple[torch.Tensor, ...]  # a, b and cols, alive as long as these pointers
 
 
 class LoraKernel:
@@ -35,6 +55,35 @@ class LoraKernel:
     def fits(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
         return (x.dtype in (torch.float32, torch.bfloat16) and a.dtype == b.dtype == x.dtype
                 and a.shape[2] <= MAX_WIDTH and b.shape[2] <= MAX_OUT)
+
+    def operands(self, a: torch.Tensor, b: torch.Tensor, cols: torch.Tensor) -> SlotOperands | None:
+        """`a` [S, in, W], `b` [S, W, out] and `cols` (see delta_) checked for `run_`; None
+        where the kernel does not take them."""
+        n_slots, n_in, width = a.shape
+        if not (a.dtype == b.dtype and a.dtype in CPU_KERNEL_DTYPES and a.is_contiguous() and b.is_contiguous()
+                and b.shape[:2] == (n_slots, width) and width <= MAX_WIDTH and b.shape[2] <= MAX_OUT
+                and cols.dtype == torch.int32 and cols.is_contiguous() and width % (cols.numel() - 1) == 0
+                and int(cols[-1]) == b.shape[2]):
+            return None
+        return SlotOperands(a.dtype, n_in, n_slots, width, b.shape[2], cols.numel() - 1, a.data_ptr(), b.data_ptr(),
+                            cols.data_ptr(), (a, b, cols))
+
+    def run_(self, out: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, ops: SlotOperands,
+             grouped: bool) -> torch.Tensor:
+        """`delta_` (grouped: `grouped_delta_`) on checked operands; x and out [T, in] and
+        [T, out] with unit column stride, token_slots long [T] contiguous. Returns out."""
+        tokens = x.shape[0]
+        assert (x.dtype == out.dtype == ops.dtype and x.shape[1] == ops.n_in and out.shape == (tokens, ops.n_out)
+                and x.stride(1) == 1 and out.stride(1) == 1 and token_slots.shape == (tokens,))
+        if grouped:
+            assert self.grouped and ops.dtype == torch.bfloat16
+            self._sgmv(tokens, ops.n_in, ops.n_slots, ops.width, ops.n_out, x.data_ptr(), x.stride(0), ops.a_ptr,
+                       ops.b_ptr, out.data_ptr(), out.stride(0), token_slots.data_ptr(), ops.targets, ops.cols_ptr)
+        else:
+            self._fn(tokens, ops.n_in, ops.n_slots, ops.width, ops.n_out, x.data_ptr(), x.stride(0), ops.a_ptr,
+                     ops.b_ptr, out.data_ptr(), out.stride(0), token_slots.data_ptr(),
+                     int(ops.dtype == torch.bfloat16), ops.targets, ops.cols_ptr)
+        return out
 
     def delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                token_slots: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
