@@ -129,25 +129,40 @@ typedef struct {
 } Scratch;
 
 /* Pointer to the K (or V) of sequence position p of an item's row, KV head h. */
-static inline const char *kv_ptr(const Ctx *c, const Item *it, int64_t p, int64_t cache_end, int value) {
-    int64_t prefix = it->ctx - it->q_len;
-    if (p < cache_end) {
-        int64_t block = it->table[p / c->block_size], off = p % c->block_size;
-        const char *base = value ? c->vc : c->kc;
-        return base + (block * c->scb + off * c->scs + it->kv_head * c->sch) * c->esize;
+/* Pointers to the K and V of sequence positions p0 .. p0+n-1 of an item's row, KV head
+ * kv_head: the pool through the block table below cache_end, the forward's k/v after it.
+ * One division per tile (the block and offset then advance by one). */
+static inline void tile_ptrs(const Ctx *c, const Item *it, int64_t p0, int64_t n, int64_t cache_end,
+                             const char **kp, const char **vp) {
+    const int64_t prefix = it->ctx - it->q_len, head = it->kv_head * c->sch;
+    int64_t blk = p0 / c->block_size, off = p0 % c->block_size;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t p = p0 + j;
+        if (p < cache_end) {
+            const int64_t at = (it->table[blk] * c->scb + off * c->scs + head) * c->esize;
+            kp[j] = c->kc + at;
+            vp[j] = c->vc + at;
+        } else {
+            const int64_t tok = it->q0 + (p - prefix);
+            kp[j] = c->k + (tok * c->skt + it->kv_head * c->skh) * c->esize;
+            vp[j] = c->v + (tok * c->svt + it->kv_head * c->svh) * c->esize;
+        }
+        if (++off == c->block_size) {
+            off = 0;
+            blk++;
+        }
     }
-    int64_t tok = it->q0 + (p - prefix);
-    return value ? c->v + (tok * c->svt + it->kv_head * c->svh) * c->esize
-                 : c->k + (tok * c->skt + it->kv_head * c->skh) * c->esize;
 }
 
 static inline void load_tile(const Ctx *c, const Item *it, Scratch *s, int64_t p0, int64_t n, int64_t cache_end) {
     int64_t prefix = it->ctx - it->q_len;
+    const char *kp[NK], *vp[NK];
+    tile_ptrs(c, it, p0, n, cache_end, kp, vp);
     for (int64_t j = 0; j < NK; j++) {
         if (j < n) {
             int64_t p = p0 + j;
-            load_row(kv_ptr(c, it, p, cache_end, 0), c->bf16, c->d, c->dp, s->kf + j * c->dp);
-            load_row(kv_ptr(c, it, p, cache_end, 1), c->bf16, c->d, c->dp, s->vf + j * c->dp);
+            load_row(kp[j], c->bf16, c->d, c->dp, s->kf + j * c->dp);
+            load_row(vp[j], c->bf16, c->d, c->dp, s->vf + j * c->dp);
             s->kseg[j] = (c->segments && p >= prefix) ? c->segments[it->q0 + (p - prefix)] : 0;
         } else { /* rows past the tile's end: zeros, their scores are masked */
             memset(s->kf + j * c->dp, 0, (size_t)c->dp * 4);
@@ -411,11 +426,10 @@ static inline void pack_v_pairs(const uint16_t *const *vr, int64_t n, int64_t d,
 static inline void tile_rows_bf16(const Ctx *c, const Item *it, Scratch *s, int64_t p0, int64_t n, int64_t cache_end,
                                   const uint16_t **kr, const uint16_t **vr) {
     const int64_t prefix = it->ctx - it->q_len, dh = (c->d + 1) / 2;
+    tile_ptrs(c, it, p0, n, cache_end, (const char **)kr, (const char **)vr);
     for (int64_t j = 0; j < NKB; j++) {
         if (j < n) {
             const int64_t p = p0 + j;
-            kr[j] = (const uint16_t *)kv_ptr(c, it, p, cache_end, 0);
-            vr[j] = (const uint16_t *)kv_ptr(c, it, p, cache_end, 1);
             s->kseg[j] = (c->segments && p >= prefix) ? c->segments[it->q0 + (p - prefix)] : 0;
             if (c->d & 1) {
                 uint16_t *dst = s->kpad + j * 2 * dh;
