@@ -660,16 +660,45 @@ static void narrow_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
 
 static void *alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
+/* Scatter new tokens' K/V ([T, kv_heads, d], element strides) into their pool slots
+ * (block * block_size + offset; -1: not kept). esize: bytes per element. */
+static void write_kv_rows(const void *k, int64_t skt, int64_t skh, const void *v, int64_t svt, int64_t svh, void *kc,
+                          void *vc, int64_t scb, int64_t scs, int64_t sch, int64_t block_size, const int64_t *slots,
+                          int64_t t, int64_t kv_heads, int64_t d, int64_t esize, int threads) {
+    const size_t row = (size_t)(d * esize);
+#pragma omp parallel for num_threads(threads) schedule(static) if (t * kv_heads * d >= 65536)
+    for (int64_t i = 0; i < t; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0) continue;
+        const int64_t base = (slot / block_size) * scb + (slot % block_size) * scs;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            memcpy((char *)kc + (base + h * sch) * esize, (const char *)k + (i * skt + h * skh) * esize, row);
+            memcpy((char *)vc + (base + h * sch) * esize, (const char *)v + (i * svt + h * svh) * esize, row);
+        }
+    }
+}
+
+int prelude_write_kv(const void *k, int64_t skt, int64_t skh, const void *v, int64_t svt, int64_t svh, void *kc,
+                     void *vc, int64_t scb, int64_t scs, int64_t sch, int64_t block_size, const int64_t *slots,
+                     int64_t t, int64_t kv_heads, int64_t d, int64_t esize, int threads) {
+    if (block_size <= 0 || esize <= 0) return 1;
+    write_kv_rows(k, skt, skh, v, svt, svh, kc, vc, scb, scs, sch, block_size, slots, t, kv_heads, d, esize, threads);
+    return 0;
+}
+
 /* Attention of every row's new tokens; writes out[tok] ([T, heads, d]) for the query tokens
  * of the prefill rows and decode rows. Block tables are int64 [rows, stride], padded.
+ * slots (or NULL): the forward's n_slots new tokens' pool slots, their K/V written first (one
+ * call per layer: the per-call overhead counts at decode, ~30 calls a step).
  * Returns 0, or 1 on arguments it cannot serve (nothing written then), 2 on no memory. */
 int prelude_paged_attention(
     const void *q, int64_t sqt, int64_t sqh, const void *k, int64_t skt, int64_t skh, const void *v, int64_t svt,
     int64_t svh, const void *kc, const void *vc, int64_t scb, int64_t scs, int64_t sch, int64_t block_size,
     int64_t n_pre, const int64_t *pre_start, const int64_t *pre_len, const int64_t *pre_ctx, const int64_t *pre_own,
     const int64_t *pre_tables, int64_t pre_tstride, int64_t n_dec, const int64_t *dec_index, const int64_t *dec_ctx,
-    const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments, void *out, int64_t sot, int64_t soh,
-    int64_t heads, int64_t kv_heads, int64_t d, float scale, int bf16, int threads) {
+    const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments, const int64_t *slots, int64_t n_slots,
+    void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads, int64_t d, float scale, int bf16,
+    int threads) {
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 4096 || block_size <= 0) return 1;
     Ctx c = {(const char *)q, (const char *)k, (const char *)v, (const char *)kc, (const char *)vc,
              sqt, sqh, skt, skh, svt, svh, scb, scs, sch, (char *)out, sot, soh, segments,
@@ -684,6 +713,9 @@ int prelude_paged_attention(
     }
     for (int64_t r = 0; r < n_dec; r++)
         if (dec_ctx[r] < 0) return 1;
+    if (slots)
+        write_kv_rows(k, skt, skh, v, svt, svh, (void *)kc, (void *)vc, scb, scs, sch, block_size, slots, n_slots,
+                      kv_heads, d, bf16 ? 2 : 4, threads);
     if (count == 0) return 0;
     Item *items = malloc(sizeof(Item) * (size_t)count);
     if (!items) return 2;
@@ -760,22 +792,3 @@ int prelude_paged_attention(
     return failed ? 2 : 0;
 }
 
-/* Scatter new tokens' K/V ([T, kv_heads, d], element strides) into their pool slots
- * (block * block_size + offset; -1: not kept). esize: bytes per element. */
-int prelude_write_kv(const void *k, int64_t skt, int64_t skh, const void *v, int64_t svt, int64_t svh, void *kc,
-                     void *vc, int64_t scb, int64_t scs, int64_t sch, int64_t block_size, const int64_t *slots,
-                     int64_t t, int64_t kv_heads, int64_t d, int64_t esize, int threads) {
-    if (block_size <= 0 || esize <= 0) return 1;
-    const size_t row = (size_t)(d * esize);
-#pragma omp parallel for num_threads(threads) schedule(static) if (t * kv_heads * d >= 65536)
-    for (int64_t i = 0; i < t; i++) {
-        const int64_t slot = slots[i];
-        if (slot < 0) continue;
-        const int64_t base = (slot / block_size) * scb + (slot % block_size) * scs;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            memcpy((char *)kc + (base + h * sch) * esize, (const char *)k + (i * skt + h * skh) * esize, row);
-            memcpy((char *)vc + (base + h * sch) * esize, (const char *)v + (i * svt + h * svh) * esize, row);
-        }
-    }
-    return 0;
-}

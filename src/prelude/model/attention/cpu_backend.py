@@ -3,8 +3,9 @@
 One library call per layer serves every row of the forward (prefill rows over a cached
 prefix plus new tokens, OneShot or chunked, decode rows, multi-item segments), reading K/V
 through the block tables in place: no per-row Python loop, no gather of a prefix into a
-contiguous copy, no mask tensor. The KV write is one call as well. float32 and bf16; the
-math is float32 inside.
+contiguous copy, no mask tensor. The KV write is part of the same call. float32 and bf16;
+the softmax and sums are float32 (on an AVX512-BF16 CPU the bf16 products run on its bf16
+dot-product instruction, P rounded to bf16 for P·V).
 
 Built on first use for this CPU (native_lib.py, -march=native, cached per ISA); `load_cpu_attention()` is
 None without a compiler or AVX2+FMA, or with PRELUDE_CPU_ATTENTION=0, and the backend
@@ -34,16 +35,36 @@ MAX_HEAD_DIM = 4096  # the C side's per-row scratch
 
 @dataclass(frozen=True)
 class _Rows:
-    """A forward's row tensors as the C call reads them (int64, contiguous), kept while they
-    are referenced by the pointers below."""
+    """A forward's row tensors as the C call reads them (int64, contiguous), and the call's
+    row arguments made from them once per forward (every layer passes the same): the tensors
+    are kept here while the pointers in `args` refer to them."""
 
     pre: PrefillTensors | None
-    pre_tables: torch.Tensor | None
     dec_index: torch.Tensor | None
     dec_lens: torch.Tensor | None
     dec_tables: torch.Tensor | None
     segments: torch.Tensor | None
     slots: torch.Tensor | None
+    args: tuple[int | None, ...]  # prefill rows, decode rows, segments, slots
+
+
+def _row_args(pre: PrefillTensors | None, dec_index: torch.Tensor | None, dec_lens: torch.Tensor | None,
+              dec_tables: torch.Tensor | None, segments: torch.Tensor | None,
+              slots: torch.Tensor | None) -> tuple[int | None, ...]:
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    if pre is None:
+        pre_args: tuple[int | None, ...] = (0, None, None, None, None, None, 0)
+    else:
+        pre_args = (pre.query_lens.numel(), ptr(pre.query_start), ptr(pre.query_lens), ptr(pre.context_lens),
+                    ptr(pre.own_kv_in_cache), ptr(pre.block_tables), pre.block_tables.stride(0))
+    return (
+        *pre_args,
+        0 if dec_index is None else dec_index.numel(), ptr(dec_index), ptr(dec_lens), ptr(dec_tables),
+        0 if dec_tables is None else dec_tables.stride(0),
+        ptr(segments), ptr(slots), 0 if slots is None else slots.numel(),
+    )
 
 
 def _i64(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +101,8 @@ class CpuAttention:
             ptr, ptr, i64, i64, i64, i64,  # caches, strides, block size
             i64, ptr, ptr, ptr, ptr, ptr, i64,  # prefill rows
             i64, ptr, ptr, ptr, i64,  # decode rows
-            ptr, ptr, i64, i64,  # segments, out
+            ptr, ptr, i64,  # segments, slots (the KV write)
+            ptr, i64, i64,  # out
             i64, i64, i64, f32, c_int, c_int,
         ]
         self._write = lib.prelude_write_kv
@@ -100,15 +122,13 @@ class CpuAttention:
             pre = PrefillTensors(_i64(pre.query_start), _i64(pre.query_lens), _i64(pre.context_lens),
                                  _i64(pre.own_kv_in_cache), _i64(pre.block_tables), pre.max_query_len)
         dec = meta.decodes
-        rows = _Rows(
-            pre=pre,
-            pre_tables=pre.block_tables if pre is not None else None,
-            dec_index=_i64(dec.query_index) if dec is not None else None,
-            dec_lens=_i64(dec.context_lens) if dec is not None else None,
-            dec_tables=_i64(dec.block_tables) if dec is not None else None,
-            segments=_i64(meta.segment_ids) if meta.segment_ids is not None else None,
-            slots=_i64(meta.slot_mapping) if meta.slot_mapping is not None else None,
-        )
+        dec_index = _i64(dec.query_index) if dec is not None else None
+        dec_lens = _i64(dec.context_lens) if dec is not None else None
+        dec_tables = _i64(dec.block_tables) if dec is not None else None
+        segments = _i64(meta.segment_ids) if meta.segment_ids is not None else None
+        slots = _i64(meta.slot_mapping) if meta.slot_mapping is not None else None
+        rows = _Rows(pre, dec_index, dec_lens, dec_tables, segments, slots,
+                     _row_args(pre, dec_index, dec_lens, dec_tables, segments, slots))
         self._prepared = (meta, rows)
         return rows
 
@@ -147,30 +167,17 @@ class CpuAttention:
         if not self.serves(q, k_cache):
             return self._fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
         rows = self._rows(meta)
-        if rows.slots is not None:
-            self.write_kv(k_cache, v_cache, k, v, rows.slots)
         q, k, v = self._last_contiguous(q), self._last_contiguous(k), self._last_contiguous(v)
+        if rows.slots is not None and (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+                                       or k.dtype != k_cache.dtype or rows.slots.numel() != k.shape[0]):
+            raise ValueError("K/V caches must share strides and the new K/V's dtype, with a contiguous head_dim, "
+                             "and every new token needs a slot")
         out = torch.empty_like(q)
-        pre, null = rows.pre, None
         rc = self._attend(
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
             v.data_ptr(), v.stride(0), v.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            k_cache.shape[1],
-            0 if pre is None else pre.query_lens.numel(),
-            null if pre is None else pre.query_start.data_ptr(),
-            null if pre is None else pre.query_lens.data_ptr(),
-            null if pre is None else pre.context_lens.data_ptr(),
-            null if pre is None else pre.own_kv_in_cache.data_ptr(),
-            null if pre is None else pre.block_tables.data_ptr(),
-            0 if pre is None else pre.block_tables.stride(0),
-            0 if rows.dec_index is None else rows.dec_index.numel(),
-            null if rows.dec_index is None else rows.dec_index.data_ptr(),
-            null if rows.dec_lens is None else rows.dec_lens.data_ptr(),
-            null if rows.dec_tables is None else rows.dec_tables.data_ptr(),
-            0 if rows.dec_tables is None else rows.dec_tables.stride(0),
-            null if rows.segments is None else rows.segments.data_ptr(),
-            out.data_ptr(), out.stride(0), out.stride(1),
+            k_cache.shape[1], *rows.args, out.data_ptr(), out.stride(0), out.stride(1),
             q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(),
         )
         if rc != 0:
