@@ -304,66 +304,81 @@ static inline __attribute__((always_inline)) void expand_tile(const int NZ, cons
         }
 }
 
+/* Slot s's A [n_in, W] -> Ap [n2, Wp, 2] (column j Rp + r holds target j's rank r) and
+ * its B's diagonal blocks j [R, nj] -> Bp + boff[j] as [Rp/2, njp, 2]. */
+static void repack(int s, int n_in, int W, int n_out, int k, const int *cols, int R, int Rp, int Wq, int Wp,
+                   const uint16_t *Ab, const uint16_t *Bb, const long *boff, uint16_t *Ap, uint16_t *Bp) {
+    const int n2 = (n_in + 1) / 2;
+    for (int i2 = 0; i2 < n2; i2++) {
+        const uint16_t *a0 = Ab + ((long)s * n_in + 2 * i2) * W;
+        const uint16_t *a1 = 2 * i2 + 1 < n_in ? a0 + W : NULL;
+        uint16_t *dst = Ap + (long)i2 * Wp * 2;
+        for (int j = 0; j < k; j++) interleave(dst + 2 * j * Rp, a0 + j * R, a1 ? a1 + j * R : NULL, R, Rp);
+        memset(dst + 2 * Wq, 0, sizeof(uint16_t) * 2 * (size_t)(Wp - Wq));
+    }
+    for (int j = 0; j < k; j++) {
+        const int c_lo = cols[j], nj = cols[j + 1] - c_lo, njp = (nj + 15) & ~15;
+        for (int r2 = 0; r2 < Rp / 2; r2++) {
+            const uint16_t *b0 = Bb + ((long)s * W + j * R + 2 * r2) * n_out + c_lo;
+            interleave(Bp + boff[j] + (long)r2 * njp * 2, b0, 2 * r2 + 1 < R ? b0 + n_out : NULL, nj, njp);
+        }
+    }
+}
+
+#define CHUNK_TILES 8  /* a work item: up to this many tiles of one slot (one repack each) */
+
 void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx, const void *A, const void *B,
                void *out, long so, const int64_t *slots, int k, const int *cols) {
-    (void)n_out;
     const uint16_t *X = (const uint16_t *)x, *Ab = (const uint16_t *)A, *Bb = (const uint16_t *)B;
     uint16_t *O = (uint16_t *)out;
     const int R = W / k, Rp = (R + 1) & ~1, Wq = k * Rp, Wp = (Wq + 15) & ~15, n2 = (n_in + 1) / 2;
-    if (Wp > MAX_WP) return;
-    /* tokens by slot (a counting sort: any mix of rows, one repack per slot) */
-    int *start = calloc((size_t)S + 1, sizeof(int)), *order = malloc(sizeof(int) * (size_t)(T > 0 ? T : 1));
-    long bsize = 0;
+    if (Wp > MAX_WP || T <= 0 || S <= 0) return;
+    /* tokens by slot (a counting sort: any mix of rows), then work items of up to
+     * CHUNK_TILES tiles of one slot. Each thread repacks the slot of its item into its own
+     * scratch (again only when the slot changes): one parallel region a call and no
+     * barrier inside it, which a loaded machine makes costly. */
+    int *start = calloc((size_t)S + 1, sizeof(int)), *order = malloc(sizeof(int) * (size_t)T);
+    int *fill = malloc(sizeof(int) * (size_t)S), *items = malloc(sizeof(int) * 3 * (size_t)(T / TILE + S + 1));
     long *boff = malloc(sizeof(long) * (size_t)k);
+    if (!start || !order || !fill || !items || !boff) goto done;
+    long bsize = 0;
     for (int j = 0; j < k; j++) {
         boff[j] = bsize;
         bsize += (long)(Rp / 2) * (((cols[j + 1] - cols[j]) + 15) & ~15) * 2;
     }
-    uint16_t *Ap = aligned_alloc(64, (((size_t)n2 * Wp * 2 * 2) + 63) & ~(size_t)63);
-    uint16_t *Bp = aligned_alloc(64, (((size_t)bsize * 2) + 63) & ~(size_t)63);
-    if (!start || !order || !boff || !Ap || !Bp) goto done;
     for (int t = 0; t < T; t++)
         if (slots[t] >= 0 && slots[t] < S) start[slots[t] + 1]++;
     for (int s = 0; s < S; s++) start[s + 1] += start[s];
+    memcpy(fill, start, sizeof(int) * (size_t)S);
+    for (int t = 0; t < T; t++)
+        if (slots[t] >= 0 && slots[t] < S) order[fill[slots[t]]++] = t;
+    int n_items = 0;
+    for (int s = 0; s < S; s++)
+        for (int first = start[s]; first < start[s + 1]; first += CHUNK_TILES * TILE) {
+            items[3 * n_items] = s;
+            items[3 * n_items + 1] = first;
+            items[3 * n_items + 2] = first + CHUNK_TILES * TILE < start[s + 1] ? first + CHUNK_TILES * TILE : start[s + 1];
+            n_items++;
+        }
+    #pragma omp parallel if (n_items > 1)
     {
-        int *fill = malloc(sizeof(int) * (size_t)(S > 0 ? S : 1));
-        if (!fill) goto done;
-        memcpy(fill, start, sizeof(int) * (size_t)S);
-        for (int t = 0; t < T; t++)
-            if (slots[t] >= 0 && slots[t] < S) order[fill[slots[t]]++] = t;
-        free(fill);
-    }
-    for (int s = 0; s < S; s++) {
-        const int n = start[s + 1] - start[s];
-        if (n == 0) continue;
-        const int *rows = order + start[s];
-        const int tiles = (n + TILE - 1) / TILE;
-        #pragma omp parallel if (tiles > 1)
-        {
-            /* A[s] [n_in, W] -> Apack [n2, Wp, 2]: column j Rp + r holds target j's rank r */
-            #pragma omp for schedule(static)
-            for (int i2 = 0; i2 < n2; i2++) {
-                const uint16_t *a0 = Ab + ((long)s * n_in + 2 * i2) * W;
-                const uint16_t *a1 = 2 * i2 + 1 < n_in ? a0 + W : NULL;
-                uint16_t *dst = Ap + (long)i2 * Wp * 2;
-                for (int j = 0; j < k; j++) interleave(dst + 2 * j * Rp, a0 + j * R, a1 ? a1 + j * R : NULL, R, Rp);
-                memset(dst + 2 * Wq, 0, sizeof(uint16_t) * 2 * (size_t)(Wp - Wq));
+        uint16_t *Ap = aligned_alloc(64, (((size_t)n2 * Wp * 2 * 2) + 63) & ~(size_t)63);
+        uint16_t *Bp = aligned_alloc(64, (((size_t)bsize * 2) + 63) & ~(size_t)63);
+        int packed = -1;
+        #pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < n_items; it++) {
+            if (!Ap || !Bp) continue;
+            const int s = items[3 * it], lo = items[3 * it + 1], hi = items[3 * it + 2];
+            if (packed != s) {
+                repack(s, n_in, W, n_out, k, cols, R, Rp, Wq, Wp, Ab, Bb, boff, Ap, Bp);
+                packed = s;
             }
-            /* B[s]'s diagonal block j [R, nj] -> [Rp/2, njp, 2] */
-            #pragma omp for schedule(static)
-            for (int jr = 0; jr < k * (Rp / 2); jr++) {
-                const int j = jr / (Rp / 2), r2 = jr % (Rp / 2);
-                const int c_lo = cols[j], nj = cols[j + 1] - c_lo, njp = (nj + 15) & ~15;
-                const uint16_t *b0 = Bb + ((long)s * W + j * R + 2 * r2) * n_out + c_lo;
-                interleave(Bp + boff[j] + (long)r2 * njp * 2, b0, 2 * r2 + 1 < R ? b0 + n_out : NULL, nj, njp);
-            }
-            #pragma omp for schedule(static)
-            for (int tile = 0; tile < tiles; tile++) {
-                const int first = tile * TILE, count = n - first < TILE ? n - first : TILE;
+            for (int first = lo; first < hi; first += TILE) {
+                const int count = hi - first < TILE ? hi - first : TILE;
                 const uint16_t *xr[TILE];
                 uint16_t *orow[TILE];
                 for (int m = 0; m < TILE; m++) {  /* a short tile repeats its first row (not stored) */
-                    const int t = rows[first + (m < count ? m : 0)];
+                    const int t = order[first + (m < count ? m : 0)];
                     xr[m] = X + (long)t * sx;
                     orow[m] = O + (long)t * so;
                 }
@@ -387,13 +402,15 @@ void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx,
                 }
             }
         }
+        free(Ap);
+        free(Bp);
     }
 done:
     free(start);
     free(order);
+    free(fill);
+    free(items);
     free(boff);
-    free(Ap);
-    free(Bp);
 }
 #else
 int lora_sgmv_available(void) { return 0; }
