@@ -6,10 +6,13 @@ at 1 row 0.26 -> 0.14 ms, 4 rows 0.53 -> 0.28 ms, the 49,152-row LM head at 1-4 
 6.1 -> 2.5 ms (bit-identical); float32 on an AVX2-only EPYC, where MKL's few-row sgemm is
 the weak spot, 4 rows through the head 29.8 -> 10.2 ms and through a layer's projections
 0.98 -> 0.59 ms (equal to fp32 rounding). At 128 and 512 rows the two are within 3%.
-So the packed copy serves only calls of at most PACKED_MAX_ROWS rows and the plain weight
-the rest: oneDNN compiles a kernel, with its own scratch memory, for every row count it
-sees, and a prefill's token count is a new one almost every time (a soak grew by
-hundreds of MiB that way). Both copies are kept: projection weights are held twice on a
+In bf16 on an AVX512-BF16 Zen 5 the packed copy is also faster at prefill sizes (a layer's
+projections, one thread: 128 rows 2.26 -> 1.99 ms, 512 rows 7.95 -> 7.54, 1024 rows 15.78 ->
+15.09), so bf16 calls of 128, 256, ... 2048 rows take it as well. But oneDNN compiles a
+kernel, with its own scratch memory, for every row count it sees, and a prefill's token
+count is a new one almost every time (a soak grew by hundreds of MiB that way): the packed
+copy serves only calls of at most PACKED_MAX_ROWS rows and those steps (a bounded set: 16
+more row counts held ~45-70 MiB over four projection shapes), and the plain weight the rest. Both copies are kept: projection weights are held twice on a
 prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
 
 A GGUF checkpoint's projections can also come in their stored block format (Q4_0, Q4_1,
@@ -35,7 +38,13 @@ from prelude.model.blocks_kernel import BlocksKernel
 from prelude.model.ggml_blocks import GgmlBlocks
 
 
-PACKED_MAX_ROWS = 32  # decode batches; larger calls run F.linear on the plain weight
+PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count
+# Larger bf16 calls take it at these row counts only (a bounded set: oneDNN compiles a kernel
+# per row count), where it measured 4-12% faster than F.linear: 128 .. 2048 in steps of 128.
+# Splitting other counts into such tiles plus a remainder lost (every call streams the
+# weight again, and the tiles' outputs are copied together); so did padding them up.
+PACKED_ROW_STEP = 128
+PACKED_STEP_MAX_ROWS = 2048
 BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 each): every layer shares
 # its shapes' kernels, so this holds each of a decoder's ~5 weight shapes at every row count
@@ -71,8 +80,8 @@ class BlocksPath:
 
 class Projection:
     """A frozen linear layer over `weight` [out, in]. Calls of at most BLOCKS_MAX_ROWS rows
-    read `blocks` where given; prepacked, a oneDNN copy serves the rest of the calls of at
-    most PACKED_MAX_ROWS rows."""
+    read `blocks` where given; prepacked, a oneDNN copy serves the rest of the calls whose
+    row count packed_row_count takes."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False,
                  blocks: BlocksPath | None = None) -> None:
@@ -113,8 +122,20 @@ class Projection:
         rows = x.reshape(-1, x.shape[-1])
         if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
             return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)
-        packed = self._packed_weight() if 0 < rows.shape[0] <= PACKED_MAX_ROWS else None
+        packed = self._packed_weight() if packed_row_count(rows.shape[0], x.dtype) else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, self.bias, "none", [], "")
+        out = packed_linear(rows.contiguous(), packed, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def packed_row_count(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a call of `rows` rows takes the prepacked copy: decode sizes, and in bf16 the
+    bounded set of larger counts where it pays."""
+    return 0 < rows and (rows <= PACKED_MAX_ROWS or (
+        dtype == torch.bfloat16 and rows <= PACKED_STEP_MAX_ROWS and rows % PACKED_ROW_STEP == 0))
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's GEMM over a prepacked weight (the only call that hands it a row count)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
