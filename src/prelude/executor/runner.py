@@ -34,7 +34,8 @@ from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
 from prelude.executor.outputs import CarriedTokens, LaunchedStep, OutputHeads
 from prelude.executor.step_threads import StepThreads, decoder_flops
-from prelude.forward_batch import BatchRow, DecodeBatch, ForwardBatch, MixedBatch, OneShotBatch, OneShotRow
+from prelude.forward_batch import (BatchRow, DecodeBatch, ForwardBatch, HeadSpec, MixedBatch, OneShotBatch,
+                                  OneShotRow, SampleSpec)
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
@@ -352,32 +353,35 @@ class ModelRunner:
         """Queue the forward, sampling, heads and the one result copy; on CUDA this returns
         while the device still works, so the host can schedule the next step meanwhile.
         `carried`: decode rows scheduled ahead of a step in flight, whose input tokens that
-        step samples (decode overlap). A CPU step too small to split runs on one thread
-        (step_threads.py)."""
-        with self.step_threads.for_step(*step_size(batch)):
-            return self._launch(batch, carried)
-
-    def _launch(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> LaunchedStep:
+        step samples (decode overlap). On a CPU the trunk and the heads each run on one
+        thread when they are too small to split (step_threads.py)."""
         if carried is not None and isinstance(batch, OneShotBatch):
             raise ValueError("a OneShot step has no rows to carry tokens into")
+        tokens, sampled = step_size(batch)
+        with self.step_threads.for_trunk(tokens):
+            hidden, starts, rows = self._forward_step(batch, carried)
+        forward_done = time.perf_counter()
+        with self.step_threads.for_heads(tokens, sampled):
+            launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch))
+        launched.forward_done = forward_done
+        return launched
+
+    def _forward_step(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
+            torch.Tensor, list[int], list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]]]:
+        """The trunk of one step: hidden states, each row's start, and what each row asks
+        of the heads (request id, the tokens computed, sampling, head)."""
         if isinstance(batch, OneShotBatch):
             hidden, starts = self.forward_oneshot(batch.rows)
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
-            rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
-        elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
+            return hidden, starts, [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
+        if isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
             inputs = self.inputs.fused(batch.rows, batch.oneshot_rows)
             self._carry(inputs, batch.rows, carried)
             lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows]
                                   + [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.oneshot_rows])
-            hidden, starts = self.forward(inputs, lora), inputs.starts
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
             rows += [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.oneshot_rows]
-        else:
-            assert isinstance(batch, (DecodeBatch, MixedBatch))
-            hidden, starts = self.forward_rows(batch.rows, carried)
-            rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
-        forward_done = time.perf_counter()
-        launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch))
-        launched.forward_done = forward_done
-        return launched
-
+            return self.forward(inputs, lora), inputs.starts, rows
+        assert isinstance(batch, (DecodeBatch, MixedBatch))
+        hidden, starts = self.forward_rows(batch.rows, carried)
+        return hidden, starts, [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]

@@ -1,24 +1,39 @@
-"""How many CPU threads a step's forward runs on: one for steps too small to split.
+"""How many CPU threads a step's trunk and its heads run on: one for work too small to split.
 
 Every torch op of a forward is a parallel region of the OpenMP team: the team wakes,
 splits the op and joins. On a step whose whole work is ~0.1 GFLOP (a 128-token prompt
 through a 2-layer toy model, a decode row of a tiny model) those joins are the step, and
 on a busy machine a join waits for a team thread the OS has not scheduled yet: a free
 model's 128-token forward took 40-65 ms on two threads at load average 8, 0.9-1.8 ms on
-one (bench overhead). Larger steps keep the whole team; on CUDA this does nothing.
-Setting the count costs ~0.2 µs and applies to the calling (engine) thread's team.
+one (bench overhead). After a region the team's threads also spin for a while before
+they sleep, on the core the server's HTTP thread needs.
+
+The trunk (the decoder's layers) and the heads (LM head, sampling) are decided apart: a
+tiny model with a large vocabulary has a trunk of a few hundred microseconds even when
+its step samples 8-16 rows through a 49,152-row head. Splitting that trunk only buys
+joins, and the head of a few rows is a read of its weights that a second thread barely
+shortens (8 rows of the free model's head: 1.0 ms on one thread, 0.8 on two, quiet).
+So the trunk runs on one thread below SMALL_STEP_FLOPS, and the heads too while the
+trunk is small and the sampled rows' head work is below SMALL_HEAD_FLOPS (decode of the
+free model at c=8: both on one thread; at c=64 the head keeps the team). A model whose
+one decode row is above SMALL_STEP_FLOPS (the default model: ~0.2 GFLOP a token) keeps
+the whole team for everything, as before. Setting the count costs ~0.2 µs and applies
+to the calling (engine) thread's team; on CUDA this does nothing.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import contextlib
 from typing import Iterator
 
 import torch
 
-# Below this estimate of a step's multiply-adds x 2 the forward runs on one thread: a
-# few hundred microseconds of work, where splitting saves less than the joins cost.
+# Below this estimate of a trunk's multiply-adds x 2 it runs on one thread: a few hundred
+# microseconds of work, where splitting saves less than the joins cost.
 SMALL_STEP_FLOPS = 1e8
+# The heads of a step with a small trunk stay on one thread below this (the LM head's
+# multiply-adds x 2 over the sampled rows): ~16 rows of a hidden-128, 49,152-row head.
+SMALL_HEAD_FLOPS = 2e8
 
 
 class StepThreads:
@@ -31,12 +46,21 @@ class StepThreads:
         self.flops_per_token = flops_per_token
         self.flops_per_logit_row = flops_per_logit_row
 
-    def is_small(self, tokens: int, logit_rows: int) -> bool:
-        return tokens * self.flops_per_token + logit_rows * self.flops_per_logit_row < SMALL_STEP_FLOPS
+    def trunk_is_small(self, tokens: int) -> bool:
+        return tokens * self.flops_per_token < SMALL_STEP_FLOPS
 
-    @contextmanager
-    def for_step(self, tokens: int, logit_rows: int) -> Iterator[None]:
-        if not self.enabled or not self.is_small(tokens, logit_rows):
+    def heads_are_small(self, tokens: int, logit_rows: int) -> bool:
+        return self.trunk_is_small(tokens) and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS
+
+    def for_trunk(self, tokens: int) -> contextlib.AbstractContextManager[None]:
+        return self._one_thread(self.trunk_is_small(tokens))
+
+    def for_heads(self, tokens: int, logit_rows: int) -> contextlib.AbstractContextManager[None]:
+        return self._one_thread(self.heads_are_small(tokens, logit_rows))
+
+    @contextlib.contextmanager
+    def _one_thread(self, small: bool) -> Iterator[None]:
+        if not self.enabled or not small:
             yield
             return
         team = torch.get_num_threads()
