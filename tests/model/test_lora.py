@@ -156,6 +156,49 @@ def test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tmp_path: Path
         assert (stepped[i][-1] - ref[-1]).abs().max().item() <= 1e-4
 
 
+def test_bf16_mixed_step_through_the_c_kernels_equals_the_torch_paths(tmp_path: Path) -> None:
+    """bf16 (what a CPU serves by default): a prefill-sized mixed step through the grouped C
+    kernel and a decode-sized one through the per-token kernel equal torch's grouped and
+    all-slots paths within bf16 rounding, far closer than the adapters' own effect."""
+    kernel = load_lora_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler or no AVX2+FMA here")
+    hf = hf_base("llama")
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    runner = ModelRunner.create(config, {k: v.detach().clone() for k, v in hf.state_dict().items()},
+                                ExecutorConfig(device="cpu", dtype="bfloat16"), 4)
+    runner.allocate_kv_cache(128)
+    kv = KVCacheManager(128, 4)
+    slots = LoraSlots(config, num_slots=3, max_rank=16, dtype=torch.bfloat16, device="cpu")
+    for i, (r, targets) in enumerate([(16, TARGETS), (5, ("q_proj", "v_proj", "up_proj", "down_proj"))]):
+        save_adapter("llama", tmp_path / str(i), seed=20 + i, targets=targets, r=r)
+        slots.load(i + 1, read_adapter(str(i), tmp_path / str(i), config, max_rank=16))
+    gen = torch.Generator().manual_seed(7)
+    row_slots = [2, -1, 1, 2]  # adapter 2's rows are apart
+    # the grouped kernel's 54 tokens, the per-token one's 14
+    prompt_sets = {all_slots: [torch.randint(0, 300, (n,), generator=gen).tolist() for n in lens]
+                   for all_slots, lens in ((False, (21, 9, 13, 11)), (True, (5, 3, 4, 2)))}
+
+    def run(name: str, all_slots: bool, c_kernel: bool, slot_of: list[int]) -> list[torch.Tensor]:
+        slots.kernel = kernel if c_kernel else None
+        rows = []
+        for i, p in enumerate(prompt_sets[all_slots]):
+            assert kv.allocate(f"{name}{i}", len(p))
+            rows.append(BatchRow(f"{name}{i}", p, 0, kv.block_table(f"{name}{i}"), None))
+        return [lg.float() for lg in logits_of(runner, rows, slot_of, slots, all_slots=all_slots)]
+
+    try:
+        for all_slots in (False, True):
+            base = run(f"base{all_slots}", all_slots, True, [-1] * 4)
+            want = run(f"torch{all_slots}", all_slots, False, row_slots)
+            got = run(f"c{all_slots}", all_slots, True, row_slots)
+            for i, (g, w, b) in enumerate(zip(got, want, base)):
+                diff, effect = (g - w).abs().max().item(), (w - b).abs().max().item()
+                assert diff <= 0.1 and (row_slots[i] < 0 or effect > max(5 * diff, 0.3)), (all_slots, i, diff, effect)
+    finally:
+        slots.kernel = kernel
+
+
 def test_no_adapter_is_the_plain_forward(tmp_path: Path) -> None:
     runner, kv, config = runner_for("llama")
     assert LoraBatch.build([-1, -1], [3, 1], "cpu") is None
