@@ -6,6 +6,7 @@ hand-off gives up after the bounded wait. And the flags that configure it."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -88,3 +89,89 @@ def test_disaggregate_flags() -> None:
         _cluster("--disaggregate", "1:1", "--data-parallel-size", "3")
     with pytest.raises(SystemExit):
         _cluster("--disaggregate", "one:two")
+
+
+class _FakeDecodeReplica:
+    """A decode replica whose `decode` stream raises `fail` before its first output, or
+    streams `outputs` (the Ray call shape: `.decode.options(...).remote(handoff)`)."""
+
+    def __init__(self, fail: BaseException | None, outputs: list[object]) -> None:
+        self.fail, self.outputs, self.calls = fail, outputs, 0
+        self.decode = self
+
+    def options(self, **_: object) -> "_FakeDecodeReplica":
+        return self
+
+    def remote(self, handoff: object) -> object:
+        self.calls += 1
+
+        async def stream():  # noqa: ANN202
+            if self.fail is not None:
+                raise self.fail
+            for out in self.outputs:
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(out)
+                yield fut
+
+        return stream()
+
+
+def _front(replicas: list[object]):  # noqa: ANN202
+    from prelude.cluster.client import FaultConfig
+    from prelude.cluster.disagg import DisaggregatedClient
+    from prelude.cluster.router import Router, RouterConfig
+
+    front = DisaggregatedClient(replicas, Router(RouterConfig(), len(replicas)), num_prefill=1,
+                                max_requests_in_scheduler=4, info=SimpleNamespace(model_name="m"),
+                                faults=FaultConfig(poll_s=0.05, wait_for_replica_s=0.5))
+    front.close()  # no monitor: the fakes answer no pings (what is up is what _decode marks)
+    return front
+
+
+def _request():  # noqa: ANN202
+    return SimpleNamespace(request_id="r1")  # all _decode reads of its request
+
+
+def test_lost_handoff_is_not_charged_to_the_live_decode_replica(monkeypatch) -> None:  # noqa: ANN001
+    """A hand-off that died with its prefill replica comes back from the decode call as
+    RayTaskError(ActorUnavailableError), which is also an ActorUnavailableError: the decode
+    replica stays up and is not retried, and the request ends with ReplicaLostError (a
+    non-streamed answer runs again from the start)."""
+    from ray.exceptions import ActorUnavailableError, RayTaskError
+
+    from prelude.engine.client import ReplicaLostError
+
+    monkeypatch.setattr("prelude.cluster.disagg.ray.cancel", lambda gen: None)
+    lost = RayTaskError("decode", "tb", ActorUnavailableError("the prefill actor is gone", None)).as_instanceof_cause()
+    decode = _FakeDecodeReplica(lost, [])
+    front = _front([object(), decode])
+
+    async def run() -> None:
+        async for _ in front._decode(_request(), handoff=object()):
+            pass
+
+    with pytest.raises(ReplicaLostError, match="prefill replica"):
+        asyncio.run(run())
+    assert decode.calls == 1 and front._up == [True, True]
+    assert front._counts["handoffs_lost_total"] == 1 and front._counts["decode_retried_total"] == 0
+    assert front._counts["replica_failures_total"] == 0 and "r1" in front._lost
+    assert front.gate.placer.held == [0, 0]
+
+
+def test_dead_decode_replica_moves_the_handoff_to_another(monkeypatch) -> None:  # noqa: ANN001
+    """The decode replica itself died before streaming (a bare ActorUnavailableError): it
+    is marked down and the same hand-off goes to the other decode replica."""
+    from ray.exceptions import ActorUnavailableError
+
+    monkeypatch.setattr("prelude.cluster.disagg.ray.cancel", lambda gen: None)
+    done = SimpleNamespace(request_id="r1", finished=True)
+    dead = _FakeDecodeReplica(ActorUnavailableError("decode actor died", None), [])
+    live = _FakeDecodeReplica(None, [done])
+    front = _front([object(), dead, live])
+
+    async def run() -> list[object]:
+        return [out async for out in front._decode(_request(), handoff=object())]
+
+    assert asyncio.run(run()) == [done]
+    assert (dead.calls, live.calls) == (1, 1) and front._up == [True, False, True]
+    assert front._counts["decode_retried_total"] == 1 and front._counts["handoffs_lost_total"] == 0

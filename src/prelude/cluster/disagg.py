@@ -21,20 +21,34 @@ non-streamed answer runs again from the start, a started stream ends with an err
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import ray
+from ray.exceptions import ObjectLostError, RayTaskError
 
 from prelude.cluster.client import _REPLICA_DOWN, FaultConfig, RayEngineClient
 from prelude.cluster.pools import DecodePlacer, PoolController
 from prelude.cluster.replica import ReplicaInfo
 from prelude.cluster.router import Router
-from prelude.engine.client import EngineUnavailableError
+from prelude.engine.client import EngineUnavailableError, ReplicaLostError
 from prelude.engine.request import Request, RequestOutput
 
+
+logger = logging.getLogger("prelude.cluster")
+
+
+def _handoff_lost(exc: BaseException) -> bool:
+    """Whether a decode call failed because its hand-off object could not be fetched (it
+    died with the prefill replica that stored it), not because the decode replica died.
+    Ray reports a failed reconstruction as a task error wrapping the cause; such a
+    RayTaskError is also an instance of its cause (an ActorUnavailableError passes the
+    "replica down" check), so the wrapper is what tells the two apart."""
+    return isinstance(exc, ObjectLostError) or (
+        isinstance(exc, RayTaskError) and isinstance(exc.cause, _REPLICA_DOWN + (ObjectLostError,)))
 
 
 class HandoffGate:
@@ -119,7 +133,7 @@ class DisaggregatedClient(RayEngineClient):
         self.decode_ids = list(range(num_prefill, len(replicas)))
         self._routable = list(range(num_prefill))
         self.gate = HandoffGate(DecodePlacer(max_requests_in_scheduler, [0] * len(replicas)), faults.poll_s)
-        self._counts.update({"handoffs_total": 0, "decode_retried_total": 0})
+        self._counts.update({"handoffs_total": 0, "decode_retried_total": 0, "handoffs_lost_total": 0})
 
     def _live_decode(self) -> list[int]:
         return [d for d in self.decode_ids if self._up[d]]
@@ -196,7 +210,9 @@ class DisaggregatedClient(RayEngineClient):
                     if finished:
                         return
                 raise EngineUnavailableError(f"replica {d} ended request {req.request_id} without a result")
-            except _REPLICA_DOWN as exc:
+            except _REPLICA_DOWN + (ObjectLostError,) as exc:
+                if _handoff_lost(exc) and not streamed:
+                    self._handoff_lost(d, req, exc)
                 self._replica_failed(d, exc, streamed, "decode", req, tries, retry_count="decode_retried_total")
                 tries += 1
             finally:
@@ -204,6 +220,18 @@ class DisaggregatedClient(RayEngineClient):
                 self.gate.release(d)
                 if not finished:
                     ray.cancel(gen)
+
+    def _handoff_lost(self, d: int, req: Request, exc: BaseException) -> None:
+        """The hand-off could not be fetched: its object died with the prefill replica that
+        made it (Ray reports the failed reconstruction as a task error on decode replica `d`,
+        which is alive). The decode replica is not charged; the request already has its first
+        token, so it ends with ReplicaLostError and a non-streamed answer runs again from the
+        start on a live prefill replica."""
+        self._counts["handoffs_lost_total"] += 1
+        self._lost[req.request_id] = d
+        logger.warning("request %s: its KV hand-off was lost with its prefill replica (%s); decode replica %d "
+                       "stays up, the request runs again", req.request_id, type(exc).__name__, d)
+        raise ReplicaLostError(f"the prefill replica that held this request's KV failed: {exc}") from None
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "cluster_handoff_waits_total": float(self.gate.waited),
