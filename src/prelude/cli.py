@@ -71,6 +71,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-decode-batch", type=int, default=None,
                    help="decode slots per step; the decode policy picks who runs (default: all running)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="default TTFT target of requests")
+    p.add_argument("--low-priority-step-tokens", type=int, default=128,
+                   help="low-priority requests (/v1/batches lines): the most prompt tokens a step gives them "
+                        "while other requests run (none while one's prompt waits); 0: no bound")
     p.add_argument("--srpt-starvation-s", type=float, default=10.0)
     p.add_argument("--mlfq-quanta", default="25,50,100,200,400")
     p.add_argument("--mlfq-starvation-steps", type=int, default=200)
@@ -137,6 +140,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             oneshot_gather_ms=args.oneshot_gather_ms,
             max_decode_batch=args.max_decode_batch,
             default_ttft_slo_ms=args.ttft_slo_ms,
+            low_priority_step_tokens=args.low_priority_step_tokens or None,
             policy_options=PolicyConfig(
                 srpt_starvation_s=args.srpt_starvation_s,
                 mlfq_quanta=tuple(int(q) for q in args.mlfq_quanta.split(",")),
@@ -334,8 +338,9 @@ def _add_batch_api_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-dir", default=None,
                    help="where /v1/files and /v1/batches keep files and batch states (default: "
                         "~/.cache/prelude/batches); a restarted server resumes its unfinished batches")
-    g.add_argument("--batch-max-inflight", type=int, default=8,
-                   help="/v1/batches: batch lines in the engine while no interactive request is in flight")
+    g.add_argument("--batch-max-inflight", type=int, default=32,
+                   help="/v1/batches: batch lines in the engine at once (low-priority requests: the scheduler "
+                        "runs them behind interactive ones); keep it under --max-num-seqs")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

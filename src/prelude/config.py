@@ -132,6 +132,12 @@ class SchedulerConfig:
     # that step's duration; 0: never waits.
     oneshot_gather_ms: float = 250.0
     max_decode_batch: int | None = None  # decode slots per step (None: every running sequence)
+    # Low-priority requests (/v1/batches lines) yield to normal ones: while a normal prompt
+    # waits they get no prompt tokens, and while normal requests run (and `normal_linger_s`
+    # after) at most this many a step (the step an arriving interactive request may find
+    # in flight stays short). None: no bound.
+    low_priority_step_tokens: int | None = 128
+    normal_linger_s: float = 0.5
     default_ttft_slo_ms: float | None = None  # TTFT target of requests that name none
     # Distinct LoRA adapters one step may hold: the executor's resident slots (--max-loras);
     # the engine sets it from LoraConfig.

@@ -52,6 +52,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token (k=0: only the actual token)
     ttft_slo_ms: float | None = None  # time-to-first-token target (deadline-aware scheduling, SLO metrics)
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
+    # A /v1/batches line: scheduled behind every normal request
+    # (SchedulerConfig.low_priority_step_tokens).
+    low_priority: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -111,6 +114,7 @@ class PoolingParams:
     # LABELS: log-softmax over the label ids only, from the gathered label rows of the LM
     # head (no full-vocabulary projection); False: full-vocabulary logprobs of the ids.
     label_softmax: bool = False
+    low_priority: bool = False  # scheduled behind normal requests, as SamplingParams.low_priority
 
     def __post_init__(self) -> None:
         if self.pooling not in (None, "last", "mean", "cls"):

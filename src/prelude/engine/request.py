@@ -105,6 +105,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def low_priority(self) -> bool:
+        """A /v1/batches line: it yields to the other (normal) requests."""
+        return self.params.low_priority or (self.pooling is not None and self.pooling.low_priority)
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -16,6 +16,12 @@ When both classes have work, OneShot rows ride in the Decode/Mixed forward (fuse
 the default): after the decode rows, OneShot prompts and paged prompts take turns at
 the step's remaining token budget. With `fuse_oneshot` off, steps alternate between a
 OneShot batch and a Decode/Mixed batch. Either way neither class starves the other.
+
+Low-priority requests (a batch job's lines on a serving engine) yield to normal ones:
+within each class normal requests go first, and low-priority prompt work gets no tokens
+while a normal prompt waits, and at most `low_priority_step_tokens` a step while normal
+requests run or ran within `normal_linger_s` (a closed-loop client's next request finds
+at most that much low-priority work in flight). Alone, they run at full steps.
 """
 
 from __future__ import annotations
@@ -157,6 +163,11 @@ class Scheduler:
         # Keep ~1% of the pool free at admission so running decodes rarely preempt.
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
         self.gather = BurstGather(config.oneshot_gather_ms / 1000)
+        self._normal_at = float("-inf")  # when normal requests were last in the queues
+        # This step: the prompt tokens low-priority rows may still take (None: no bound), and
+        # the bound it started from (a low-priority OneShot row over it may go alone).
+        self._low_priority_left: int | None = None
+        self._low_priority_cap: int | None = None
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -248,6 +259,49 @@ class Scheduler:
         result.adapters.add(req.lora.id)
         return True
 
+    # --- low-priority requests --------------------------------------------------------
+
+    def _low_priority_allowance(self, now: float) -> int | None:
+        """Prompt tokens low-priority rows may take this step (None: no bound); see the
+        module doc."""
+        cap = self.config.low_priority_step_tokens
+        normal_prompt = any(not r.low_priority for r in self.oneshot_waiting) or any(
+            not r.low_priority for r in self.waiting) or any(
+            not r.low_priority and not is_decoding(r) for r in self.running)
+        normal_running = normal_prompt or any(not r.low_priority for r in self.running)
+        if normal_running:
+            self._normal_at = now
+        if cap is None:
+            return None
+        if normal_prompt:
+            return 0
+        if normal_running or now - self._normal_at < self.config.normal_linger_s:
+            return cap
+        return None
+
+    def _low_priority_tokens(self, req: Request, n: int, alone: bool) -> int:
+        """The tokens (<= n) a request may compute under this step's low-priority bound; 0:
+        none now. `alone`: a row that can not be split (OneShot) over the bound may go
+        when no low-priority row took from the bound yet and no normal prompt waits (else
+        a long shared prefix would never run while normal traffic goes on)."""
+        left = self._low_priority_left
+        if not req.low_priority or left is None or n <= left:
+            return n
+        if alone and left > 0 and left == self._low_priority_cap:
+            return n
+        return 0 if alone else max(left, 0)
+
+    def _took_low_priority(self, req: Request, n: int) -> None:
+        if req.low_priority and self._low_priority_left is not None:
+            self._low_priority_left -= n
+
+    @staticmethod
+    def _normal_first(requests: list[Request]) -> list[Request]:
+        """A stable reorder: normal requests before low-priority ones."""
+        if not any(r.low_priority for r in requests):
+            return requests
+        return [r for r in requests if not r.low_priority] + [r for r in requests if r.low_priority]
+
     def _defer(self, req: Request, key: tuple[object, ...] | None, leaders: set[tuple[object, ...]]) -> bool:
         """Cold-prefix leader deferral: a request whose next uncached block is being
         computed by a request already in this step waits (bounded) and then hits."""
@@ -266,7 +320,8 @@ class Scheduler:
         """OneShot rows of one head group within `budget` prompt tokens and `memory`
         activation bytes, in policy order; `first_goes`: the first request goes even
         alone over budget (the turn that guarantees OneShot work progresses)."""
-        ordered = self.policy.prefill.order(self.oneshot_waiting, now, lambda r: r.num_prompt_tokens)
+        ordered = self._normal_first(
+            self.policy.prefill.order(self.oneshot_waiting, now, lambda r: r.num_prompt_tokens))
         group = oneshot_group(ordered[0])
         bs = self.kv.block_size
         rows: list[OneShotRow] = []
@@ -281,6 +336,8 @@ class Scheduler:
             n_cached = len(prefix) * bs
             n = req.num_prompt_tokens - n_cached
             mem = self.activation_bytes(req, n)
+            if self._low_priority_tokens(req, n, alone=first_goes and not taken) < n:
+                continue  # low-priority work over this step's bound waits; normal rows may still fit
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
             if self._defer(req, self.kv.first_uncached_key(shareable, len(prefix), namespace(req)), leaders):
@@ -297,6 +354,7 @@ class Scheduler:
                 item_lens=req.pooling.item_lens if req.pooling is not None else (), lora=req.lora,
             ))
             taken.append(req)
+            self._took_low_priority(req, n)
             budget -= n
             memory -= mem
         for req in taken:
@@ -406,6 +464,7 @@ class Scheduler:
         other request is scheduled as usual, and no request in flight is preempted."""
         now = time.monotonic() if now is None else now
         self.kv.trim()  # the cache's bound holds for every lookup this step makes
+        self._low_priority_left = self._low_priority_cap = self._low_priority_allowance(now)
         if independent_only:
             return self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
         self._busy = in_flight or {}
@@ -514,6 +573,8 @@ class Scheduler:
         start_budget = budget
         remaining = self._remaining()
         plan = self.policy.prefill.plan(candidates, now, remaining, budget)
+        if any(c.request.low_priority for c in plan):  # normal requests first, each in policy order
+            plan = [c for c in plan if not c.request.low_priority] + [c for c in plan if c.request.low_priority]
         leaders: set[tuple[object, ...]] = set()
         later_running = [c.request for c in plan if c.request.status is RequestStatus.RUNNING]
         for choice in plan:
@@ -525,18 +586,27 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:  # an in-progress prompt: its next chunk
                 later_running.remove(req)
                 n = min(req.num_tokens - req.num_computed_tokens, budget, choice.max_tokens or budget)
+                n = self._low_priority_tokens(req, n, alone=False)
+                if n == 0:
+                    continue
                 if not self._allocate_or_preempt(req, req.num_computed_tokens + n, later_running, result):
                     continue
             else:
                 if len(self.running) >= self.config.max_num_seqs:
                     continue
-                n = self._admit(req, budget, choice.max_tokens, leaders, first=not rows)
+                cap = choice.max_tokens
+                if req.low_priority and self._low_priority_left is not None:
+                    if self._low_priority_left <= 0:
+                        continue
+                    cap = min(cap or budget, self._low_priority_left)
+                n = self._admit(req, budget, cap, leaders, first=not rows)
                 if n is None:
                     continue
                 if n == 0:
                     break  # the KV pool is full: later prompts would not fit either
             rows.append(self._row(req, n))
             result.scheduled[req.request_id] = n
+            self._took_low_priority(req, n)
             budget -= n
         return start_budget - budget
 
