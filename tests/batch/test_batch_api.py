@@ -108,31 +108,55 @@ def test_api_key_and_body_limit_apply(front: AsyncEngine, tmp_path: Path) -> Non
         assert too_big.value.status_code == 413
 
 
-def test_batch_yields_to_interactive_requests_and_cancels(front: AsyncEngine, tmp_path: Path) -> None:
-    """While interactive traffic is present and `yield_inflight` is 0, no batch line goes
-    in; a cancel then ends the batch with nothing run."""
+class _Held:
+    """The engine, holding every request until `release` is set and noting whether each
+    came as a low-priority one."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self.release = asyncio.Event()
+        self.low_priority: list[bool] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, **kwargs: Any) -> Any:
+        self.low_priority.append(params.low_priority)
+        await self.release.wait()
+        async for out in self._engine.generate(request_id, prompt_token_ids, params, **kwargs):
+            yield out
+
+
+def test_batch_lines_are_low_priority_requests_bounded_in_flight_and_cancel(front: AsyncEngine,
+                                                                           tmp_path: Path) -> None:
+    """Batch lines reach the engine as low-priority requests (the scheduler runs them behind
+    interactive ones), at most `max_inflight` at once; a cancel lets those finish and
+    starts no other."""
     store = BatchStore(tmp_path / "batches")
     inp = write_lines(tmp_path / "in.jsonl", [completion_line(f"q{i}", "x") for i in range(5)])
     fid = store.new_file_id()
     store.file_path(fid).write_bytes(inp.read_bytes())
     store.add_file(fid, "in.jsonl", "batch")
-    runner = BatchRunner(front, store, ServerLimits(), busy=lambda: True,
-                         config=BatchRunnerConfig(yield_inflight=0))
 
-    async def scenario() -> dict[str, Any]:
+    async def scenario() -> tuple[dict[str, Any], list[bool]]:
+        held = _Held(front)
+        runner = BatchRunner(held, store, ServerLimits(), config=BatchRunnerConfig(max_inflight=2))  # type: ignore[arg-type]
         batch = store.new_batch("/v1/completions", fid, "24h", None)
         runner.submit(batch["id"])
-        while (runner.record(batch["id"]) or {}).get("status") != "in_progress":
+        while len(held.low_priority) < 2:
             await asyncio.sleep(0.01)
-        assert not store.work_log(batch["id"]).exists() or store.work_log(batch["id"]).stat().st_size == 0
+        await asyncio.sleep(0.1)  # a third line would have gone in by now if the window let it
+        assert len(held.low_priority) == 2
         assert runner.cancel(batch["id"])["status"] == "cancelling"
+        held.release.set()
         while store.batch(batch["id"])["status"] != "cancelled":
             await asyncio.sleep(0.01)
         await runner.stop()
-        return store.batch(batch["id"])
+        return store.batch(batch["id"]), held.low_priority
 
-    done = asyncio.run(scenario())
-    assert done["cancelled_at"] and done["request_counts"] == {"total": 5, "completed": 0, "failed": 0}
+    done, low_priority = asyncio.run(scenario())
+    assert low_priority == [True, True]
+    assert done["cancelled_at"] and done["request_counts"] == {"total": 5, "completed": 2, "failed": 0}
 
 
 def test_a_restarted_server_resumes_an_unfinished_batch(front: AsyncEngine, tmp_path: Path) -> None:

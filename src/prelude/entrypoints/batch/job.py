@@ -10,9 +10,9 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
 from prelude.engine.client import EngineClient
 from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
@@ -35,6 +35,9 @@ class JobOptions:
     endpoint: str | None = None  # /v1/batches: every line's url must be the batch's endpoint
     adapters: ServedAdapters | None = None  # LoRA adapters a line's `model` may name
     unavailable_retries: int = 5  # a line whose engine replica died under it runs again this often
+    # /v1/batches on a serving engine: the lines are low-priority requests, which the
+    # scheduler runs behind the interactive ones (SchedulerConfig.low_priority_step_tokens).
+    low_priority: bool = False
 
 
 @dataclass
@@ -66,17 +69,20 @@ class JobSummary:
 
 
 class _Counting:
-    """The engine, counting the tokens of what passes through it (for the progress bar)."""
+    """The engine, counting the tokens of what passes through it (for the progress bar),
+    and marking the job's requests low-priority when it runs beside interactive traffic."""
 
-    def __init__(self, engine: EngineClient, summary: JobSummary) -> None:
-        self._engine, self._summary = engine, summary
+    def __init__(self, engine: EngineClient, summary: JobSummary, low_priority: bool = False) -> None:
+        self._engine, self._summary, self._low_priority = engine, summary, low_priority
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       ) -> AsyncIterator[RequestOutput]:
-        stream = self._engine.generate(request_id, prompt_token_ids, params)
+                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        if self._low_priority:
+            params = replace(params, low_priority=True)
+        stream = self._engine.generate(request_id, prompt_token_ids, params, **kwargs)
         first = True
         try:
             async for out in stream:
@@ -88,8 +94,11 @@ class _Counting:
         finally:
             await stream.aclose()
 
-    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams) -> RequestOutput:
-        out = await self._engine.encode(request_id, prompt_token_ids, pooling)
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams,
+                     **kwargs: Any) -> RequestOutput:
+        if self._low_priority:
+            pooling = replace(pooling, low_priority=True)
+        out = await self._engine.encode(request_id, prompt_token_ids, pooling, **kwargs)
         self._summary.prompt_tokens += out.num_prompt_tokens
         return out
 
@@ -147,16 +156,12 @@ async def _answer_line(engine: Any, raw: bytes, number: int, options: JobOptions
     return str(status), response_line(line.custom_id, status, body)
 
 
-Pace = Callable[[Callable[[], int]], Awaitable[None]]  # awaited before a line goes in, given "how many are in flight"
-
-
 async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, log: OutputLog,
-                      options: JobOptions, summary: JobSummary, pace: Pace | None = None,
-                      stop: asyncio.Event | None = None, on_line: Callable[[str], None] | None = None) -> JobSummary:
-    """Run `plan`'s lines, appending each answer to `log`. `pace` is awaited before each
-    line goes in (the server's Batch API yields to interactive requests there); `stop`
-    set: no further line starts (cancel), the ones in flight finish."""
-    counting = _Counting(engine, summary)
+                      options: JobOptions, summary: JobSummary, stop: asyncio.Event | None = None,
+                      on_line: Callable[[str], None] | None = None) -> JobSummary:
+    """Run `plan`'s lines, appending each answer to `log`. `stop` set: no further line
+    starts (cancel), the ones in flight finish."""
+    counting = _Counting(engine, summary, options.low_priority)
     progress = _Progress(plan.to_run, summary, options.progress)
     t0 = time.monotonic()
 
@@ -184,8 +189,6 @@ async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, 
         try:
             for offset, size, number in plan.lines():
                 await slots.acquire()
-                if pace is not None:
-                    await pace(running.__len__)
                 if stop is not None and stop.is_set():
                     slots.release()
                     summary.cancelled = True

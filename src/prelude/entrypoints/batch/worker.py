@@ -1,12 +1,11 @@
 """The server's batch runner: batches run one at a time on the server's engine, through
 the same job code as `prelude run-batch`, behind interactive requests.
 
-Priority: before each batch line goes in, `pace` checks the HTTP door. While interactive
-requests are in flight (and for `cooldown_s` after the last one, so a client that sends
-one request after another is not caught between two), at most `yield_inflight` batch
-lines may be in the engine; otherwise up to `max_inflight`. The engine stays busy with
-batch work when nobody else asks, and an interactive request finds at most a few batch
-lines ahead of it in the queue.
+Priority is the scheduler's: batch lines go in as low-priority requests, which get no
+prompt tokens while an interactive prompt waits and a small bound a step while
+interactive requests run (engine/scheduler.py). Here only `max_inflight` bounds the
+lines in the engine at once: enough to fill its steps when nobody else asks, few enough
+that they never hold every sequence slot an interactive request needs.
 
 State lives in the BatchStore: a restarted server puts every batch that was not finished
 back in the queue, and its work log (an append-only run-batch output) says which lines
@@ -19,7 +18,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from prelude.engine.client import EngineClient
 from prelude.entrypoints.batch.job import JobOptions, JobSummary, run_planned
@@ -34,9 +33,7 @@ logger = logging.getLogger("prelude.batch")
 
 @dataclass(frozen=True)
 class BatchRunnerConfig:
-    max_inflight: int = 8  # batch lines in the engine while no interactive request is (a GPU wants more)
-    yield_inflight: int = 1  # ... and while one is
-    cooldown_s: float = 0.5  # interactive traffic counts as present this long after it was seen
+    max_inflight: int = 32  # batch lines in the engine at once (keep it under --max-num-seqs)
     save_interval_s: float = 1.0  # request_counts written to disk at most this often
 
 
@@ -59,15 +56,13 @@ def _counts(log_path: Any) -> tuple[int, int]:
 
 class BatchRunner:
     def __init__(self, engine: EngineClient, store: BatchStore, limits: ServerLimits,
-                 busy: Callable[[], bool] = lambda: False, config: BatchRunnerConfig = BatchRunnerConfig(),
-                 adapters: ServedAdapters | None = None) -> None:
-        self._engine, self.store, self._limits, self._busy, self.config = engine, store, limits, busy, config
+                 config: BatchRunnerConfig = BatchRunnerConfig(), adapters: ServedAdapters | None = None) -> None:
+        self._engine, self.store, self._limits, self.config = engine, store, limits, config
         self._adapters = adapters
         self._queue: asyncio.Queue[str] | None = None
         self._task: asyncio.Task[None] | None = None
         self._live: dict[str, dict[str, Any]] = {}  # batches being run: their up-to-date records
         self._stops: dict[str, asyncio.Event] = {}
-        self._last_busy = float("-inf")
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -134,15 +129,6 @@ class BatchRunner:
         batch["errors"] = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
         self.store.save_batch(batch)
 
-    async def _pace(self, inflight: Callable[[], int], stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            now = time.monotonic()
-            if self._busy():
-                self._last_busy = now
-            if now - self._last_busy >= self.config.cooldown_s or inflight() < self.config.yield_inflight:
-                return
-            await asyncio.sleep(0.005)
-
     async def _run(self, batch: dict[str, Any]) -> None:
         batch_id = batch["id"]
         self._live[batch_id] = batch
@@ -178,11 +164,11 @@ class BatchRunner:
 
         if batch["status"] == "in_progress":
             options = JobOptions(max_inflight=self.config.max_inflight, limits=self._limits,
-                                 endpoint=batch["endpoint"], adapters=self._adapters)
+                                 endpoint=batch["endpoint"], adapters=self._adapters, low_priority=True)
             log.open()
             try:
-                await run_planned(self._engine, source, plan, log, options, JobSummary(),
-                                  pace=lambda inflight: self._pace(inflight, stop), stop=stop, on_line=on_line)
+                await run_planned(self._engine, source, plan, log, options, JobSummary(), stop=stop,
+                                  on_line=on_line)
             finally:
                 log.close()
         self._finish(batch, cancelled=stop.is_set() or batch["status"] == "cancelling")

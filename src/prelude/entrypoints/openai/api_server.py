@@ -93,10 +93,10 @@ def build_app(
     traces = StageTraces() if trace_stages else None
     app.add_middleware(RequestObserver, count=metrics.count_request, traces=traces)
     if batch_dir is not None:
-        # Batch lines go to the engine itself, not through the gate: the gate's count is
-        # the interactive traffic the batch yields to.
-        runner = BatchRunner(engine, BatchStore(batch_dir), limits, busy=lambda: gate.active > 0,
-                             config=batch_runner or BatchRunnerConfig(), adapters=adapters)
+        # Batch lines go to the engine itself, not through the gate, as low-priority
+        # requests: the scheduler runs them behind the interactive ones.
+        runner = BatchRunner(engine, BatchStore(batch_dir), limits, config=batch_runner or BatchRunnerConfig(),
+                             adapters=adapters)
         install_batch_routes(app, runner)
     created = int(time.time())
 
