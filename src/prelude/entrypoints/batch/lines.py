@@ -79,6 +79,17 @@ def error_line(custom_id: str | None, code: str, message: str) -> bytes:
                         "error": {"code": code, "message": message}}, ensure_ascii=False) + "\n").encode()
 
 
+def shared_part(obj: dict[str, Any]) -> str | None:
+    """The beginning of `prefix_text` that lines of one rubric share by construction: a
+    chat's messages before the last one (system rubric, few-shot turns). None for prompts
+    with no such structure."""
+    body = obj.get("body")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or len(messages) < 2:
+        return None
+    return prefix_text({**obj, "body": {**body, "messages": messages[:-1]}})
+
+
 def prefix_text(obj: dict[str, Any]) -> str:
     """The text a line's prompt starts with, as far as the planner needs it: lines whose
     texts share a beginning share the prompt's first tokens (and so KV blocks)."""

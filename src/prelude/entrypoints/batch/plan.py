@@ -5,10 +5,13 @@ custom_id, hashes of its prompt's beginning, its length), never the text, so a
 multi-GB file does not sit in memory. From them:
 - duplicate custom_ids are refused before anything runs;
 - lines already answered in a resumed OUTPUT are left out;
-- the run order groups lines whose prompts share a beginning (hashes of the first 256,
-  1K and 4K characters, coarse to fine), so the radix cache computes a shared rubric
-  once and keeps it hot while its group runs, and within a group puts the longest first
-  (similar lengths run side by side; the long ones do not trail at the end).
+- the run order groups lines whose prompts share a beginning (hashes of the first 64,
+  256, 1K and 4K characters, coarse to fine; a chat's cuts stop where its last message
+  starts, so its items never split its rubric's group, and a last key hashes all of
+  what comes before, so rubrics that differ only past 4K characters are told apart), so the radix cache computes each shared rubric once
+  and keeps it hot while its group runs, however the file interleaves them; within a
+  group the longest go first (similar lengths run side by side; the long ones do not
+  trail at the end).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from typing import Iterator
 
 import numpy as np
 
-from prelude.entrypoints.batch.lines import LineError, custom_id_of, id_hash, load_object, prefix_text
+from prelude.entrypoints.batch.lines import LineError, custom_id_of, id_hash, load_object, prefix_text, shared_part
 
-PREFIX_CUTS = (256, 1024, 4096)  # characters; coarse to fine
+PREFIX_CUTS = (64, 256, 1024, 4096)  # characters; coarse to fine
 
 
 class DuplicateCustomIds(ValueError):
@@ -85,7 +88,7 @@ def plan_job(path: str | Path, done: set[int] | frozenset[int] = frozenset(), do
     path = Path(path)
     offsets, sizes, numbers = array("q"), array("q"), array("q")
     hashes = array("Q")
-    keys = [array("Q") for _ in PREFIX_CUTS]
+    keys = [array("Q") for _ in range(len(PREFIX_CUTS) + 1)]  # the cuts, then a chat's shared part
     lengths = array("q")
     pending = array("b")  # 1: to run, 0: already answered
     malformed: list[Malformed] = []
@@ -110,8 +113,11 @@ def plan_job(path: str | Path, done: set[int] | frozenset[int] = frozenset(), do
             sizes.append(size)
             numbers.append(number)
             hashes.append(h)
+            shared = shared_part(obj)
+            bound = len(text) if shared is None else len(shared)  # a chat: up to its last message
             for k, cut in zip(keys, PREFIX_CUTS):
-                k.append(_text_hash(text[:cut]))
+                k.append(_text_hash(text[:min(cut, bound)]))
+            keys[-1].append(0 if shared is None else _text_hash(shared))
             lengths.append(len(text))
             pending.append(0 if h in done else 1)
     off, siz, num = (np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
