@@ -17,12 +17,13 @@ import os
 import random
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 _WORDS = ("accuracy relevance evidence claim answer score rubric criterion reasoning fluent concise correct "
@@ -161,35 +162,44 @@ async def _send_all(base: str, bodies: list[dict[str, Any]], concurrency: int) -
         return time.monotonic() - t0, errors
 
 
-def run_serve(inp: Path, flags: list[str], concurrencies: list[int]) -> dict[str, Any]:
+def _start_server(flags: list[str], extra: list[str] = ()) -> tuple[_Watched, str]:
     import httpx
 
     port = _free_port()
-    w = _Watched([sys.executable, "-m", "prelude.cli", "serve", "--port", str(port), "--log-level", "warning", *flags])
+    w = _Watched([sys.executable, "-m", "prelude.cli", "serve", "--port", str(port), "--log-level", "warning",
+                  *extra, *flags])
     base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if w.proc.poll() is not None:
-                raise RuntimeError("prelude serve exited: " + "\n".join(line for _, line in w.lines[-20:]))
-            time.sleep(0.25)
-        bodies = [json.loads(line)["body"] for line in inp.read_text().splitlines()]
-        points = {}
-        for c in concurrencies:
-            job_s, errors = asyncio.run(_send_all(base, bodies, c))
-            points[c] = {"job_s": job_s, "req_s": len(bodies) / job_s, "errors": errors}
-            print(f"  serve c={c}: {len(bodies) / job_s:.2f} req/s ({job_s:.1f} s, {errors} errors)", flush=True)
-        return points
-    finally:
-        w.proc.terminate()
+    for _ in range(2400):
         try:
-            w.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return w, base
+        except httpx.HTTPError:
+            pass
+        if w.proc.poll() is not None:
+            break
+        time.sleep(0.25)
+    _stop(w)
+    raise RuntimeError("prelude serve did not come up: " + "\n".join(line for _, line in w.lines[-20:]))
+
+
+def _stop(w: _Watched) -> None:
+    w.proc.terminate()
+    try:
+        w.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        w.proc.kill()
+
+
+def run_serve(inp: Path, flags: list[str], concurrency: int) -> dict[str, Any]:
+    """The file's bodies against a fresh `prelude serve` (a server that ran them before
+    would find every item in its prefix cache) at one concurrency."""
+    w, base = _start_server(flags)
+    try:
+        bodies = [json.loads(line)["body"] for line in inp.read_text().splitlines()]
+        job_s, errors = asyncio.run(_send_all(base, bodies, concurrency))
+        return {"job_s": job_s, "req_s": len(bodies) / job_s, "errors": errors}
+    finally:
+        _stop(w)
 
 
 def _interactive_e2e(base: str, prompts: list[str]) -> list[float]:
@@ -210,25 +220,13 @@ def _interactive_e2e(base: str, prompts: list[str]) -> list[float]:
 def run_ttft(judge: Path, model_dir: Path, flags: list[str], requests: int, batch_dir: Path) -> dict[str, Any]:
     """Interactive 128/1 c=1 latency on an idle server, then while a /v1/batches job of the
     judge file runs on it, then idle again (the batch cancelled)."""
-    import statistics
-
     import httpx
 
     tok = _tokenizer(model_dir)
     rng = random.Random(1)
     prompts = [_text_of_tokens(tok, 128, rng) for _ in range(3 * requests)]
-    port = _free_port()
-    w = _Watched([sys.executable, "-m", "prelude.cli", "serve", "--port", str(port), "--log-level", "warning",
-                  "--batch-dir", str(batch_dir), *flags])
-    base = f"http://127.0.0.1:{port}"
+    w, base = _start_server(flags, ["--batch-dir", str(batch_dir)])
     try:
-        for _ in range(2400):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
         _interactive_e2e(base, prompts[:2])  # warm-up
         idle = _interactive_e2e(base, prompts[:requests])
         with open(judge, "rb") as f:
@@ -250,11 +248,7 @@ def run_ttft(judge: Path, model_dir: Path, flags: list[str], requests: int, batc
             time.sleep(0.2)
         idle_after = _interactive_e2e(base, prompts[2 * requests:])
     finally:
-        w.proc.terminate()
-        try:
-            w.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
+        _stop(w)
     med = statistics.median
     idle_ms = med(idle + idle_after) * 1000
     busy_ms = med(busy) * 1000
@@ -293,18 +287,11 @@ def _plot(result: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    names, rates = [], []
-    for name, value in result["judge"].items():
-        if name == "serve":
-            for c, point in value.items():
-                names.append(f"serve c={c}")
-                rates.append(point["req_s"])
-        elif isinstance(value, dict) and "req_s" in value:
-            names.append(name)
-            rates.append(value["req_s"])
+    names = list(result["judge"])
+    rates = [point["req_s"] for point in result["judge"].values()]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh(names, rates)
-    ax.set_xlabel("judge lines / s (job time, model load excluded)")
+    ax.set_xlabel("judge lines / s (job time, model load excluded; median of rounds)")
     ax.set_title(f"{result['lines']} judge lines: {result['rubric_tokens']}-token rubric + "
                  f"{result['item_tokens']}-token items, 1 output token")
     fig.tight_layout()
@@ -319,39 +306,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rubric-tokens", type=int, default=1024)
     ap.add_argument("--item-tokens", type=int, default=64)
     ap.add_argument("--which", default="run-batch,serve,vllm", help="any of run-batch, serve, vllm, ttft, rss")
-    ap.add_argument("--concurrency", default="16,64", help="serve: the concurrencies swept (the best counts)")
+    ap.add_argument("--concurrency", default="16,64", help="serve: the concurrencies swept (the best counts); "
+                    "each point on a fresh server, so no point finds the items cached by another")
+    ap.add_argument("--rounds", type=int, default=1, help="alternated rounds of every judge run (medians reported)")
     ap.add_argument("--ttft-requests", type=int, default=8, help="ttft: interactive requests per phase")
     ap.add_argument("--rss-lines", type=int, default=100_000, help="rss: embeddings lines")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--vllm-python", default="/tmp/vllmvenv/bin/python")
     ap.add_argument("--out", default="bench_results/batch")
     ap.add_argument("--flags", default="", help="extra flags for prelude run-batch and serve")
+    ap.add_argument("--free-model", action="store_true",
+                    help="run Prelude on a 2-layer random model with the default model's tokenizer (a forward costs "
+                         "~nothing): what is timed is the path around the engine, as on a fast GPU")
     args = ap.parse_args(argv)
     which = set(args.which.split(","))
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = load_model_files(None).model_dir
     flags = ["--dtype", args.dtype, *args.flags.split()]
+    if args.free_model:
+        from prelude.bench.random_model import free_model_dir
+
+        flags += ["--model", str(free_model_dir()), "--served-model-name", MODEL_NAME]
     result: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
                               "lines": args.lines, "rubric_tokens": args.rubric_tokens, "item_tokens": args.item_tokens,
-                              "dtype": args.dtype, "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
+                              "dtype": args.dtype, "free_model": args.free_model, "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
                               "judge": {}}
     if which & {"run-batch", "serve", "vllm", "ttft"}:
         judge = judge_file(out / "judge.jsonl", model_dir, args.lines, args.rubric_tokens, args.item_tokens)
-    if "run-batch" in which:
-        r = run_prelude_batch(judge, out / "judge.prelude.jsonl", flags)
-        r["req_s"] = args.lines / r["job_s"]
-        result["judge"]["run-batch"] = r
-        print(f"  run-batch: {r['req_s']:.2f} req/s ({r['job_s']:.1f} s job, {r['process_wall_s']:.1f} s process)",
-              flush=True)
-    if "serve" in which:
-        result["judge"]["serve"] = run_serve(judge, flags, [int(c) for c in args.concurrency.split(",")])
-    if "vllm" in which:
-        r = run_vllm_batch(args.vllm_python, judge, out / "judge.vllm.jsonl", model_dir, args.dtype)
-        r["req_s"] = args.lines / r["job_s"]
-        result["judge"]["vllm run_batch"] = r
-        print(f"  vLLM run_batch: {r['req_s']:.2f} req/s ({r['job_s']:.1f} s job, {r['process_wall_s']:.1f} s process)",
-              flush=True)
+    # Alternated rounds (run-batch, then serve at each concurrency, then vLLM), medians:
+    # on a shared machine the load drifts between runs.
+    samples: dict[str, list[dict[str, Any]]] = {}
+    for round_ in range(args.rounds):
+        runs: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+        if "run-batch" in which:
+            runs.append(("run-batch", lambda: run_prelude_batch(judge, out / "judge.prelude.jsonl", flags)))
+        if "serve" in which:
+            for c in concurrencies:
+                runs.append((f"serve c={c}", lambda c=c: run_serve(judge, flags, c)))
+        if "vllm" in which:
+            runs.append(("vllm run_batch", lambda: run_vllm_batch(args.vllm_python, judge, out / "judge.vllm.jsonl",
+                                                                  model_dir, args.dtype)))
+        for name, run in runs:
+            r = run()
+            r["req_s"] = args.lines / r["job_s"]
+            r["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+            samples.setdefault(name, []).append(r)
+            print(f"  round {round_ + 1} {name}: {r['req_s']:.2f} req/s ({r['job_s']:.1f} s job; load {r['loadavg'][0]})",
+                  flush=True)
+    for name, runs in samples.items():
+        result["judge"][name] = {"req_s": statistics.median(r["req_s"] for r in runs),
+                                 "job_s": statistics.median(r["job_s"] for r in runs), "runs": runs}
     if "ttft" in which:
         r = run_ttft(judge, model_dir, flags, args.ttft_requests, out / "batch-dir")
         result["interactive_ttft"] = r
@@ -365,9 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  embeddings x{args.rss_lines}: RSS {r['rss_at_first_answer_mib']:.0f} MiB at the first answer, "
               f"peak {r['peak_rss_mib']:.0f} MiB (+{r['growth_mib']:.1f} MiB); {r['summary']}", flush=True)
     result["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
-    best_serve = max((p["req_s"] for p in result["judge"].get("serve", {}).values()), default=None)
+    best_serve = max((p["req_s"] for name, p in result["judge"].items() if name.startswith("serve")), default=None)
     rb = result["judge"].get("run-batch", {}).get("req_s")
     vl = result["judge"].get("vllm run_batch", {}).get("req_s")
+    for name, point in result["judge"].items():
+        print(f"  median of {len(point['runs'])}: {name} {point['req_s']:.2f} req/s")
     if rb and best_serve:
         result["run_batch_over_best_serve"] = rb / best_serve
         print(f"  run-batch / best serve: {rb / best_serve:.2f}x")
