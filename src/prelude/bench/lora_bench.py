@@ -92,8 +92,13 @@ def _batches(rows: int, context: int, prompt_tokens: int, block_size: int, loras
     return out, rows * per_row
 
 
-def _alternate(steps: dict[str, Callable[[], None]], trials: int) -> dict[str, list[float]]:
-    """Each step `trials` times, in alternating order (flipped every round); seconds."""
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _alternate(steps: dict[str, Callable[[], None]], trials: int, clock: str = "wall") -> dict[str, list[float]]:
+    """Each step `trials` times, in alternating order (flipped every round); seconds of
+    `clock` (CLOCKS)."""
+    now = CLOCKS[clock]
     names = list(steps)
     for name in names:  # warm-up: shapes compiled, packed weights made, slots loaded
         steps[name]()
@@ -101,14 +106,14 @@ def _alternate(steps: dict[str, Callable[[], None]], trials: int) -> dict[str, l
     times: dict[str, list[float]] = {n: [] for n in names}
     for t in range(trials):
         for name in names if t % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
+            t0 = now()
             steps[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(now() - t0)
     return times
 
 
 def run(model: str | None, dtype: str, adapters: int, rank: int, rows: int, context: int, prompt_tokens: int,
-        trials: int, prefill_trials: int) -> dict[str, Any]:
+        trials: int, prefill_trials: int, clock: str = "wall") -> dict[str, Any]:
     from prelude.config import LoraConfig
     from prelude.params import LoraRequest
 
@@ -129,12 +134,12 @@ def run(model: str | None, dtype: str, adapters: int, rank: int, rows: int, cont
         "base": lambda: runner.launch(batches["decode-base"]).wait(),
         "lora": lambda: runner.launch(batches["decode-lora"]).wait(),
         "plain": lambda: plain.launch(batches["decode-base"]).wait(),
-    }, trials)
+    }, trials, clock)
     prefill = _alternate({
         "base": lambda: runner.launch(batches["prefill-base"]).wait(),
         "lora": lambda: runner.launch(batches["prefill-lora"]).wait(),
         "plain": lambda: plain.launch(batches["prefill-base"]).wait(),
-    }, prefill_trials)
+    }, prefill_trials, clock)
     load_after = _loadavg()
     med = {work: {k: 1000 * statistics.median(v) for k, v in times.items()}
            for work, times in (("decode", decode), ("prefill", prefill))}
@@ -143,7 +148,8 @@ def run(model: str | None, dtype: str, adapters: int, rank: int, rows: int, cont
     return {
         "dtype": str(runner.model.dtype).removeprefix("torch."), "device": str(runner.device),
         "workload": {"adapters": adapters, "rank": rank, "targets": list(TARGETS), "rows": rows, "context": context,
-                     "prompt_tokens": prompt_tokens, "trials": trials, "prefill_trials": prefill_trials},
+                     "prompt_tokens": prompt_tokens, "trials": trials, "prefill_trials": prefill_trials,
+                     "clock": clock},
         "lora_slot_mib": runner.adapters.nbytes / 2**20,
         "median_ms": med, "ratios": ratios,
         "goals": {work: {"goal": GOALS[work], "met": ratios[work]["lora_vs_base"] <= GOALS[work]} for work in GOALS},
@@ -157,7 +163,7 @@ def print_result(r: dict[str, Any]) -> None:
     w = r["workload"]
     print(f"{r['dtype']} on {r['device']}: {w['adapters']} adapters of rank {w['rank']} on all 7 projections "
           f"({r['lora_slot_mib']:.1f} MiB of slots), {w['rows']} rows, medians of {w['trials']}/{w['prefill_trials']}"
-          f" alternated trials; load average {r['loadavg_before']} -> {r['loadavg_after']}")
+          f" alternated trials ({w.get('clock', 'wall')} clock); load average {r['loadavg_before']} -> {r['loadavg_after']}")
     for work in ("decode", "prefill"):
         m, q = r["median_ms"][work], r["ratios"][work]
         what = (f"{w['rows']} rows at context {w['context']}" if work == "decode"
@@ -205,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-trials", type=int, default=10)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's); 1 keeps a loaded shared machine's noise down")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall: elapsed time; cpu: the process's CPU time, steadier on a loaded shared machine "
+                        "with --threads 1 (it leaves out the time a step waited for a core; with more threads it "
+                        "also counts their spin-waits)")
     p.add_argument("--out", default="bench_results/lora")
     args = p.parse_args(argv)
     import torch
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for dtype in args.dtypes.split(","):
         res = run(args.model, dtype, args.adapters, args.rank, args.rows, args.context, args.prompt_tokens,
-                  args.trials, args.prefill_trials)
+                  args.trials, args.prefill_trials, args.clock)
         print_result(res)
         results.append(res)
     out = Path(args.out)
