@@ -138,6 +138,10 @@ class SchedulerConfig:
     # in flight stays short). None: no bound.
     low_priority_step_tokens: int | None = 128
     normal_linger_s: float = 0.5
+    # After a step with normal rows, low-priority work waits this long for the next normal
+    # request (a closed-loop client sends it as soon as its answer is out), which then
+    # finds no low-priority step in flight. Only while a bound is set.
+    normal_return_s: float = 0.05
     default_ttft_slo_ms: float | None = None  # TTFT target of requests that name none
     # Distinct LoRA adapters one step may hold: the executor's resident slots (--max-loras);
     # the engine sets it from LoraConfig.

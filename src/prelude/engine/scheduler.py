@@ -21,7 +21,9 @@ Low-priority requests (a batch job's lines on a serving engine) yield to normal 
 within each class normal requests go first, and low-priority prompt work gets no tokens
 while a normal prompt waits, and at most `low_priority_step_tokens` a step while normal
 requests run or ran within `normal_linger_s` (a closed-loop client's next request finds
-at most that much low-priority work in flight). Alone, they run at full steps.
+at most that much low-priority work in flight), and none for `normal_return_s` after a
+step with normal rows ended (that client's next request usually comes within it, and
+then finds nothing of theirs in flight). Alone, they run at full steps.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ScheduleResult:
     # Rows scheduled ahead (overlap): their input is the token the step in flight samples
     # for the same request. Request ids, in row order.
     carried: list[str] = field(default_factory=list)
+    has_normal: bool = False  # the step has rows of normal (not low-priority) requests
 
     @property
     def oneshot_rows(self) -> tuple[OneShotRow, ...]:
@@ -164,6 +167,7 @@ class Scheduler:
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
         self.gather = BurstGather(config.oneshot_gather_ms / 1000)
         self._normal_at = float("-inf")  # when normal requests were last in the queues
+        self._normal_step_end = float("-inf")  # when the last step with normal rows ended
         # This step: the prompt tokens low-priority rows may still take (None: no bound), and
         # the bound it started from (a low-priority OneShot row over it may go alone).
         self._low_priority_left: int | None = None
@@ -199,13 +203,15 @@ class Scheduler:
         copies them out before `remove` lets go of them)."""
         return self.kv.block_table(request.request_id)[: blocks_needed(request.num_computed_tokens, self.kv.block_size)]
 
-    def end_step(self, plan: ScheduleResult, ok: bool) -> None:
+    def end_step(self, plan: ScheduleResult, ok: bool, now: float | None = None) -> None:
         """The step's forward is over: release what the step held. On success, the paged
         rows' computed counts advance and their filled blocks join the prefix cache, and
         the OneShot rows' full prompt blocks are published; on failure nothing is
         published (the blocks may hold partial KV). Either way the OneShot rows' holds
         end here. A request aborted while its step was in flight is skipped: it left
         `running` and its blocks are already free."""
+        if plan.has_normal:
+            self._normal_step_end = time.monotonic() if now is None else now
         if ok:
             running = {r.request_id: r for r in self.running}
             for request_id, n in plan.scheduled.items():
@@ -273,7 +279,7 @@ class Scheduler:
             self._normal_at = now
         if cap is None:
             return None
-        if normal_prompt:
+        if normal_prompt or 0 <= now - self._normal_step_end < self.config.normal_return_s:
             return 0
         if normal_running or now - self._normal_at < self.config.normal_linger_s:
             return cap
@@ -466,12 +472,16 @@ class Scheduler:
         self.kv.trim()  # the cache's bound holds for every lookup this step makes
         self._low_priority_left = self._low_priority_cap = self._low_priority_allowance(now)
         if independent_only:
-            return self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
-        self._busy = in_flight or {}
-        try:
-            return self._schedule(now, sampling)
-        finally:
-            self._busy = {}
+            result = self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
+        else:
+            self._busy = in_flight or {}
+            try:
+                result = self._schedule(now, sampling)
+            finally:
+                self._busy = {}
+        result.has_normal = any(not r.low_priority for r in result.oneshot) or any(
+            not r.low_priority for r in self.running if r.request_id in result.scheduled)
+        return result
 
     def _schedule(self, now: float, sampling: frozenset[str]) -> ScheduleResult:
         busy = self._busy
