@@ -6,8 +6,10 @@ Shapes (SmolLM2-135M's heads by default: 9 query / 3 KV heads of 64):
 - decode at each concurrency of `--decode`: one query per row over `decode_ctx` cached tokens.
 Each case times both backends on the same tensors, alternated call by call (order flipped
 every round), and reports medians, plus the load average (this machine's is shared).
-`--baseline OLD.c` builds another version of cpu_attention.c (say `git show
-main:src/prelude/model/cpu_attention.c > /tmp/old.c`) and times it in the same rounds.
+`--baseline DIR` times another version of the kernel in the same rounds: DIR is a checkout
+of an older revision (`git worktree add /tmp/old REV`, or `git archive REV src | tar -x -C
+/tmp/old`), whose cpu_backend.py and cpu_attention.c are loaded together (their C
+signature may differ from today's).
 Writes JSON and, with matplotlib, a PNG beside it.
 """
 
@@ -94,6 +96,27 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def _baseline_kernel(checkout: Path) -> Any:
+    """The CPU attention backend of an older checkout: its cpu_backend.py (which finds its
+    own cpu_attention.c beside it) loaded as a module of its own."""
+    import hashlib
+    import importlib.util
+    import sys
+
+    path = checkout.resolve() / "src/prelude/model/attention/cpu_backend.py"
+    name = "prelude_baseline_cpu_backend_" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no cpu_backend.py at {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    kernel = module.load_cpu_attention()
+    if kernel is None:
+        raise SystemExit(f"the baseline kernel at {checkout} does not build here")
+    return kernel
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prelude bench attention")
     ap.add_argument("--dtypes", default="bfloat16,float32")
@@ -106,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-ctx", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: torch's default)")
-    ap.add_argument("--baseline", default="", help="another cpu_attention.c to time beside (old vs new)")
+    ap.add_argument("--baseline", default="", help="a checkout of an older revision: its kernel timed beside")
     ap.add_argument("--json", default="bench_results/attention.json")
     args = ap.parse_args(argv)
     if args.threads > 0:
@@ -121,13 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     backends: dict[str, Any] = {"torch": TorchAttention(), "cpu": kernel}
     if args.baseline:
-        import ctypes
-
-        from prelude.model import native_lib
-        from prelude.model.attention import cpu_backend
-
-        lib = ctypes.CDLL(str(native_lib.build(Path(args.baseline).resolve(), cpu_backend._FLAGS)))
-        backends["baseline"] = cpu_backend.CpuAttention(lib)
+        backends["baseline"] = _baseline_kernel(Path(args.baseline))
     cases: list[tuple[str, int, int, int]] = []
     if args.judge:
         rows, rest = args.judge.split("x")
