@@ -1,4 +1,5 @@
-"""The C row argmax gives torch.argmax's answer: first of equal maxima, NaN as the maximum."""
+"""The C row argmax gives torch.argmax's answer (first of equal maxima, NaN as the maximum),
+and the C exponential race the torch expression's token."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from prelude.executor import row_argmax as ra
+from prelude.executor.sampler import uniform_noise
 
 needs_kernel = pytest.mark.skipif(ra._kernel() is None, reason="no C compiler or AVX2+FMA: torch.argmax serves")
 
@@ -52,3 +54,33 @@ def test_off_switch_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(ra, "_kernel", lambda: None)
     x = torch.randn(3, 50)
     assert torch.equal(ra.row_argmax(x), x.argmax(-1))
+    probs, seeds, positions = x.softmax(-1), torch.tensor([1, 2, 3]), torch.tensor([0, 0, 4])
+    assert torch.equal(ra.race_argmax(probs, seeds, positions, uniform_noise), _torch_race(probs, seeds, positions))
+
+
+def _torch_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return (probs / -torch.log(uniform_noise(seeds, positions, probs.shape[1])).to(probs.dtype)).argmax(-1)
+
+
+@needs_kernel
+def test_race_draws_the_torch_expressions_token() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for width in (5, 300, 49152):
+        for trial in range(12):
+            probs = (torch.randn(4, width, generator=gen) * (0.5 + trial % 4)).softmax(-1)
+            if trial % 3 == 1:  # a truncated support: zeros never win
+                probs[:, torch.randint(width, (width // 2,), generator=gen)] = 0.0
+            seeds = torch.randint(-2**62, 2**62, (4,), generator=gen)
+            positions = torch.randint(0, 5000, (4,), generator=gen)
+            assert torch.equal(ra.race_argmax(probs, seeds, positions, uniform_noise),
+                               _torch_race(probs, seeds, positions))
+
+
+@needs_kernel
+def test_race_edge_rows_follow_argmax() -> None:
+    seeds, positions = torch.tensor([3, 4]), torch.tensor([0, 9])
+    zeros = torch.zeros(2, 64)  # nothing to draw: the first index, as argmax of zeros
+    assert ra.race_argmax(zeros, seeds, positions, uniform_noise).tolist() == [0, 0]
+    nan = torch.full((2, 64), 1 / 64)
+    nan[:, 10] = float("nan")
+    assert ra.race_argmax(nan, seeds, positions, uniform_noise).tolist() == [10, 10]

@@ -72,3 +72,28 @@ def test_logprobs_come_from_the_raw_distribution_with_top_alternatives() -> None
     assert abs(out[0].logprob.logprob - float(raw[0, 1])) < 1e-6
     assert [t for t, _ in out[0].logprob.top] == [1, 2]
     assert out[1].logprob is None and out[1].token_id == 2
+
+
+def test_cpu_prefix_truncation_draws_what_the_full_sort_draws(monkeypatch) -> None:  # noqa: ANN001
+    """CPU steps keep top-k / top-p inside each row's best TRUNCATE_PREFIX tokens when they
+    can (and sort the row when they cannot): the same tokens as the full sort."""
+    import prelude.executor.sampler as sampler
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [((torch.randn(6, 2000, generator=gen) * 4), dict(top_p=0.9), True),  # peaked: the prefix holds it
+             ((torch.randn(6, 2000, generator=gen) * 4), dict(top_k=40, top_p=0.95), True),
+             ((torch.randn(6, 2000, generator=gen)), dict(top_k=50), True),
+             ((torch.randn(6, 2000, generator=gen)), dict(top_p=0.9), False)]  # flat: past the prefix, sorted
+    prefix = sampler._prefix_probs
+    for logits, kw, in_prefix in cases:
+        specs = [_spec(seed=s, temperature=0.8, **kw) for s in range(6)] + [_spec(temperature=0)]
+        rows = torch.cat([logits, logits[:1]])
+        found: list[bool] = []
+        monkeypatch.setattr(sampler, "_prefix_probs", lambda *a: found.append((r := prefix(*a)) is not None) or r)
+        fast = [t.token_id for t in sample(rows, specs)]
+        assert found == [in_prefix]
+        monkeypatch.setattr(sampler, "TRUNCATE_PREFIX", 10**9)  # every row through the full sort
+        full = [t.token_id for t in sample(rows, specs)]
+        monkeypatch.undo()
+        assert fast == full
+        assert fast[-1] == int(logits[0].argmax())  # the greedy row beside them
