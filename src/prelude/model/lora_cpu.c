@@ -283,8 +283,11 @@ static inline __attribute__((always_inline)) void expand_tile(const int NZ, cons
                                                               int Rp, const uint16_t *Bp, int njp, int nj, int c0,
                                                               uint16_t *const *orow, int count) {
     __m512 acc[TILE][3];
-    for (int m = 0; m < TILE; m++)
-        for (int z = 0; z < NZ; z++) acc[m][z] = _mm512_setzero_ps();
+    const int whole = nj - c0 >= 16 * NZ;
+    for (int m = 0; m < TILE; m++)  /* a whole chunk starts from out itself (one add less) */
+        for (int z = 0; z < NZ; z++)
+            acc[m][z] = whole ? _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(orow[m] + c0 + 16 * z)))
+                              : _mm512_setzero_ps();
     for (int r2 = 0; r2 < Rp / 2; r2++) {
         __m512bh b[3];
         for (int z = 0; z < NZ; z++) b[z] = (__m512bh)_mm512_loadu_si512(Bp + ((long)r2 * njp + c0 + 16 * z) * 2);
@@ -292,6 +295,12 @@ static inline __attribute__((always_inline)) void expand_tile(const int NZ, cons
             const __m512bh yv = pair_of(y + m * Wp + yoff + 2 * r2);
             for (int z = 0; z < NZ; z++) acc[m][z] = _mm512_dpbf16_ps(acc[m][z], b[z], yv);
         }
+    }
+    if (whole) {  /* plain stores: masked ones are slow on Zen */
+        for (int m = 0; m < count; m++)
+            for (int z = 0; z < NZ; z++)
+                _mm256_storeu_si256((__m256i *)(orow[m] + c0 + 16 * z), (__m256i)_mm512_cvtneps_pbh(acc[m][z]));
+        return;
     }
     for (int m = 0; m < count; m++)
         for (int z = 0; z < NZ; z++) {
