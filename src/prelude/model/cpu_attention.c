@@ -39,6 +39,9 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #define WIDE_MIN 12  /* fewer query vectors than this: the narrow form */
 #define CB 4         /* query vectors (of VW lanes) per register block */
 #define NKB 32       /* keys per tile of the bf16 forms (pairs of keys feed the bf16 dot product) */
+#ifndef MAX_M_BF16
+#define MAX_M_BF16 96 /* query vectors per wide item of the bf16 forms: 6 vectors, 2 blocks of 3 */
+#endif
 #define KT_MAX 32    /* the larger of NK and NKB */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -53,24 +56,40 @@ static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)
 static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
 
 /* 2^x for x <= 0 (and -inf -> 0): round to the nearest integer n, a degree-6 Taylor
- * polynomial for 2^f on |f| <= 0.5 (rel. error ~1e-7), then n added to the exponent. */
-static inline vf exp2v(vf x) {
-    const vf lo = vsplat(-126.0f), magic = vsplat(12582912.0f); /* 1.5 * 2^23 */
-    vi keep = x > vsplat(-INFINITY);
-    vf xc = vmax(x, lo);
-    vf big = xc + magic;
-    vf n = big - magic;
-    vf f = xc - n;
+ * polynomial for 2^f on |f| <= 0.5 (rel. error ~1e-7), then times 2^n (AVX-512: vscalefps,
+ * else n added to the exponent bits). */
+static inline vf exp2_poly(vf f) {
     vf p = vsplat(1.5403530393381606e-4f);
     p = p * f + 1.3333558146428443e-3f;
     p = p * f + 9.6181291076284772e-3f;
     p = p * f + 5.5504108664821580e-2f;
     p = p * f + 2.4022650695910071e-1f;
     p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
+    return p * f + 1.0f;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vf exp2v(vf x) {
+    const __m512 xm = (__m512)x;
+    const __mmask16 keep = _mm512_cmp_ps_mask(xm, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+    const __m512 xc = _mm512_max_ps(xm, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf p = exp2_poly((vf)_mm512_sub_ps(xc, n));
+    return (vf)_mm512_maskz_scalef_ps(keep, (__m512)p, n);
+}
+#else
+static inline vf exp2v(vf x) {
+    const vf lo = vsplat(-126.0f), magic = vsplat(12582912.0f); /* 1.5 * 2^23 */
+    vi keep = x > vsplat(-INFINITY);
+    vf xc = vmax(x, lo);
+    vf big = xc + magic;
+    vf n = big - magic;
+    vf p = exp2_poly(xc - n);
     vi e = ((vi)big - (vi)magic) << 23;
     return (vf)(((vi)p + e) & keep);
 }
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -236,6 +255,8 @@ PV_BLOCK(4)
  * mask (a tile wholly before the first query with no segments and no padding needs none). */
 static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t nvec, int64_t mp,
                                 int masked, float scale, int64_t rows) {
+    /* scale > 0: the raw scores' max, scaled, is the scaled scores' max; each exponent is then
+     * one FMA, s * scale - m (exact for scale 1) */
     const vf vscale = vsplat(scale);
     for (int64_t cv = 0; cv < nvec; cv++) {
         vi qpos = *(const vi *)(s->qpos + cv * VW);
@@ -243,7 +264,6 @@ static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n,
         vf mx = vsplat(-INFINITY);
         for (int64_t j = 0; j < n; j++) {
             vf sv = *(vf *)(s->s + j * mp + cv * VW);
-            if (scale != 1.0f) sv *= vscale;
             if (masked) {
                 vi vis = qpos >= (int32_t)(p0 + j);
                 if (c->segments) {
@@ -251,17 +271,17 @@ static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n,
                     vis &= (ks == 0) ? (vi){0} - 1 : (qseg == ks);
                 }
                 sv = vsel(vis, sv, vsplat(-INFINITY));
+                *(vf *)(s->s + j * mp + cv * VW) = sv;
             }
-            *(vf *)(s->s + j * mp + cv * VW) = sv;
             mx = vmax(mx, sv);
         }
         vf m_old = *(vf *)(s->m + cv * VW);
-        vf m_new = vmax(m_old, mx);
+        vf m_new = vmax(m_old, mx * vscale);
         vf m_safe = vsel(m_new == vsplat(-INFINITY), vsplat(0.0f), m_new);
         vf alpha = exp2v(m_old - m_safe);
         vf sum = vsplat(0.0f);
         for (int64_t j = 0; j < n; j++) {
-            vf p = exp2v(*(vf *)(s->s + j * mp + cv * VW) - m_safe);
+            vf p = exp2v(*(vf *)(s->s + j * mp + cv * VW) * vscale - m_safe);
             *(vf *)(s->s + j * mp + cv * VW) = p;
             sum += p;
         }
@@ -450,53 +470,83 @@ static inline __m512 bcast_pair(const uint16_t *p) {
     return (__m512)_mm512_set1_epi32((int)u);
 }
 
-/* S^T[j][cv] = sum_t K[j] pair t . qp[t][cv] for 4 keys and NC query vectors. */
-#define QK_BF16(NC)                                                                               \
-    static inline void qk_bf16_##NC(const uint16_t *const *kr, int64_t dh, const uint32_t *qp,   \
-                                    int64_t mp, float *st) {                                      \
-        __m512 a[4][NC];                                                                          \
-        for (int jj = 0; jj < 4; jj++)                                                            \
+/* S^T[j][cv] = sum_t K[j] pair t . qp[t][cv] for KB keys and NC query vectors. */
+#define QK_BF16(KB, NC)                                                                           \
+    static inline void qk_bf16_##KB##_##NC(const uint16_t *const *kr, int64_t dh, const uint32_t *qp, \
+                                           int64_t mp, float *st) {                               \
+        __m512 a[KB][NC];                                                                         \
+        for (int jj = 0; jj < KB; jj++)                                                           \
             for (int cc = 0; cc < NC; cc++) a[jj][cc] = _mm512_setzero_ps();                      \
         for (int64_t t = 0; t < dh; t++) {                                                        \
             __m512bh qv[NC];                                                                      \
             for (int cc = 0; cc < NC; cc++)                                                       \
                 qv[cc] = (__m512bh)_mm512_loadu_si512(qp + t * mp + cc * 16);                      \
-            for (int jj = 0; jj < 4; jj++) {                                                      \
+            for (int jj = 0; jj < KB; jj++) {                                                     \
                 __m512bh kb = (__m512bh)bcast_pair(kr[jj] + 2 * t);                               \
                 for (int cc = 0; cc < NC; cc++) a[jj][cc] = _mm512_dpbf16_ps(a[jj][cc], kb, qv[cc]); \
             }                                                                                     \
         }                                                                                         \
-        for (int jj = 0; jj < 4; jj++)                                                            \
+        for (int jj = 0; jj < KB; jj++)                                                           \
             for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(st + jj * mp + cc * 16, a[jj][cc]);  \
     }
-QK_BF16(1)
-QK_BF16(2)
-QK_BF16(3)
-QK_BF16(4)
+QK_BF16(8, 1)
+QK_BF16(8, 2)
+QK_BF16(8, 3)
 
-/* acc^T[x][cv] += sum_jp vt[jp][x] . pp[jp][cv] for 4 head dims and NC query vectors. */
-#define PV_BF16(NC)                                                                               \
-    static inline void pv_bf16_##NC(const uint32_t *vt, int64_t dv, int64_t np, const uint32_t *pp, \
-                                    int64_t mp, float *acc) {                                     \
-        __m512 a[4][NC];                                                                          \
-        for (int xx = 0; xx < 4; xx++)                                                            \
+/* acc^T[x][cv] += sum_jp vt[jp][x] . pp[jp][cv] for XB head dims and NC query vectors. */
+#define PV_BF16(XB, NC)                                                                           \
+    static inline void pv_bf16_##XB##_##NC(const uint32_t *vt, int64_t dv, int64_t np, const uint32_t *pp, \
+                                           int64_t mp, float *acc) {                              \
+        __m512 a[XB][NC];                                                                         \
+        for (int xx = 0; xx < XB; xx++)                                                           \
             for (int cc = 0; cc < NC; cc++) a[xx][cc] = _mm512_loadu_ps(acc + xx * mp + cc * 16); \
         for (int64_t jp = 0; jp < np; jp++) {                                                     \
             __m512bh pv[NC];                                                                      \
             for (int cc = 0; cc < NC; cc++)                                                       \
                 pv[cc] = (__m512bh)_mm512_loadu_si512(pp + jp * mp + cc * 16);                     \
-            for (int xx = 0; xx < 4; xx++) {                                                      \
+            for (int xx = 0; xx < XB; xx++) {                                                     \
                 __m512bh vb = (__m512bh)_mm512_set1_epi32((int)vt[jp * dv + xx]);                 \
                 for (int cc = 0; cc < NC; cc++) a[xx][cc] = _mm512_dpbf16_ps(a[xx][cc], vb, pv[cc]); \
             }                                                                                     \
         }                                                                                         \
-        for (int xx = 0; xx < 4; xx++)                                                            \
+        for (int xx = 0; xx < XB; xx++)                                                           \
             for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(acc + xx * mp + cc * 16, a[xx][cc]); \
     }
-PV_BF16(1)
-PV_BF16(2)
-PV_BF16(3)
-PV_BF16(4)
+PV_BF16(8, 1)
+PV_BF16(8, 2)
+PV_BF16(8, 3)
+PV_BF16(4, 1)
+PV_BF16(4, 2)
+PV_BF16(4, 3)
+
+/* Register blocks of 8 keys (or head dims) x 3 query vectors: 24 accumulators, each Q (or
+ * P) vector loaded once per 8 broadcasts. */
+static inline void qk_tile_bf16(const uint16_t *const *kr, int64_t n, int64_t dh, const uint32_t *qp, int64_t nvec,
+                                int64_t mp, float *st) {
+    for (int64_t j = 0; j < n; j += 8) { /* keys past n read zero rows; their scores are unused */
+        int64_t cv = 0;
+        for (; cv + 3 <= nvec; cv += 3) qk_bf16_8_3(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW);
+        if (nvec - cv == 2) qk_bf16_8_2(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW);
+        if (nvec - cv == 1) qk_bf16_8_1(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW);
+    }
+}
+
+static inline void pv_tile_bf16(const uint32_t *vt, int64_t dv, int64_t np, const uint32_t *pp, int64_t nvec,
+                                int64_t mp, int64_t dp, float *acc) {
+    int64_t x = 0;
+    for (; x + 8 <= dp; x += 8) {
+        int64_t cv = 0;
+        for (; cv + 3 <= nvec; cv += 3) pv_bf16_8_3(vt + x, dv, np, pp + cv * VW, mp, acc + x * mp + cv * VW);
+        if (nvec - cv == 2) pv_bf16_8_2(vt + x, dv, np, pp + cv * VW, mp, acc + x * mp + cv * VW);
+        if (nvec - cv == 1) pv_bf16_8_1(vt + x, dv, np, pp + cv * VW, mp, acc + x * mp + cv * VW);
+    }
+    if (x < dp) { /* dp is a multiple of 4 */
+        int64_t cv = 0;
+        for (; cv + 3 <= nvec; cv += 3) pv_bf16_4_3(vt + x, dv, np, pp + cv * VW, mp, acc + x * mp + cv * VW);
+        if (nvec - cv == 2) pv_bf16_4_2(vt + x, dv, np, pp + cv * VW, mp, acc + x * mp + cv * VW);
+        if (nvec - cv == 1) pv_bf16_4_1(vt + x, dv, np, pp + cv * VW, mp, acc + x * mp + cv * VW);
+    }
+}
 
 static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
@@ -527,15 +577,7 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     for (int64_t p0 = 0; p0 < kv_end; p0 += NKB) {
         const int64_t n = kv_end - p0 < NKB ? kv_end - p0 : NKB, np = (n + 1) / 2;
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
-        for (int64_t j = 0; j < n; j += 4) {
-            int64_t cv = 0;
-            for (; cv + 4 <= nvec; cv += 4) qk_bf16_4(kr + j, dh, s->qp + cv * VW, mp, s->s + j * mp + cv * VW);
-            switch (nvec - cv) {
-                case 3: qk_bf16_3(kr + j, dh, s->qp + cv * VW, mp, s->s + j * mp + cv * VW); break;
-                case 2: qk_bf16_2(kr + j, dh, s->qp + cv * VW, mp, s->s + j * mp + cv * VW); break;
-                case 1: qk_bf16_1(kr + j, dh, s->qp + cv * VW, mp, s->s + j * mp + cv * VW); break;
-            }
-        }
+        qk_tile_bf16(kr, n, dh, s->qp, nvec, mp, s->s);
         softmax_tile(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments || it->mq * g != mp, c->qscale, dp);
         for (int64_t jp = 0; jp < np; jp++)
             for (int64_t cv = 0; cv < nvec; cv++) {
@@ -545,15 +587,7 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
                 _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
             }
         pack_v_pairs(vr, n, d, dv, s->vt);
-        for (int64_t x = 0; x < dp; x += 4) {
-            int64_t cv = 0;
-            for (; cv + 4 <= nvec; cv += 4) pv_bf16_4(s->vt + x, dv, np, s->pp + cv * VW, mp, s->acc + x * mp + cv * VW);
-            switch (nvec - cv) {
-                case 3: pv_bf16_3(s->vt + x, dv, np, s->pp + cv * VW, mp, s->acc + x * mp + cv * VW); break;
-                case 2: pv_bf16_2(s->vt + x, dv, np, s->pp + cv * VW, mp, s->acc + x * mp + cv * VW); break;
-                case 1: pv_bf16_1(s->vt + x, dv, np, s->pp + cv * VW, mp, s->acc + x * mp + cv * VW); break;
-            }
-        }
+        pv_tile_bf16(s->vt, dv, np, s->pp, nvec, mp, dp, s->acc);
     }
     float row[4096];
     for (int64_t i = 0; i < nm; i++) {
@@ -699,13 +733,14 @@ int prelude_paged_attention(
     const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments, const int64_t *slots, int64_t n_slots,
     void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads, int64_t d, float scale, int bf16,
     int threads) {
-    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 4096 || block_size <= 0) return 1;
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 4096 || block_size <= 0 || !(scale > 0.0f))
+        return 1;
     Ctx c = {(const char *)q, (const char *)k, (const char *)v, (const char *)kc, (const char *)vc,
              sqt, sqh, skt, skh, svt, svh, scb, scs, sch, (char *)out, sot, soh, segments,
              block_size, heads, kv_heads, heads / kv_heads, d, (d + 3) / 4 * 4,
              scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4};
-    const int64_t g = c.group;
-    const int64_t tile = g >= MAX_M ? 1 : MAX_M / g; /* most query tokens per wide item */
+    const int64_t g = c.group, max_m = HAVE_DPBF16 && bf16 ? MAX_M_BF16 : MAX_M;
+    const int64_t tile = g >= max_m ? 1 : max_m / g; /* most query tokens per wide item */
     int64_t count = n_dec * kv_heads;
     for (int64_t r = 0; r < n_pre; r++) {
         if (pre_len[r] < 0 || pre_ctx[r] < pre_len[r]) return 1;
