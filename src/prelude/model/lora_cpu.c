@@ -336,6 +336,21 @@ static void repack(int s, int n_in, int W, int n_out, int k, const int *cols, in
 
 #define CHUNK_TILES 8  /* a work item: up to this many tiles of one slot (one repack each) */
 
+/* A thread's repack scratch, kept between calls and grown when a projection needs more
+ * (a few hundred KB at most): large allocations freed every call would be fresh mmaps,
+ * page-faulted each time. */
+static uint16_t *scratch(int which, size_t elems) {
+    static __thread uint16_t *buf[2];
+    static __thread size_t cap[2];
+    if (elems > cap[which]) {
+        free(buf[which]);
+        const size_t bytes = (elems * sizeof(uint16_t) + 63) & ~(size_t)63;
+        buf[which] = aligned_alloc(64, bytes);
+        cap[which] = buf[which] ? bytes / sizeof(uint16_t) : 0;
+    }
+    return buf[which];
+}
+
 void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx, const void *A, const void *B,
                void *out, long so, const int64_t *slots, int k, const int *cols) {
     const uint16_t *X = (const uint16_t *)x, *Ab = (const uint16_t *)A, *Bb = (const uint16_t *)B;
@@ -371,8 +386,7 @@ void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx,
         }
     #pragma omp parallel if (n_items > 1)
     {
-        uint16_t *Ap = aligned_alloc(64, (((size_t)n2 * Wp * 2 * 2) + 63) & ~(size_t)63);
-        uint16_t *Bp = aligned_alloc(64, (((size_t)bsize * 2) + 63) & ~(size_t)63);
+        uint16_t *Ap = scratch(0, (size_t)n2 * Wp * 2), *Bp = scratch(1, (size_t)bsize);
         int packed = -1;
         #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < n_items; it++) {
@@ -411,8 +425,6 @@ void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx,
                 }
             }
         }
-        free(Ap);
-        free(Bp);
     }
 done:
     free(start);
