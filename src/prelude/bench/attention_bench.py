@@ -5,7 +5,8 @@ Shapes (SmolLM2-135M's heads by default: 9 query / 3 KV heads of 64):
   forward's own, as the judge's classify rows run);
 - decode at each concurrency of `--decode`: one query per row over `decode_ctx` cached tokens.
 Each case times both backends on the same tensors, alternated call by call (order flipped
-every round), and reports medians, plus the load average (this machine's is shared).
+every round), and reports medians, plus the load average (this machine's is shared);
+`--clock cpu --threads 1` times the calling thread's CPU time instead of the wall clock.
 `--baseline DIR` times another version of the kernel in the same rounds: DIR is a checkout
 of an older revision (`git worktree add /tmp/old REV`, or `git archive REV src | tar -x -C
 /tmp/old`), whose cpu_backend.py and cpu_attention.c are loaded together (their C
@@ -60,7 +61,7 @@ def _case(rows: int, prefix: int, new: int, heads: int, kv_heads: int, head_dim:
 
 
 def _time(backends: dict[str, Any], inputs: tuple[torch.Tensor, ...], meta: AttentionMetadata, scale: float,
-          rounds: int) -> dict[str, float]:
+          rounds: int, clock: Any = time.perf_counter) -> dict[str, float]:
     samples: dict[str, list[float]] = {name: [] for name in backends}
     names = list(backends)
     with torch.inference_mode():
@@ -68,9 +69,9 @@ def _time(backends: dict[str, Any], inputs: tuple[torch.Tensor, ...], meta: Atte
             backends[name].forward(*inputs, meta, scale)
         for i in range(rounds):
             for name in names if i % 2 == 0 else names[::-1]:
-                t0 = time.perf_counter()
+                t0 = clock()
                 backends[name].forward(*inputs, meta, scale)
-                samples[name].append(time.perf_counter() - t0)
+                samples[name].append(clock() - t0)
     return {name: 1000 * statistics.median(s) for name, s in samples.items()}
 
 
@@ -129,11 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-ctx", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: torch's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the calling thread's CPU time (with --threads 1: what other tenants of a shared "
+                         "machine barely move)")
     ap.add_argument("--baseline", default="", help="a checkout of an older revision: its kernel timed beside")
     ap.add_argument("--json", default="bench_results/attention.json")
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        ap.error("--clock cpu times the calling thread only: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     from prelude.model.attention.cpu_backend import load_cpu_attention
     from prelude.model.attention.torch_backend import TorchAttention
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in filter(None, args.decode.split(",")):
         cases.append((f"decode c={c} ctx={args.decode_ctx}", int(c), args.decode_ctx - 1, 1))
     results = []
-    print(f"threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+    print(f"clock {args.clock}, threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"heads {args.heads}/{args.kv_heads}x{args.head_dim}, block {args.block_size}")
     base = " baseline ms |" if args.baseline else ""
     print(f"| case | dtype | torch SDPA ms |{base} C kernel ms | speed-up | loadavg |")
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = _DTYPES[dtype_name]
         for label, rows, prefix, new in cases:
             inputs, meta = _case(rows, prefix, new, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype)
-            ms = _time(backends, inputs, meta, args.head_dim**-0.5, args.rounds)
+            ms = _time(backends, inputs, meta, args.head_dim**-0.5, args.rounds, clock)
             load = os.getloadavg()[0]
             results.append({"case": label, "dtype": dtype_name, "torch_ms": ms["torch"], "cpu_ms": ms["cpu"],
                             "baseline_ms": ms.get("baseline"), "loadavg_1m": load})
