@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <immintrin.h>
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -45,7 +46,6 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #define KT_MAX 32    /* the larger of NK and NKB */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#include <immintrin.h>
 #define HAVE_DPBF16 1
 #else
 #define HAVE_DPBF16 0
@@ -53,7 +53,13 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 
 static inline vf vsplat(float x) { return (vf){0} + x; }
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
+/* One max instruction (the compare-and-select above compiles to a 3-op chain); b when
+ * either is NaN, as the select would give. */
+#if defined(__AVX512F__)
+static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#else
+static inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+#endif
 
 /* 2^x for x <= 0 (and -inf -> 0): round to the nearest integer n, a degree-6 Taylor
  * polynomial for 2^f on |f| <= 0.5 (rel. error ~1e-7), then times 2^n (AVX-512: vscalefps,
@@ -69,7 +75,6 @@ static inline vf exp2_poly(vf f) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 static inline vf exp2v(vf x) {
     const __m512 xm = (__m512)x;
     const __mmask16 keep = _mm512_cmp_ps_mask(xm, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
@@ -261,7 +266,7 @@ static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n,
     for (int64_t cv = 0; cv < nvec; cv++) {
         vi qpos = *(const vi *)(s->qpos + cv * VW);
         vi qseg = *(const vi *)(s->qseg + cv * VW);
-        vf mx = vsplat(-INFINITY);
+        vf mxs[2] = {vsplat(-INFINITY), vsplat(-INFINITY)}; /* two chains: the max's latency */
         for (int64_t j = 0; j < n; j++) {
             vf sv = *(vf *)(s->s + j * mp + cv * VW);
             if (masked) {
@@ -273,18 +278,19 @@ static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n,
                 sv = vsel(vis, sv, vsplat(-INFINITY));
                 *(vf *)(s->s + j * mp + cv * VW) = sv;
             }
-            mx = vmax(mx, sv);
+            mxs[j & 1] = vmax(mxs[j & 1], sv);
         }
         vf m_old = *(vf *)(s->m + cv * VW);
-        vf m_new = vmax(m_old, mx * vscale);
+        vf m_new = vmax(m_old, vmax(mxs[0], mxs[1]) * vscale);
         vf m_safe = vsel(m_new == vsplat(-INFINITY), vsplat(0.0f), m_new);
         vf alpha = exp2v(m_old - m_safe);
-        vf sum = vsplat(0.0f);
+        vf sums[2] = {vsplat(0.0f), vsplat(0.0f)};
         for (int64_t j = 0; j < n; j++) {
             vf p = exp2v(*(vf *)(s->s + j * mp + cv * VW) * vscale - m_safe);
             *(vf *)(s->s + j * mp + cv * VW) = p;
-            sum += p;
+            sums[j & 1] += p;
         }
+        const vf sum = sums[0] + sums[1];
         *(vf *)(s->m + cv * VW) = m_new;
         *(vf *)(s->l + cv * VW) = *(vf *)(s->l + cv * VW) * alpha + sum;
         /* alpha is 1 on every lane once the running max settles: skip the rescale then */
