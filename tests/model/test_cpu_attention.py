@@ -49,6 +49,12 @@ def test_native_build_takes_the_bf16_dot_product_where_the_cpu_has_it() -> None:
     assert "vdpbf16ps" in text
 
 
+def test_the_backend_says_which_bf16_math_its_build_has(backend: CpuAttention) -> None:
+    native = backend is _BACKEND
+    assert backend.bf16_dot_product == (native and "avx512_bf16" in native_lib.cpu_isa_flags())
+    assert ("dot product" in backend.describe(torch.bfloat16)) == backend.bf16_dot_product
+
+
 @dataclass(frozen=True)
 class Row:
     """`prefix` cached tokens, then `new` tokens in this forward. own_in_cache: the new

@@ -220,6 +220,8 @@ class ModelRunner:
         dtype = resolve_dtype(config.dtype, device)
         logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), dtype_reason(config.dtype, device))
         attention = get_attention_backend(resolve_attention_backend(config.attention_backend, device), device)
+        describe = getattr(attention, "describe", None)
+        logger.info("attention: %s", describe(dtype) if describe is not None else f"backend {attention.name}")
         # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
                             prepack=config.compile == "off", blocks=blocks)

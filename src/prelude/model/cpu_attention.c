@@ -700,6 +700,9 @@ static void narrow_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
 
 static void *alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
+/* 1 where this build has the bf16 forms (AVX512-BF16), for the start-up log. */
+int prelude_attention_bf16_forms(void) { return HAVE_DPBF16; }
+
 /* Scatter new tokens' K/V ([T, kv_heads, d], element strides) into their pool slots
  * (block * block_size + offset; -1: not kept). esize: bytes per element. */
 static void write_kv_rows(const void *k, int64_t skt, int64_t skh, const void *v, int64_t svt, int64_t svh, void *kc,

@@ -110,6 +110,8 @@ class CpuAttention:
                                 c_int]
         for fn in (self._attend, self._write):
             fn.restype = c_int
+        # bf16 tensors take the bf16 dot-product forms (this build has AVX512-BF16)
+        self.bf16_dot_product = bool(lib.prelude_attention_bf16_forms())
         self._fallback = TorchAttention()
         # (metadata, its row tensors): every layer of a forward gets the same metadata object
         self._prepared: tuple[AttentionMetadata, _Rows] | None = None
@@ -131,6 +133,15 @@ class CpuAttention:
                      _row_args(pre, dec_index, dec_lens, dec_tables, segments, slots))
         self._prepared = (meta, rows)
         return rows
+
+    def describe(self, dtype: torch.dtype) -> str:
+        """What serves `dtype` here, for the start-up log."""
+        if dtype == torch.bfloat16:
+            return ("C paged kernel, bf16 products on the AVX512-BF16 dot product, float32 softmax"
+                    if self.bf16_dot_product else "C paged kernel, float32 math (no AVX512-BF16 in this build)")
+        if dtype == torch.float32:
+            return "C paged kernel, float32"
+        return "torch SDPA (the C kernel takes float32 and bfloat16)"
 
     def serves(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
