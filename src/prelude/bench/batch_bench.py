@@ -325,10 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = load_model_files(None).model_dir
     flags = ["--dtype", args.dtype, *args.flags.split()]
+    served_dir = model_dir  # the weights every runner serves (the judge file needs only the tokenizer)
     if args.free_model:
         from prelude.bench.random_model import free_model_dir
 
-        flags += ["--model", str(free_model_dir()), "--served-model-name", MODEL_NAME]
+        served_dir = free_model_dir()
+        flags += ["--model", str(served_dir), "--served-model-name", MODEL_NAME]
     result: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
                               "lines": args.lines, "rubric_tokens": args.rubric_tokens, "item_tokens": args.item_tokens,
                               "dtype": args.dtype, "free_model": args.free_model, "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append((f"serve c={c}", lambda c=c: run_serve(judge, flags, c)))
         if "vllm" in which:
             runs.append(("vllm run_batch", lambda: run_vllm_batch(args.vllm_python, judge, out / "judge.vllm.jsonl",
-                                                                  model_dir, args.dtype)))
+                                                                  served_dir, args.dtype)))
         for name, run in runs:
             r = run()
             r["req_s"] = args.lines / r["job_s"]
