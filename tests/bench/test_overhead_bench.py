@@ -41,3 +41,25 @@ def test_goals_without_vllm_are_open() -> None:
 def test_loadgen_refuses_an_unknown_kind() -> None:
     with pytest.raises(ValueError, match="unknown kind"):
         sender_for({"base": "http://x", "kind": "nope"})
+
+
+def test_main_thread_cpu_is_a_part_of_the_process_cpu() -> None:
+    import os
+    import threading
+    import time
+
+    from prelude.bench.server_proc import cpu_seconds, main_thread_cpu_seconds
+
+    def spin() -> None:  # until this thread itself has used 0.1 s of CPU, however busy the machine
+        while time.thread_time() < 0.1:
+            pass
+
+    main0, all0 = main_thread_cpu_seconds(os.getpid()), cpu_seconds(os.getpid())
+    worker = threading.Thread(target=spin)
+    worker.start()
+    worker.join()
+    main1, all1 = main_thread_cpu_seconds(os.getpid()), cpu_seconds(os.getpid())
+    # The worker's CPU counts for the process, not for the main thread that only waited.
+    assert all1 - all0 >= 0.08
+    assert main1 - main0 < all1 - all0
+    assert main_thread_cpu_seconds(-1) == 0.0  # no such process: nothing, not an error

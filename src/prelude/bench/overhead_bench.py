@@ -17,7 +17,9 @@ Scenarios (request counts scaled by --scale):
             client's E2E of the same requests
 The load generator runs in a process of its own (overhead_loadgen.py) and reports its
 own CPU time per request and its share of a core, printed beside every figure: a client
-near a whole core is what saturates, not the server.
+near a whole core is what saturates, not the server. The server's CPU per request is
+printed whole and for its main thread alone (Prelude's HTTP event loop; the rest is the
+engine thread, OpenMP workers and child processes).
 Peers: prelude; prelude-base (the same from --baseline-src, for old vs new in one run);
 vllm (--vllm-python; classify and embed are Prelude's: vLLM serves them only as a
 separate pooling-runner start, left out). Writes JSON and a PNG.
@@ -43,7 +45,7 @@ import httpx
 from prelude.bench.peers.launch import PeerOptions, PeerSpec, PeerUnavailable, peer_spec
 from prelude.bench.prompts import exact_prompt
 from prelude.bench.results import write_json
-from prelude.bench.server_proc import cpu_seconds, free_port, server_process
+from prelude.bench.server_proc import cpu_seconds, free_port, main_thread_cpu_seconds, server_process
 
 SCENARIOS = ("c1", "oneshot", "classify", "embed", "decode", "multi", "stages")
 SERVED_NAME = "free-llama"
@@ -108,13 +110,16 @@ def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str],
 
     def run(key: str, kind: str, payloads: list[Any], c: int, **kw: Any) -> None:
         warmup = warm if kind in ("completion", "stream") else wl["pooling"][:4]
-        cpu0 = cpu_seconds(pid)
+        cpu0, main0 = cpu_seconds(pid), main_thread_cpu_seconds(pid)
         out[key] = _point(kind, load(base, kind, payloads, c, warmup, **kw))
         s = out[key]
-        s["server_cpu_ms_per_request"] = 1000 * (cpu_seconds(pid) - cpu0) / (len(payloads) + len(warmup))
+        sent = len(payloads) + len(warmup)
+        s["server_cpu_ms_per_request"] = 1000 * (cpu_seconds(pid) - cpu0) / sent
+        s["server_main_thread_cpu_ms_per_request"] = 1000 * (main_thread_cpu_seconds(pid) - main0) / sent
         print(f"  {name:>12} {key:<12} req/s {s['req_s']:8.1f}  items/s {s['items_s']:8.1f}  "
               f"E2E p50 {s['e2e_p50_ms']:7.2f} ms  TPOT p50 {s['tpot_p50_ms']:6.2f} ms  "
-              f"server {s['server_cpu_ms_per_request']:.2f} ms CPU/req  "
+              f"server {s['server_cpu_ms_per_request']:.2f} ms CPU/req "
+              f"(main thread {s['server_main_thread_cpu_ms_per_request']:.2f})  "
               f"client {s['client_cpu_ms_per_request']:.2f} ms CPU/req ({s['client_cpu_share']:.2f} core)"
               + (f"  errors {s['errors']}: {s.get('first_error', '')[:80]}" if s["errors"] else ""), flush=True)
 

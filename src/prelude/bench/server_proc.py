@@ -36,6 +36,19 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def main_thread_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of a process's main thread alone (Linux /proc; 0.0
+    elsewhere): a Python server's event loop (HTTP parsing, validation, responses), apart
+    from its engine and OpenMP threads and its children."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
