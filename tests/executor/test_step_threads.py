@@ -76,3 +76,41 @@ def test_an_unreadable_config_keeps_the_team(team: int) -> None:
     assert not threads.enabled
     with threads.for_trunk(1), threads.for_heads(1, 1):
         assert torch.get_num_threads() == team
+
+
+def test_a_decode_step_runs_its_trunk_and_heads_on_the_threads_they_were_given(team: int, monkeypatch) -> None:  # noqa: ANN001
+    """Through ModelRunner.launch: a tiny model's trunk on one thread; its heads on one
+    thread while few rows sample, on the team once the sampled rows' head work is large."""
+    import prelude.executor.step_threads as step_threads
+    from prelude.engine.request import SamplingParams
+    from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+    engine = tiny_engine(hf_tiny_llama())
+    runner = engine.runner
+    seen: dict[str, set[int]] = {"trunk": set(), "heads": set()}
+    forward, logits = runner.forward, runner.model.compute_logits
+
+    def trunk(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen["trunk"].add(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    def heads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen["heads"].add(torch.get_num_threads())
+        return logits(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", trunk)
+    monkeypatch.setattr(runner.model, "compute_logits", heads)
+
+    def decode(rows: int) -> None:
+        for i in range(rows):
+            engine.add_request(f"r{rows}-{i}", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+        while engine.has_unfinished():
+            engine.step()
+
+    decode(2)
+    assert seen == {"trunk": {1}, "heads": {1}}
+    # The head's bound lowered below 8 sampled rows: those heads take the team, the trunk stays.
+    monkeypatch.setattr(step_threads, "SMALL_HEAD_FLOPS", 4 * runner.step_threads.flops_per_logit_row)
+    seen = {"trunk": set(), "heads": set()}
+    decode(8)
+    assert seen["trunk"] == {1} and team in seen["heads"]
