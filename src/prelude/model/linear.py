@@ -8,7 +8,9 @@ the weak spot, 4 rows through the head 29.8 -> 10.2 ms and through a layer's pro
 0.98 -> 0.59 ms (equal to fp32 rounding). At 128 and 512 rows the two are within 3%.
 In bf16 on an AVX512-BF16 Zen 5 the packed copy is also faster at prefill sizes (a layer's
 projections, one thread: 128 rows 2.26 -> 1.99 ms, 512 rows 7.95 -> 7.54, 1024 rows 15.78 ->
-15.09), so bf16 calls of 128, 256, ... 2048 rows take it as well. But oneDNN compiles a
+15.09), so bf16 calls of 128, 256, ... 2048 rows take it as well; so do float32 calls on
+an AVX-512 CPU, where MKL's sgemm behind F.linear (AVX2 code on AMD) measured 2.2-2.3x
+slower than oneDNN's packed kernels (128 rows 9.10 -> 3.97 ms, 1,024 rows 66.1 -> 28.9). But oneDNN compiles a
 kernel, with its own scratch memory, for every row count it sees, and a prefill's token
 count is a new one almost every time (a soak grew by hundreds of MiB that way): the packed
 copy serves only calls of at most PACKED_MAX_ROWS rows and those steps (a bounded set: 16
@@ -28,12 +30,14 @@ AVX512-BF16 Zen 5 in bf16 (one thread's CPU time): 1 row 12.2 -> 6.6 ms, 4 rows 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from prelude.model import native_lib
 from prelude.model.blocks_kernel import BlocksKernel
 from prelude.model.ggml_blocks import GgmlBlocks
 
@@ -130,10 +134,18 @@ class Projection:
 
 
 def packed_row_count(rows: int, dtype: torch.dtype) -> bool:
-    """Whether a call of `rows` rows takes the prepacked copy: decode sizes, and in bf16 the
-    bounded set of larger counts where it pays."""
+    """Whether a call of `rows` rows takes the prepacked copy: decode sizes, and the bounded
+    set of larger counts where it pays: bf16, and float32 on an AVX-512 CPU."""
     return 0 < rows and (rows <= PACKED_MAX_ROWS or (
-        dtype == torch.bfloat16 and rows <= PACKED_STEP_MAX_ROWS and rows % PACKED_ROW_STEP == 0))
+        rows <= PACKED_STEP_MAX_ROWS and rows % PACKED_ROW_STEP == 0 and _steps_pay(dtype)))
+
+
+@functools.cache
+def _steps_pay(dtype: torch.dtype) -> bool:
+    # float32: F.linear is MKL's sgemm, which runs its AVX2 code on AMD CPUs; oneDNN's packed
+    # AVX-512 kernels measured 2.2-2.3x faster at 40-1,024 rows on the Zen 5 (SmolLM2's
+    # shapes, one thread), and on an AVX2-only EPYC the two were within 3% (so: no steps).
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and "avx512_f" in native_lib.cpu_isa_flags())
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
