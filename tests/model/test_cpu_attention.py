@@ -181,7 +181,7 @@ def test_multi_item_segments(backend: CpuAttention, dtype: torch.dtype) -> None:
     # a query (segment 0) then items 1..3, over a cached prefix; a plain row and a decode beside it
     seg = (0, 0, 0, 1, 1, 2, 2, 2, 3)
     rows = [Row(10, len(seg), own_in_cache=False, segments=seg), Row(5, 6), Row(7, len(seg), segments=seg),
-            Row(4, 1)]
+            Row(4, 1), Row(6, 3, segments=(0, 1, 2))]  # the last: 9 query vectors, the narrow form
     check(backend, make_batch(rows, 9, 3, 32, block_size=4, dtype=dtype, seed=5))
 
 
