@@ -43,14 +43,18 @@ def _text_of_tokens(tok: Any, n: int, rng: random.Random) -> str:
     return tok.decode(ids)
 
 
-def judge_file(path: Path, model_dir: Path, lines: int, rubric_tokens: int, item_tokens: int, seed: int = 0) -> Path:
+def judge_file(path: Path, model_dir: Path, lines: int, rubric_tokens: int, item_tokens: int, seed: int = 0,
+               rubrics: int = 1) -> Path:
+    """`rubrics` > 1: that many rubrics (one preamble, their own criteria), line i judged by
+    rubric i mod `rubrics`: interleaved, as a file concatenated from several evaluations."""
     tok = _tokenizer(model_dir)
     rng = random.Random(seed)
-    rubric = "You are a strict judge. Grade the answer below. " + _text_of_tokens(tok, rubric_tokens, rng)
+    preamble = "You are a strict judge. Grade the answer below. "
+    texts = [preamble + _text_of_tokens(tok, rubric_tokens, rng) for _ in range(rubrics)]
     with open(path, "w") as f:
         for i in range(lines):
             body = {"model": MODEL_NAME, "max_tokens": 1, "temperature": 0,
-                    "messages": [{"role": "system", "content": rubric},
+                    "messages": [{"role": "system", "content": texts[i % rubrics]},
                                  {"role": "user", "content": f"Item {i}: " + _text_of_tokens(tok, item_tokens, rng)}]}
             f.write(json.dumps({"custom_id": f"judge-{i}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": body}) + "\n")
@@ -305,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lines", type=int, default=10_000, help="judge lines")
     ap.add_argument("--rubric-tokens", type=int, default=1024)
     ap.add_argument("--item-tokens", type=int, default=64)
+    ap.add_argument("--rubrics", type=int, default=1, help="judge: distinct rubrics, interleaved line by line")
     ap.add_argument("--which", default="run-batch,serve,vllm", help="any of run-batch, serve, vllm, ttft, rss")
     ap.add_argument("--concurrency", default="16,64", help="serve: the concurrencies swept (the best counts); "
                     "each point on a fresh server, so no point finds the items cached by another")
@@ -332,11 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         served_dir = free_model_dir()
         flags += ["--model", str(served_dir), "--served-model-name", MODEL_NAME]
     result: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-                              "lines": args.lines, "rubric_tokens": args.rubric_tokens, "item_tokens": args.item_tokens,
+                              "lines": args.lines, "rubrics": args.rubrics, "rubric_tokens": args.rubric_tokens, "item_tokens": args.item_tokens,
                               "dtype": args.dtype, "free_model": args.free_model, "loadavg_before": Path("/proc/loadavg").read_text().split()[:3],
                               "judge": {}}
     if which & {"run-batch", "serve", "vllm", "ttft"}:
-        judge = judge_file(out / "judge.jsonl", model_dir, args.lines, args.rubric_tokens, args.item_tokens)
+        judge = judge_file(out / "judge.jsonl", model_dir, args.lines, args.rubric_tokens, args.item_tokens,
+                           rubrics=args.rubrics)
     # Alternated rounds (run-batch, then serve at each concurrency, then vLLM), medians:
     # on a shared machine the load drifts between runs.
     samples: dict[str, list[dict[str, Any]]] = {}
