@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="alternated rounds of every judge run (medians reported)")
     ap.add_argument("--ttft-requests", type=int, default=8, help="ttft: interactive requests per phase")
     ap.add_argument("--rss-lines", type=int, default=100_000, help="rss: embeddings lines")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto",
+                    help="every runner's dtype; auto: what `prelude serve` picks on this machine (bf16 only on CPUs "
+                         "with AVX512-BF16/AMX), vLLM given the same")
     ap.add_argument("--vllm-python", default="/tmp/vllmvenv/bin/python")
     ap.add_argument("--out", default="bench_results/batch")
     ap.add_argument("--flags", default="", help="extra flags for prelude run-batch and serve")
@@ -324,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="run Prelude on a 2-layer random model with the default model's tokenizer (a forward costs "
                          "~nothing): what is timed is the path around the engine, as on a fast GPU")
     args = ap.parse_args(argv)
+    if args.dtype == "auto":  # resolved here so vLLM runs in the dtype Prelude picks (it has no such rule)
+        import torch
+
+        from prelude.executor.device import auto_dtype
+
+        args.dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
     which = set(args.which.split(","))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out)
