@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import math
 
 import pytest
@@ -63,3 +64,21 @@ def test_main_thread_cpu_is_a_part_of_the_process_cpu() -> None:
     assert all1 - all0 >= 0.08
     assert main1 - main0 < all1 - all0
     assert main_thread_cpu_seconds(-1) == 0.0  # no such process: nothing, not an error
+
+
+def test_wait_until_idle_returns_once_the_servers_are_idle() -> None:
+    """The settle step before a peer's measured load: an idle process (asleep) ends the
+    wait at its first window, far inside the limit; no process, no wait."""
+    import subprocess
+    import sys
+
+    from prelude.bench.server_proc import wait_until_idle
+
+    assert wait_until_idle([]) == 0.0
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)  # past the interpreter's start-up CPU
+        assert wait_until_idle([idle.pid], window_s=0.1, limit_s=60.0) < 30.0
+    finally:
+        idle.kill()
+        idle.wait()

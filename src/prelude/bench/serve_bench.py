@@ -28,6 +28,7 @@ import platform
 import random
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +64,7 @@ from prelude.bench.peers.launch import (
 from prelude.bench.prompts import exact_prompt, shared_prefix_prompts
 from prelude.bench.report import markdown, plot_sweep
 from prelude.bench.results import write_json
-from prelude.bench.server_proc import free_port, server_process
+from prelude.bench.server_proc import free_port, server_process, wait_until_idle
 
 SCENARIOS = ("a", "b", "c", "d", "e")
 LABELS = ["yes", "no"]
@@ -75,6 +76,7 @@ class Peer:
     base: str
     startup_s: float  # warm: caches filled by an earlier start
     cold_startup_s: float | None = None  # empty caches; None: not measured
+    pid: int = 0  # the server process (its children are read through it)
 
 
 @dataclass(frozen=True)
@@ -147,9 +149,10 @@ def start_peers(names: list[str], opts: PeerOptions, skipped: dict[str, str], co
                 spec = peer_spec(name, port, opts)
                 cold_s = cold_start_seconds(spec, port) if cold else None
                 t0 = time.perf_counter()
+                procs: list[subprocess.Popen] = []
                 base = stack.enter_context(server_process(list(spec.command), port, timeout_s=900, env=_env(spec.env),
-                                                          ready_path=spec.ready_path))
-                peers.append(Peer(spec, base, time.perf_counter() - t0, cold_s))
+                                                          ready_path=spec.ready_path, started=procs))
+                peers.append(Peer(spec, base, time.perf_counter() - t0, cold_s, procs[0].pid))
                 print(f"{name}: ready in {peers[-1].startup_s:.2f} s"
                       + (f" (cold: {cold_s:.2f} s)" if cold_s is not None else ""), flush=True)
             except (PeerUnavailable, RuntimeError, TimeoutError) as exc:
@@ -195,6 +198,12 @@ async def interleaved_c1(
     return {name: LoadResult(rs, turns[name]) for name, rs in records.items()}, raw_s
 
 
+def _settle(peers: list[Peer]) -> None:
+    """Before a peer's measured load: wait until every server is idle (another peer's
+    OpenMP threads still spinning after its run would share the cores with this one)."""
+    wait_until_idle([p.pid for p in peers if p.pid])
+
+
 def run_scenarios(
     peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str], raw: RawModel, tok: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -232,6 +241,7 @@ def run_scenarios(
                 if p.spec.name == "llama.cpp" and c > args.llama_sweep_max:
                     continue  # one request at a time: more concurrency only queues (see --llama-sweep-max)
                 send = completion_sender(p.base, p.spec.model, 1)
+                _settle(peers)
                 res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long]))
                 point[p.spec.name] = summarize(res, 512)
             out["b"]["points"][str(c)] = point
@@ -240,6 +250,7 @@ def run_scenarios(
         out["c"] = {"peers": {}}
         for p in completers:
             send = completion_sender(p.base, p.spec.model, 32)
+            _settle(peers)
             res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short]))
             out["c"]["peers"][p.spec.name] = summarize(res, 128)
         _show("c", out["c"]["peers"], ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms"))
@@ -258,6 +269,7 @@ def run_scenarios(
                     return b
 
                 send = json_sender(p.base, path, body, len)
+                _settle(peers)
                 res = asyncio.run(run_load(send, wl.texts, _spec(args, 16, f"{key} {p.spec.name}"), wl.texts[:1]))
                 out[key]["peers"][p.spec.name] = summarize(res, 0)
             _show(key, out[key]["peers"], ("items_s", "e2e_p50_ms"))
@@ -270,6 +282,7 @@ def run_scenarios(
             send = completion_sender(p.base, p.spec.model, args.prefix_max_tokens)
             # No warm-up: the first request pays for the cold prefix on every peer alike.
             spec = replace(_spec(args, args.prefix_concurrency, f"e {p.spec.name}"), warmup=0)
+            _settle(peers)  # no warm-up here to absorb another peer's spin: the first wave is measured
             res = asyncio.run(run_load(send, wl.prefix_prompts, spec))
             out["e"]["peers"][p.spec.name] = summarize(res, mean_len)
         _show("e", out["e"]["peers"], ("req_s", "ttft_p50_ms", "e2e_p95_ms"))

@@ -36,6 +36,24 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+
+def wait_until_idle(pids: list[int], window_s: float = 0.1, busy_fraction: float = 0.2, limit_s: float = 5.0) -> float:
+    """Wait, at most `limit_s`, until the processes `pids` (children included) used less
+    than `busy_fraction` of one core over a `window_s` window: an idle server's OpenMP
+    threads spin for a while after its last request (vLLM's for KMP_BLOCKTIME), and a peer
+    measured meanwhile shares the cores with that spin. Returns the seconds waited."""
+    t0 = time.monotonic()
+    if not pids:
+        return 0.0
+    before = sum(cpu_seconds(p) for p in pids)
+    while time.monotonic() - t0 < limit_s:
+        time.sleep(window_s)
+        now = sum(cpu_seconds(p) for p in pids)
+        if now - before < busy_fraction * window_s:
+            break
+        before = now
+    return time.monotonic() - t0
+
 def main_thread_cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) of a process's main thread alone (Linux /proc; 0.0
     elsewhere): a Python server's event loop (HTTP parsing, validation, responses), apart
