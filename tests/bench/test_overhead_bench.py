@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import time
 import math
+import time
 
 import pytest
 
