@@ -57,18 +57,29 @@ def test_gather_is_bounded_by_the_step_and_can_be_off() -> None:
     assert not off.hold([oneshot("a", 1.0)], 1.001)
 
 
-def test_scheduler_holds_a_oneshot_step_for_its_burst_then_runs_it_whole() -> None:
-    s = make_scheduler("fcfs", budget=1024)
+def _first_burst_done(s, check=None) -> float:  # noqa: ANN001
+    """Run a first OneShot step of 4 rows (1 s) to its end (`check` sees its plan): the
+    gather then expects 4 requests back. Returns when that step ended (the gather's opening)."""
     first = [oneshot(f"r{i}", 0.0) for i in range(4)]
     for r in first:
         s.add(r)
     plan = s.schedule(now=0.0)
-    assert isinstance(plan.batch, OneShotBatch) and len(plan.batch.rows) == 4
+    if check is not None:
+        check(plan)
     s.observe_step(plan.batch, 1.0)
     s.end_step(plan, ok=True)
     for r in first:
         s.remove(r)
-    opened = s.gather.opened
+    return s.gather.opened
+
+
+def test_scheduler_holds_a_oneshot_step_for_its_burst_then_runs_it_whole() -> None:
+    s = make_scheduler("fcfs", budget=1024)
+
+    def whole(plan) -> None:  # noqa: ANN001
+        assert isinstance(plan.batch, OneShotBatch) and len(plan.batch.rows) == 4
+
+    opened = _first_burst_done(s, whole)
     s.add(oneshot("n0", opened + 0.001))
     assert s.schedule(now=opened + 0.002).batch is None  # 1 of the 4 expected is back
     for i in range(1, 4):
@@ -79,15 +90,7 @@ def test_scheduler_holds_a_oneshot_step_for_its_burst_then_runs_it_whole() -> No
 
 def test_scheduler_never_holds_past_the_cap_or_with_paged_work() -> None:
     s = make_scheduler("fcfs", budget=1024)
-    first = [oneshot(f"r{i}", 0.0) for i in range(4)]
-    for r in first:
-        s.add(r)
-    plan = s.schedule(now=0.0)
-    s.observe_step(plan.batch, 1.0)
-    s.end_step(plan, ok=True)
-    for r in first:
-        s.remove(r)
-    opened = s.gather.opened
+    opened = _first_burst_done(s)
     s.add(oneshot("late", opened + 0.001))
     assert s.schedule(now=opened + 0.06).batch is not None  # past the 50 ms cap
     # a paged request in the engine: OneShot rows ride with it, nothing waits

@@ -105,7 +105,6 @@ class LoraKernel:
                  cols.data_ptr())
         return out
 
-
     def grouped_delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        token_slots: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """The same sum as `delta_` for many tokens (bf16 only, where `grouped`): tokens
