@@ -141,9 +141,9 @@ def _prefix_probs(logits: torch.Tensor, p: _RowParams) -> tuple[torch.Tensor, to
     vals, order = logits.topk(TRUNCATE_PREFIX, dim=-1)
     ranks = torch.arange(TRUNCATE_PREFIX, device=logits.device).unsqueeze(0)
     cut = p.top_k <= TRUNCATE_PREFIX
-    shifted = vals.masked_fill(ranks >= p.top_k.unsqueeze(1), float("-inf")) - vals[:, :1]
+    kept = (vals.masked_fill(ranks >= p.top_k.unsqueeze(1), float("-inf")) - vals[:, :1]).exp()
     whole_row = (logits - vals[:, :1]).exp().sum(-1)
-    probs = shifted.exp() / torch.where(cut, shifted.exp().sum(-1), whole_row).unsqueeze(1)
+    probs = kept / torch.where(cut, kept.sum(-1), whole_row).unsqueeze(1)
     if not bool((cut | p.greedy | (probs.sum(-1) >= p.top_p)).all()):
         return None
     return probs, order
@@ -161,12 +161,11 @@ def _filtered_probs(logits: torch.Tensor, p: _RowParams, truncate: bool, use_min
         found = _prefix_probs(logits, p) if logits.device.type == "cpu" and vocab > TRUNCATE_PREFIX else None
         if found is not None:
             sorted_probs, order = found
+            remove = torch.arange(TRUNCATE_PREFIX, device=logits.device).unsqueeze(0) >= p.top_k.unsqueeze(1)
         else:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-            sorted_probs = sorted_logits.masked_fill(ranks >= p.top_k.unsqueeze(1), float("-inf")).softmax(-1)
-        ranks = torch.arange(sorted_probs.shape[1], device=logits.device).unsqueeze(0)
-        remove = ranks >= p.top_k.unsqueeze(1)
+            remove = torch.arange(vocab, device=logits.device).unsqueeze(0) >= p.top_k.unsqueeze(1)
+            sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
         # Drop a token once the mass before it already reaches top_p (the best token always stays).
         remove |= (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p.unsqueeze(1)
         probs = torch.zeros_like(logits).scatter(1, order, sorted_probs.masked_fill(remove, 0.0))

@@ -10,12 +10,13 @@ In bf16 on an AVX512-BF16 Zen 5 the packed copy is also faster at prefill sizes 
 projections, one thread: 128 rows 2.26 -> 1.99 ms, 512 rows 7.95 -> 7.54, 1024 rows 15.78 ->
 15.09), so bf16 calls of 128, 256, ... 2048 rows take it as well; so do float32 calls on
 an AVX-512 CPU, where MKL's sgemm behind F.linear (AVX2 code on AMD) measured 2.2-2.3x
-slower than oneDNN's packed kernels (128 rows 9.10 -> 3.97 ms, 1,024 rows 66.1 -> 28.9). But oneDNN compiles a
-kernel, with its own scratch memory, for every row count it sees, and a prefill's token
-count is a new one almost every time (a soak grew by hundreds of MiB that way): the packed
-copy serves only calls of at most PACKED_MAX_ROWS rows and those steps (a bounded set: 16
-more row counts held ~45-70 MiB over four projection shapes), and the plain weight the rest. Both copies are kept: projection weights are held twice on a
-prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
+slower than oneDNN's packed kernels (128 rows 9.10 -> 3.97 ms, 1,024 rows 66.1 -> 28.9).
+But oneDNN compiles a kernel, with its own scratch memory, for every row count it sees,
+and a prefill's token count is a new one almost every time (a soak grew by hundreds of
+MiB that way): the packed copy serves only calls of at most PACKED_MAX_ROWS rows and
+those steps (a bounded set: 16 more row counts held ~45-70 MiB over four projection
+shapes), and the plain weight the rest. Both copies are kept: projection weights are held
+twice on a prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
 
 A GGUF checkpoint's projections can also come in their stored block format (Q4_0, Q4_1,
 Q8_0: model/ggml_blocks.py). Few-row calls then read the blocks (model/blocks_kernel.py:
