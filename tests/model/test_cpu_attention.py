@@ -132,15 +132,18 @@ def make_batch(rows: list[Row], heads: int, kv_heads: int, head_dim: int, block_
     return Batch(q, k, v, k_cache, v_cache, meta)
 
 
-def check(backend: CpuAttention, b: Batch, scale: float = 0.3) -> None:
+def check(backend: CpuAttention, b: Batch, scale: float = 0.3, ref_dtype: torch.dtype = torch.float32,
+          fp32_tol: float = 1e-5) -> None:
+    """ref_dtype: the eager reference's precision; fp32_tol: float32's tolerance (scores of
+    tens of units carry rounding errors that large times their size)."""
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
     out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, scale)
-    f = (lambda x: x.float()) if b.q.dtype != torch.float32 else (lambda x: x.clone())  # noqa: E731
+    f = lambda x: x.to(ref_dtype, copy=True)  # noqa: E731
     rkc, rvc = f(b.k_cache), f(b.v_cache)
-    ref = TorchAttention().forward(f(b.q), f(b.k), f(b.v), rkc, rvc, b.meta, scale)
+    ref = TorchAttention().forward(f(b.q), f(b.k), f(b.v), rkc, rvc, b.meta, scale).float()
     assert out.dtype == b.q.dtype and out.shape == b.q.shape
     assert torch.isfinite(out).all()
-    tol = 1e-5 if b.q.dtype == torch.float32 else 1.6e-2  # bf16: its rounding of the output
+    tol = fp32_tol if b.q.dtype == torch.float32 else 1.6e-2  # bf16: its rounding of the output
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     # the KV write put exactly the new K/V where the eager index_copy_ does
     assert torch.equal(kc.float(), rkc.to(b.q.dtype).float()) and torch.equal(vc.float(), rvc.to(b.q.dtype).float())
@@ -183,6 +186,17 @@ def test_multi_item_segments(backend: CpuAttention, dtype: torch.dtype) -> None:
     rows = [Row(10, len(seg), own_in_cache=False, segments=seg), Row(5, 6), Row(7, len(seg), segments=seg),
             Row(4, 1), Row(6, 3, segments=(0, 1, 2))]  # the last: 9 query vectors, the narrow form
     check(backend, make_batch(rows, 9, 3, 32, block_size=4, dtype=dtype, seed=5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_peaked_scores_move_the_softmax_reference_max(backend: CpuAttention, dtype: torch.dtype) -> None:
+    # A large scale spreads the scores over tens of log2 units: tile maxima pass the running
+    # reference max by more than the kernel's lazy-rescale margin (the accumulator is
+    # rescaled) and by less (it is not, and probabilities above 1 accumulate): both must
+    # give the exact softmax. Long contexts (many key tiles), a chunk, OneShot rows, decodes.
+    rows = [Row(300, 40, own_in_cache=False), Row(0, 120), Row(200, 1), Row(77, 33), Row(500, 1)]
+    check(backend, make_batch(rows, 9, 3, 64, block_size=16, dtype=dtype, seed=11), scale=1.0,
+          ref_dtype=torch.float64, fp32_tol=5e-5)
 
 
 def test_write_kv_skips_unkept_tokens() -> None:

@@ -44,6 +44,7 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #define MAX_M_BF16 96 /* query vectors per wide item of the bf16 forms: 6 vectors, 2 blocks of 3 */
 #endif
 #define KT_MAX 32    /* the larger of NK and NKB */
+#define LAZY_LOG2 8.0f /* how far (log2) a tile max may pass the reference max before a rescale */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HAVE_DPBF16 1
@@ -254,51 +255,87 @@ PV_BLOCK(2)
 PV_BLOCK(3)
 PV_BLOCK(4)
 
-/* Online softmax over one key tile, queries on the lanes: S^T [n][mp] (scores times `scale`,
- * log2 domain) becomes P^T in place; the running max m and sum l are updated and the
- * accumulator acc^T [rows][mp] is rescaled. masked: apply the causal / segment / padding
- * mask (a tile wholly before the first query with no segments and no padding needs none). */
+/* ---- online softmax over one key tile, queries on the lanes ----------------------------
+ * S^T [n][mp] holds the raw scores; `scale` (> 0) turns them into the log2 domain, so the
+ * raw scores' max, scaled, is the scaled scores' max and each exponent is one FMA,
+ * s * scale - m (exact for scale 1). Padding lanes (past the item's queries) see zero
+ * scores and are never stored, so they need no mask. */
+
+/* The visible part of score row j of query vector cv (-inf elsewhere); masked: apply the
+ * causal and segment masks (a tile wholly before the item's first query with no segments
+ * needs none). Writes the masked row back for the exponent pass. */
+static inline vf masked_scores(const Ctx *c, Scratch *s, int64_t p0, int64_t j, int64_t cv, int64_t mp, int masked,
+                               vi qpos, vi qseg) {
+    vf sv = *(vf *)(s->s + j * mp + cv * VW);
+    if (masked) {
+        vi vis = qpos >= (int32_t)(p0 + j);
+        if (c->segments) {
+            int32_t ks = (int32_t)s->kseg[j];
+            vis &= (ks == 0) ? (vi){0} - 1 : (qseg == ks);
+        }
+        sv = vsel(vis, sv, vsplat(-INFINITY));
+        *(vf *)(s->s + j * mp + cv * VW) = sv;
+    }
+    return sv;
+}
+
+/* The tile's max score of each lane of query vector cv, scaled (two chains: the max's
+ * latency; two named accumulators, not an array, so they stay in registers). */
+static inline vf tile_max(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t cv, int64_t mp, int masked,
+                          float scale) {
+    const vi qpos = *(const vi *)(s->qpos + cv * VW), qseg = *(const vi *)(s->qseg + cv * VW);
+    vf m0 = vsplat(-INFINITY), m1 = vsplat(-INFINITY);
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+        m0 = vmax(m0, masked_scores(c, s, p0, j, cv, mp, masked, qpos, qseg));
+        m1 = vmax(m1, masked_scores(c, s, p0, j + 1, cv, mp, masked, qpos, qseg));
+    }
+    if (j < n) m0 = vmax(m0, masked_scores(c, s, p0, j, cv, mp, masked, qpos, qseg));
+    return vmax(m0, m1) * vsplat(scale);
+}
+
+/* Lazy rescaling: a lane's reference max m moves only when a tile's max passes it by more
+ * than LAZY_LOG2 (so every p <= 2^LAZY_LOG2, far inside float32 and bf16 range); the first
+ * visible tile sets it. With the exact running max the accumulator was rescaled on about
+ * every other tile; once set, m rarely moves. Updates m; returns the exponents' offset
+ * (m, 0 where no key was visible yet) and *alpha, the factor for l and the accumulator. */
+static inline vf lazy_max(Scratch *s, int64_t cv, vf m_tile, vf *alpha, int *rescale) {
+    const vf m_old = *(vf *)(s->m + cv * VW);
+    const vi grow = m_tile > m_old + LAZY_LOG2;
+    const vf m_new = vsel(grow, m_tile, m_old);
+    const vf m_safe = vsel(m_new == vsplat(-INFINITY), vsplat(0.0f), m_new);
+    *alpha = vsel(grow, exp2v(m_old - m_safe), vsplat(1.0f));
+    *(vf *)(s->m + cv * VW) = m_new;
+    /* lanes with no visible key before hold a zero accumulator: only moved lanes with an
+     * earlier max need the rescale */
+    const vi moved = grow & (m_old > vsplat(-INFINITY));
+    int any = 0;
+    for (int i = 0; i < VW; i++) any |= moved[i] != 0;
+    *rescale = any;
+    return m_safe;
+}
+
+static inline void finish_tile(Scratch *s, int64_t cv, int64_t mp, vf alpha, int rescale, vf sum, int64_t rows) {
+    *(vf *)(s->l + cv * VW) = *(vf *)(s->l + cv * VW) * alpha + sum;
+    if (rescale)
+        for (int64_t x = 0; x < rows; x++) *(vf *)(s->acc + x * mp + cv * VW) *= alpha;
+}
+
+/* The float32 forms: S^T becomes P^T in place; l and the accumulator acc^T [rows][mp] follow. */
 static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t nvec, int64_t mp,
                                 int masked, float scale, int64_t rows) {
-    /* scale > 0: the raw scores' max, scaled, is the scaled scores' max; each exponent is then
-     * one FMA, s * scale - m (exact for scale 1) */
     const vf vscale = vsplat(scale);
     for (int64_t cv = 0; cv < nvec; cv++) {
-        vi qpos = *(const vi *)(s->qpos + cv * VW);
-        vi qseg = *(const vi *)(s->qseg + cv * VW);
-        vf mxs[2] = {vsplat(-INFINITY), vsplat(-INFINITY)}; /* two chains: the max's latency */
-        for (int64_t j = 0; j < n; j++) {
-            vf sv = *(vf *)(s->s + j * mp + cv * VW);
-            if (masked) {
-                vi vis = qpos >= (int32_t)(p0 + j);
-                if (c->segments) {
-                    int32_t ks = (int32_t)s->kseg[j];
-                    vis &= (ks == 0) ? (vi){0} - 1 : (qseg == ks);
-                }
-                sv = vsel(vis, sv, vsplat(-INFINITY));
-                *(vf *)(s->s + j * mp + cv * VW) = sv;
-            }
-            mxs[j & 1] = vmax(mxs[j & 1], sv);
-        }
-        vf m_old = *(vf *)(s->m + cv * VW);
-        vf m_new = vmax(m_old, vmax(mxs[0], mxs[1]) * vscale);
-        vf m_safe = vsel(m_new == vsplat(-INFINITY), vsplat(0.0f), m_new);
-        vf alpha = exp2v(m_old - m_safe);
+        vf alpha;
+        int rescale;
+        const vf m = lazy_max(s, cv, tile_max(c, s, p0, n, cv, mp, masked, scale), &alpha, &rescale);
         vf sums[2] = {vsplat(0.0f), vsplat(0.0f)};
         for (int64_t j = 0; j < n; j++) {
-            vf p = exp2v(*(vf *)(s->s + j * mp + cv * VW) * vscale - m_safe);
+            vf p = exp2v(*(vf *)(s->s + j * mp + cv * VW) * vscale - m);
             *(vf *)(s->s + j * mp + cv * VW) = p;
             sums[j & 1] += p;
         }
-        const vf sum = sums[0] + sums[1];
-        *(vf *)(s->m + cv * VW) = m_new;
-        *(vf *)(s->l + cv * VW) = *(vf *)(s->l + cv * VW) * alpha + sum;
-        /* alpha is 1 on every lane once the running max settles: skip the rescale then */
-        vi one = alpha == vsplat(1.0f);
-        int all_one = 1;
-        for (int i = 0; i < VW; i++) all_one &= one[i] != 0;
-        if (!all_one)
-            for (int64_t x = 0; x < rows; x++) *(vf *)(s->acc + x * mp + cv * VW) *= alpha;
+        finish_tile(s, cv, mp, alpha, rescale, sums[0] + sums[1], rows);
     }
 }
 
@@ -336,7 +373,7 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
                 case 1: qk_block_1(s->kf + j * dp, dp, d, s->qt + cv * VW, mp, s->s + j * mp + cv * VW); break;
             }
         }
-        softmax_tile(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments || it->mq * g != mp, 1.0f, dp);
+        softmax_tile(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments, 1.0f, dp);
         for (int64_t x = 0; x < dp; x += 4) {
             int64_t cv = 0;
             for (; cv + 4 <= nvec; cv += 4) pv_block_4(s->vf + x, dp, n, s->s + cv * VW, mp, s->acc + x * mp + cv * VW);
@@ -554,17 +591,47 @@ static inline void pv_tile_bf16(const uint32_t *vt, int64_t dv, int64_t np, cons
     }
 }
 
+/* softmax_tile for the bf16 forms, fused with the rounding of P to bf16 key pairs: P is
+ * never stored as float32; each pair of keys' probabilities goes straight into pp [NKB/2][mp]
+ * (low half key 2jp, high half key 2jp+1, queries on the lanes). */
+static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t nvec, int64_t mp,
+                                      int masked, float scale, int64_t rows) {
+    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const vf vscale = vsplat(scale);
+    for (int64_t cv = 0; cv < nvec; cv++) {
+        vf alpha;
+        int rescale;
+        const vf m = lazy_max(s, cv, tile_max(c, s, p0, n, cv, mp, masked, scale), &alpha, &rescale);
+        vf sum = vsplat(0.0f);
+        for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
+            const vf lo = exp2v(*(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - m);
+            const vf hi = 2 * jp + 1 < n ? exp2v(*(vf *)(s->s + (2 * jp + 1) * mp + cv * VW) * vscale - m)
+                                         : vsplat(0.0f);
+            sum += lo + hi;
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+            _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
+        }
+        finish_tile(s, cv, mp, alpha, rescale, sum, rows);
+    }
+}
+
 static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
     const int64_t d = c->d, dp = c->dp, dh = (d + 1) / 2, dv = (d + 31) / 32 * 32, prefix = it->ctx - it->q_len;
     /* Q^T in pairs; lane i is query token m0 + i / g, head kv_head * g + i % g */
     memset(s->qp, 0, (size_t)(dh * mp) * 4);
-    for (int64_t i = 0; i < nm; i++) {
-        int64_t tok = it->q0 + it->m0 + i / g, head = it->kv_head * g + i % g;
-        const uint16_t *qr = (const uint16_t *)(c->q + (tok * c->sqt + head * c->sqh) * c->esize);
-        for (int64_t t = 0; t < dh; t++)
-            s->qp[t * mp + i] = qr[2 * t] | (2 * t + 1 < d ? (uint32_t)qr[2 * t + 1] << 16 : 0u);
-    }
+    for (int64_t mt = 0, i = 0; mt < it->mq; mt++)
+        for (int64_t h = 0; h < g; h++, i++) {
+            const uint16_t *qr = (const uint16_t *)(c->q + ((it->q0 + it->m0 + mt) * c->sqt +
+                                                            (it->kv_head * g + h) * c->sqh) * c->esize);
+            if (d & 1) {
+                for (int64_t t = 0; t < dh; t++)
+                    s->qp[t * mp + i] = qr[2 * t] | (2 * t + 1 < d ? (uint32_t)qr[2 * t + 1] << 16 : 0u);
+            } else { /* a row's pairs are its 32-bit words */
+                for (int64_t t = 0; t < dh; t++) memcpy(s->qp + t * mp + i, qr + 2 * t, 4);
+            }
+        }
     for (int64_t i = 0; i < mp; i++) {
         s->qpos[i] = i < nm ? (int32_t)(prefix + it->m0 + i / g) : -1; /* padding sees nothing */
         s->qseg[i] = (i < nm && c->segments) ? (int32_t)c->segments[it->q0 + it->m0 + i / g] : 0;
@@ -572,9 +639,6 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
         s->l[i] = 0.0f;
     }
     memset(s->acc, 0, (size_t)(dp * mp) * 4);
-    /* pair interleave of two float32 vectors rounded to bf16 (low half: key j, high: j+1) */
-    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 
     const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
@@ -584,14 +648,7 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
         const int64_t n = kv_end - p0 < NKB ? kv_end - p0 : NKB, np = (n + 1) / 2;
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
         qk_tile_bf16(kr, n, dh, s->qp, nvec, mp, s->s);
-        softmax_tile(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments || it->mq * g != mp, c->qscale, dp);
-        for (int64_t jp = 0; jp < np; jp++)
-            for (int64_t cv = 0; cv < nvec; cv++) {
-                const __m512 lo = _mm512_loadu_ps(s->s + 2 * jp * mp + cv * VW);
-                const __m512 hi = 2 * jp + 1 < n ? _mm512_loadu_ps(s->s + (2 * jp + 1) * mp + cv * VW) : _mm512_setzero_ps();
-                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-                _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
-            }
+        softmax_pairs_bf16(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments, c->qscale, dp);
         pack_v_pairs(vr, n, d, dv, s->vt);
         pv_tile_bf16(s->vt, dv, np, s->pp, nvec, mp, dp, s->acc);
     }
