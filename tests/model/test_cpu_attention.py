@@ -199,6 +199,33 @@ def test_peaked_scores_move_the_softmax_reference_max(backend: CpuAttention, dty
           ref_dtype=torch.float64, fp32_tol=5e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tail_queries_attend_only_each_rows_last_queries(backend: CpuAttention, dtype: torch.dtype) -> None:
+    # The last layer of a forward whose heads read only some positions: per prefill row, the
+    # last `tail` queries (all, some, one, none); decode rows always; every K/V still written.
+    seg = (0, 0, 0, 1, 1, 2, 2, 2, 3)
+    rows = [Row(0, 40), Row(1, 1), Row(20, 37), Row(13, 3, own_in_cache=False), Row(0, 5, own_in_cache=False),
+            Row(3, 1), Row(31, 50), Row(10, len(seg), own_in_cache=False, segments=seg), Row(9, 6)]
+    tails = [40, 1, 3, 0, 37, 5, 1]  # the prefill rows' (the decode rows are apart)
+    b = make_batch(rows, 9, 3, 64, block_size=8, dtype=dtype, seed=7)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    out = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, 0.3, tail_queries=torch.tensor(tails))
+    f = (lambda x: x.float()) if dtype != torch.float32 else (lambda x: x.clone())  # noqa: E731
+    rkc, rvc = f(b.k_cache), f(b.v_cache)
+    ref = TorchAttention().forward(f(b.q), f(b.k), f(b.v), rkc, rvc, b.meta, 0.3)
+    read = [s.query_start + s.query_len - n + j for s, n in zip(b.meta.prefills, tails, strict=True) for j in range(n)]
+    assert b.meta.decodes is not None
+    read = torch.tensor(sorted(read + b.meta.decodes.query_index.tolist()))
+    assert 0 < read.numel() < b.q.shape[0]
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.index_select(0, read).float(), ref.index_select(0, read), atol=tol, rtol=tol)
+    assert torch.equal(kc.float(), rkc.to(dtype).float()) and torch.equal(vc.float(), rvc.to(dtype).float())
+    with pytest.raises(ValueError, match="one count per prefill row"):
+        backend.forward(b.q, b.k, b.v, kc, vc, b.meta, 0.3, tail_queries=torch.tensor(tails[:-1]))
+    with pytest.raises(RuntimeError, match="refused"):  # a tail longer than its row
+        backend.forward(b.q, b.k, b.v, kc, vc, b.meta, 0.3, tail_queries=torch.tensor([41, *tails[1:]]))
+
+
 def test_write_kv_skips_unkept_tokens() -> None:
     assert _BACKEND is not None
     cache = torch.zeros(3, 4, 2, 5)

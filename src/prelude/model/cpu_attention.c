@@ -787,7 +787,8 @@ int prelude_write_kv(const void *k, int64_t skt, int64_t skh, const void *v, int
 }
 
 /* Attention of every row's new tokens; writes out[tok] ([T, heads, d]) for the query tokens
- * of the prefill rows and decode rows. Block tables are int64 [rows, stride], padded.
+ * of the prefill rows (with pre_tail: the last pre_tail[r] of row r only) and decode rows.
+ * Block tables are int64 [rows, stride], padded.
  * slots (or NULL): the forward's n_slots new tokens' pool slots, their K/V written first (one
  * call per layer: the per-call overhead counts at decode, ~30 calls a step).
  * Returns 0, or 1 on arguments it cannot serve (nothing written then), 2 on no memory. */
@@ -795,10 +796,10 @@ int prelude_paged_attention(
     const void *q, int64_t sqt, int64_t sqh, const void *k, int64_t skt, int64_t skh, const void *v, int64_t svt,
     int64_t svh, const void *kc, const void *vc, int64_t scb, int64_t scs, int64_t sch, int64_t block_size,
     int64_t n_pre, const int64_t *pre_start, const int64_t *pre_len, const int64_t *pre_ctx, const int64_t *pre_own,
-    const int64_t *pre_tables, int64_t pre_tstride, int64_t n_dec, const int64_t *dec_index, const int64_t *dec_ctx,
-    const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments, const int64_t *slots, int64_t n_slots,
-    void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads, int64_t d, float scale, int bf16,
-    int threads) {
+    const int64_t *pre_tables, int64_t pre_tstride, const int64_t *pre_tail, int64_t n_dec, const int64_t *dec_index,
+    const int64_t *dec_ctx, const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments,
+    const int64_t *slots, int64_t n_slots, void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads,
+    int64_t d, float scale, int bf16, int threads) {
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 4096 || block_size <= 0 || !(scale > 0.0f))
         return 1;
     Ctx c = {(const char *)q, (const char *)k, (const char *)v, (const char *)kc, (const char *)vc,
@@ -808,9 +809,13 @@ int prelude_paged_attention(
     const int64_t g = c.group, max_m = HAVE_DPBF16 && bf16 ? MAX_M_BF16 : MAX_M;
     const int64_t tile = g >= max_m ? 1 : max_m / g; /* most query tokens per wide item */
     int64_t count = n_dec * kv_heads;
+    /* pre_tail (NULL: all): per prefill row, how many of its last queries are attended;
+     * the others' outputs are never read (the last layer of a forward whose heads read only
+     * some positions), their rows of `out` are left unwritten. The KV write is for all. */
     for (int64_t r = 0; r < n_pre; r++) {
         if (pre_len[r] < 0 || pre_ctx[r] < pre_len[r]) return 1;
-        count += (pre_len[r] + tile - 1) / tile * kv_heads;
+        if (pre_tail && (pre_tail[r] < 0 || pre_tail[r] > pre_len[r])) return 1;
+        count += ((pre_tail ? pre_tail[r] : pre_len[r]) + tile - 1) / tile * kv_heads;
     }
     for (int64_t r = 0; r < n_dec; r++)
         if (dec_ctx[r] < 0) return 1;
@@ -824,9 +829,10 @@ int prelude_paged_attention(
     /* a row's query tokens split evenly over its items (64 tokens: 2 x 32, not 42 + 22: fewer
      * padding lanes); longest rows' items first would balance better, rows come in batch order */
     for (int64_t r = 0; r < n_pre; r++) {
-        const int64_t parts = (pre_len[r] + tile - 1) / tile;
+        const int64_t nq = pre_tail ? pre_tail[r] : pre_len[r], skip = pre_len[r] - nq;
+        const int64_t parts = (nq + tile - 1) / tile;
         for (int64_t part = 0; part < parts; part++) {
-            const int64_t m0 = pre_len[r] * part / parts, m1 = pre_len[r] * (part + 1) / parts;
+            const int64_t m0 = skip + nq * part / parts, m1 = skip + nq * (part + 1) / parts;
             for (int64_t h = 0; h < kv_heads; h++)
                 items[n++] = (Item){pre_start[r], pre_len[r], pre_ctx[r], pre_own[r] != 0,
                                     pre_tables + r * pre_tstride, h, m0, m1 - m0};

@@ -45,12 +45,13 @@ class _Rows:
     dec_tables: torch.Tensor | None
     segments: torch.Tensor | None
     slots: torch.Tensor | None
-    args: tuple[int | None, ...]  # prefill rows, decode rows, segments, slots
+    pre_args: tuple[int | None, ...]  # prefill rows
+    rest_args: tuple[int | None, ...]  # decode rows, segments, slots
 
 
 def _row_args(pre: PrefillTensors | None, dec_index: torch.Tensor | None, dec_lens: torch.Tensor | None,
               dec_tables: torch.Tensor | None, segments: torch.Tensor | None,
-              slots: torch.Tensor | None) -> tuple[int | None, ...]:
+              slots: torch.Tensor | None) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
     def ptr(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
@@ -59,8 +60,7 @@ def _row_args(pre: PrefillTensors | None, dec_index: torch.Tensor | None, dec_le
     else:
         pre_args = (pre.query_lens.numel(), ptr(pre.query_start), ptr(pre.query_lens), ptr(pre.context_lens),
                     ptr(pre.own_kv_in_cache), ptr(pre.block_tables), pre.block_tables.stride(0))
-    return (
-        *pre_args,
+    return pre_args, (
         0 if dec_index is None else dec_index.numel(), ptr(dec_index), ptr(dec_lens), ptr(dec_tables),
         0 if dec_tables is None else dec_tables.stride(0),
         ptr(segments), ptr(slots), 0 if slots is None else slots.numel(),
@@ -91,6 +91,7 @@ class CpuAttention:
 
     name = "cpu"
     reads_prefill_tensors = False  # a CPU backend: no captured graphs
+    attends_tails = True  # forward(..., tail_queries=): only each prefill row's last queries
     devices = ("cpu",)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -99,7 +100,7 @@ class CpuAttention:
         self._attend.argtypes = [
             ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,  # q, k, v
             ptr, ptr, i64, i64, i64, i64,  # caches, strides, block size
-            i64, ptr, ptr, ptr, ptr, ptr, i64,  # prefill rows
+            i64, ptr, ptr, ptr, ptr, ptr, i64, ptr,  # prefill rows (the last: tail queries)
             i64, ptr, ptr, ptr, i64,  # decode rows
             ptr, ptr, i64,  # segments, slots (the KV write)
             ptr, i64, i64,  # out
@@ -130,7 +131,7 @@ class CpuAttention:
         segments = _i64(meta.segment_ids) if meta.segment_ids is not None else None
         slots = _i64(meta.slot_mapping) if meta.slot_mapping is not None else None
         rows = _Rows(pre, dec_index, dec_lens, dec_tables, segments, slots,
-                     _row_args(pre, dec_index, dec_lens, dec_tables, segments, slots))
+                     *_row_args(pre, dec_index, dec_lens, dec_tables, segments, slots))
         self._prepared = (meta, rows)
         return rows
 
@@ -174,10 +175,19 @@ class CpuAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        tail_queries: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`tail_queries` ([prefill rows] int64, or None: all): attend only each prefill
+        row's last so many queries; the other rows of the result are left unwritten (their
+        K/V are written all the same). Decode rows are always attended."""
         if not self.serves(q, k_cache):
             return self._fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
         rows = self._rows(meta)
+        tail = None
+        if tail_queries is not None:
+            tail = _i64(tail_queries)
+            if tail.numel() != (0 if rows.pre is None else rows.pre.query_lens.numel()):
+                raise ValueError("tail_queries needs one count per prefill row")
         q, k, v = self._last_contiguous(q), self._last_contiguous(k), self._last_contiguous(v)
         if rows.slots is not None and (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
                                        or k.dtype != k_cache.dtype or rows.slots.numel() != k.shape[0]):
@@ -188,7 +198,8 @@ class CpuAttention:
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
             v.data_ptr(), v.stride(0), v.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            k_cache.shape[1], *rows.args, out.data_ptr(), out.stride(0), out.stride(1),
+            k_cache.shape[1], *rows.pre_args, None if tail is None else tail.data_ptr(), *rows.rest_args,
+            out.data_ptr(), out.stride(0), out.stride(1),
             q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(),
         )
         if rc != 0:
