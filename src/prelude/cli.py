@@ -41,6 +41,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                    help="run RMSNorm, rotary and SiLU as separate torch ops, not the fused Triton (CUDA) or C "
                         "(float32 CPU) kernels (ablation)")
+    p.add_argument("--no-prune-last-layer", dest="prune_last_layer", action="store_false",
+                   help="CPU: compute the last layer for every position, not only those a head reads (ablation)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch independent work while the previous step runs (default: on with CUDA)")
     p.add_argument("--compile", default="off", choices=["off", "background", "ahead"],
@@ -120,6 +122,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         executor=ExecutorConfig(
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, fused_kernels=args.fused_kernels, compile=args.compile,
+            prune_last_layer=args.prune_last_layer,
         ),
         overlap=args.overlap,
         cache=CacheConfig(

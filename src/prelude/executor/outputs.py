@@ -10,7 +10,7 @@ label scores on one `HostCopy`, and returns a `LaunchedStep` whose `wait` builds
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from prelude.executor import label_heads
 from prelude.executor.host_copy import HostCopy, HostValue
 from prelude.executor.inputs import pack_int64
+from prelude.executor.read_rows import RowRead, local_index
 from prelude.executor.sampler import sample_deferred
 from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import BatchOutput, HeadOutput, HeadSpec, SampleSpec
@@ -68,17 +69,23 @@ class OutputHeads:
         rows: list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
         emittable_vocab: int | None,
         classify_heads: Mapping[str, torch.Tensor] | None = None,
+        reads: Sequence[RowRead] | None = None,
     ) -> LaunchedStep:
-        """Project only what each row asked for: last-token logits, prompt logprobs, heads."""
+        """Project only what each row asked for: last-token logits, prompt logprobs, heads.
+        `reads`: when the forward returned only the positions read (executor/read_rows.py),
+        each row's read positions; `starts` are then the rows' starts among those."""
         copy = HostCopy()
-        want = [(rid, starts[i] + len(tok) - 1, spec) for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
+        read: Sequence[RowRead] = reads if reads is not None else [None] * len(rows)
+        want = [(rid, starts[i] + local_index(read[i], len(tok) - 1), spec)
+                for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
         sampled_build = None
         if want:
             (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
             logits = mask_padded_vocab(self.model.compute_logits(hidden.index_select(0, index)), emittable_vocab)
             sampled_build = sample_deferred(logits, [s for _, _, s in want], copy)
         own = classify_heads or {}  # rows whose LoRA adapter brings its own classification head
-        pending = {rid: self._head(hidden[starts[i] : starts[i] + len(tokens)], tokens, head, copy, own.get(rid))
+        pending = {rid: self._head(hidden[starts[i] : starts[i] + _width(read[i], len(tokens))], tokens, head, copy,
+                                   own.get(rid), read[i])
                    for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}
         copy.start()
 
@@ -90,8 +97,9 @@ class OutputHeads:
                             {rid: i for i, (rid, _, _) in enumerate(want)})
 
     def _head(self, hidden: torch.Tensor, tokens: list[int], head: HeadSpec, copy: HostCopy,  # noqa: ANN202
-              classify_head: torch.Tensor | None = None):
-        """Queue a row's head tensors on `copy`; returns a builder run after the copy."""
+              classify_head: torch.Tensor | None = None, read: RowRead = None):
+        """Queue a row's head tensors on `copy`; returns a builder run after the copy.
+        `hidden`: the row's read positions `read` (None: all, one per token)."""
         prompt: tuple[HostValue, HostValue, HostValue | None, HostValue | None] | None = None
         if head.prompt_logprobs is not None and len(tokens) > 1:
             actual, rank, vals, ids = heads.prompt_token_logprobs(
@@ -103,7 +111,8 @@ class OutputHeads:
         scores: HostValue | None = None
         embedding: HostValue | None = None
         if p is not None and p.task is PoolingTask.LABELS:
-            rows_at, label_ids = pack_int64(self.device, label_heads.score_rows(len(tokens), p), p.label_token_ids)
+            rows_at, label_ids = pack_int64(self.device, [local_index(read, j) for j in label_heads.score_rows(
+                len(tokens), p)], p.label_token_ids)
             scores = copy.add(label_heads.label_scores(
                 hidden.index_select(0, rows_at), label_ids, p.label_softmax,
                 self.model.compute_logits, self.model.compute_label_logits,
@@ -136,3 +145,8 @@ class OutputHeads:
             )
 
         return build
+
+
+def _width(read: RowRead, num_tokens: int) -> int:
+    """A row's rows in the forward's output."""
+    return num_tokens if read is None else len(read)

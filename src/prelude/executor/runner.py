@@ -33,6 +33,7 @@ from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
 from prelude.executor.model_registry import build_model
 from prelude.executor.outputs import CarriedTokens, LaunchedStep, OutputHeads
+from prelude.executor.read_rows import StepReads, row_read, step_reads
 from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.forward_batch import (BatchRow, DecodeBatch, ForwardBatch, HeadSpec, MixedBatch, OneShotBatch,
                                   OneShotRow, SampleSpec)
@@ -131,6 +132,12 @@ class ModelRunner:
             self.adapters = AdapterSlots(cfg, lora, model.dtype, self.device)  # type: ignore[arg-type]
         self._lora_forward = functools.partial(model.forward, segments=segments) if segments else model.forward
         self.step_threads = StepThreads(self.device, *decoder_flops(cfg))
+        # CPU decoders: the last layer computes only the positions the heads read (read_rows.py);
+        # CUDA keeps computing every position (its graphs capture whole steps).
+        self.prune_last_layer = (self.config.prune_last_layer and self.device.type == "cpu"
+                                 and bool(getattr(model, "computes_read_positions", False)))
+        if self.prune_last_layer:
+            logger.info("last layer: computed only for the positions a head reads (--no-prune-last-layer: all)")
 
     def _forward_provider(self, segments: DecoderSegments | None) -> ForwardProvider:
         """Compiled segments where asked for and possible; the eager forward (over the fused
@@ -291,7 +298,11 @@ class ModelRunner:
 
     # --- forwards -----------------------------------------------------------------------
 
-    def forward(self, inputs: StepInputs, lora: LoraStep | None = None) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, lora: LoraStep | None = None, reads: StepReads | None = None) -> torch.Tensor:
+        """The trunk's hidden states: [T, H], or with `reads` those of the read positions only."""
+        if reads is not None:  # never a graph's step (step_reads_for), never with adapters
+            forward = self.forwards.forward_for(inputs.input_ids.shape[0])
+            return forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, reads=reads.positions)
         # Captured graphs take no segment ids: multi-item rows always run eagerly.
         if self.graphs is not None and inputs.token_type_ids is None and inputs.meta.segment_ids is None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta,
@@ -361,29 +372,49 @@ class ModelRunner:
             raise ValueError("a OneShot step has no rows to carry tokens into")
         tokens, sampled = step_size(batch)
         with self.step_threads.for_trunk(tokens):
-            hidden, starts, rows = self._forward_step(batch, carried)
+            hidden, starts, rows, reads = self._forward_step(batch, carried)
         forward_done = time.perf_counter()
         with self.step_threads.for_heads(tokens, sampled):
-            launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch))
+            launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch),
+                                           None if reads is None else reads.rows)
         launched.forward_done = forward_done
         return launched
 
     def _forward_step(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
-            torch.Tensor, list[int], list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]]]:
-        """The trunk of one step: hidden states, each row's start, and what each row asks
-        of the heads (request id, the tokens computed, sampling, head)."""
+            torch.Tensor, list[int], list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
+            StepReads | None]:
+        """The trunk of one step: hidden states, each row's start in them, what each row
+        asks of the heads (request id, the tokens computed, sampling, head) and, when the
+        last layer computed only the positions read, which those are."""
         if isinstance(batch, OneShotBatch):
-            hidden, starts = self.forward_oneshot(batch.rows)
+            inputs = self.inputs.oneshot(batch.rows)
+            lora = self.lora_step([(r.lora, len(r.token_ids) - r.num_cached) for r in batch.rows])
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
-            return hidden, starts, [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
-        if isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
+            rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
+        elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
             inputs = self.inputs.fused(batch.rows, batch.oneshot_rows)
             self._carry(inputs, batch.rows, carried)
             lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows]
                                   + [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.oneshot_rows])
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
             rows += [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.oneshot_rows]
-            return self.forward(inputs, lora), inputs.starts, rows
-        assert isinstance(batch, (DecodeBatch, MixedBatch))
-        hidden, starts = self.forward_rows(batch.rows, carried)
-        return hidden, starts, [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
+        else:
+            assert isinstance(batch, (DecodeBatch, MixedBatch))
+            inputs = self.inputs.paged(batch.rows)
+            self._carry(inputs, batch.rows, carried)
+            lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows])
+            rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
+        reads = self.step_reads_for(inputs, rows) if lora is None else None
+        hidden = self.forward(inputs, lora, reads)
+        return hidden, inputs.starts if reads is None else reads.starts, rows, reads
+
+    def step_reads_for(self, inputs: StepInputs,
+                       rows: Sequence[tuple[str, list[int], SampleSpec | None, HeadSpec | None]]) -> StepReads | None:
+        """The positions the heads read of a step's rows, where the last layer can compute
+        those alone (None: it computes every position)."""
+        if not self.prune_last_layer or self.graphs is not None or inputs.token_type_ids is not None:
+            return None
+        lens = [len(tokens) for _, tokens, _, _ in rows]
+        reads = [row_read(n, sample, head, self.model.default_pooling)
+                 for n, (_, _, sample, head) in zip(lens, rows)]
+        return step_reads(self.device, inputs.starts, lens, reads, [p.query_start for p in inputs.meta.prefills])

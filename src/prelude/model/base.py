@@ -3,6 +3,7 @@ encoders, heads that project only the rows asked for, and the KV layout it alloc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -12,12 +13,26 @@ from prelude.model.attention.metadata import AttentionMetadata
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class ReadPositions:
+    """The positions of a forward whose final hidden states the heads read. A decoder
+    given these computes its last layer's attention, MLP and final norm for them only
+    (its K/V still for every token) and returns their hidden states alone, in this order."""
+
+    index: torch.Tensor  # [K] int64: positions in the flattened batch, ascending
+    # [prefill rows] int64, in `AttentionMetadata.prefills` order: how many of each row's
+    # last queries the last layer attends (its first read position to its end)
+    tail_queries: torch.Tensor
+
+
 class Model(Protocol):
     config: Any
     dtype: torch.dtype
     device: torch.device
     is_encoder: bool
     default_pooling: str
+    # forward(..., reads=ReadPositions) computes the last layer for those positions only
+    computes_read_positions: bool
 
     @property
     def can_generate(self) -> bool: ...

@@ -82,6 +82,7 @@ def _act(name: str, x: torch.Tensor) -> torch.Tensor:
 
 class BertEncoder:
     is_encoder = True
+    computes_read_positions = False  # bidirectional: every layer reads every position
     can_generate = False
 
     def __init__(

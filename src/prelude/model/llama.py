@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from prelude.config import ModelConfig
 from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
-from prelude.model.base import KVCaches
+from prelude.model.base import KVCaches, ReadPositions
 from prelude.model.decoder_segments import (
     EAGER_SEGMENTS,
     DecoderSegments,
@@ -164,13 +164,19 @@ class LlamaForCausalLM:
         token_type_ids: torch.Tensor | None = None,
         segments: DecoderSegments = EAGER_SEGMENTS,
         lora: LoraStep | None = None,
+        reads: ReadPositions | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final-normed hidden states [T, hidden].
         `token_type_ids` exists for the shared forward signature; decoders have none.
         `segments` run the math between attention calls (compiled copies come from the
         executor); attention itself always runs through the backend, eagerly. `lora`: the
         resident adapters and each token's slot; its deltas ride in the projection
-        operands (None: the plain weights, not one op more)."""
+        operands (None: the plain weights, not one op more). `reads`: the positions whose
+        hidden states are read; the last layer computes only those after its K/V (written
+        for every token) and the result is [K, hidden] in their order (None: every position).
+        Not with `lora`: its per-token adapter index covers all T tokens."""
+        if reads is not None and lora is not None:
+            raise ValueError("a forward with LoRA adapters computes every position")
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)  # gathered once, shared by every layer
         if lora is None:
@@ -179,16 +185,36 @@ class LlamaForCausalLM:
             heads = [lora.head(i, w) for i, w in enumerate(self._heads)]
             tails = [lora.tail(i, w) for i, w in enumerate(self._tails)]
         q, k, v = segments.first(self.shape, h, heads[0], cos, sin)
+        last = len(tails) - 1
         for i, (tail, (k_cache, v_cache)) in enumerate(zip(tails, kv_caches, strict=True)):
+            if i == last and reads is not None:
+                return self._last_layer_read(h, q, k, v, k_cache, v_cache, meta, tail, segments, reads)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            if i + 1 < len(tails):
+            if i < last:
                 h, q, k, v = segments.between(self.shape, h, attn, tail, heads[i + 1], cos, sin)
             else:
                 h = segments.last(self.shape, h, attn, tail, self.norm)
         return h
 
+    def _last_layer_read(self, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, tail: TailWeights,
+                         segments: DecoderSegments, reads: ReadPositions) -> torch.Tensor:
+        """The last layer for the read positions only: the backend writes every token's
+        K/V and attends (where it can) only the read rows' tails; o_proj, the MLP and the
+        final norm run on the read rows."""
+        if getattr(self.attention, "attends_tails", False):
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale,  # type: ignore[call-arg]
+                                          tail_queries=reads.tail_queries)
+        else:  # a backend that attends every query: the unread rows are dropped after
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        if reads.index.numel() == 0:
+            return h.new_empty((0, h.shape[1]))
+        return segments.last(self.shape, h.index_select(0, reads.index), attn.index_select(0, reads.index), tail,
+                             self.norm)
+
     is_encoder = False
     default_pooling = "last"
+    computes_read_positions = True
 
     @property
     def max_positions(self) -> int:
