@@ -39,11 +39,11 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #define MAX_M 128    /* query vectors (query tokens x heads of a group) per wide item */
 #define WIDE_MIN 12  /* fewer query vectors than this: the narrow form */
 #define CB 4         /* query vectors (of VW lanes) per register block */
-#define NKB 32       /* keys per tile of the bf16 forms (pairs of keys feed the bf16 dot product) */
+#define NKB 64       /* keys per tile of the bf16 forms (pairs of keys feed the bf16 dot product) */
 #ifndef MAX_M_BF16
 #define MAX_M_BF16 96 /* query vectors per wide item of the bf16 forms: 6 vectors, 2 blocks of 3 */
 #endif
-#define KT_MAX 32    /* the larger of NK and NKB */
+#define KT_MAX 64    /* the larger of NK and NKB */
 #define LAZY_LOG2 8.0f /* how far (log2) a tile max may pass the reference max before a rescale */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -94,6 +94,24 @@ static inline vf exp2v(vf x) {
     vf p = exp2_poly(xc - n);
     vi e = ((vi)big - (vi)magic) << 23;
     return (vf)(((vi)p + e) & keep);
+}
+#endif
+
+#if defined(__AVX512F__)
+/* 2^x for the probabilities rounded to bf16 (8 significant bits): a degree-4 Taylor
+ * polynomial (rel. error <= 4.2e-5 on |f| <= 0.5, a hundredth of bf16's rounding). */
+static inline vf exp2v_bf16(vf x) {
+    const __m512 xm = (__m512)x;
+    const __mmask16 keep = _mm512_cmp_ps_mask(xm, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+    const __m512 xc = _mm512_max_ps(xm, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = (vf)_mm512_sub_ps(xc, n);
+    vf p = vsplat(9.6181291076284772e-3f);
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    return (vf)_mm512_maskz_scalef_ps(keep, (__m512)p, n);
 }
 #endif
 
@@ -605,8 +623,8 @@ static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int6
         const vf m = lazy_max(s, cv, tile_max(c, s, p0, n, cv, mp, masked, scale), &alpha, &rescale);
         vf sum = vsplat(0.0f);
         for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
-            const vf lo = exp2v(*(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - m);
-            const vf hi = 2 * jp + 1 < n ? exp2v(*(vf *)(s->s + (2 * jp + 1) * mp + cv * VW) * vscale - m)
+            const vf lo = exp2v_bf16(*(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - m);
+            const vf hi = 2 * jp + 1 < n ? exp2v_bf16(*(vf *)(s->s + (2 * jp + 1) * mp + cv * VW) * vscale - m)
                                          : vsplat(0.0f);
             sum += lo + hi;
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
