@@ -321,13 +321,14 @@ def test_avx2_build_of_the_c_kernel_keeps_its_portable_bf16_path() -> None:
     if native is None:
         pytest.skip("no C compiler or no AVX2+FMA here")
     avx2 = lora_cpu.LoraKernel(ctypes.CDLL(str(lora_cpu.build(native_lib.AVX2_FLAGS))))
-    assert not avx2.grouped
+    assert not avx2.grouped  # (nor the decode kernel on StreamLayout copies: no copy is made)
     gen = torch.Generator().manual_seed(6)
     outs, rank, n_in = [12, 5, 7], 5, 33
     a = torch.randn(3, n_in, 3 * rank, generator=gen).to(torch.bfloat16)
     b = torch.randn(3, 3 * rank, sum(outs), generator=gen).to(torch.bfloat16)
     x, base = torch.randn(4, n_in, generator=gen).to(torch.bfloat16), torch.randn(4, sum(outs), generator=gen)
     slots, cols = torch.tensor([2, -1, 0, 1]), torch.tensor([0, 12, 17, 24], dtype=torch.int32)
+    assert avx2.stream_layout(a, b, cols) is None
     want = native.delta_(base.to(torch.bfloat16), x, a, b, slots, cols)
     got = avx2.delta_(base.to(torch.bfloat16), x, a, b, slots, cols)
     torch.testing.assert_close(got.float(), want.float(), atol=8e-2, rtol=2e-2)
@@ -361,6 +362,91 @@ def test_grouped_c_kernel_equals_the_grouped_matmul(n_in: int, outs: list[int], 
     assert torch.equal(got[3:5], base[3:5])  # the base rows are left as they were
     b[:, 0:rank, bounds[1]:] = 1e6  # off-diagonal: never read
     torch.testing.assert_close(kernel.grouped_delta_(base.clone(), x, a, b, batch.token_slots, cols), got)
+
+
+@pytest.mark.parametrize("n_in, outs, rank", [(40, [70], 5), (41, [12, 5, 7], 4), (96, [48, 16, 16], 16),
+                                              (33, [37, 3], 40), (1536, [576], 16)])
+def test_streamed_decode_kernel_equals_the_grouped_matmul(n_in: int, outs: list[int], rank: int) -> None:
+    """The few-token bf16 kernel on the StreamLayout copy (AVX512-BF16): an odd input size,
+    odd and wide ranks (several 48-wide shrink blocks), columns off the 16-wide step, a
+    fused projection's diagonal blocks, base rows among adapter rows; equal to torch's
+    grouped matmul within bf16 rounding and to the row-major kernel's sums."""
+    kernel = load_lora_kernel()
+    if kernel is None or not kernel.grouped:
+        pytest.skip("no C compiler or no AVX512-BF16 here")
+    gen = torch.Generator().manual_seed(8)
+    k, n_slots = len(outs), 4
+    bounds = [sum(outs[:j]) for j in range(k + 1)]
+    a = (torch.randn(n_slots, n_in, k * rank, generator=gen) * 0.3).to(torch.bfloat16)
+    b = torch.zeros(n_slots, k * rank, sum(outs))
+    for j in range(k):
+        b[:, j * rank : (j + 1) * rank, bounds[j] : bounds[j + 1]] = torch.randn(n_slots, rank, outs[j], generator=gen)
+    b = (b * 0.3).to(torch.bfloat16)
+    cols = torch.tensor(bounds, dtype=torch.int32)
+    layout = kernel.stream_layout(a, b, cols)
+    assert layout is not None and layout.wp % 16 == 0 and layout.rp % 2 == 0
+    streams = torch.stack([layout.pack(a[s], b[s]) for s in range(n_slots)])
+    ops = kernel.operands(a, b, cols, streams)
+    assert ops is not None and ops.stream is not None
+    row_slots = [2, -1, 0, 3, 2, 1, -1]
+    x = torch.randn(len(row_slots), n_in, generator=gen).to(torch.bfloat16)
+    base = torch.randn(len(row_slots), sum(outs), generator=gen).to(torch.bfloat16)
+    token_slots = torch.tensor(row_slots)
+    batch = LoraBatch.build(row_slots, [1] * len(row_slots), "cpu")
+    assert batch is not None
+    want = batch.delta_into(base.clone(), x, a, b)  # aten's bf16 matmuls
+    got = kernel.run_(base.clone(), x, token_slots, ops, grouped=False)
+    torch.testing.assert_close(got.float(), want.float(), atol=4e-2, rtol=2e-2)
+    row_major = kernel.delta_(base.clone(), x, a, b, token_slots, cols)
+    torch.testing.assert_close(got.float(), row_major.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(got[1], base[1]) and torch.equal(got[6], base[6])  # base rows left as they were
+    b[:, 0:rank, bounds[1]:] = 1e6  # off-diagonal blocks are not in the copy
+    torch.testing.assert_close(kernel.run_(base.clone(), x, token_slots,
+                                           kernel.operands(a, b, cols, torch.stack(
+                                               [layout.pack(a[s], b[s]) for s in range(n_slots)])),
+                                           grouped=False), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_keep_the_decode_kernels_copy_with_every_load(tmp_path: Path, dtype: torch.dtype) -> None:
+    """bf16 on an AVX512-BF16 CPU: LoraSlots keeps each slot's StreamLayout copy in step
+    with the row-major slots (load writes it, clear zeros it) and counts its bytes; a
+    decode step through it equals PEFT's merged model. float32 keeps the row-major
+    kernel (no copy)."""
+    kernel = load_lora_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler or no AVX2+FMA here")
+    hf = hf_base("llama")
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    slots = LoraSlots(config, num_slots=2, max_rank=8, dtype=dtype, device="cpu")
+    streamed = kernel.grouped and dtype == torch.bfloat16
+    assert bool(slots.streams) == streamed
+    assert slots.nbytes == LoraSlots.bytes_for(config, 2, 8, dtype)
+    assert slots.nbytes == sum(t.nbytes for t in (*(x for d in (*slots.a, *slots.b) for x in d.values()),
+                                                    *(s for _, s in slots.streams.values())))
+    merged = save_adapter("llama", tmp_path / "a", seed=31, r=5)
+    slots.load(1, read_adapter("a", tmp_path / "a", config, max_rank=8))
+    for (layer, proj), (layout, streams) in slots.streams.items():
+        assert torch.equal(streams[1], layout.pack(slots.a[layer][proj][1], slots.b[layer][proj][1]))
+        assert streams[1].abs().sum() > 0 and not streams[0].any()
+    runner = ModelRunner.create(config, {k: v.detach().clone() for k, v in hf.state_dict().items()},
+                                ExecutorConfig(device="cpu", dtype=str(dtype).removeprefix("torch.")), 4)
+    runner.allocate_kv_cache(64)
+    kv = KVCacheManager(64, 4)
+    prompts = [[5, 17, 9, 4], [7, 3, 250]]
+    rows = []
+    for i, p in enumerate(prompts):
+        assert kv.allocate(f"r{i}", len(p))
+        rows.append(BatchRow(f"r{i}", p, 0, kv.block_table(f"r{i}"), None))
+    got = logits_of(runner, rows, [1, -1], slots, all_slots=True)  # 7 tokens: the few-token kernel
+    with torch.no_grad():
+        want = merged(torch.tensor([prompts[0]])).logits[0]
+        plain = hf_base("llama")(torch.tensor([prompts[0]])).logits[0]
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    diff, effect = (got[0].float() - want).abs().max().item(), (want - plain).abs().max().item()
+    assert diff <= tol and effect > 5 * tol, (diff, effect)
+    slots.clear(1)
+    assert not any(streams.any() for _, streams in slots.streams.values())
 
 
 @pytest.mark.gpu

@@ -45,7 +45,8 @@ import torch
 from prelude.config import ModelConfig
 from prelude.model.decoder_segments import HeadWeights, Linear, TailWeights, linear
 from prelude.model.linear import bound_onednn_caches, prepack_enabled
-from prelude.model.lora_cpu import CPU_KERNEL_DTYPES, SlotOperands, load_lora_kernel
+from prelude.model.lora_cpu import (CPU_KERNEL_DTYPES, MAX_PACKED_WIDTH, SlotOperands, StreamLayout,
+                                    load_lora_kernel)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -230,12 +231,20 @@ class LoraSlots:
         # reads only the nonzero blocks (q/k/v: a third of B, gate/up: half).
         self.columns = {p: torch.tensor([sum(outs[:j]) for j in range(len(outs) + 1)], dtype=torch.int32)
                         for p, (_, outs) in self._pieces.items()}
+        # Where the decode kernel has its own layout (AVX512-BF16, bf16), a copy of every slot
+        # in it (StreamLayout: each token's A and B one sequential stream), rewritten on load.
+        self.streams: dict[tuple[int, str], tuple[StreamLayout, torch.Tensor]] = {}
         # What the kernel's calls pass, per layer and projection (None where it does not fit).
         self.operands: dict[tuple[int, str], SlotOperands | None] = {}
         if self.kernel is not None:
             for layer, (a, b) in enumerate(zip(self.a, self.b)):
                 for p in self._pieces:
-                    self.operands[(layer, p)] = self.kernel.operands(a[p], b[p], self.columns[p])
+                    layout = self.kernel.stream_layout(a[p], b[p], self.columns[p])
+                    streams = None
+                    if layout is not None:
+                        streams = torch.zeros(num_slots, layout.stride, dtype=dtype)
+                        self.streams[(layer, p)] = (layout, streams)
+                    self.operands[(layer, p)] = self.kernel.operands(a[p], b[p], self.columns[p], streams)
 
     @property
     def nbytes(self) -> int:
@@ -246,11 +255,17 @@ class LoraSlots:
                   device: torch.device | str = "cpu") -> int:
         """Device bytes of a LoraSlots, before building one (the memory budget): the slots,
         and their oneDNN copies where the CPU prepacks."""
-        per_layer = sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in _pieces(config).values())
+        pieces = _pieces(config)
+        per_layer = sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in pieces.values())
         device = torch.device(device)
-        kernel = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and load_lora_kernel() is not None
-        copies = 2 if not kernel and prepack_enabled(dtype, device) else 1
-        return copies * per_layer * config.num_hidden_layers * num_slots * dtype.itemsize
+        kernel = load_lora_kernel() if device.type == "cpu" and dtype in CPU_KERNEL_DTYPES else None
+        copies = 2 if kernel is None and prepack_enabled(dtype, device) else 1
+        streamed = 0  # the decode kernel's StreamLayout copies
+        if kernel is not None and kernel.grouped and dtype == torch.bfloat16:
+            for fan_in, outs in pieces.values():
+                layout = StreamLayout(fan_in, len(outs), max_rank, tuple(sum(outs[:j]) for j in range(len(outs) + 1)))
+                streamed += layout.stride if layout.wp <= MAX_PACKED_WIDTH else 0
+        return (copies * per_layer + streamed) * config.num_hidden_layers * num_slots * dtype.itemsize
 
     def packed(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """oneDNN copies of a projection's A [slots k R, in] and B [out, slots k R] (None
@@ -282,12 +297,16 @@ class LoraSlots:
             rank = a.shape[0]
             self.a[layer][proj][slot, :, j * r : j * r + rank].copy_(a.t())
             self.b[layer][proj][slot, j * r : j * r + rank, off : off + outs[j]].copy_(b.t())
+        for (layer, proj), (layout, streams) in self.streams.items():
+            streams[slot].copy_(layout.pack(self.a[layer][proj][slot], self.b[layer][proj][slot]))
         self.heads[slot] = None if adapter.head is None else adapter.head.to(self.dtype).to(self.device)
 
     def clear(self, slot: int) -> None:
         for layer in (*self.a, *self.b):
             for t in layer.values():
                 t[slot].zero_()
+        for _, streams in self.streams.values():
+            streams[slot].zero_()
         self.heads[slot] = None
         self._packed.clear()
 
