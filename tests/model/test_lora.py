@@ -333,6 +333,9 @@ def test_avx2_build_of_the_c_kernel_keeps_its_portable_bf16_path() -> None:
     got = avx2.delta_(base.to(torch.bfloat16), x, a, b, slots, cols)
     torch.testing.assert_close(got.float(), want.float(), atol=8e-2, rtol=2e-2)
     assert torch.equal(got[1], base[1].to(torch.bfloat16))
+    ops = avx2.operands(a, b, cols)  # what a decode step's calls pass (lora_decode)
+    assert ops is not None and ops.stream is None
+    assert torch.equal(avx2.run_(base.to(torch.bfloat16), x, slots, ops, grouped=False), got)
 
 
 @pytest.mark.parametrize("n_in, outs, rank", [(40, [70], 5), (41, [12, 5, 7], 4), (96, [48, 16, 16], 16)])

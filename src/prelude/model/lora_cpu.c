@@ -560,3 +560,21 @@ void lora_bgmv_packed(int T, int n_in, int S, int Wp, int Rp, int k, const int *
     (void)stride; (void)boff; (void)out; (void)so; (void)slots;
 }
 #endif
+
+/* One projection's slots as lora_decode takes them, filled once when the slots are built
+ * (lora_cpu.py's SlotOperands): a decode step makes ~120 calls, and a ctypes call costs
+ * ~0.1 us an argument, so a call passes only what changes (its tokens). P: the
+ * StreamLayout copy (lora_bgmv_packed), or NULL (lora_bgmv on A and B). */
+typedef struct {
+    int n_in, S, W, n_out, k, bf, Wp, Rp;
+    const int *cols;
+    const void *A, *B, *P;
+    long stride, boff;
+} LoraOperands;
+
+void lora_decode(const LoraOperands *o, int T, const void *x, long sx, void *out, long so, const int64_t *slots) {
+    if (o->P)
+        lora_bgmv_packed(T, o->n_in, o->S, o->Wp, o->Rp, o->k, o->cols, x, sx, o->P, o->stride, o->boff, out, so, slots);
+    else
+        lora_bgmv(T, o->n_in, o->S, o->W, o->n_out, x, sx, o->A, o->B, out, so, slots, o->bf, o->k, o->cols);
+}

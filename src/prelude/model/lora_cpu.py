@@ -73,6 +73,14 @@ class StreamLayout:
         return torch.cat(parts)
 
 
+class _CallOperands(ctypes.Structure):
+    """lora_cpu.c's LoraOperands."""
+
+    _fields_ = [(name, ctypes.c_int) for name in ("n_in", "S", "W", "n_out", "k", "bf", "Wp", "Rp")] + [
+        ("cols", ctypes.c_void_p), ("A", ctypes.c_void_p), ("B", ctypes.c_void_p), ("P", ctypes.c_void_p),
+        ("stride", ctypes.c_long), ("boff", ctypes.c_long)]
+
+
 @dataclass(frozen=True)
 class SlotOperands:
     """One projection's stacked slots as the kernels take them, checked once when the slots
@@ -93,6 +101,16 @@ class SlotOperands:
     # few-token calls read the StreamLayout copy where there is one: (Wp, Rp, its pointer,
     # elements per slot, A's elements) as lora_bgmv_packed takes them
     stream: tuple[int, int, int, int, int] | None = None
+    call: _CallOperands | None = None  # all of the above for lora_decode (built in __post_init__)
+    call_ptr: int = 0
+
+    def __post_init__(self) -> None:
+        wp, rp, streams, stride, a_size = self.stream or (0, 0, 0, 0, 0)
+        call = _CallOperands(self.n_in, self.n_slots, self.width, self.n_out, self.targets,
+                             int(self.dtype == torch.bfloat16), wp, rp, self.cols_ptr, self.a_ptr, self.b_ptr,
+                             streams or None, stride, a_size)
+        object.__setattr__(self, "call", call)
+        object.__setattr__(self, "call_ptr", ctypes.addressof(call))
 
 
 class LoraKernel:
@@ -109,6 +127,9 @@ class LoraKernel:
         self._streamed.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, ptr, ptr, c_long, ptr, c_long, c_long, ptr,
                                    c_long, ptr]
         self._streamed.restype = None
+        self._decode = lib.lora_decode
+        self._decode.argtypes = [ptr, c_int, ptr, c_long, ptr, c_long, ptr]
+        self._decode.restype = None
         # The grouped many-token kernel and the decode kernel on StreamLayout copies are
         # built only where the CPU has AVX512-BF16.
         self.grouped = bool(lib.lora_sgmv_available())
@@ -159,14 +180,9 @@ class LoraKernel:
             assert self.grouped and ops.dtype == torch.bfloat16
             self._sgmv(tokens, ops.n_in, ops.n_slots, ops.width, ops.n_out, x.data_ptr(), x.stride(0), ops.a_ptr,
                        ops.b_ptr, out.data_ptr(), out.stride(0), token_slots.data_ptr(), ops.targets, ops.cols_ptr)
-        elif ops.stream is not None:
-            wp, rp, streams, stride, a_size = ops.stream
-            self._streamed(tokens, ops.n_in, ops.n_slots, wp, rp, ops.targets, ops.cols_ptr, x.data_ptr(), x.stride(0),
-                           streams, stride, a_size, out.data_ptr(), out.stride(0), token_slots.data_ptr())
-        else:
-            self._fn(tokens, ops.n_in, ops.n_slots, ops.width, ops.n_out, x.data_ptr(), x.stride(0), ops.a_ptr,
-                     ops.b_ptr, out.data_ptr(), out.stride(0), token_slots.data_ptr(),
-                     int(ops.dtype == torch.bfloat16), ops.targets, ops.cols_ptr)
+        else:  # lora_bgmv_packed on the StreamLayout copy where there is one, else lora_bgmv
+            self._decode(ops.call_ptr, tokens, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                         token_slots.data_ptr())
         return out
 
     def delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
