@@ -212,7 +212,8 @@ class AsyncEngine:
                 self._sinks.pop(request_id, None)
                 if not finished:
                     self._inbox.append(("abort", request_id))
-            self._wake.set()
+            if not finished:  # a finished request leaves the engine nothing to do: no wake-up
+                self._wake.set()
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None = None,

@@ -62,9 +62,13 @@ class RequestOutput:
     exec_class: ExecClass | None = None  # the class validation picked (None: a test double's output)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """Engine-side state of one sequence. Mutated only by the engine thread."""
+    """Engine-side state of one sequence. Mutated only by the engine thread.
+
+    Compared by identity (eq=False): one object per sequence, and the scheduler's list
+    membership tests (`in`, `remove`) on a generated field-by-field __eq__ built two
+    30-field tuples per comparison, O(rows^2) of them per decode step."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -510,6 +510,7 @@ class Scheduler:
         slots = self.config.max_decode_batch or len(order)
         victims = by_arrival(prefilling) + [r for r in order if r.request_id not in busy]
         served: list[Request] = []
+        preempted = len(result.preempted)
         while order and budget > 0 and len(served) < slots:
             req = order.pop(0)
             if not self._adapter_fits(req, result):
@@ -529,11 +530,14 @@ class Scheduler:
                     order = [r for r in order if r.status is RequestStatus.RUNNING]  # drop the preempted
                     continue
                 rows.append(self._row(req, 1))
-            order = [r for r in order if r.status is RequestStatus.RUNNING]  # drop the preempted
+            if len(result.preempted) != preempted:  # drop the preempted (rebuilt only then: O(rows) each)
+                preempted = len(result.preempted)
+                order = [r for r in order if r.status is RequestStatus.RUNNING]
             result.scheduled[req.request_id] = 1
             served.append(req)
             budget -= 1
-        self.policy.decode.on_step(served, [r for r in decoding if r not in served and r in self.running], now)
+        served_set, running_set = set(served), set(self.running)  # Requests hash by identity
+        self.policy.decode.on_step(served, [r for r in decoding if r not in served_set and r in running_set], now)
 
         # 2. Prompt work (in-progress chunks and waiting prompts), in the prefill policy's
         # order; in a fused step, OneShot prompts share what the decodes left, taking turns
