@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from prelude.executor.step_threads import SMALL_STEP_FLOPS, StepThreads, decoder_flops
+import prelude.executor.step_threads as step_threads
+from prelude.executor.step_threads import SMALL_STEP_FLOPS, TINY_MODEL_FLOPS, StepThreads, decoder_flops
 
 
 def _tiny_cfg() -> object:
@@ -35,7 +36,28 @@ def test_decoder_flops_counts_projections_and_head() -> None:
     assert per_row == 2 * 128 * 49152
 
 
-def test_small_trunk_runs_on_one_thread_and_restores_the_team(team: int) -> None:
+@pytest.fixture
+def no_tiny_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size bounds alone, for the small test shapes (which are all tiny models)."""
+    monkeypatch.setattr(step_threads, "TINY_MODEL_FLOPS", 0.0)
+
+
+def test_a_tiny_model_runs_every_step_on_one_thread(team: int) -> None:
+    """The free model (below TINY_MODEL_FLOPS a token): a 32 x 128-token OneShot step and
+    64 sampled rows run on one thread; SmolLM2's shape is not tiny."""
+    per_token, _ = decoder_flops(_tiny_cfg())
+    assert per_token < TINY_MODEL_FLOPS < decoder_flops(_smol_cfg())[0]
+    threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()))
+    assert threads.trunk_is_small(32 * 128) and threads.heads_are_small(32 * 128, 64)
+    with threads.for_trunk(32 * 128):
+        assert torch.get_num_threads() == 1
+    with threads.for_heads(64, 64):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == team
+    assert not StepThreads(torch.device("cpu"), *decoder_flops(_smol_cfg())).tiny_model
+
+
+def test_small_trunk_runs_on_one_thread_and_restores_the_team(team: int, no_tiny_rule: None) -> None:
     threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()))
     assert threads.trunk_is_small(128) and not threads.trunk_is_small(4096)
     with threads.for_trunk(128):
@@ -48,7 +70,7 @@ def test_small_trunk_runs_on_one_thread_and_restores_the_team(team: int) -> None
     assert torch.get_num_threads() == team  # restored on failure too
 
 
-def test_heads_of_a_small_trunk_keep_one_thread_until_many_rows_sample(team: int) -> None:
+def test_heads_of_a_small_trunk_keep_one_thread_until_many_rows_sample(team: int, no_tiny_rule: None) -> None:
     threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()))
     # Decode of the free model: 8 rows through its 49,152-row head stay on one thread
     # (trunk and head alike); 64 rows give the head the team, the trunk stays on one.
@@ -78,10 +100,10 @@ def test_an_unreadable_config_keeps_the_team(team: int) -> None:
         assert torch.get_num_threads() == team
 
 
-def test_a_decode_step_runs_its_trunk_and_heads_on_the_threads_they_were_given(team: int, monkeypatch) -> None:  # noqa: ANN001
+def test_a_decode_step_runs_its_trunk_and_heads_on_the_threads_they_were_given(
+        team: int, monkeypatch, no_tiny_rule: None) -> None:  # noqa: ANN001
     """Through ModelRunner.launch: a tiny model's trunk on one thread; its heads on one
     thread while few rows sample, on the team once the sampled rows' head work is large."""
-    import prelude.executor.step_threads as step_threads
     from prelude.engine.request import SamplingParams
     from tests.engine.tiny import hf_tiny_llama, tiny_engine
 

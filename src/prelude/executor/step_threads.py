@@ -19,6 +19,15 @@ free model at c=8: both on one thread; at c=64 the head keeps the team). A model
 one decode row is above SMALL_STEP_FLOPS (the default model: ~0.2 GFLOP a token) keeps
 the whole team for everything, as before. Setting the count costs ~0.2 µs and applies
 to the calling (engine) thread's team; on CUDA this does nothing.
+
+A model below TINY_MODEL_FLOPS a token (the free model of `bench overhead`: ~0.6 MFLOP)
+runs every step on one thread, batched OneShot prompts and wide decode heads included.
+Its steps are never long enough to pay for the team when the server is busy: the other
+core is what the HTTP thread (and, in the benchmark, the client) runs on. Measured, the
+free model at load average ~5, alternated (server CPU per request, all threads): 128/1
+c=32 6.3 -> 1.5 ms (98 -> 145 req/s), 8-prompt requests 34 -> 6.5 ms (132 -> 726
+prompts/s); idle, the team's worker spun 0.74 ms a c=32 request. What an idle machine
+loses: a single large step of such a model (a long prompt) would split ~2x.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ SMALL_STEP_FLOPS = 1e8
 # The heads of a step with a small trunk stay on one thread below this (the LM head's
 # multiply-adds x 2 over the sampled rows): ~16 rows of a hidden-128, 49,152-row head.
 SMALL_HEAD_FLOPS = 2e8
+# A model below this a token (2 x its weights a token passes through) is tiny: all its
+# steps run on one thread. The free model is ~0.6 MFLOP a token, SmolLM2-135M ~0.2 GFLOP.
+TINY_MODEL_FLOPS = 5e6
 
 
 class StepThreads:
@@ -46,11 +58,16 @@ class StepThreads:
         self.flops_per_token = flops_per_token
         self.flops_per_logit_row = flops_per_logit_row
 
+    @property
+    def tiny_model(self) -> bool:
+        return self.flops_per_token < TINY_MODEL_FLOPS
+
     def trunk_is_small(self, tokens: int) -> bool:
-        return tokens * self.flops_per_token < SMALL_STEP_FLOPS
+        return self.tiny_model or tokens * self.flops_per_token < SMALL_STEP_FLOPS
 
     def heads_are_small(self, tokens: int, logit_rows: int) -> bool:
-        return self.trunk_is_small(tokens) and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS
+        return self.tiny_model or (self.trunk_is_small(tokens)
+                                   and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS)
 
     def for_trunk(self, tokens: int) -> contextlib.AbstractContextManager[None]:
         return self._one_thread(self.trunk_is_small(tokens))
