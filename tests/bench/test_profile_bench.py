@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prelude.bench.profile_bench import CATEGORIES, labelled, profile_steps
+from prelude.bench.profile_bench import CATEGORIES, _ab_last_layer, labelled, profile_steps
 from prelude.model.cpu_fused_kernels import CpuFusedKernels
 from prelude.model.linear import Projection
 
@@ -48,3 +48,25 @@ def test_labels_are_taken_off() -> None:
         assert Projection.__call__ is not call and "forward" in vars(model.attention)
     assert Projection.__call__ is call and CpuFusedKernels.rms_norm is rms
     assert "forward" not in vars(model.attention)
+
+
+def test_last_layer_ab_alternates_the_runners_choice_and_restores_it() -> None:
+    class Runner:
+        prune_last_layer = True
+
+    class Engine:
+        runner = Runner()
+
+    engine = Engine()
+    seen: list[tuple[bool, int]] = []
+
+    def prefill_run(prompts: list[list[int]]):  # noqa: ANN202
+        def run() -> int:
+            seen.append((engine.runner.prune_last_layer, prompts[0][0]))
+            return 1
+        return run
+
+    res = _ab_last_layer(engine, prefill_run, [[i] for i in range(6)])
+    assert seen == [(i % 2 == 1, i) for i in range(6)]
+    assert engine.runner.prune_last_layer is True
+    assert len(res["off"]["ms"]) == len(res["on"]["ms"]) == 3 and res["on"]["median_ms"] >= 0

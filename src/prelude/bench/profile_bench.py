@@ -148,15 +148,16 @@ def _drain(engine: Any) -> int:
 
 
 def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: int, decode_rows: int,
-              decode_steps: int, seed: int) -> dict[str, Any]:
+              decode_steps: int, seed: int, prune_last_layer: bool = True, ab_last_layer: int = 0,
+              ab_prefix_tokens: int = 0) -> dict[str, Any]:
     from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
     from prelude.engine.engine import LLMEngine
     from prelude.params import SamplingParams
 
     engine = LLMEngine.from_config(EngineConfig(
-        model=model_path, executor=ExecutorConfig(device="cpu", dtype=dtype),
-        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, prompt_tokens)),
+        model=model_path, executor=ExecutorConfig(device="cpu", dtype=dtype, prune_last_layer=prune_last_layer),
+        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=ab_prefix_tokens > 0),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, prompt_tokens + ab_prefix_tokens)),
     ))
     model = engine.runner.model
     vocab = int(model.config.vocab_size)
@@ -190,11 +191,45 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
     engine.abort_all()
     _drain(engine)
     result = {"dtype": str(model.dtype).removeprefix("torch."), "segments": engine.runner.forwards.__class__.__name__,
+              "prune_last_layer": engine.runner.prune_last_layer,
               "prefill": profile_steps(prefill_run(_prompts(prefills, prompt_tokens, vocab, seed + 2)), model)}
     start_decode(decode_rows)
     result["decode"] = profile_steps(decode_run(decode_steps), model)
     engine.abort_all()
+    _drain(engine)
+    if ab_last_layer > 0:
+        # the A/B's prompts share a cached prefix where asked (the judge's shape), else none
+        shared = _prompts(1, ab_prefix_tokens, vocab, seed + 4)[0]
+        prompts = [shared + ids for ids in _prompts(2 * ab_last_layer + 1, prompt_tokens, vocab, seed + 3)]
+        prefill_run(prompts[:1])()  # publishes the shared prefix
+        result["last_layer_ab"] = _ab_last_layer(engine, prefill_run, prompts[1:])
     return result
+
+
+def _ab_last_layer(engine: Any, prefill_run: Callable[[list[list[int]]], Callable[[], int]],
+                   prompts: list[list[int]]) -> dict[str, Any]:
+    """One prefill at a time, the last layer computing every position (off) and only the
+    read one (on), alternated in this one engine, no profiler: wall ms per prefill, and the
+    process's CPU ms (steadier than wall time on a shared machine, at one thread)."""
+    import statistics
+
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    runner = engine.runner
+    saved = runner.prune_last_layer
+    try:
+        for i, ids in enumerate(prompts):
+            mode = ("off", "on")[i % 2]
+            runner.prune_last_layer = mode == "on"
+            t0, c0 = time.perf_counter(), time.process_time()
+            prefill_run([ids])()
+            times[mode].append((time.perf_counter() - t0) * 1000)
+            cpu[mode].append((time.process_time() - c0) * 1000)
+    finally:
+        runner.prune_last_layer = saved
+    return {m: {"median_ms": statistics.median(t), "ms": [round(x, 2) for x in t],
+                "median_cpu_ms": statistics.median(cpu[m]), "cpu_ms": [round(x, 2) for x in cpu[m]]}
+            for m, t in times.items()}
 
 
 def print_result(res: dict[str, Any], prompt_tokens: int, decode_rows: int) -> None:
@@ -241,18 +276,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-rows", type=int, default=4)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prune-last-layer", dest="prune_last_layer", action="store_false",
+                   help="the last layer computes every position (the before of that change)")
+    p.add_argument("--ab-last-layer", type=int, default=0, metavar="N",
+                   help="after the profiles, N prefills each with the last layer computing every position and "
+                        "only the read one, alternated in the same engine (no profiler): medians")
+    p.add_argument("--ab-prefix-tokens", type=int, default=0, metavar="P",
+                   help="the A/B's prompts: a shared P-token prefix (cached: prefix caching on) before the "
+                        "--prompt-tokens new ones")
     p.add_argument("--out", default="bench_results/profile")
     args = p.parse_args(argv)
     from prelude.bench.results import write_json
     from prelude.executor.device import cpu_isa_flags
 
     flags = sorted(f for f in cpu_isa_flags() if f.startswith(("avx", "amx")))
-    print(f"CPU flags: {' '.join(flags) or 'none'}")
+    print(f"CPU flags: {' '.join(flags) or 'none'}; last layer for the read positions only: "
+          f"{'on' if args.prune_last_layer else 'off'}")
     results = []
     for dtype in args.dtypes.split(","):
         res = run_dtype(dtype, args.model, args.prefills, args.prompt_tokens, args.decode_rows, args.decode_steps,
-                        args.seed)
+                        args.seed, args.prune_last_layer, args.ab_last_layer, args.ab_prefix_tokens)
         print_result(res, args.prompt_tokens, args.decode_rows)
+        if "last_layer_ab" in res:
+            ab = res["last_layer_ab"]
+            cached = f"{args.ab_prefix_tokens} cached + " if args.ab_prefix_tokens else ""
+            print(f"{res['dtype']:>9} {cached}{args.prompt_tokens}-token prefill, last layer for every position "
+                  f"{ab['off']['median_ms']:.2f} ms ({ab['off']['median_cpu_ms']:.2f} ms CPU), for the read one "
+                  f"{ab['on']['median_ms']:.2f} ms ({ab['on']['median_cpu_ms']:.2f} ms CPU) "
+                  f"(medians of {len(ab['on']['ms'])} alternated)")
         results.append(res)
     out = Path(args.out)
     write_json(out.with_suffix(".json"), {"cpu_flags": flags, "args": vars(args), "results": results})

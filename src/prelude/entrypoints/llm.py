@@ -44,6 +44,7 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         fused_kernels: bool = True,
+        prune_last_layer: bool = True,
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -65,7 +66,7 @@ class LLM:
                 seed=seed,
                 executor=ExecutorConfig(
                     device=device, dtype=dtype, attention_backend=attention_backend, enforce_eager=enforce_eager,
-                    fused_kernels=fused_kernels,
+                    fused_kernels=fused_kernels, prune_last_layer=prune_last_layer,
                 ),
                 cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory_gib,
                                   gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_kv_blocks),

@@ -404,7 +404,8 @@ class ModelRunner:
             self._carry(inputs, batch.rows, carried)
             lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows])
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
-        reads = self.step_reads_for(inputs, rows) if lora is None else None
+        # a decode step reads every row's one token: no need to look
+        reads = self.step_reads_for(inputs, rows) if lora is None and not isinstance(batch, DecodeBatch) else None
         hidden = self.forward(inputs, lora, reads)
         return hidden, inputs.starts if reads is None else reads.starts, rows, reads
 
