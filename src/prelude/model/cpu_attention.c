@@ -501,14 +501,15 @@ static inline void pack_v_pairs(const uint16_t *const *vr, int64_t n, int64_t d,
     }
 }
 
-/* The tile's K and V row pointers (zero rows from n up to the next multiple of 4, or of 2
- * for V), and the keys' segment ids; with an odd head_dim the K rows are copied with a zero
- * pad so that every pair is in bounds. */
+/* The tile's K and V row pointers (zero rows from n up to the next multiple of 16: the
+ * wide form reads keys in blocks of 8 and V in pairs, the narrow form 16 keys), and the
+ * keys' segment ids; with an odd head_dim the K rows are copied with a zero pad so that
+ * every pair is in bounds. */
 static inline void tile_rows_bf16(const Ctx *c, const Item *it, Scratch *s, int64_t p0, int64_t n, int64_t cache_end,
                                   const uint16_t **kr, const uint16_t **vr) {
     const int64_t prefix = it->ctx - it->q_len, dh = (c->d + 1) / 2;
     tile_ptrs(c, it, p0, n, cache_end, (const char **)kr, (const char **)vr);
-    for (int64_t j = 0; j < NKB; j++) {
+    for (int64_t j = 0; j < (n + 15) / 16 * 16; j++) {
         if (j < n) {
             const int64_t p = p0 + j;
             s->kseg[j] = (c->segments && p >= prefix) ? c->segments[it->q0 + (p - prefix)] : 0;
