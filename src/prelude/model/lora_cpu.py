@@ -185,6 +185,15 @@ class LoraKernel:
                          token_slots.data_ptr())
         return out
 
+    def decode_(self, out: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, ops: SlotOperands) -> torch.Tensor:
+        """`run_` of a few-token call (not grouped), the checks it needs and no more."""
+        tokens, n_in = x.shape
+        assert (n_in == ops.n_in and out.shape == (tokens, ops.n_out) and x.stride(1) == 1 and out.stride(1) == 1
+                and token_slots.shape == (tokens,) and x.dtype == out.dtype == ops.dtype)
+        self._decode(ops.call_ptr, tokens, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                     token_slots.data_ptr())
+        return out
+
     def delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                token_slots: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
         """out[t] += (x[t] @ a[s]) @ b[s] for s = token_slots[t] >= 0 (a: [S, in, W], b:
