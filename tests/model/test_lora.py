@@ -369,11 +369,12 @@ def test_grouped_c_kernel_equals_the_grouped_matmul(n_in: int, outs: list[int], 
 
 @pytest.mark.parametrize("n_in, outs, rank", [(40, [70], 5), (41, [12, 5, 7], 4), (96, [48, 16, 16], 16),
                                               (33, [37, 3], 40), (1536, [576], 16)])
-def test_streamed_decode_kernel_equals_the_grouped_matmul(n_in: int, outs: list[int], rank: int) -> None:
+def test_c_kernels_on_the_stream_copy_equal_the_grouped_matmul(n_in: int, outs: list[int], rank: int) -> None:
     """The few-token bf16 kernel on the StreamLayout copy (AVX512-BF16): an odd input size,
     odd and wide ranks (several 48-wide shrink blocks), columns off the 16-wide step, a
     fused projection's diagonal blocks, base rows among adapter rows; equal to torch's
-    grouped matmul within bf16 rounding and to the row-major kernel's sums."""
+    grouped matmul within bf16 rounding and to the row-major kernel's sums. The grouped
+    kernel (prefill) on the same copy."""
     kernel = load_lora_kernel()
     if kernel is None or not kernel.grouped:
         pytest.skip("no C compiler or no AVX512-BF16 here")
@@ -392,22 +393,33 @@ def test_streamed_decode_kernel_equals_the_grouped_matmul(n_in: int, outs: list[
     ops = kernel.operands(a, b, cols, streams)
     assert ops is not None and ops.stream is not None
     row_slots = [2, -1, 0, 3, 2, 1, -1]
-    x = torch.randn(len(row_slots), n_in, generator=gen).to(torch.bfloat16)
-    base = torch.randn(len(row_slots), sum(outs), generator=gen).to(torch.bfloat16)
-    token_slots = torch.tensor(row_slots)
+    xd = torch.randn(len(row_slots), n_in, generator=gen).to(torch.bfloat16)
+    based = torch.randn(len(row_slots), sum(outs), generator=gen).to(torch.bfloat16)
+    slots_d = torch.tensor(row_slots)
     batch = LoraBatch.build(row_slots, [1] * len(row_slots), "cpu")
     assert batch is not None
-    want = batch.delta_into(base.clone(), x, a, b)  # aten's bf16 matmuls
-    got = kernel.run_(base.clone(), x, token_slots, ops, grouped=False)
-    torch.testing.assert_close(got.float(), want.float(), atol=4e-2, rtol=2e-2)
-    row_major = kernel.delta_(base.clone(), x, a, b, token_slots, cols)
-    torch.testing.assert_close(got.float(), row_major.float(), atol=2e-2, rtol=1e-2)
-    assert torch.equal(got[1], base[1]) and torch.equal(got[6], base[6])  # base rows left as they were
+    want = batch.delta_into(based.clone(), xd, a, b)  # aten's bf16 matmuls
+    got_d = kernel.run_(based.clone(), xd, slots_d, ops, grouped=False)
+    torch.testing.assert_close(got_d.float(), want.float(), atol=4e-2, rtol=2e-2)
+    row_major = kernel.delta_(based.clone(), xd, a, b, slots_d, cols)
+    torch.testing.assert_close(got_d.float(), row_major.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(got_d[1], based[1]) and torch.equal(got_d[6], based[6])  # base rows left as they were
+    # the grouped many-token kernel (prefill) reads the same copy instead of repacking
+    # each slot per call: the same sums as its repacked path, and equal to torch's
+    row_slots, row_lens = [2, -1, 0, 2, 3, 1], [3, 2, 1, 20, 9, 11]
+    token_slots = torch.tensor([s for s, n in zip(row_slots, row_lens) for _ in range(n)])
+    x = torch.randn(sum(row_lens), n_in, generator=gen).to(torch.bfloat16)
+    base = torch.randn(sum(row_lens), sum(outs), generator=gen).to(torch.bfloat16)
+    got = kernel.run_(base.clone(), x, token_slots, ops, grouped=True)
+    assert torch.equal(got, kernel.grouped_delta_(base.clone(), x, a, b, token_slots, cols))
+    batch = LoraBatch.build(row_slots, row_lens, "cpu")
+    assert batch is not None
+    torch.testing.assert_close(got.float(), batch.delta_into(base.clone(), x, a, b).float(), atol=4e-2, rtol=2e-2)
+    assert torch.equal(got[3:5], base[3:5])
     b[:, 0:rank, bounds[1]:] = 1e6  # off-diagonal blocks are not in the copy
-    torch.testing.assert_close(kernel.run_(base.clone(), x, token_slots,
-                                           kernel.operands(a, b, cols, torch.stack(
-                                               [layout.pack(a[s], b[s]) for s in range(n_slots)])),
-                                           grouped=False), got)
+    ops = kernel.operands(a, b, cols, torch.stack([layout.pack(a[s], b[s]) for s in range(n_slots)]))
+    assert torch.equal(kernel.run_(based.clone(), xd, slots_d, ops, grouped=False), got_d)
+    assert torch.equal(kernel.run_(base.clone(), x, token_slots, ops, grouped=True), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

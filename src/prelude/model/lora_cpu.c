@@ -277,8 +277,9 @@ static inline __attribute__((always_inline)) void shrink_tile(const int NZ, cons
             _mm256_storeu_si256((__m256i *)(y + m * Wp + w0 + 16 * z), (__m256i)_mm512_cvtneps_pbh(acc[m][z]));
 }
 
-/* out[rows m, c0 : c0 + 16 NZ] += y[m, yoff : yoff + Rp] @ Bpack[:, c0 :] (Bpack = [Rp/2,
- * njp, 2]); columns at or past nj are padding and not stored; rows past `count` are not. */
+/* out[rows m, c0 : c0 + 16 NZ] += y[m, yoff : yoff + Rp] @ Bpack[:, c0 :] (Bpack = [njp/16,
+ * Rp/2, 16, 2], the StreamLayout's); columns at or past nj are padding and not stored; rows
+ * past `count` are not. */
 static inline __attribute__((always_inline)) void expand_tile(const int NZ, const uint16_t *y, int Wp, int yoff,
                                                               int Rp, const uint16_t *Bp, int njp, int nj, int c0,
                                                               uint16_t *const *orow, int count) {
@@ -290,7 +291,7 @@ static inline __attribute__((always_inline)) void expand_tile(const int NZ, cons
                               : _mm512_setzero_ps();
     for (int r2 = 0; r2 < Rp / 2; r2++) {
         __m512bh b[3];
-        for (int z = 0; z < NZ; z++) b[z] = (__m512bh)_mm512_loadu_si512(Bp + ((long)r2 * njp + c0 + 16 * z) * 2);
+        for (int z = 0; z < NZ; z++) b[z] = (__m512bh)_mm512_loadu_si512(Bp + ((long)(c0 / 16 + z) * (Rp / 2) + r2) * 32);
         for (int m = 0; m < TILE; m++) {
             const __m512bh yv = pair_of(y + m * Wp + yoff + 2 * r2);
             for (int z = 0; z < NZ; z++) acc[m][z] = _mm512_dpbf16_ps(acc[m][z], b[z], yv);
@@ -314,7 +315,8 @@ static inline __attribute__((always_inline)) void expand_tile(const int NZ, cons
 }
 
 /* Slot s's A [n_in, W] -> Ap [n2, Wp, 2] (column j Rp + r holds target j's rank r) and
- * its B's diagonal blocks j [R, nj] -> Bp + boff[j] as [Rp/2, njp, 2]. */
+ * its B's diagonal blocks j [R, nj] -> Bp + boff[j] as [njp/16, Rp/2, 16, 2]: the
+ * StreamLayout (lora_cpu.py), which slots with a copy in it skip this for. */
 static void repack(int s, int n_in, int W, int n_out, int k, const int *cols, int R, int Rp, int Wq, int Wp,
                    const uint16_t *Ab, const uint16_t *Bb, const long *boff, uint16_t *Ap, uint16_t *Bp) {
     const int n2 = (n_in + 1) / 2;
@@ -329,7 +331,9 @@ static void repack(int s, int n_in, int W, int n_out, int k, const int *cols, in
         const int c_lo = cols[j], nj = cols[j + 1] - c_lo, njp = (nj + 15) & ~15;
         for (int r2 = 0; r2 < Rp / 2; r2++) {
             const uint16_t *b0 = Bb + ((long)s * W + j * R + 2 * r2) * n_out + c_lo;
-            interleave(Bp + boff[j] + (long)r2 * njp * 2, b0, 2 * r2 + 1 < R ? b0 + n_out : NULL, nj, njp);
+            for (int c = 0; c < njp; c += 16)  /* one 16-column block of the pair of rows */
+                interleave(Bp + boff[j] + ((long)(c / 16) * (Rp / 2) + r2) * 32, b0 + c, 2 * r2 + 1 < R ? b0 + n_out + c : NULL,
+                           nj - c < 16 ? nj - c : 16, 16);
         }
     }
 }
@@ -352,7 +356,8 @@ static uint16_t *scratch(int which, size_t elems) {
 }
 
 void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx, const void *A, const void *B,
-               void *out, long so, const int64_t *slots, int k, const int *cols) {
+               void *out, long so, const int64_t *slots, int k, const int *cols, const void *P, long stride,
+               long pboff) {
     const uint16_t *X = (const uint16_t *)x, *Ab = (const uint16_t *)A, *Bb = (const uint16_t *)B;
     uint16_t *O = (uint16_t *)out;
     const int R = W / k, Rp = (R + 1) & ~1, Wq = k * Rp, Wp = (Wq + 15) & ~15, n2 = (n_in + 1) / 2;
@@ -386,13 +391,18 @@ void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx,
         }
     #pragma omp parallel if (n_items > 1)
     {
-        uint16_t *Ap = scratch(0, (size_t)n2 * Wp * 2), *Bp = scratch(1, (size_t)bsize);
+        /* P: the slots' StreamLayout copy (A and B as the tiles read them): no repack */
+        uint16_t *Ap = P ? NULL : scratch(0, (size_t)n2 * Wp * 2), *Bp = P ? NULL : scratch(1, (size_t)bsize);
         int packed = -1;
         #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < n_items; it++) {
-            if (!Ap || !Bp) continue;
             const int s = items[3 * it], lo = items[3 * it + 1], hi = items[3 * it + 2];
-            if (packed != s) {
+            if (P) {
+                Ap = (uint16_t *)P + s * stride;
+                Bp = Ap + pboff;
+            } else if (!Ap || !Bp) {
+                continue;
+            } else if (packed != s) {
                 repack(s, n_in, W, n_out, k, cols, R, Rp, Wq, Wp, Ab, Bb, boff, Ap, Bp);
                 packed = s;
             }
@@ -549,7 +559,9 @@ void lora_bgmv_packed(int T, int n_in, int S, int Wp, int Rp, int k, const int *
 int lora_sgmv_available(void) { return 0; }
 
 void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx, const void *A, const void *B,
-               void *out, long so, const int64_t *slots, int k, const int *cols) {
+               void *out, long so, const int64_t *slots, int k, const int *cols, const void *P, long stride,
+               long pboff) {
+    (void)P; (void)stride; (void)pboff;
     (void)T; (void)n_in; (void)S; (void)W; (void)n_out; (void)x; (void)sx; (void)A; (void)B;
     (void)out; (void)so; (void)slots; (void)k; (void)cols;
 }

@@ -121,7 +121,8 @@ class LoraKernel:
                              ptr]
         self._fn.restype = None
         self._sgmv = lib.lora_sgmv
-        self._sgmv.argtypes = [c_int, c_int, c_int, c_int, c_int, ptr, c_long, ptr, ptr, ptr, c_long, ptr, c_int, ptr]
+        self._sgmv.argtypes = [c_int, c_int, c_int, c_int, c_int, ptr, c_long, ptr, ptr, ptr, c_long, ptr, c_int, ptr,
+                               ptr, c_long, c_long]
         self._sgmv.restype = None
         self._streamed = lib.lora_bgmv_packed
         self._streamed.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, ptr, ptr, c_long, ptr, c_long, c_long, ptr,
@@ -178,8 +179,10 @@ class LoraKernel:
                 and x.stride(1) == 1 and out.stride(1) == 1 and token_slots.shape == (tokens,))
         if grouped:
             assert self.grouped and ops.dtype == torch.bfloat16
+            _, _, streams, stride, a_size = ops.stream or (0, 0, None, 0, 0)  # the copy: no repack
             self._sgmv(tokens, ops.n_in, ops.n_slots, ops.width, ops.n_out, x.data_ptr(), x.stride(0), ops.a_ptr,
-                       ops.b_ptr, out.data_ptr(), out.stride(0), token_slots.data_ptr(), ops.targets, ops.cols_ptr)
+                       ops.b_ptr, out.data_ptr(), out.stride(0), token_slots.data_ptr(), ops.targets, ops.cols_ptr,
+                       streams, stride, a_size)
         else:  # lora_bgmv_packed on the StreamLayout copy where there is one, else lora_bgmv
             self._decode(ops.call_ptr, tokens, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
                          token_slots.data_ptr())
@@ -227,7 +230,7 @@ class LoraKernel:
         assert token_slots.dtype == torch.long and token_slots.is_contiguous() and token_slots.shape == (tokens,)
         assert cols.dtype == torch.int32 and width % (cols.numel() - 1) == 0
         self._sgmv(tokens, n_in, n_slots, width, n_out, x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
-                   out.data_ptr(), out.stride(0), token_slots.data_ptr(), cols.numel() - 1, cols.data_ptr())
+                   out.data_ptr(), out.stride(0), token_slots.data_ptr(), cols.numel() - 1, cols.data_ptr(), None, 0, 0)
         return out
 
 
