@@ -163,8 +163,8 @@ class ExecutorConfig:
     # CPU decoders: in a forward whose heads read only some positions (a prompt's last token,
     # each packed item's last token), the last layer computes attention, o_proj, the MLP and
     # the final norm for those positions only (K/V still for every token). Rows that read every
-    # position (prompt logprobs, mean/cls pooling, sequence logprobs) keep all of theirs; steps
-    # with LoRA adapters and CUDA forwards compute every position.
+    # position (prompt logprobs, mean/cls pooling, sequence logprobs) keep all of theirs (LoRA
+    # rows too: the read rows' adapters follow them); CUDA forwards compute every position.
     prune_last_layer: bool = True
     # CPU decoders: off | background (serve eagerly, compile off the request path, swap each
     # compiled shape in when ready) | ahead (compile, or load from the disk cache, before ready)

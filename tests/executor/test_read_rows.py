@@ -11,6 +11,7 @@ computed only the rows read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -214,6 +215,46 @@ def test_the_forward_returns_exactly_the_read_rows(dtype: str, tol: float) -> No
     part = runner.forward(inputs, None, reads)
     torch.testing.assert_close(part.float(), full.index_select(0, torch.tensor([18, 19 + 8 + 2, 19 + 8 + 7, 39])).float(),
                                atol=tol, rtol=tol)
+
+
+def test_pruned_lora_steps_give_the_unpruned_outputs(tmp_path: Any) -> None:
+    # adapters per row: the last layer's o_proj/MLP deltas follow each read row's adapter
+    pytest.importorskip("peft")
+    from prelude.config import LoraConfig
+    from prelude.params import LoraRequest
+    from tests.engine.test_lora_engine import save_adapter
+    from tests.engine.tiny import hf_tiny_llama
+
+    loras = [LoraRequest(f"a{i}", str(tmp_path / f"a{i}"), i + 1) for i in range(2)]
+    for i, lora in enumerate(loras):
+        save_adapter(Path(lora.path), seed=30 + i)
+    hf = hf_tiny_llama()
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+
+    def runner(prune: bool) -> ModelRunner:
+        weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+        weights["lm_head.weight"] = weights["lm_head.weight"] * 8
+        r = ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype="float32", attention_backend="cpu",
+                                                               prune_last_layer=prune), BLOCK,
+                               lora=LoraConfig(max_loras=2, max_lora_rank=8))
+        r.allocate_kv_cache(32)
+        return r
+
+    pair = Pair(runner(True), runner(False), 2e-4, True)
+    rows = [_tokens(9, 1), _tokens(12, 2), _tokens(7, 3), _tokens(10, 4), _tokens(8, 5)]
+    rows = [[t % 256 for t in r] for r in rows]
+    pair.step(OneShotBatch((
+        OneShotRow("a0", rows[0], _sample(rows[0]), None, lora=loras[0]),
+        OneShotRow("base", rows[1], _sample(rows[1]), None),
+        OneShotRow("a1_emb", rows[2], None, _pool(PoolingTask.EMBED, pooling="last"), lora=loras[1]),
+        OneShotRow("a1_plp", rows[3], _sample(rows[3]), HeadSpec(prompt_logprobs=2), lora=loras[1]),
+        OneShotRow("a0_mean", rows[4], None, _pool(PoolingTask.EMBED, pooling="mean"), lora=loras[0]),
+    )))
+    assert pair.rows_computed[-1] == (1 + 1 + 1 + 10 + 8, 9 + 12 + 7 + 10 + 8)
+    # only base rows read: the adapters' rows still shape the K/V, the last layer runs plain
+    pair.step(OneShotBatch((OneShotRow("a0", rows[0], None, None, lora=loras[0]),
+                            OneShotRow("base", rows[1], _sample(rows[1]), None))))
+    assert pair.rows_computed[-1] == (1, 9 + 12)
 
 
 def test_rows_read_by_each_kind_of_output() -> None:

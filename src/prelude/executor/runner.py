@@ -10,6 +10,7 @@ projected only where rows asked and come back in one copy (outputs.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -300,7 +301,10 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs, lora: LoraStep | None = None, reads: StepReads | None = None) -> torch.Tensor:
         """The trunk's hidden states: [T, H], or with `reads` those of the read positions only."""
-        if reads is not None:  # never a graph's step (step_reads_for), never with adapters
+        if reads is not None:  # never a graph's step (step_reads_for)
+            if lora is not None:
+                return self._lora_forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, lora=lora,
+                                          reads=reads.positions)
             forward = self.forwards.forward_for(inputs.input_ids.shape[0])
             return forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, reads=reads.positions)
         # Captured graphs take no segment ids: multi-item rows always run eagerly.
@@ -388,24 +392,29 @@ class ModelRunner:
         last layer computed only the positions read, which those are."""
         if isinstance(batch, OneShotBatch):
             inputs = self.inputs.oneshot(batch.rows)
-            lora = self.lora_step([(r.lora, len(r.token_ids) - r.num_cached) for r in batch.rows])
+            row_loras = [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.rows]
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
             rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
         elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
             inputs = self.inputs.fused(batch.rows, batch.oneshot_rows)
             self._carry(inputs, batch.rows, carried)
-            lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows]
-                                  + [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.oneshot_rows])
+            row_loras = ([(r.lora, len(r.token_ids)) for r in batch.rows]
+                         + [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.oneshot_rows])
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
             rows += [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.oneshot_rows]
         else:
             assert isinstance(batch, (DecodeBatch, MixedBatch))
             inputs = self.inputs.paged(batch.rows)
             self._carry(inputs, batch.rows, carried)
-            lora = self.lora_step([(r.lora, len(r.token_ids)) for r in batch.rows])
+            row_loras = [(r.lora, len(r.token_ids)) for r in batch.rows]
             rows = [(r.request_id, r.token_ids, r.sample, r.head) for r in batch.rows]
+        lora = self.lora_step(row_loras)
         # a decode step reads every row's one token: no need to look
-        reads = self.step_reads_for(inputs, rows) if lora is None and not isinstance(batch, DecodeBatch) else None
+        reads = None if isinstance(batch, DecodeBatch) else self.step_reads_for(inputs, rows)
+        if reads is not None and lora is not None:  # the read rows' adapters, for the last layer
+            counts = [n if read is None else len(read) for (_, n), read in zip(row_loras, reads.rows)]
+            read_lora = self.lora_step([(adapter, c) for (adapter, _), c in zip(row_loras, counts)])
+            reads = dataclasses.replace(reads, positions=dataclasses.replace(reads.positions, lora=read_lora))
         hidden = self.forward(inputs, lora, reads)
         return hidden, inputs.starts if reads is None else reads.starts, rows, reads
 

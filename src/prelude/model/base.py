@@ -4,11 +4,14 @@ encoders, heads that project only the rows asked for, and the KV layout it alloc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from prelude.model.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from prelude.model.lora import LoraStep
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -23,6 +26,9 @@ class ReadPositions:
     # [prefill rows] int64, in `AttentionMetadata.prefills` order: how many of each row's
     # last queries the last layer attends (its first read position to its end)
     tail_queries: torch.Tensor
+    # A forward with adapters: the read rows' adapters for the last layer's o_proj and MLP
+    # (None: every read row is the base model's)
+    lora: "LoraStep | None" = None
 
 
 class Model(Protocol):

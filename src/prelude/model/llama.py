@@ -173,10 +173,8 @@ class LlamaForCausalLM:
         resident adapters and each token's slot; its deltas ride in the projection
         operands (None: the plain weights, not one op more). `reads`: the positions whose
         hidden states are read; the last layer computes only those after its K/V (written
-        for every token) and the result is [K, hidden] in their order (None: every position).
-        Not with `lora`: its per-token adapter index covers all T tokens."""
-        if reads is not None and lora is not None:
-            raise ValueError("a forward with LoRA adapters computes every position")
+        for every token) and the result is [K, hidden] in their order (None: every position);
+        with `lora`, the last layer's o_proj and MLP take `reads.lora`, the read rows' index."""
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)  # gathered once, shared by every layer
         if lora is None:
@@ -184,6 +182,9 @@ class LlamaForCausalLM:
         else:
             heads = [lora.head(i, w) for i, w in enumerate(self._heads)]
             tails = [lora.tail(i, w) for i, w in enumerate(self._tails)]
+            if reads is not None:  # the last layer's tail runs on the read rows only
+                last_w = self._tails[-1]
+                tails[-1] = last_w if reads.lora is None else reads.lora.tail(len(tails) - 1, last_w)
         q, k, v = segments.first(self.shape, h, heads[0], cos, sin)
         last = len(tails) - 1
         for i, (tail, (k_cache, v_cache)) in enumerate(zip(tails, kv_caches, strict=True)):
