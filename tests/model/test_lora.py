@@ -15,7 +15,7 @@ from prelude.forward_batch import BatchRow
 from prelude.kv.kv_manager import KVCacheManager
 from prelude.model.decoder_segments import EAGER_SEGMENTS
 from prelude.model.linear import prepack_enabled
-from prelude.model.lora import TARGETS, LoraBatch, LoraError, LoraSlots, LoraStep, read_adapter
+from prelude.model.lora import FUSED, TARGETS, LoraBatch, LoraError, LoraSlots, LoraStep, _pieces, read_adapter
 from prelude.model.lora_cpu import load_lora_kernel
 
 transformers = pytest.importorskip("transformers")
@@ -328,7 +328,7 @@ def test_avx2_build_of_the_c_kernel_keeps_its_portable_bf16_path() -> None:
     b = torch.randn(3, 3 * rank, sum(outs), generator=gen).to(torch.bfloat16)
     x, base = torch.randn(4, n_in, generator=gen).to(torch.bfloat16), torch.randn(4, sum(outs), generator=gen)
     slots, cols = torch.tensor([2, -1, 0, 1]), torch.tensor([0, 12, 17, 24], dtype=torch.int32)
-    assert avx2.stream_layout(a, b, cols) is None
+    assert avx2.stream_layout(torch.bfloat16, n_in, 3 * rank, [0, 12, 17, 24]) is None
     want = native.delta_(base.to(torch.bfloat16), x, a, b, slots, cols)
     got = avx2.delta_(base.to(torch.bfloat16), x, a, b, slots, cols)
     torch.testing.assert_close(got.float(), want.float(), atol=8e-2, rtol=2e-2)
@@ -387,11 +387,14 @@ def test_c_kernels_on_the_stream_copy_equal_the_grouped_matmul(n_in: int, outs: 
         b[:, j * rank : (j + 1) * rank, bounds[j] : bounds[j + 1]] = torch.randn(n_slots, rank, outs[j], generator=gen)
     b = (b * 0.3).to(torch.bfloat16)
     cols = torch.tensor(bounds, dtype=torch.int32)
-    layout = kernel.stream_layout(a, b, cols)
+    layout = kernel.stream_layout(torch.bfloat16, n_in, k * rank, bounds)
     assert layout is not None and layout.wp % 16 == 0 and layout.rp % 2 == 0
+    assert kernel.stream_layout(torch.float32, n_in, k * rank, bounds) is None
     streams = torch.stack([layout.pack(a[s], b[s]) for s in range(n_slots)])
-    ops = kernel.operands(a, b, cols, streams)
-    assert ops is not None and ops.stream is not None
+    unpacked = layout.unpack(streams)  # torch's paths read the slots back row-major
+    assert torch.equal(unpacked[0], a) and torch.equal(unpacked[1], b)
+    ops = kernel.stream_operands(layout, streams, cols)
+    assert ops.stream is not None
     row_slots = [2, -1, 0, 3, 2, 1, -1]
     xd = torch.randn(len(row_slots), n_in, generator=gen).to(torch.bfloat16)
     based = torch.randn(len(row_slots), sum(outs), generator=gen).to(torch.bfloat16)
@@ -417,17 +420,18 @@ def test_c_kernels_on_the_stream_copy_equal_the_grouped_matmul(n_in: int, outs: 
     torch.testing.assert_close(got.float(), batch.delta_into(base.clone(), x, a, b).float(), atol=4e-2, rtol=2e-2)
     assert torch.equal(got[3:5], base[3:5])
     b[:, 0:rank, bounds[1]:] = 1e6  # off-diagonal blocks are not in the copy
-    ops = kernel.operands(a, b, cols, torch.stack([layout.pack(a[s], b[s]) for s in range(n_slots)]))
+    ops = kernel.stream_operands(layout, torch.stack([layout.pack(a[s], b[s]) for s in range(n_slots)]), cols)
     assert torch.equal(kernel.run_(based.clone(), xd, slots_d, ops, grouped=False), got_d)
     assert torch.equal(kernel.run_(base.clone(), x, token_slots, ops, grouped=True), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_slots_keep_the_decode_kernels_copy_with_every_load(tmp_path: Path, dtype: torch.dtype) -> None:
-    """bf16 on an AVX512-BF16 CPU: LoraSlots keeps each slot's StreamLayout copy in step
-    with the row-major slots (load writes it, clear zeros it) and counts its bytes; a
-    decode step through it equals PEFT's merged model. float32 keeps the row-major
-    kernel (no copy)."""
+def test_slots_in_the_kernels_layout_hold_each_loaded_adapter(tmp_path: Path, dtype: torch.dtype) -> None:
+    """bf16 on an AVX512-BF16 CPU: LoraSlots keeps the slots only in the C kernels'
+    StreamLayout (load writes a slot's streams, clear zeros them, the bytes counted are
+    theirs, fewer than row-major slots'); read back row-major they hold the adapter's A and
+    scaled B. A decode step through them equals PEFT's merged model. float32 keeps
+    row-major slots."""
     kernel = load_lora_kernel()
     if kernel is None:
         pytest.skip("no C compiler or no AVX2+FMA here")
@@ -435,15 +439,22 @@ def test_slots_keep_the_decode_kernels_copy_with_every_load(tmp_path: Path, dtyp
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
     slots = LoraSlots(config, num_slots=2, max_rank=8, dtype=dtype, device="cpu")
     streamed = kernel.grouped and dtype == torch.bfloat16
-    assert bool(slots.streams) == streamed
-    assert slots.nbytes == LoraSlots.bytes_for(config, 2, 8, dtype)
-    assert slots.nbytes == sum(t.nbytes for t in (*(x for d in (*slots.a, *slots.b) for x in d.values()),
-                                                    *(s for _, s in slots.streams.values())))
+    assert bool(slots.streams) == streamed and bool(slots.a) != streamed
+    held = [t for d in (*slots.a, *slots.b) for t in d.values()] + [t for _, t in slots.streams.values()]
+    assert slots.nbytes == LoraSlots.bytes_for(config, 2, 8, dtype) == sum(t.nbytes for t in held)
+    if streamed:
+        row_major = sum(len(outs) * 8 * (fan_in + sum(outs)) for fan_in, outs in _pieces(config).values())
+        assert slots.nbytes < row_major * config.num_hidden_layers * 2 * dtype.itemsize
     merged = save_adapter("llama", tmp_path / "a", seed=31, r=5)
-    slots.load(1, read_adapter("a", tmp_path / "a", config, max_rank=8))
-    for (layer, proj), (layout, streams) in slots.streams.items():
-        assert torch.equal(streams[1], layout.pack(slots.a[layer][proj][1], slots.b[layer][proj][1]))
-        assert streams[1].abs().sum() > 0 and not streams[0].any()
+    adapter = read_adapter("a", tmp_path / "a", config, max_rank=8)
+    slots.load(1, adapter)
+    for (layer, target), (a, b) in adapter.weights.items():
+        proj = next(p for p, ts in FUSED.items() if target in ts)
+        j = FUSED[proj].index(target)
+        off = sum(_pieces(config)[proj][1][:j])
+        sa, sb = slots.row_major(layer, proj)
+        assert torch.equal(sa[1, :, j * 8 : j * 8 + 5], a.t().to(dtype)) and not sa[0].any()
+        assert torch.equal(sb[1, j * 8 : j * 8 + 5, off : off + b.shape[0]], b.t().to(dtype)) and not sb[0].any()
     runner = ModelRunner.create(config, {k: v.detach().clone() for k, v in hf.state_dict().items()},
                                 ExecutorConfig(device="cpu", dtype=str(dtype).removeprefix("torch.")), 4)
     runner.allocate_kv_cache(64)
@@ -461,7 +472,7 @@ def test_slots_keep_the_decode_kernels_copy_with_every_load(tmp_path: Path, dtyp
     diff, effect = (got[0].float() - want).abs().max().item(), (want - plain).abs().max().item()
     assert diff <= tol and effect > 5 * tol, (diff, effect)
     slots.clear(1)
-    assert not any(streams.any() for _, streams in slots.streams.values())
+    assert not any(t.any() for _, t in slots.streams.values()) and not any(t.any() for d in slots.a for t in d.values())
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ block diagonal ([k R, out]), so one shrink and one expand serve the fused projec
 
 Resident adapters sit in `LoraSlots`: for each layer and fused projection, A as
 [slots, in, k R] and B as [slots, k R, out] (the scaling folded into B; ranks below
-`max_rank` are zero-padded, which adds nothing). A forward gets a `LoraStep` (the slots
+`max_rank` are zero-padded, which adds nothing); in bf16 on an AVX512-BF16 CPU only in the
+C kernels' own layout instead (lora_cpu.StreamLayout, B's zero blocks left out). A forward gets a `LoraStep` (the slots
 and this batch's per-token slot index, -1 for the base) as an explicit argument; it wraps
 each projection operand so that the decoder's `linear(...)` call sites add the delta.
 Without a LoraStep the forward is the plain one: no extra op.
@@ -17,9 +18,9 @@ Without a LoraStep the forward is the plain one: no extra op.
 On the CPU, two ways, never a loop over rows (measured on the 2-core EPYC, one thread, a
 576 -> 960 projection with 4 adapters of rank 16 on q/k/v):
 - few tokens (decode, <= DENSE_MAX_TOKENS): one call of a C kernel (lora_cpu.c) in which
-  every token reads its own slot (bf16, 4 tokens: 15 us; on an AVX512-BF16 CPU it reads a
-  copy of the slots in its own layout, lora_cpu.StreamLayout: each token's A and B one
-  sequential stream, a decode step's deltas ~25% faster); without it, every slot at once
+  every token reads its own slot (bf16, 4 tokens: 15 us; on an AVX512-BF16 CPU from the
+  StreamLayout slots: each token's A and B one sequential stream, a decode step's deltas
+  ~25% faster than row-major slots); without it, every slot at once
   on oneDNN-prepacked copies: x @ A as [in, slots k R], masked to each token's own
   slot, then one expand-and-add with B viewed [slots k R, out] (three calls, ~35 us; with
   aten's unpacked bf16 matmuls 44 us, and 136 us as one shrink and expand per adapter);
@@ -47,8 +48,7 @@ import torch
 from prelude.config import ModelConfig
 from prelude.model.decoder_segments import HeadWeights, Linear, TailWeights, linear
 from prelude.model.linear import bound_onednn_caches, prepack_enabled
-from prelude.model.lora_cpu import (CPU_KERNEL_DTYPES, MAX_PACKED_WIDTH, SlotOperands, StreamLayout,
-                                    load_lora_kernel)
+from prelude.model.lora_cpu import CPU_KERNEL_DTYPES, SlotOperands, StreamLayout, load_lora_kernel
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -194,6 +194,19 @@ def _pieces(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
     return {p: (shapes[ts[0]][0], [shapes[t][1] for t in ts]) for p, ts in FUSED.items()}
 
 
+def _stream_layouts(pieces: dict[str, tuple[int, list[int]]], max_rank: int,
+                    dtype: torch.dtype) -> dict[str, StreamLayout] | None:
+    """Every fused projection's StreamLayout, or None where the C kernels take row-major
+    slots (the kernel built without AVX512-BF16, float32, or a projection too wide)."""
+    kernel = load_lora_kernel()
+    if kernel is None:
+        return None
+    layouts = {p: kernel.stream_layout(dtype, fan_in, len(outs) * max_rank,
+                                       [sum(outs[:j]) for j in range(len(outs) + 1)])
+               for p, (fan_in, outs) in pieces.items()}
+    return None if any(layout is None for layout in layouts.values()) else layouts  # type: ignore[return-value]
+
+
 class LoraSlots:
     """`num_slots` resident adapters' stacked A/B per layer and fused projection (device
     memory the executor owns; `nbytes` is counted in its budget)."""
@@ -208,18 +221,6 @@ class LoraSlots:
         self.dtype = dtype
         self.device = torch.device(device)
         self._pieces = _pieces(config)
-        # a[layer][proj]: [S, in, k R]; b[layer][proj]: [S, k R, out] (a slot's A and B
-        # contiguous: the C kernel and the grouped path read one slot's block)
-        self.a: list[dict[str, torch.Tensor]] = []
-        self.b: list[dict[str, torch.Tensor]] = []
-        for _ in range(config.num_hidden_layers):
-            a, b = {}, {}
-            for p, (fan_in, outs) in self._pieces.items():
-                width = len(outs) * max_rank
-                a[p] = torch.zeros(num_slots, fan_in, width, dtype=dtype, device=self.device)
-                b[p] = torch.zeros(num_slots, width, sum(outs), dtype=dtype, device=self.device)
-            self.a.append(a)
-            self.b.append(b)
         self.heads: list[torch.Tensor | None] = [None] * num_slots
         # The all-slots path's operands reordered once for oneDNN (as model/linear.py's
         # Projection does for decode-sized calls): unpacked, these small bf16 matmuls took
@@ -233,20 +234,39 @@ class LoraSlots:
         # reads only the nonzero blocks (q/k/v: a third of B, gate/up: half).
         self.columns = {p: torch.tensor([sum(outs[:j]) for j in range(len(outs) + 1)], dtype=torch.int32)
                         for p, (_, outs) in self._pieces.items()}
-        # Where the decode kernel has its own layout (AVX512-BF16, bf16), a copy of every slot
-        # in it (StreamLayout: each token's A and B one sequential stream), rewritten on load.
+        # The slots, either way the kernels read them:
+        # - on an AVX512-BF16 CPU in bf16, only in the C kernels' StreamLayout, streams[(layer,
+        #   proj)] [S, stride] (each token's A and B one sequential stream; B's zero blocks
+        #   not kept); torch's paths get row-major copies from `row_major` (a fallback);
+        # - otherwise row-major, a[layer][proj] [S, in, k R] and b[layer][proj] [S, k R, out]
+        #   (a slot's A and B contiguous: the C kernel and the grouped path read one block).
+        layouts = _stream_layouts(self._pieces, max_rank, dtype) if self.kernel is not None else None
         self.streams: dict[tuple[int, str], tuple[StreamLayout, torch.Tensor]] = {}
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for layer in range(config.num_hidden_layers):
+            if layouts is not None:
+                for p, layout in layouts.items():
+                    self.streams[(layer, p)] = (layout, torch.zeros(num_slots, layout.stride, dtype=dtype))
+                continue
+            a, b = {}, {}
+            for p, (fan_in, outs) in self._pieces.items():
+                width = len(outs) * max_rank
+                a[p] = torch.zeros(num_slots, fan_in, width, dtype=dtype, device=self.device)
+                b[p] = torch.zeros(num_slots, width, sum(outs), dtype=dtype, device=self.device)
+            self.a.append(a)
+            self.b.append(b)
         # What the kernel's calls pass, per layer and projection (None where it does not fit).
         self.operands: dict[tuple[int, str], SlotOperands | None] = {}
         if self.kernel is not None:
-            for layer, (a, b) in enumerate(zip(self.a, self.b)):
+            for layer in range(config.num_hidden_layers):
                 for p in self._pieces:
-                    layout = self.kernel.stream_layout(a[p], b[p], self.columns[p])
-                    streams = None
-                    if layout is not None:
-                        streams = torch.zeros(num_slots, layout.stride, dtype=dtype)
-                        self.streams[(layer, p)] = (layout, streams)
-                    self.operands[(layer, p)] = self.kernel.operands(a[p], b[p], self.columns[p], streams)
+                    if self.streams:
+                        layout, streams = self.streams[(layer, p)]
+                        self.operands[(layer, p)] = self.kernel.stream_operands(layout, streams, self.columns[p])
+                    else:
+                        self.operands[(layer, p)] = self.kernel.operands(self.a[layer][p], self.b[layer][p],
+                                                                         self.columns[p])
 
     @property
     def nbytes(self) -> int:
@@ -258,16 +278,23 @@ class LoraSlots:
         """Device bytes of a LoraSlots, before building one (the memory budget): the slots,
         and their oneDNN copies where the CPU prepacks."""
         pieces = _pieces(config)
-        per_layer = sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in pieces.values())
         device = torch.device(device)
-        kernel = load_lora_kernel() if device.type == "cpu" and dtype in CPU_KERNEL_DTYPES else None
-        copies = 2 if kernel is None and prepack_enabled(dtype, device) else 1
-        streamed = 0  # the decode kernel's StreamLayout copies
-        if kernel is not None and kernel.grouped and dtype == torch.bfloat16:
-            for fan_in, outs in pieces.values():
-                layout = StreamLayout(fan_in, len(outs), max_rank, tuple(sum(outs[:j]) for j in range(len(outs) + 1)))
-                streamed += layout.stride if layout.wp <= MAX_PACKED_WIDTH else 0
-        return (copies * per_layer + streamed) * config.num_hidden_layers * num_slots * dtype.itemsize
+        kernel = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and load_lora_kernel() is not None
+        layouts = _stream_layouts(pieces, max_rank, dtype) if kernel else None
+        if layouts is not None:
+            per_layer = sum(layout.stride for layout in layouts.values())
+        else:
+            copies = 2 if not kernel and prepack_enabled(dtype, device) else 1
+            per_layer = copies * sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in pieces.values())
+        return per_layer * config.num_hidden_layers * num_slots * dtype.itemsize
+
+    def row_major(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A projection's slots as A [S, in, k R] and block-diagonal B [S, k R, out]: the
+        slots themselves, or made from the StreamLayout (torch's paths, a fallback)."""
+        if not self.streams:
+            return self.a[layer][proj], self.b[layer][proj]
+        layout, streams = self.streams[(layer, proj)]
+        return layout.unpack(streams)
 
     def packed(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """oneDNN copies of a projection's A [slots k R, in] and B [out, slots k R] (None
@@ -276,7 +303,7 @@ class LoraSlots:
         found = self._packed.get(key)
         if found is None and self.prepack:
             bound_onednn_caches()
-            a, b = self.a[layer][proj], self.b[layer][proj]
+            a, b = self.row_major(layer, proj)
             try:
                 found = self._packed[key] = (
                     torch.ops.mkldnn._reorder_linear_weight(a.transpose(1, 2).reshape(-1, a.shape[1]), None),
@@ -291,16 +318,25 @@ class LoraSlots:
             raise LoraError(f"rank {adapter.rank} is over --max-lora-rank {self.max_rank}")
         self.clear(slot)  # (drops the packed copies too)
         r = self.max_rank
+        staged: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # row-major, for the streams
         for (layer, target), (a, b) in adapter.weights.items():
             proj = next(p for p, ts in FUSED.items() if target in ts)
             j = FUSED[proj].index(target)
-            outs = self._pieces[proj][1]
+            fan_in, outs = self._pieces[proj]
             off = sum(outs[:j])
             rank = a.shape[0]
-            self.a[layer][proj][slot, :, j * r : j * r + rank].copy_(a.t())
-            self.b[layer][proj][slot, j * r : j * r + rank, off : off + outs[j]].copy_(b.t())
-        for (layer, proj), (layout, streams) in self.streams.items():
-            streams[slot].copy_(layout.pack(self.a[layer][proj][slot], self.b[layer][proj][slot]))
+            if self.streams:
+                if (layer, proj) not in staged:
+                    staged[(layer, proj)] = (torch.zeros(fan_in, len(outs) * r, dtype=self.dtype),
+                                             torch.zeros(len(outs) * r, sum(outs), dtype=self.dtype))
+                a_slot, b_slot = staged[(layer, proj)]
+            else:
+                a_slot, b_slot = self.a[layer][proj][slot], self.b[layer][proj][slot]
+            a_slot[:, j * r : j * r + rank].copy_(a.t())
+            b_slot[j * r : j * r + rank, off : off + outs[j]].copy_(b.t())
+        for key, (a_slot, b_slot) in staged.items():
+            layout, streams = self.streams[key]
+            streams[slot].copy_(layout.pack(a_slot, b_slot))
         self.heads[slot] = None if adapter.head is None else adapter.head.to(self.dtype).to(self.device)
 
     def clear(self, slot: int) -> None:
@@ -424,7 +460,7 @@ class LoraLinear:
             if ops is not None and ops.dtype == x.dtype and kernel.grouped and x.dtype == torch.bfloat16:
                 return kernel.run_(out, x if x.stride(-1) == 1 else x.contiguous(), batch.token_slots, ops,
                                    grouped=True)
-        a, b = s.a[layer][proj], s.b[layer][proj]
+        a, b = s.row_major(layer, proj)
         packed = s.packed(layer, proj) if batch.one_hot is not None else None
         return batch.delta_into(out, x, a, b, packed)
 

@@ -9,6 +9,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -23,13 +24,15 @@ CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class StreamLayout:
-    """Where the decode kernel on an AVX512-BF16 CPU reads a projection's slots
-    (lora_bgmv_packed): a copy of each slot as one contiguous stream, A as [n2, Wp, 2]
-    (pairs of inputs interleaved) then each target's diagonal block of B as
-    [njp / 16, Rp / 2, 16, 2] (Rp: the rank rounded up to even, Wp: k Rp rounded up to 16,
-    njp: the target's columns rounded up to 16). The row-major slots stay for the other
-    paths (prefill, float32); the copy costs ~2/3 of them more memory (B's zero blocks are
-    not copied) and took a decode step's LoRA deltas from 1.68 to 1.23 ms (one thread)."""
+    """How the C kernels on an AVX512-BF16 CPU keep a projection's bf16 slots (model/lora.py's
+    LoraSlots holds them only this way there): each slot one contiguous stream, A as
+    [n2, Wp, 2] (pairs of inputs interleaved: vdpbf16ps operands as they are) then each
+    target's diagonal block of B as [njp / 16, Rp / 2, 16, 2] (Rp: the rank rounded up to
+    even, Wp: k Rp rounded up to 16, njp: the target's columns rounded up to 16). Against
+    the row-major [S, in, k R] / [S, k R, out]: a decode step's LoRA deltas 1.68 -> 1.23 ms
+    (one thread; every token reads one sequential stream, no permutes), prefill reads it
+    without repacking, and B's zero blocks (2/3 of q/k/v's, 1/2 of gate/up's) are not kept:
+    the default model's 4 slots of rank 16 take 37 MiB, not 55."""
 
     n_in: int
     k: int
@@ -72,6 +75,22 @@ class StreamLayout:
             parts.append(bj.view(rp // 2, 2, njp // 16, 16).permute(2, 0, 3, 1).reshape(-1))
         return torch.cat(parts)
 
+    def unpack(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row-major slots A [S, in, k R] and block-diagonal B [S, k R, out] of streams
+        [S, stride] (what torch's paths take: the kernels' fallbacks and tests)."""
+        k, r, rp, wp = self.k, self.rank, self.rp, self.wp
+        n_slots, n2 = streams.shape[0], (self.n_in + 1) // 2
+        ap = streams[:, : self.a_size].view(n_slots, n2, wp, 2).transpose(2, 3).reshape(n_slots, 2 * n2, wp)
+        a = torch.cat([ap[:, : self.n_in, j * rp : j * rp + r] for j in range(k)], dim=2)
+        b = streams.new_zeros(n_slots, k * r, self.cols[-1])
+        off = self.a_size
+        for j, (lo, hi) in enumerate(zip(self.cols, self.cols[1:])):
+            njp = -(-(hi - lo) // 16) * 16
+            bj = streams[:, off : off + rp * njp].view(n_slots, njp // 16, rp // 2, 16, 2)
+            b[:, j * r : (j + 1) * r, lo:hi] = bj.permute(0, 2, 4, 1, 3).reshape(n_slots, rp, njp)[:, :r, : hi - lo]
+            off += rp * njp
+        return a.contiguous(), b
+
 
 class _CallOperands(ctypes.Structure):
     """lora_cpu.c's LoraOperands."""
@@ -97,9 +116,9 @@ class SlotOperands:
     a_ptr: int
     b_ptr: int
     cols_ptr: int
-    keep: tuple[torch.Tensor, ...]  # a, b, cols and streams, alive as long as these pointers
-    # few-token calls read the StreamLayout copy where there is one: (Wp, Rp, its pointer,
-    # elements per slot, A's elements) as lora_bgmv_packed takes them
+    keep: tuple[torch.Tensor, ...]  # what the pointers point into, alive as long as they are
+    # slots kept in a StreamLayout (a_ptr, b_ptr 0): (Wp, Rp, the streams' pointer, elements
+    # per slot, A's elements) as lora_bgmv_packed and lora_sgmv take them
     stream: tuple[int, int, int, int, int] | None = None
     call: _CallOperands | None = None  # all of the above for lora_decode (built in __post_init__)
     call_ptr: int = 0
@@ -139,36 +158,38 @@ class LoraKernel:
         return (x.dtype in (torch.float32, torch.bfloat16) and a.dtype == b.dtype == x.dtype
                 and a.shape[2] <= MAX_WIDTH and b.shape[2] <= MAX_OUT)
 
-    def stream_layout(self, a: torch.Tensor, b: torch.Tensor, cols: torch.Tensor) -> StreamLayout | None:
-        """The StreamLayout of slots `a` [S, in, W] and `b` [S, W, out] (bf16), or None where
-        the decode kernel reads the row-major slots (no AVX512-BF16, float32, too wide)."""
-        k = cols.numel() - 1
-        if not (self.grouped and a.dtype == b.dtype == torch.bfloat16 and a.shape[2] % k == 0):
+    def stream_layout(self, dtype: torch.dtype, n_in: int, width: int, cols: Sequence[int]) -> StreamLayout | None:
+        """The StreamLayout of slots A [S, n_in, width] / B [S, width, cols[-1]] with k =
+        len(cols) - 1 targets, or None where the kernels take row-major slots (no
+        AVX512-BF16, float32, too wide)."""
+        k = len(cols) - 1
+        if not (self.grouped and dtype == torch.bfloat16 and k >= 1 and width % k == 0 and width <= MAX_WIDTH
+                and cols[-1] <= MAX_OUT):
             return None
-        layout = StreamLayout(a.shape[1], k, a.shape[2] // k, tuple(int(c) for c in cols))
+        layout = StreamLayout(n_in, k, width // k, tuple(int(c) for c in cols))
         return layout if layout.wp <= MAX_PACKED_WIDTH else None
 
-    def operands(self, a: torch.Tensor, b: torch.Tensor, cols: torch.Tensor,
-                 streams: torch.Tensor | None = None) -> SlotOperands | None:
-        """`a` [S, in, W], `b` [S, W, out] and `cols` (see delta_) checked for `run_`; None
-        where the kernel does not take them. `streams`: their StreamLayout copy [S, stride]
-        (see stream_layout), which few-token calls then read."""
+    def stream_operands(self, layout: StreamLayout, streams: torch.Tensor, cols: torch.Tensor) -> SlotOperands:
+        """`run_`'s operands for slots kept in `layout` (streams [S, stride] bf16, cols the
+        layout's bounds as int32): both kernels read the streams."""
+        n_slots = streams.shape[0]
+        assert (streams.dtype == torch.bfloat16 and streams.is_contiguous() and streams.shape == (n_slots, layout.stride)
+                and cols.dtype == torch.int32 and cols.is_contiguous() and tuple(cols.tolist()) == layout.cols)
+        return SlotOperands(torch.bfloat16, layout.n_in, n_slots, layout.k * layout.rank, layout.cols[-1], layout.k,
+                            0, 0, cols.data_ptr(), (streams, cols),
+                            (layout.wp, layout.rp, streams.data_ptr(), layout.stride, layout.a_size))
+
+    def operands(self, a: torch.Tensor, b: torch.Tensor, cols: torch.Tensor) -> SlotOperands | None:
+        """Row-major slots `a` [S, in, W], `b` [S, W, out] and `cols` (see delta_) checked
+        for `run_`; None where the kernel does not take them."""
         n_slots, n_in, width = a.shape
         if not (a.dtype == b.dtype and a.dtype in CPU_KERNEL_DTYPES and a.is_contiguous() and b.is_contiguous()
                 and b.shape[:2] == (n_slots, width) and width <= MAX_WIDTH and b.shape[2] <= MAX_OUT
                 and cols.dtype == torch.int32 and cols.is_contiguous() and width % (cols.numel() - 1) == 0
                 and int(cols[-1]) == b.shape[2]):
             return None
-        stream = None
-        if streams is not None:
-            layout = self.stream_layout(a, b, cols)
-            if layout is None or not (streams.dtype == a.dtype and streams.is_contiguous()
-                                      and streams.shape == (n_slots, layout.stride)):
-                return None
-            stream = (layout.wp, layout.rp, streams.data_ptr(), layout.stride, layout.a_size)
-        keep = (a, b, cols) if streams is None else (a, b, cols, streams)
         return SlotOperands(a.dtype, n_in, n_slots, width, b.shape[2], cols.numel() - 1, a.data_ptr(), b.data_ptr(),
-                            cols.data_ptr(), keep, stream)
+                            cols.data_ptr(), (a, b, cols))
 
     def run_(self, out: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, ops: SlotOperands,
              grouped: bool) -> torch.Tensor:
