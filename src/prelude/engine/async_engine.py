@@ -166,16 +166,17 @@ class AsyncEngine:
         async for out in self.submit(req):
             yield out
 
-    async def submit(self, req: Request) -> AsyncIterator[RequestOutput | KVHandoff]:
+    def submit(self, req: Request) -> AsyncIterator[RequestOutput | KVHandoff]:
         """Stream a request validated elsewhere (a scale-out front validates once, a replica
         runs it); closing the stream early aborts it, as with generate(). A request with
-        `hand_off` set ends, unless its first token finished it, with its KVHandoff."""
+        `hand_off` set ends, unless its first token finished it, with its KVHandoff.
+        Returns `_submit`'s stream itself: a generator layer around it cost every token
+        of every stream a resumption more."""
         trace = stage_trace.current.get()
         if trace is not None:
             req.trace = trace
             trace.mark("validate")
-        async for item in self._submit(req.request_id, ("add", req)):
-            yield item
+        return self._submit(req.request_id, ("add", req))
 
     async def resume(self, handoff: KVHandoff) -> AsyncIterator[RequestOutput]:
         """Continue a request another engine prefilled (its KV imported here): the

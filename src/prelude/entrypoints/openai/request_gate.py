@@ -148,6 +148,12 @@ class GatedEngine:
         stream = self._engine.generate(request_id, prompt_token_ids, params, **self._lora)
         first = True
         try:
+            if self._deadline is None:  # no --request-timeout: a plain loop, no wait_for per token
+                async for out in stream:
+                    self._saw(out, first)
+                    first = False
+                    yield out
+                return
             while True:
                 left = self._left()
                 try:
