@@ -191,12 +191,14 @@ def build_app(
         ticket.close()
         return await json_answer(response, request)  # a large answer is serialized off the loop
 
+    # Annotated `-> Response` (they always answer with one): no response model, so a
+    # small JSON body skips FastAPI's generic handler (offload.OffLoopBodyRoute).
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _served("/v1/completions", body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await _served("/v1/chat/completions", body, request)
 
     @app.post("/v1/embeddings")
