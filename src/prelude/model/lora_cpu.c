@@ -316,7 +316,7 @@ static inline __attribute__((always_inline)) void expand_tile(const int NZ, cons
 
 /* Slot s's A [n_in, W] -> Ap [n2, Wp, 2] (column j Rp + r holds target j's rank r) and
  * its B's diagonal blocks j [R, nj] -> Bp + boff[j] as [njp/16, Rp/2, 16, 2]: the
- * StreamLayout (lora_cpu.py), which slots with a copy in it skip this for. */
+ * StreamLayout (lora_cpu.py), in which LoraSlots keeps bf16 slots (no repack then). */
 static void repack(int s, int n_in, int W, int n_out, int k, const int *cols, int R, int Rp, int Wq, int Wp,
                    const uint16_t *Ab, const uint16_t *Bb, const long *boff, uint16_t *Ap, uint16_t *Bp) {
     const int n2 = (n_in + 1) / 2;
@@ -391,7 +391,7 @@ void lora_sgmv(int T, int n_in, int S, int W, int n_out, const void *x, long sx,
         }
     #pragma omp parallel if (n_items > 1)
     {
-        /* P: the slots' StreamLayout copy (A and B as the tiles read them): no repack */
+        /* P: slots kept in the StreamLayout (A and B as the tiles read them): no repack */
         uint16_t *Ap = P ? NULL : scratch(0, (size_t)n2 * Wp * 2), *Bp = P ? NULL : scratch(1, (size_t)bsize);
         int packed = -1;
         #pragma omp for schedule(dynamic, 1)
@@ -445,8 +445,8 @@ done:
 }
 
 /* The LoRA delta of a few-token forward (decode) on slots kept in the kernels' own layout
- * (model/lora.py's packed copy, written when an adapter is loaded), bf16 on an
- * AVX512-BF16 CPU. Slot s is one contiguous run P + s * stride: A as [n2, Wp, 2] (pairs of
+ * (lora_cpu.py's StreamLayout: how model/lora.py's LoraSlots holds bf16 slots here), bf16
+ * on an AVX512-BF16 CPU. Slot s is one contiguous run P + s * stride: A as [n2, Wp, 2] (pairs of
  * inputs interleaved: vdpbf16ps operands as they are, no permute) then, at boff, each
  * target's diagonal block of B as [njp / 16, Rp / 2, 16, 2] (16 columns x all ranks
  * contiguous). Every token thus reads one sequential stream, which the hardware
@@ -576,7 +576,7 @@ void lora_bgmv_packed(int T, int n_in, int S, int Wp, int Rp, int k, const int *
 /* One projection's slots as lora_decode takes them, filled once when the slots are built
  * (lora_cpu.py's SlotOperands): a decode step makes ~120 calls, and a ctypes call costs
  * ~0.1 us an argument, so a call passes only what changes (its tokens). P: the
- * StreamLayout copy (lora_bgmv_packed), or NULL (lora_bgmv on A and B). */
+ * StreamLayout slots (lora_bgmv_packed), or NULL (lora_bgmv on row-major A and B). */
 typedef struct {
     int n_in, S, W, n_out, k, bf, Wp, Rp;
     const int *cols;

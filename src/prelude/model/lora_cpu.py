@@ -143,15 +143,11 @@ class LoraKernel:
         self._sgmv.argtypes = [c_int, c_int, c_int, c_int, c_int, ptr, c_long, ptr, ptr, ptr, c_long, ptr, c_int, ptr,
                                ptr, c_long, c_long]
         self._sgmv.restype = None
-        self._streamed = lib.lora_bgmv_packed
-        self._streamed.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, ptr, ptr, c_long, ptr, c_long, c_long, ptr,
-                                   c_long, ptr]
-        self._streamed.restype = None
         self._decode = lib.lora_decode
         self._decode.argtypes = [ptr, c_int, ptr, c_long, ptr, c_long, ptr]
         self._decode.restype = None
-        # The grouped many-token kernel and the decode kernel on StreamLayout copies are
-        # built only where the CPU has AVX512-BF16.
+        # The grouped many-token kernel and the kernels' StreamLayout are built only where
+        # the CPU has AVX512-BF16.
         self.grouped = bool(lib.lora_sgmv_available())
 
     def fits(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -200,11 +196,11 @@ class LoraKernel:
                 and x.stride(1) == 1 and out.stride(1) == 1 and token_slots.shape == (tokens,))
         if grouped:
             assert self.grouped and ops.dtype == torch.bfloat16
-            _, _, streams, stride, a_size = ops.stream or (0, 0, None, 0, 0)  # the copy: no repack
+            _, _, streams, stride, a_size = ops.stream or (0, 0, None, 0, 0)  # StreamLayout slots: no repack
             self._sgmv(tokens, ops.n_in, ops.n_slots, ops.width, ops.n_out, x.data_ptr(), x.stride(0), ops.a_ptr,
                        ops.b_ptr, out.data_ptr(), out.stride(0), token_slots.data_ptr(), ops.targets, ops.cols_ptr,
                        streams, stride, a_size)
-        else:  # lora_bgmv_packed on the StreamLayout copy where there is one, else lora_bgmv
+        else:  # lora_bgmv_packed on StreamLayout slots, else lora_bgmv
             self._decode(ops.call_ptr, tokens, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
                          token_slots.data_ptr())
         return out
