@@ -116,15 +116,18 @@ def json_sender(base: str, path: str, body_of: Callable[[Any], dict[str, Any]], 
 
 async def run_load(
     send: Sender, payloads: Sequence[Any], spec: LoadSpec, warmup: Sequence[Any] = (),
-    transport: httpx.AsyncBaseTransport | None = None,
+    transport: httpx.AsyncBaseTransport | None = None, client: Any = None,
 ) -> LoadResult:
     """Sends every payload once under `spec`; the clock starts after the warm-up.
     Open loop: a request's latency counts from its scheduled arrival, so time spent
     waiting for a free slot in the client (the concurrency cap) is not hidden. A sender
-    that raises records a failure; the run goes on. `transport` replaces the network (tests)."""
+    that raises records a failure; the run goes on. `transport` replaces the network (tests);
+    `client`: an async context manager the senders take instead of an httpx client
+    (bench/raw_http.py's RawPool)."""
     limits = httpx.Limits(max_connections=spec.concurrency + 4, max_keepalive_connections=spec.concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits,
-                                 transport=transport) as client:
+    if client is None:
+        client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits, transport=transport)
+    async with client:
         for payload in list(warmup)[: spec.warmup]:
             await send(client, payload)
         bar = tqdm(total=len(payloads), desc=spec.progress, disable=spec.progress is None, file=sys.stderr,

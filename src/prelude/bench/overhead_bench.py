@@ -17,7 +17,9 @@ Scenarios (request counts scaled by --scale):
             client's E2E of the same requests
 The load generator runs in a process of its own (overhead_loadgen.py) and reports its
 own CPU time per request and its share of a core, printed beside every figure: a client
-near a whole core is what saturates, not the server. The server's CPU per request is
+near a whole core is what saturates, not the server. Its HTTP client is bench/raw_http.py
+(--client raw): with httpx (--client httpx) it held a whole core of this 2-core machine at
+c=64, taken from whichever server it measured. The server's CPU per request is
 printed whole and for its main thread alone (Prelude's HTTP event loop; the rest is the
 engine thread, OpenMP workers and child processes).
 Peers: prelude; prelude-base (the same from --baseline-src, for old vs new in one run);
@@ -84,10 +86,11 @@ def build_workload(tok: Any, sizes: dict[str, int], seed: int) -> dict[str, list
 
 
 def load(base: str, kind: str, payloads: list[Any], concurrency: int, warmup: list[Any], max_tokens: int = 1,
-         items: int = 1, input_tokens: float = 0.0, python: str = sys.executable) -> dict[str, Any]:
-    """One scenario through the load generator's own process."""
+         items: int = 1, input_tokens: float = 0.0, python: str = sys.executable, client: str = "raw") -> dict[str, Any]:
+    """One scenario through the load generator's own process (`client`: raw or httpx)."""
     job = {"base": base, "model": SERVED_NAME, "kind": kind, "payloads": payloads, "warmup": warmup,
-           "concurrency": concurrency, "max_tokens": max_tokens, "items": items, "input_tokens": input_tokens}
+           "concurrency": concurrency, "max_tokens": max_tokens, "items": items, "input_tokens": input_tokens,
+           "client": client}
     done = subprocess.run([python, "-m", "prelude.bench.overhead_loadgen"], input=json.dumps(job),
                           capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -101,7 +104,8 @@ def _point(kind: str, summary: dict[str, Any]) -> dict[str, Any]:
     return {"kind": kind, **{k: summary[k] for k in keep if k in summary}}
 
 
-def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str], name: str) -> dict[str, dict[str, Any]]:
+def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str], name: str,
+             client: str = "raw") -> dict[str, dict[str, Any]]:
     """Every scenario against one running server: scenario point -> figures. Beside the
     client's figures, the server's own CPU time per request (all its threads and its
     engine child process): what a busy machine inflates least."""
@@ -111,7 +115,7 @@ def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str],
     def run(key: str, kind: str, payloads: list[Any], c: int, **kw: Any) -> None:
         warmup = warm if kind in ("completion", "stream") else wl["pooling"][:4]
         cpu0, main0 = cpu_seconds(pid), main_thread_cpu_seconds(pid)
-        out[key] = _point(kind, load(base, kind, payloads, c, warmup, **kw))
+        out[key] = _point(kind, load(base, kind, payloads, c, warmup, client=client, **kw))
         s = out[key]
         sent = len(payloads) + len(warmup)
         s["server_cpu_ms_per_request"] = 1000 * (cpu_seconds(pid) - cpu0) / sent
@@ -140,10 +144,10 @@ def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str],
     return out
 
 
-def stage_breakdown(base: str, prompts: list[str], warm: list[str]) -> dict[str, Any]:
+def stage_breakdown(base: str, prompts: list[str], warm: list[str], client_kind: str = "raw") -> dict[str, Any]:
     """Client E2E and the server's per-stage host time of the same c=1 requests."""
     httpx.get(base + "/debug/stages", timeout=10)  # drop anything traced before
-    client = load(base, "completion", prompts, 1, warm, input_tokens=128)
+    client = load(base, "completion", prompts, 1, warm, input_tokens=128, client=client_kind)
     traced = [t for t in httpx.get(base + "/debug/stages", timeout=30).json()["data"]
               if t["route"] == "/v1/completions" and t["status"] == 200][-len(prompts):]
     stages = list(traced[0]["stages_s"]) if traced else []
@@ -262,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                                                           "the peers alternating")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the default request counts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                    help="the load generator's HTTP client: raw (bench/raw_http.py, ~5x less CPU a request) or "
+                         "httpx (what figures before 2026-11-24 12:00 UTC used)")
     ap.add_argument("--out", default="bench_results/overhead", help="path stem for .json and .png")
     args = ap.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
@@ -296,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 started: list[Any] = []
                 with _start(name, opts, started=started) as base:
                     startup[name].append(time.perf_counter() - t0)
-                    rounds[name].append(run_peer(base, started[0].pid, wl, scenarios, name))
+                    rounds[name].append(run_peer(base, started[0].pid, wl, scenarios, name, args.client))
             except (RuntimeError, TimeoutError) as exc:  # this round goes without it; the others count
                 result.setdefault("failed_rounds", []).append(
                     {"peer": name, "round": r + 1, "error": str(exc).splitlines()[0][:300]})
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if "stages" in scenarios and any(name == "prelude" for name, _ in specs):
         print("stages: prelude --trace-stages", flush=True)
         with _start("prelude", opts, ("--trace-stages",)) as base:
-            result["stages"] = stage_breakdown(base, wl["stages"], wl["warm"])
+            result["stages"] = stage_breakdown(base, wl["stages"], wl["warm"], args.client)
         for stage, ms in result["stages"]["stages_p50_ms"].items():
             print(f"  {stage:<20} {1000 * ms:8.1f} µs", flush=True)
     loads.append(os.getloadavg()[0])
