@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
@@ -82,3 +83,43 @@ def test_wait_until_idle_returns_once_the_servers_are_idle() -> None:
     finally:
         idle.kill()
         idle.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_for_state(pid: int, stopped: bool) -> bool:
+    deadline = time.monotonic() + 30.0  # signals land at once; the bound only guards a hang
+    while time.monotonic() < deadline:
+        if (_state(pid) == "T") == stopped:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux /proc")
+def test_frozen_stops_a_server_and_its_children_for_the_block_only() -> None:
+    """bench serve measures each server alone: the others (and their child processes, as
+    vLLM's engine core is) are stopped for the measured load and resumed after."""
+    import subprocess
+    import sys
+
+    from prelude.bench.server_proc import frozen, process_tree
+
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                               "'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "up"
+        tree = process_tree(parent.pid)
+        assert len(tree) == 2 and tree[0] == parent.pid
+        with frozen([parent.pid, 0]):  # 0: a peer without a process is skipped
+            assert all(_wait_for_state(p, stopped=True) for p in tree)
+        assert all(_wait_for_state(p, stopped=False) for p in tree)
+    finally:
+        for p in reversed(process_tree(parent.pid)):
+            os.kill(p, 9)
+        parent.wait()

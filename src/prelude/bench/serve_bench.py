@@ -64,7 +64,7 @@ from prelude.bench.peers.launch import (
 from prelude.bench.prompts import exact_prompt, shared_prefix_prompts
 from prelude.bench.report import markdown, plot_sweep
 from prelude.bench.results import write_json
-from prelude.bench.server_proc import free_port, server_process, wait_until_idle
+from prelude.bench.server_proc import free_port, frozen, server_process, wait_until_idle
 
 SCENARIOS = ("a", "b", "c", "d", "e")
 LABELS = ["yes", "no"]
@@ -173,25 +173,30 @@ async def interleaved_c1(
     of the same prompt in between, so slow drift of the machine lands on all alike.
     Returns each peer's results and the raw forward seconds per prompt."""
     senders = {p.spec.name: completion_sender(p.base, p.spec.model, 1) for p in peers}
+    by_name = {p.spec.name: p for p in peers}
     records: dict[str, list[Any]] = {name: [] for name in senders}
     turns: dict[str, float] = {name: 0.0 for name in senders}  # wall clock of each peer's turns
     raw_s: list[float] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0)) as client:
         for name, send in senders.items():
-            for _ in range(warmup):
-                await send(client, warm)
-        await asyncio.to_thread(raw.forward_seconds, [tok.encode(warm, add_special_tokens=False)], 1, warmup)
+            with alone(peers, by_name[name]):
+                for _ in range(warmup):
+                    await send(client, warm)
+        with alone(peers):
+            await asyncio.to_thread(raw.forward_seconds, [tok.encode(warm, add_special_tokens=False)], 1, warmup)
         for prompt in prompts:
             ids = tok.encode(prompt, add_special_tokens=False)
-            raw_s += await asyncio.to_thread(raw.forward_seconds, [ids])
+            with alone(peers):
+                raw_s += await asyncio.to_thread(raw.forward_seconds, [ids])
             # OpenMP threads spin for a while after a forward: a pause lets this process's
             # (or the previous server's) go idle before the next one computes, as if each
             # ran alone. The pauses are outside every measurement.
             await asyncio.sleep(pause_s)
             for name, send in senders.items():
-                t0 = time.perf_counter()
-                records[name].append(await send(client, prompt))
-                turns[name] += time.perf_counter() - t0
+                with alone(peers, by_name[name]):
+                    t0 = time.perf_counter()
+                    records[name].append(await send(client, prompt))
+                    turns[name] += time.perf_counter() - t0
                 await asyncio.sleep(pause_s)
     # Rates over each peer's wall clock: its turns end to end (client work included),
     # the deliberate pauses between turns left out.
@@ -204,6 +209,12 @@ def _settle(peers: list[Peer]) -> None:
     wait_until_idle([p.pid for p in peers if p.pid])
 
 
+def alone(peers: list[Peer], p: Peer | None = None) -> Any:
+    """Every peer but `p` (None: all of them) stopped for the block: each server is
+    measured alone, the raw forward with none (server_proc.frozen says why)."""
+    return frozen([o.pid for o in peers if o is not p])
+
+
 def run_scenarios(
     peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str], raw: RawModel, tok: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -212,9 +223,11 @@ def run_scenarios(
     out: dict[str, Any] = {}
     completers = [p for p in peers if COMPLETIONS in p.spec.serves]
     long_ids = [tok.encode(p, add_special_tokens=False) for p in next(iter(wl.sweep.values()))[:16]]
-    batched = raw.batched(long_ids, args.ceiling_iters)
+    with alone(peers):
+        batched = raw.batched(long_ids, args.ceiling_iters)
     ceiling: dict[str, Any] = {"batched_long_req_s": batched, "best_long_req_s": max(batched.values())}
-    flops, roof = raw.roofline(512)
+    with alone(peers):
+        flops, roof = raw.roofline(512)
     ceiling |= {"gemm_gflops": flops / 1e9, "roofline_long_req_s": roof}
     print(f"GEMM roofline: {flops / 1e9:.0f} GFLOP/s -> {roof:.2f} req/s at 512-in/1-out; "
           f"Prelude eager forward: {ceiling['best_long_req_s']:.2f} req/s  [{_TAG}]", flush=True)
@@ -234,7 +247,8 @@ def run_scenarios(
         for c, prompts in wl.sweep.items():
             # The ceiling again at every point, in the same minutes as the servers' runs;
             # the goal compares against the best ceiling seen (the strictest reading).
-            out["b"]["ceiling_req_s"][str(c)] = max(raw.batched(long_ids, max(3, args.ceiling_iters // 2)).values())
+            with alone(peers):
+                out["b"]["ceiling_req_s"][str(c)] = max(raw.batched(long_ids, max(3, args.ceiling_iters // 2)).values())
             ceiling["best_long_req_s"] = max(ceiling["best_long_req_s"], out["b"]["ceiling_req_s"][str(c)])
             point: dict[str, Any] = {}
             for p in completers:
@@ -242,7 +256,8 @@ def run_scenarios(
                     continue  # one request at a time: more concurrency only queues (see --llama-sweep-max)
                 send = completion_sender(p.base, p.spec.model, 1)
                 _settle(peers)
-                res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long]))
+                with alone(peers, p):
+                    res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long]))
                 point[p.spec.name] = summarize(res, 512)
             out["b"]["points"][str(c)] = point
             _show(f"b c={c}", point, ("req_s", "e2e_p50_ms", "e2e_p95_ms"))
@@ -251,7 +266,8 @@ def run_scenarios(
         for p in completers:
             send = completion_sender(p.base, p.spec.model, 32)
             _settle(peers)
-            res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short]))
+            with alone(peers, p):
+                res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short]))
             out["c"]["peers"][p.spec.name] = summarize(res, 128)
         _show("c", out["c"]["peers"], ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms"))
     if "d" in scenarios:
@@ -270,7 +286,8 @@ def run_scenarios(
 
                 send = json_sender(p.base, path, body, len)
                 _settle(peers)
-                res = asyncio.run(run_load(send, wl.texts, _spec(args, 16, f"{key} {p.spec.name}"), wl.texts[:1]))
+                with alone(peers, p):
+                    res = asyncio.run(run_load(send, wl.texts, _spec(args, 16, f"{key} {p.spec.name}"), wl.texts[:1]))
                 out[key]["peers"][p.spec.name] = summarize(res, 0)
             _show(key, out[key]["peers"], ("items_s", "e2e_p50_ms"))
     if "e" in scenarios and completers:
@@ -283,7 +300,8 @@ def run_scenarios(
             # No warm-up: the first request pays for the cold prefix on every peer alike.
             spec = replace(_spec(args, args.prefix_concurrency, f"e {p.spec.name}"), warmup=0)
             _settle(peers)  # no warm-up here to absorb another peer's spin: the first wave is measured
-            res = asyncio.run(run_load(send, wl.prefix_prompts, spec))
+            with alone(peers, p):
+                res = asyncio.run(run_load(send, wl.prefix_prompts, spec))
             out["e"]["peers"][p.spec.name] = summarize(res, mean_len)
         _show("e", out["e"]["peers"], ("req_s", "ttft_p50_ms", "e2e_p95_ms"))
     return out, ceiling

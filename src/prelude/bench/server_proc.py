@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +54,45 @@ def wait_until_idle(pids: list[int], window_s: float = 0.1, busy_fraction: float
             break
         before = now
     return time.monotonic() - t0
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, parents first (Linux /proc; just `pid` elsewhere)."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        tree.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return tree
+
+
+@contextmanager
+def frozen(pids: list[int]) -> Iterator[None]:
+    """The processes `pids` and their descendants stopped (SIGSTOP) for the block, resumed
+    after: each server measured alone. An idle vLLM CPU server still wakes ~1% of a core,
+    and those wake-ups stall a measured server's two-thread OpenMP team at its barriers:
+    an in-process 512-token prefill measured 6-10% slower with an idle vLLM up than without."""
+    tree = [q for p in pids if p for q in process_tree(p)]
+    stopped = []
+    try:
+        for q in tree:
+            try:
+                os.kill(q, signal.SIGSTOP)
+                stopped.append(q)
+            except ProcessLookupError:
+                pass
+        yield
+    finally:
+        for q in reversed(stopped):
+            try:
+                os.kill(q, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
 
 def main_thread_cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) of a process's main thread alone (Linux /proc; 0.0
