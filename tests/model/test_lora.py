@@ -338,6 +338,20 @@ def test_avx2_build_of_the_c_kernel_keeps_its_portable_bf16_path() -> None:
     assert torch.equal(avx2.run_(base.to(torch.bfloat16), x, slots, ops, grouped=False), got)
 
 
+def _fused_slots(n_in: int, outs: list[int], rank: int, n_slots: int,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """bf16 A [slots, n_in, k*rank] and B [slots, k*rank, sum(outs)] of a fused projection of
+    k = len(outs) parts (B block-diagonal: part j's rank block feeds part j's columns), and
+    the parts' column bounds."""
+    k = len(outs)
+    bounds = [sum(outs[:j]) for j in range(k + 1)]
+    a = (torch.randn(n_slots, n_in, k * rank, generator=gen) * 0.3).to(torch.bfloat16)
+    b = torch.zeros(n_slots, k * rank, sum(outs))
+    for j in range(k):
+        b[:, j * rank : (j + 1) * rank, bounds[j] : bounds[j + 1]] = torch.randn(n_slots, rank, outs[j], generator=gen)
+    return a, (b * 0.3).to(torch.bfloat16), bounds
+
+
 @pytest.mark.parametrize("n_in, outs, rank", [(40, [70], 5), (41, [12, 5, 7], 4), (96, [48, 16, 16], 16)])
 def test_grouped_c_kernel_equals_the_grouped_matmul(n_in: int, outs: list[int], rank: int) -> None:
     """The many-token bf16 kernel (prefill): any mix of rows, an odd rank or input size,
@@ -346,13 +360,7 @@ def test_grouped_c_kernel_equals_the_grouped_matmul(n_in: int, outs: list[int], 
     if kernel is None or not kernel.grouped:
         pytest.skip("no C compiler or no AVX512-BF16 here")
     gen = torch.Generator().manual_seed(5)
-    k, n_slots = len(outs), 4
-    bounds = [sum(outs[:j]) for j in range(k + 1)]
-    a = (torch.randn(n_slots, n_in, k * rank, generator=gen) * 0.3).to(torch.bfloat16)
-    b = torch.zeros(n_slots, k * rank, sum(outs))
-    for j in range(k):
-        b[:, j * rank : (j + 1) * rank, bounds[j] : bounds[j + 1]] = torch.randn(n_slots, rank, outs[j], generator=gen)
-    b = (b * 0.3).to(torch.bfloat16)
+    a, b, bounds = _fused_slots(n_in, outs, rank, 4, gen)
     row_slots, row_lens = [2, -1, 0, 2, 3, 1], [3, 2, 1, 20, 9, 11]  # slot 2's rows are apart; tiles of 8 and tails
     x = torch.randn(sum(row_lens), n_in, generator=gen).to(torch.bfloat16)
     base = torch.randn(sum(row_lens), sum(outs), generator=gen).to(torch.bfloat16)
@@ -379,18 +387,13 @@ def test_c_kernels_on_the_stream_copy_equal_the_grouped_matmul(n_in: int, outs: 
     if kernel is None or not kernel.grouped:
         pytest.skip("no C compiler or no AVX512-BF16 here")
     gen = torch.Generator().manual_seed(8)
-    k, n_slots = len(outs), 4
-    bounds = [sum(outs[:j]) for j in range(k + 1)]
-    a = (torch.randn(n_slots, n_in, k * rank, generator=gen) * 0.3).to(torch.bfloat16)
-    b = torch.zeros(n_slots, k * rank, sum(outs))
-    for j in range(k):
-        b[:, j * rank : (j + 1) * rank, bounds[j] : bounds[j + 1]] = torch.randn(n_slots, rank, outs[j], generator=gen)
-    b = (b * 0.3).to(torch.bfloat16)
+    k = len(outs)
+    a, b, bounds = _fused_slots(n_in, outs, rank, 4, gen)
     cols = torch.tensor(bounds, dtype=torch.int32)
     layout = kernel.stream_layout(torch.bfloat16, n_in, k * rank, bounds)
     assert layout is not None and layout.wp % 16 == 0 and layout.rp % 2 == 0
     assert kernel.stream_layout(torch.float32, n_in, k * rank, bounds) is None
-    streams = torch.stack([layout.pack(a[s], b[s]) for s in range(n_slots)])
+    streams = torch.stack([layout.pack(a[s], b[s]) for s in range(a.shape[0])])
     unpacked = layout.unpack(streams)  # torch's paths read the slots back row-major
     assert torch.equal(unpacked[0], a) and torch.equal(unpacked[1], b)
     ops = kernel.stream_operands(layout, streams, cols)
@@ -420,7 +423,7 @@ def test_c_kernels_on_the_stream_copy_equal_the_grouped_matmul(n_in: int, outs: 
     torch.testing.assert_close(got.float(), batch.delta_into(base.clone(), x, a, b).float(), atol=4e-2, rtol=2e-2)
     assert torch.equal(got[3:5], base[3:5])
     b[:, 0:rank, bounds[1]:] = 1e6  # off-diagonal blocks are not in the copy
-    ops = kernel.stream_operands(layout, torch.stack([layout.pack(a[s], b[s]) for s in range(n_slots)]), cols)
+    ops = kernel.stream_operands(layout, torch.stack([layout.pack(a[s], b[s]) for s in range(a.shape[0])]), cols)
     assert torch.equal(kernel.run_(based.clone(), xd, slots_d, ops, grouped=False), got_d)
     assert torch.equal(kernel.run_(base.clone(), x, token_slots, ops, grouped=True), got)
 

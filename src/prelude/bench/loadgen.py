@@ -53,6 +53,44 @@ class LoadResult:
 Sender = Callable[[httpx.AsyncClient, Any], Awaitable[Record]]
 
 
+@dataclass
+class StreamTally:
+    """What a /v1/completions event stream said so far, line by line (both HTTP clients)."""
+
+    t0: float
+    first: float | None = None  # when the first event carrying text came
+    chunks: int = 0  # events that carried text
+    usage_tokens: int | None = None
+    done: bool = False  # `data: [DONE]` seen
+
+    def line(self, line: str) -> str | None:
+        """Take one line of the stream; an in-band error event's text, else None."""
+        if line == "data: [DONE]":
+            self.done = True
+            return None
+        if not line.startswith("data: "):
+            return None
+        event = json.loads(line[6:])
+        if "error" in event:
+            return str(event["error"])[:200]
+        if any(c.get("text") for c in event.get("choices") or []):
+            self.chunks += 1
+            if self.first is None:
+                self.first = time.perf_counter()
+        if event.get("usage"):
+            self.usage_tokens = event["usage"].get("completion_tokens")
+        return None
+
+    def record(self) -> Record:
+        """The finished stream's record; one without `data: [DONE]` is a failure (a cut
+        connection must not pass for a fast answer)."""
+        end = time.perf_counter()
+        if not self.done:
+            return Record(False, end - self.t0, 0.0, error="stream ended before [DONE]")
+        tokens = self.usage_tokens if self.usage_tokens is not None else self.chunks
+        return Record(True, end - self.t0, (self.first or end) - self.t0, tokens, self.chunks)
+
+
 def completion_sender(base: str, model: str | None, max_tokens: int) -> Sender:
     """Streams /v1/completions for a text prompt; TTFT is the first chunk carrying text.
     Output tokens come from the stream's usage when the server sends it, else one per
@@ -64,35 +102,19 @@ def completion_sender(base: str, model: str | None, max_tokens: int) -> Sender:
                                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         if model:
             body["model"] = model
-        t0 = time.perf_counter()
-        first: float | None = None
-        chunks, usage_tokens, done = 0, None, False
+        tally = StreamTally(time.perf_counter())
         try:
             async with client.stream("POST", base + "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
-                    return Record(False, time.perf_counter() - t0, 0.0, error=f"HTTP {r.status_code}: {r.text[:200]}")
+                    return Record(False, time.perf_counter() - tally.t0, 0.0, error=f"HTTP {r.status_code}: {r.text[:200]}")
                 async for line in r.aiter_lines():
-                    if line == "data: [DONE]":
-                        done = True
-                        continue
-                    if not line.startswith("data: "):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        return Record(False, time.perf_counter() - t0, 0.0, error=str(event["error"])[:200])
-                    if any(c.get("text") for c in event.get("choices") or []):
-                        chunks += 1
-                        if first is None:
-                            first = time.perf_counter()
-                    if event.get("usage"):
-                        usage_tokens = event["usage"].get("completion_tokens")
+                    error = tally.line(line)
+                    if error is not None:
+                        return Record(False, time.perf_counter() - tally.t0, 0.0, error=error)
         except httpx.HTTPError as exc:
-            return Record(False, time.perf_counter() - t0, 0.0, error=f"{type(exc).__name__}: {exc}")
-        end = time.perf_counter()
-        if not done:
-            return Record(False, end - t0, 0.0, error="stream ended before [DONE]")
-        return Record(True, end - t0, (first or end) - t0, usage_tokens if usage_tokens is not None else chunks, chunks)
+            return Record(False, time.perf_counter() - tally.t0, 0.0, error=f"{type(exc).__name__}: {exc}")
+        return tally.record()
 
     return send
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from prelude.bench.loadgen import Record
+from prelude.bench.loadgen import Record, StreamTally
 
 
 class RawHTTPError(Exception):
@@ -172,38 +172,24 @@ def raw_completion_sender(model: str | None, max_tokens: int) -> Callable[[RawPo
             req["model"] = model
         body = json.dumps(req).encode()
         conn = pool.take()
-        t0 = time.perf_counter()
-        first: float | None = None
-        chunks, usage_tokens, done, pending = 0, None, False, b""
+        tally, pending = StreamTally(time.perf_counter()), b""
         try:
             status, chunked, length = await conn.start("/v1/completions", body)
             if status != 200:
                 data = b"".join([p async for p in conn.body_parts(chunked, length)])
-                return Record(False, time.perf_counter() - t0, 0.0,
+                return Record(False, time.perf_counter() - tally.t0, 0.0,
                               error=f"HTTP {status}: {data[:200].decode(errors='replace')}")
             async for part in conn.body_parts(chunked, length):
                 pending += part
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
-                    if line == b"data: [DONE]":
-                        done = True
-                    elif line.startswith(b"data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            return Record(False, time.perf_counter() - t0, 0.0, error=str(event["error"])[:200])
-                        if any(c.get("text") for c in event.get("choices") or []):
-                            chunks += 1
-                            if first is None:
-                                first = time.perf_counter()
-                        if event.get("usage"):
-                            usage_tokens = event["usage"].get("completion_tokens")
+                    error = tally.line(line.decode())
+                    if error is not None:
+                        return Record(False, time.perf_counter() - tally.t0, 0.0, error=error)
         except (RawHTTPError, OSError, ValueError) as exc:
-            return _failed(t0, f"{type(exc).__name__}: {exc}")
+            return _failed(tally.t0, f"{type(exc).__name__}: {exc}")
         finally:
             pool.give(conn)
-        end = time.perf_counter()
-        if not done:
-            return Record(False, end - t0, 0.0, error="stream ended before [DONE]")
-        return Record(True, end - t0, (first or end) - t0, usage_tokens if usage_tokens is not None else chunks, chunks)
+        return tally.record()
 
     return send
