@@ -1,5 +1,5 @@
 """Which positions of a step the output heads read, and where they land in the forward's
-output when the decoder computes its last layer for those alone (model/base.py's
+output when the decoder computes its last layer for those alone (model/read_positions.py's
 `ReadPositions`).
 
 A sampling row reads its last computed token; a classify/score head and last-token
@@ -20,7 +20,7 @@ import torch
 from prelude.executor import label_heads
 from prelude.executor.inputs import pack_int64
 from prelude.forward_batch import HeadSpec, SampleSpec
-from prelude.model.base import ReadPositions
+from prelude.model.read_positions import ReadPositions
 from prelude.params import PoolingTask
 
 # The positions of a row's computed tokens that the heads read, ascending; None: every one.

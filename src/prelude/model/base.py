@@ -3,32 +3,13 @@ encoders, heads that project only the rows asked for, and the KV layout it alloc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from prelude.model.attention.metadata import AttentionMetadata
 
-if TYPE_CHECKING:
-    from prelude.model.lora import LoraStep
-
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class ReadPositions:
-    """The positions of a forward whose final hidden states the heads read. A decoder
-    given these computes its last layer's attention, MLP and final norm for them only
-    (its K/V still for every token) and returns their hidden states alone, in this order."""
-
-    index: torch.Tensor  # [K] int64: positions in the flattened batch, ascending
-    # [prefill rows] int64, in `AttentionMetadata.prefills` order: how many of each row's
-    # last queries the last layer attends (its first read position to its end)
-    tail_queries: torch.Tensor
-    # A forward with adapters: the read rows' adapters for the last layer's o_proj and MLP
-    # (None: every read row is the base model's)
-    lora: "LoraStep | None" = None
 
 
 class Model(Protocol):
@@ -37,7 +18,7 @@ class Model(Protocol):
     device: torch.device
     is_encoder: bool
     default_pooling: str
-    # forward(..., reads=ReadPositions) computes the last layer for those positions only
+    # forward(..., reads=read_positions.ReadPositions) computes the last layer for those positions only
     computes_read_positions: bool
 
     @property

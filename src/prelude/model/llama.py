@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from prelude.config import ModelConfig
 from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
-from prelude.model.base import KVCaches, ReadPositions
+from prelude.model.base import KVCaches
+from prelude.model.read_positions import ReadPositions
 from prelude.model.decoder_segments import (
     EAGER_SEGMENTS,
     DecoderSegments,
