@@ -131,6 +131,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             max_cached_blocks=args.prefix_cache_max_blocks,
+            populate_kv=True,  # a serving engine: no page faults on the hot path (model/kv_memory.py)
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -1,3 +1,11 @@
+import mmap
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
+import pytest
 import torch
 
 from prelude.model.kv_memory import zeroed_kv_tensors
@@ -21,3 +29,23 @@ def test_empty_shapes_fall_back_to_plain_zeros() -> None:
     assert zeroed_kv_tensors(0, (2, 2), torch.float32, torch.device("cpu")) == []
     (t,) = zeroed_kv_tensors(1, (0, 4), torch.float32, torch.device("cpu"))
     assert t.shape == (0, 4)
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE") or resource is None, reason="needs Linux's MAP_POPULATE")
+def test_a_populated_pool_takes_no_page_faults_when_first_written() -> None:
+    """A serving engine's pool (CacheConfig.populate_kv): its pages are there before the
+    first K/V write, which then faults nothing; a lazy pool faults at every new page."""
+    shape = (64, 16, 8, 64)  # 2 tensors x 1 MiB of bf16 = 512 pages of 4 KiB
+    pages = 2 * 64 * 16 * 8 * 64 * 2 // 4096
+
+    def faults_of_first_write(populate: bool) -> int:
+        tensors = zeroed_kv_tensors(2, shape, torch.bfloat16, torch.device("cpu"), populate=populate)
+        assert not any(t.any() for t in tensors)  # zeros either way (a lazy one maps the zero page)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for t in tensors:
+            t.fill_(1.0)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    lazy, populated = faults_of_first_write(False), faults_of_first_write(True)
+    assert lazy >= pages // 2  # one per page (fewer only with huge pages)
+    assert populated <= pages // 10

@@ -86,7 +86,7 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching and not info.is_encoder,
             max_cached_blocks=config.cache.max_cached_blocks,
         )
-        runner.allocate_kv_cache(num_blocks)
+        runner.allocate_kv_cache(num_blocks, populate=config.cache.populate_kv)
         if not info.is_encoder:
             runner.capture_graphs(self.max_model_len)  # a no-op off CUDA or with enforce_eager
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len,
@@ -115,9 +115,10 @@ class LLMEngine:
         self.observer: EngineObserver | None = None  # e.g. the server's Prometheus metrics
         if not info.is_encoder:
             logger.info(
-                "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d; budget: %s",
+                "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d; budget: %s%s",
                 num_blocks, block_size, num_blocks * info.kv_bytes_per_block / 2**30, info.device, self.max_model_len,
-                why,
+                why, "; its pages faulted in at start (no page faults while serving)"
+                if config.cache.populate_kv and info.device == "cpu" else "",
             )
         runner.start_background_work()  # e.g. --compile background: off the loading path
 

@@ -239,10 +239,10 @@ class ModelRunner:
         """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""
         self.emittable_vocab = emittable
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, populate: bool = False) -> None:
         """`num_blocks` for the KV manager, plus one scratch block that no request owns:
-        padding rows of a replayed graph write their K/V there."""
-        self.kv_caches = self.model.allocate_kv_cache(num_blocks + 1, self.block_size)
+        padding rows of a replayed graph write their K/V there. `populate`: CacheConfig's."""
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks + 1, self.block_size, populate)
         self._scratch_slot = num_blocks * self.block_size
 
     # --- KV hand-off (prefill/decode disaggregation): whole blocks, no request state ----

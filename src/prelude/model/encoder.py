@@ -177,7 +177,8 @@ class BertEncoder:
     def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder model has no language-model head")
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          populate: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []
 
     def kv_bytes_per_block(self, block_size: int) -> int:

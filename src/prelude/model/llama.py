@@ -249,9 +249,10 @@ class LlamaForCausalLM:
             raise RuntimeError("this checkpoint has no classification head")
         return F.linear(hidden_row[-1], self.score).float()
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          populate: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
-        tensors = zeroed_kv_tensors(2 * self.config.num_hidden_layers, shape, self.dtype, self.device)
+        tensors = zeroed_kv_tensors(2 * self.config.num_hidden_layers, shape, self.dtype, self.device, populate)
         return list(zip(tensors[0::2], tensors[1::2], strict=True))
 
     def kv_bytes_per_block(self, block_size: int) -> int:
