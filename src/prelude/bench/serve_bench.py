@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -209,7 +209,7 @@ def _settle(peers: list[Peer]) -> None:
     wait_until_idle([p.pid for p in peers if p.pid])
 
 
-def alone(peers: list[Peer], p: Peer | None = None) -> Any:
+def alone(peers: list[Peer], p: Peer | None = None) -> AbstractContextManager[None]:
     """Every peer but `p` (None: all of them) stopped for the block: each server is
     measured alone, the raw forward with none (server_proc.frozen says why)."""
     return frozen([o.pid for o in peers if o is not p])

@@ -182,10 +182,11 @@ class LlamaForCausalLM:
             heads, tails = self._heads, self._tails
         else:
             heads = [lora.head(i, w) for i, w in enumerate(self._heads)]
-            tails = [lora.tail(i, w) for i, w in enumerate(self._tails)]
-            if reads is not None:  # the last layer's tail runs on the read rows only
-                last_w = self._tails[-1]
-                tails[-1] = last_w if reads.lora is None else reads.lora.tail(len(tails) - 1, last_w)
+            # with `reads` the last layer's tail runs on the read rows only: their adapters
+            last_step = lora if reads is None else reads.lora
+            n = len(self._tails)
+            tails = [lora.tail(i, w) for i, w in enumerate(self._tails[:-1])]
+            tails.append(self._tails[-1] if last_step is None else last_step.tail(n - 1, self._tails[-1]))
         q, k, v = segments.first(self.shape, h, heads[0], cos, sin)
         last = len(tails) - 1
         for i, (tail, (k_cache, v_cache)) in enumerate(zip(tails, kv_caches, strict=True)):

@@ -200,10 +200,8 @@ class LoraKernel:
             self._sgmv(tokens, ops.n_in, ops.n_slots, ops.width, ops.n_out, x.data_ptr(), x.stride(0), ops.a_ptr,
                        ops.b_ptr, out.data_ptr(), out.stride(0), token_slots.data_ptr(), ops.targets, ops.cols_ptr,
                        streams, stride, a_size)
-        else:  # lora_bgmv_packed on StreamLayout slots, else lora_bgmv
-            self._decode(ops.call_ptr, tokens, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
-                         token_slots.data_ptr())
-        return out
+            return out
+        return self.decode_(out, x, token_slots, ops)  # lora_bgmv_packed on StreamLayout slots, else lora_bgmv
 
     def decode_(self, out: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, ops: SlotOperands) -> torch.Tensor:
         """`run_` of a few-token call (not grouped), the checks it needs and no more."""
