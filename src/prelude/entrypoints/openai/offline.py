@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 from prelude.engine.client import EngineClient
+from prelude.entrypoints.openai.disconnect import StaysConnected
 from prelude.entrypoints.openai.errors import APIError, error_body, error_body_for, validation_message
 from prelude.entrypoints.openai.fields import check_unknown_fields
 from prelude.entrypoints.openai.limits import BODY_SIZE_KEY, ServerLimits
@@ -34,10 +35,10 @@ class _App:
         self.state = _State(limits)
 
 
-class OfflineRequest:
+class OfflineRequest(StaysConnected):
     """What the handlers read from an HTTP request, for a body that came from a batch
     line: the limits, the body's size (large ones are tokenized off the event loop), and
-    a client that never disconnects."""
+    a client that never disconnects (nothing polls it)."""
 
     headers: dict[str, str] = {}
 
