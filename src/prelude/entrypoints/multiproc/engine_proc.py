@@ -24,6 +24,7 @@ from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
 from prelude.engine.remote import bind_prepared, replica_info
 from prelude.engine.request import Request, RequestOutput
+from prelude.entrypoints.heap import freeze_startup_heap
 from prelude.entrypoints.multiproc.wire import (
     Abort,
     Add,
@@ -187,6 +188,7 @@ def engine_main(config: EngineConfig, path: str, ready: Connection, log_level: s
         raise SystemExit(1) from exc
     engine.set_observer(ServerMetrics(engine))  # multiprocess mode: the HTTP processes read these
     service = EngineService(engine, path)
+    freeze_startup_heap()  # the model and engine are loaded: full collections skip them
     try:
         code = _event_loop_runner()(service.run(ready))
     finally:

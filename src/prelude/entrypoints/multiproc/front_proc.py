@@ -141,6 +141,7 @@ def _ray_client(spec: RayReplicas, settings: FrontSettings, index: int) -> Any:
 
 def front_main(index: int, listener: socket.socket, settings: FrontSettings) -> None:
     """One HTTP process's entry (multiprocessing spawn target); exits 1 if the engine died."""
+    from prelude.entrypoints.heap import freeze_startup_heap
     from prelude.entrypoints.multiproc.child import child_setup
     from prelude.entrypoints.openai.api_server import build_app
 
@@ -158,6 +159,7 @@ def front_main(index: int, listener: socket.socket, settings: FrontSettings) -> 
     config = uvicorn.Config(app, timeout_keep_alive=30, access_log=False, log_config=None)
     server = FrontServer(config, client, settings.limits, app.state.gate)
     logger.info("api server %d of %d ready", index, settings.count)
+    freeze_startup_heap()
     try:
         server.run(sockets=[listener])
     finally:

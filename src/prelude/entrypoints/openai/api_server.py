@@ -15,6 +15,7 @@ from prelude.engine.client import EngineClient
 from prelude.engine.stage_trace import STAGES, mark
 from prelude.entrypoints.batch.store import BatchStore
 from prelude.entrypoints.batch.worker import BatchRunner, BatchRunnerConfig
+from prelude.entrypoints.heap import freeze_startup_heap
 from prelude.entrypoints.openai.batch_routes import install_batch_routes
 from prelude.entrypoints.openai.drain import DrainingServer
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
@@ -258,5 +259,6 @@ def run_server(app: FastAPI, host: str, port: int, engine: Any = None) -> int:
     """Serve `app` until SIGTERM / SIGINT, then drain gracefully (blocking); the exit code."""
     config = uvicorn.Config(app, host=host, port=port, timeout_keep_alive=30, access_log=False, log_config=None)
     server = DrainingServer(config, app.state.gate, app.state.limits.shutdown_timeout_s, engine)
+    freeze_startup_heap()  # loaded: what exists now lives as long as the process
     server.run()
     return 0
