@@ -143,3 +143,23 @@ def test_a_server_closing_after_its_answer_is_reconnected_to() -> None:
 def test_the_pool_refuses_what_it_cannot_speak() -> None:
     with pytest.raises(ValueError, match="plain http"):
         RawPool("https://example.org")
+
+
+@pytest.mark.parametrize("kind", ["raw", "httpx"])
+def test_bench_serve_reads_the_same_stream_with_either_client(kind: str) -> None:
+    from prelude.bench.peers.launch import PeerOptions, peer_spec
+    from prelude.bench.serve_bench import Clients, Peer
+
+    events = [{"choices": [{"text": t}]} for t in ("x", "y")] + [{"choices": [], "usage": {"completion_tokens": 2}}]
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    server = CannedServer(lambda body: head + _chunked([_sse(events)]))
+
+    async def work(base: str):
+        peer = Peer(peer_spec("prelude", 0, PeerOptions()), base, 0.0)
+        send, pool = Clients(kind).completions(peer, 2)
+        assert (pool is None) == (kind == "httpx")
+        return await run_load(send, ["p1", "p2"], LoadSpec(1, warmup=0), client=pool)
+
+    result = asyncio.run(_serve(server, work))
+    assert all(r.ok and r.output_tokens == 2 and r.chunks == 2 for r in result.records)
+    assert [b["prompt"] for b in server.bodies] == ["p1", "p2"] and all(b["max_tokens"] == 2 for b in server.bodies)

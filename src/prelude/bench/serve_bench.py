@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from prelude.bench.peers.launch import (
     peer_spec,
 )
 from prelude.bench.prompts import exact_prompt, shared_prefix_prompts
+from prelude.bench.raw_http import RawPool, raw_completion_sender, raw_json_sender
 from prelude.bench.report import markdown, plot_sweep
 from prelude.bench.results import write_json
 from prelude.bench.server_proc import free_port, frozen, server_process, wait_until_idle
@@ -161,24 +162,49 @@ def start_peers(names: list[str], opts: PeerOptions, skipped: dict[str, str], co
         yield peers
 
 
+@dataclass(frozen=True)
+class Clients:
+    """The load generator's HTTP client for every peer alike: "raw" (bench/raw_http.py)
+    or "httpx". httpx costs 1-3.5 ms of CPU a request: at the judge's ~35 req/s that is a
+    tenth of a core of this 2-core machine taken from whichever server is measured."""
+
+    kind: str = "raw"
+
+    def completions(self, p: Peer, max_tokens: int) -> tuple[Any, RawPool | None]:
+        """(sender, client for run_load: None = its own httpx client)."""
+        if self.kind == "raw":
+            return raw_completion_sender(p.spec.model, max_tokens), RawPool(p.base)
+        return completion_sender(p.base, p.spec.model, max_tokens), None
+
+    def json(self, p: Peer, path: str, body_of: Callable[[Any], dict[str, Any]]) -> tuple[Any, RawPool | None]:
+        if self.kind == "raw":
+            return raw_json_sender(path, body_of, len), RawPool(p.base)
+        return json_sender(p.base, path, body_of, len), None
+
+
 def _spec(args: argparse.Namespace, concurrency: int, label: str) -> LoadSpec:
     rate = args.rate if concurrency > 1 else None
     return LoadSpec(concurrency, rate, args.warmup, args.seed, None if args.no_progress else label)
 
 
 async def interleaved_c1(
-    peers: list[Peer], prompts: list[str], warm: str, warmup: int, raw: RawModel, tok: Any, pause_s: float = 0.1
+    peers: list[Peer], prompts: list[str], warm: str, warmup: int, raw: RawModel, tok: Any, pause_s: float = 0.1,
+    clients: Clients = Clients(),
 ) -> tuple[dict[str, LoadResult], list[float]]:
     """One request at a time, alternating peers request by request, with the raw forward
     of the same prompt in between, so slow drift of the machine lands on all alike.
     Returns each peer's results and the raw forward seconds per prompt."""
-    senders = {p.spec.name: completion_sender(p.base, p.spec.model, 1) for p in peers}
     by_name = {p.spec.name: p for p in peers}
-    records: dict[str, list[Any]] = {name: [] for name in senders}
-    turns: dict[str, float] = {name: 0.0 for name in senders}  # wall clock of each peer's turns
+    records: dict[str, list[Any]] = {name: [] for name in by_name}
+    turns: dict[str, float] = {name: 0.0 for name in by_name}  # wall clock of each peer's turns
     raw_s: list[float] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0)) as client:
-        for name, send in senders.items():
+    async with AsyncExitStack() as stack:
+        shared = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0)))
+        senders: dict[str, tuple[Any, Any]] = {}
+        for p in peers:
+            send, pool = clients.completions(p, 1)
+            senders[p.spec.name] = (send, shared if pool is None else await stack.enter_async_context(pool))
+        for name, (send, client) in senders.items():
             with alone(peers, by_name[name]):
                 for _ in range(warmup):
                     await send(client, warm)
@@ -192,7 +218,7 @@ async def interleaved_c1(
             # (or the previous server's) go idle before the next one computes, as if each
             # ran alone. The pauses are outside every measurement.
             await asyncio.sleep(pause_s)
-            for name, send in senders.items():
+            for name, (send, client) in senders.items():
                 with alone(peers, by_name[name]):
                     t0 = time.perf_counter()
                     records[name].append(await send(client, prompt))
@@ -221,6 +247,7 @@ def run_scenarios(
     """(scenario results, ceiling). The batched ceiling is measured first and again
     before every sweep point, the single-prompt raw forward interleaved with (a)."""
     out: dict[str, Any] = {}
+    clients = Clients(args.client)
     completers = [p for p in peers if COMPLETIONS in p.spec.serves]
     long_ids = [tok.encode(p, add_special_tokens=False) for p in next(iter(wl.sweep.values()))[:16]]
     with alone(peers):
@@ -236,7 +263,7 @@ def run_scenarios(
         # longer pauses keep that spin off the next peer's request.
         pause = 0.25 if any(p.spec.name == "vllm" for p in completers) else 0.1
         res, raw_s = asyncio.run(interleaved_c1(completers, wl.short[: wl.n_a], wl.warm_short, args.warmup, raw, tok,
-                                                pause))
+                                                pause, clients))
         out["a"] = {"peers": {n: summarize(r, 128) for n, r in res.items()},
                     "raw_forward_ms": {"p50": 1000 * percentile(raw_s, 50), "p95": 1000 * percentile(raw_s, 95)}}
         ceiling["forward_short_ms"] = out["a"]["raw_forward_ms"]["p50"]
@@ -254,20 +281,22 @@ def run_scenarios(
             for p in completers:
                 if p.spec.name == "llama.cpp" and c > args.llama_sweep_max:
                     continue  # one request at a time: more concurrency only queues (see --llama-sweep-max)
-                send = completion_sender(p.base, p.spec.model, 1)
+                send, pool = clients.completions(p, 1)
                 _settle(peers)
                 with alone(peers, p):
-                    res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long]))
+                    res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long],
+                                               client=pool))
                 point[p.spec.name] = summarize(res, 512)
             out["b"]["points"][str(c)] = point
             _show(f"b c={c}", point, ("req_s", "e2e_p50_ms", "e2e_p95_ms"))
     if "c" in scenarios and completers:
         out["c"] = {"peers": {}}
         for p in completers:
-            send = completion_sender(p.base, p.spec.model, 32)
+            send, pool = clients.completions(p, 32)
             _settle(peers)
             with alone(peers, p):
-                res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short]))
+                res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short],
+                                           client=pool))
             out["c"]["peers"][p.spec.name] = summarize(res, 128)
         _show("c", out["c"]["peers"], ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms"))
     if "d" in scenarios:
@@ -284,10 +313,11 @@ def run_scenarios(
                         b["model"] = model
                     return b
 
-                send = json_sender(p.base, path, body, len)
+                send, pool = clients.json(p, path, body)
                 _settle(peers)
                 with alone(peers, p):
-                    res = asyncio.run(run_load(send, wl.texts, _spec(args, 16, f"{key} {p.spec.name}"), wl.texts[:1]))
+                    res = asyncio.run(run_load(send, wl.texts, _spec(args, 16, f"{key} {p.spec.name}"), wl.texts[:1],
+                                               client=pool))
                 out[key]["peers"][p.spec.name] = summarize(res, 0)
             _show(key, out[key]["peers"], ("items_s", "e2e_p50_ms"))
     if "e" in scenarios and completers:
@@ -296,12 +326,12 @@ def run_scenarios(
                     "concurrency": args.prefix_concurrency, "peers": {}}
         mean_len = sum(wl.prefix_lengths) / len(wl.prefix_lengths)
         for p in completers:
-            send = completion_sender(p.base, p.spec.model, args.prefix_max_tokens)
+            send, pool = clients.completions(p, args.prefix_max_tokens)
             # No warm-up: the first request pays for the cold prefix on every peer alike.
             spec = replace(_spec(args, args.prefix_concurrency, f"e {p.spec.name}"), warmup=0)
             _settle(peers)  # no warm-up here to absorb another peer's spin: the first wave is measured
             with alone(peers, p):
-                res = asyncio.run(run_load(send, wl.prefix_prompts, spec))
+                res = asyncio.run(run_load(send, wl.prefix_prompts, spec, client=pool))
             out["e"]["peers"][p.spec.name] = summarize(res, mean_len)
         _show("e", out["e"]["peers"], ("req_s", "ttft_p50_ms", "e2e_p95_ms"))
     return out, ceiling
@@ -440,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ceiling-iters", type=int, default=12)
     ap.add_argument("--out", default="bench_results/serve", help="path stem for .json, .md and _sweep.png")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                    help="the load generator's HTTP client, for every peer alike: raw (bench/raw_http.py, a fraction "
+                         "of httpx's CPU a request) or httpx (what runs before 2026-11-24 14:00 used)")
     args = ap.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
     if unknown := scenarios - set(SCENARIOS):
@@ -467,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
         "command": "prelude bench serve " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "scale": args.scale, "sizes": sizes, "dtype": args.dtype, "rate": args.rate, "startup_s": {}, "skipped": {},
+        "scale": args.scale, "sizes": sizes, "dtype": args.dtype, "client": args.client, "rate": args.rate, "startup_s": {}, "skipped": {},
         "cpu": _TAG, "load_average": _loadavg(),
     }
     with start_peers(names, opts, result["skipped"], cold=args.cold_start) as peers:
