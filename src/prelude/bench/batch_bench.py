@@ -148,22 +148,21 @@ def _free_port() -> int:
 
 
 async def _send_all(base: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[float, int]:
-    import httpx
+    """(seconds, failed requests) of every body POSTed at `concurrency`, through the lean
+    client (bench/raw_http.py): httpx's CPU a request would be taken from the server."""
+    from prelude.bench.raw_http import RawPool, raw_json_sender
 
+    send = raw_json_sender("/v1/chat/completions", lambda body: body, lambda _: 1)
     slots = asyncio.Semaphore(concurrency)
-    errors = 0
+    async with RawPool(base) as pool:
 
-    async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> None:
-        nonlocal errors
-        async with slots:
-            r = await client.post(base + "/v1/chat/completions", json=body)
-            errors += r.status_code != 200
+        async def one(body: dict[str, Any]) -> bool:
+            async with slots:
+                return (await send(pool, body)).ok
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         t0 = time.monotonic()
-        await asyncio.gather(*(one(client, b) for b in bodies))
-        return time.monotonic() - t0, errors
+        oks = await asyncio.gather(*(one(b) for b in bodies))
+        return time.monotonic() - t0, oks.count(False)
 
 
 def _start_server(flags: list[str], extra: list[str] = ()) -> tuple[_Watched, str]:
