@@ -1,72 +1,100 @@
-"""until_disconnect polls a client that can go away, and leaves alone one that can not."""
+"""until_disconnect: a client that goes away cancels its work at once; one that stays
+costs nothing while it waits; a batch line is never listened to."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
+from prelude.entrypoints.openai import disconnect
 from prelude.entrypoints.openai.disconnect import ClientDisconnected, StaysConnected, until_disconnect
-from prelude.entrypoints.openai.offline import OfflineRequest
 from prelude.entrypoints.openai.limits import ServerLimits
+from prelude.entrypoints.openai.offline import OfflineRequest
 
 
 class _Client:
-    """An HTTP request stand-in whose client is gone from the start."""
+    """An HTTP request stand-in: receive() hands out `messages`, then blocks (the client stays)."""
 
-    def __init__(self) -> None:
-        self.asked = 0
+    def __init__(self, *messages: dict[str, Any]) -> None:
+        self.messages = list(messages)
+        self.received = 0
 
-    async def is_disconnected(self) -> bool:
-        self.asked += 1
-        return True
-
-
-def _record_timers(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    loop = asyncio.get_running_loop()
-    delays: list[float] = []
-    real = loop.call_later
-
-    def call_later(delay: float, callback, *args):  # type: ignore[no-untyped-def]
-        delays.append(delay)
-        return real(0, callback, *args)  # the poll comes due at once: no waiting in the test
-
-    monkeypatch.setattr(loop, "call_later", call_later)
-    return delays
-
-
-async def _answer() -> str:
-    await asyncio.sleep(0)
-    return "answer"
-
-
-def test_a_batch_line_is_never_polled(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def run() -> tuple[str, list[float]]:
-        delays = _record_timers(monkeypatch)
-        request = OfflineRequest(ServerLimits(), 0)
-        assert isinstance(request, StaysConnected)
-        return await until_disconnect(_answer(), request), delays  # type: ignore[arg-type]
-
-    answer, delays = asyncio.run(run())
-    assert answer == "answer"
-    assert delays == []
-
-
-def test_a_client_that_goes_away_cancels_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    started = []
-
-    async def forever() -> None:
-        started.append(True)
+    async def receive(self) -> dict[str, Any]:
+        self.received += 1
+        if self.messages:
+            return self.messages.pop(0)
         await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
-    async def run() -> tuple[_Client, list[float]]:
-        delays = _record_timers(monkeypatch)
-        client = _Client()
+
+async def _forever(started: list[bool]) -> None:
+    started.append(True)
+    await asyncio.Event().wait()
+
+
+def test_a_client_that_goes_away_cancels_the_work() -> None:
+    started: list[bool] = []
+    work_cancelled = []
+
+    async def work() -> None:
+        try:
+            await _forever(started)
+        except asyncio.CancelledError:
+            work_cancelled.append(True)
+            raise
+
+    async def run() -> None:
         with pytest.raises(ClientDisconnected):
-            await until_disconnect(forever(), client)  # type: ignore[arg-type]
-        return client, delays
+            await until_disconnect(work(), _Client({"type": "http.disconnect"}))  # type: ignore[arg-type]
 
-    client, delays = asyncio.run(run())
-    assert started == [True]
-    assert client.asked == 1
-    assert len(delays) == 1
+    asyncio.run(run())
+    assert started == [True] and work_cancelled == [True]
+
+
+def test_a_client_that_stays_gets_the_answer_and_leaves_no_listener_behind() -> None:
+    client = _Client()
+
+    async def answer() -> str:
+        await asyncio.sleep(0)
+        return "answer"
+
+    async def run() -> tuple[str, int]:
+        result = await until_disconnect(answer(), client)  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # let the cancelled listener finish
+        return result, len(asyncio.all_tasks())
+
+    result, tasks = asyncio.run(run())
+    assert result == "answer" and tasks == 1  # only run() itself
+    assert client.received == 1  # one receive() for the whole wait: nothing polled
+
+
+def test_other_messages_before_the_disconnect_are_read_past(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disconnect, "_ODD_MESSAGE_WAIT_S", 0.0)
+    client = _Client({"type": "http.request", "body": b"", "more_body": False}, {"type": "http.disconnect"})
+
+    async def run() -> None:
+        with pytest.raises(ClientDisconnected):
+            await until_disconnect(_forever([]), client)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    assert client.received == 2
+
+
+def test_a_batch_line_is_never_listened_to() -> None:
+    class Line(OfflineRequest):
+        received = 0
+
+        async def receive(self) -> dict[str, Any]:
+            Line.received += 1
+            return {"type": "http.disconnect"}
+
+    async def answer() -> str:
+        await asyncio.sleep(0)
+        return "answer"
+
+    request = Line(ServerLimits(), 0)
+    assert isinstance(request, StaysConnected)
+    assert asyncio.run(until_disconnect(answer(), request)) == "answer"  # type: ignore[arg-type]
+    assert Line.received == 0

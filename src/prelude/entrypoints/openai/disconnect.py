@@ -17,50 +17,42 @@ class ClientDisconnected(Exception):
 
 class StaysConnected:
     """What a request stands in for when its client can not go away (a batch line):
-    nothing to poll. A job keeps ~128 lines in flight, and polling each every _POLL_S
-    was most of the job's event-loop time (a task and a timer per poll)."""
+    nothing to listen to."""
 
 
-_POLL_S = 0.1  # how often a waiting handler asks whether its client is still there
+_ODD_MESSAGE_WAIT_S = 0.1  # a server that answers receive() with other messages is asked again this late
 
 
 async def until_disconnect(work: Awaitable[T], http_request: HTTPRequest | StaysConnected | None) -> T:
     """Await `work`, cancelling it (and so aborting its engine requests) if the HTTP
     client goes away meanwhile.
 
-    The check runs from a timer every _POLL_S, not from an `asyncio.wait(timeout=...)`
-    loop around the work: that built a waiter future, a timer and two callbacks for every
-    request, ~15 us of the event loop's time on a 128/1 completion that is over in ~2 ms."""
+    A listener waits on the request's ASGI `receive()`: once the body is read, the server
+    answers it only when the client disconnects (or the response is complete), so nothing
+    runs while the client stays, and a disconnect cancels the work at once. (Polling
+    `is_disconnected()` from a timer every 0.1 s cost a task and a timer a poll: at c=16
+    judge requests, a quarter of the event loop's time.)"""
     if http_request is None or isinstance(http_request, StaysConnected):
         return await work
     task = asyncio.ensure_future(work)
-    loop = asyncio.get_running_loop()
     gone = False
-    checking: asyncio.Task[None] | None = None
 
-    async def check() -> None:
-        nonlocal gone, timer
-        if await http_request.is_disconnected():
-            gone = True
-            task.cancel()
-        elif not task.done():
-            timer = loop.call_later(_POLL_S, start_check)
+    async def listen() -> None:
+        nonlocal gone
+        while (await http_request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(_ODD_MESSAGE_WAIT_S)  # not the ASGI contract: never a busy loop
+        gone = True
+        task.cancel()
 
-    def start_check() -> None:
-        nonlocal checking
-        checking = loop.create_task(check())
-
-    timer = loop.call_later(_POLL_S, start_check)
+    listener = asyncio.get_running_loop().create_task(listen())
     try:
         return await task
     except asyncio.CancelledError:
-        if gone:  # cancelled by check(), not from outside
+        if gone:  # cancelled by the listener, not from outside
             raise ClientDisconnected() from None
         raise
     finally:
-        timer.cancel()
-        if checking is not None and not checking.done():
-            checking.cancel()
+        listener.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
