@@ -11,6 +11,7 @@ from typing import Any
 from prelude.entrypoints.batch.job import JobOptions, run_job
 from prelude.entrypoints.batch.output import OutputFileError
 from prelude.entrypoints.batch.plan import DuplicateCustomIds
+from prelude.entrypoints.heap import freeze_startup_heap
 
 logger = logging.getLogger("prelude.batch")
 
@@ -29,6 +30,7 @@ def run_batch(args: argparse.Namespace, front: Any, limits: Any) -> int:
         return 1
     options = JobOptions(max_inflight=args.max_inflight or 2 * args.max_num_seqs, limits=limits,
                          progress=args.progress, adapters=adapters)
+    freeze_startup_heap()  # loaded: a job's full collections skip the model, tokenizer and routes
     try:
         summary = asyncio.run(run_job(front, args.input_file, args.output_file, options, resume=args.resume))
     except (DuplicateCustomIds, OutputFileError, FileNotFoundError) as exc:
