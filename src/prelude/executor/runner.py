@@ -39,6 +39,7 @@ from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.forward_batch import (BatchRow, DecodeBatch, ForwardBatch, HeadSpec, MixedBatch, OneShotBatch,
                                   OneShotRow, SampleSpec)
 from prelude.model.ggml_blocks import GgmlBlocks
+from prelude.model.linear import bound_onednn_caches
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.base import KVCaches, Model
@@ -225,6 +226,8 @@ class ModelRunner:
         drops afterwards: no host copy of a GPU model is kept). `blocks`: a GGUF's
         block-format projections, which CPU decode reads where it can."""
         device = resolve_device(config.device)
+        if device.type == "cpu":  # before any of the model's GEMMs (encoders call F.linear directly)
+            bound_onednn_caches()
         dtype = resolve_dtype(config.dtype, device)
         logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), dtype_reason(config.dtype, device))
         attention = get_attention_backend(resolve_attention_backend(config.attention_backend, device), device)

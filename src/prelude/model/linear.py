@@ -57,15 +57,22 @@ PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count
 PACKED_ROW_STEP = 128
 PACKED_STEP_MAX_ROWS = 2048
 BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
-# Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 each): every layer shares
-# its shapes' kernels, so this holds each of a decoder's ~5 weight shapes at every row count
-# the packed path takes.
-ONEDNN_CACHE_BOUNDS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
+# Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 entries each). Every bf16
+# GEMM goes through oneDNN, packed or not (F.linear too), and each row count is a new
+# kernel that holds its own scratch memory, ~2.8 KiB per row for a 576x1536 weight (1,000
+# rows 2.6 MiB, 3,000 rows 8.7 MiB): a prefill step of ~2,000 tokens cached ~20 MiB over a
+# decoder's 4 weight shapes, and its token count rarely comes back. Bounded at 256, a
+# 100,000-line embeddings job grew by ~1 GiB (the cache full of such steps); at 16, the
+# last 3-4 row counts stay (a decode batch's 5 shapes, the head's included, survive the
+# prefill steps between two of its steps): the job grows by tens of MiB. A row count
+# evicted and seen again pays its kernels' creation, ~0.5 ms a shape.
+ONEDNN_CACHE_BOUNDS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 
 
 def bound_onednn_caches() -> None:
-    """Bound oneDNN's and ideep's per-shape caches (read at their first use, so this runs
-    before the first prepacked GEMM); a value the user set is kept."""
+    """Bound oneDNN's and ideep's per-shape caches. Each reads its bound once, at its first
+    use, so this runs before the first oneDNN GEMM of the process (a Projection's
+    construction, and the runner's before it builds any model); a value the user set is kept."""
     for name, value in ONEDNN_CACHE_BOUNDS.items():
         os.environ.setdefault(name, value)
 
@@ -99,6 +106,7 @@ class Projection:
         if blocks is not None and (blocks.blocks.out_features, blocks.blocks.in_features) != tuple(weight.shape):
             raise ValueError(f"blocks of {blocks.blocks.out_features}x{blocks.blocks.in_features} for a weight "
                              f"of {tuple(weight.shape)}")
+        bound_onednn_caches()  # before this weight's first GEMM, packed or not
         self.weight = weight
         self.bias = bias
         self.blocks = blocks
