@@ -79,6 +79,46 @@ static void rows_span(const float *x, const float *w, int64_t o0, int64_t o1, in
         }
     }
 }
+
+/* A few rows (2..8) through the same weight in a blocked copy: wb [ceil(out/16)][k][16]
+ * (16 outputs a vector, zero past out). Per k, one 64-byte weight vector and each row's
+ * x[k] broadcast: R fused multiply-adds a vector, so 8 rows read the weight once at
+ * memory speed, where one row per pass would read it 8 times. Each output sums k in
+ * order. */
+#define BLOCK_AHEAD 4 /* blocks prefetched ahead */
+
+static inline __attribute__((always_inline)) void blocks_rows(const float *x, const float *wb, int64_t b0, int64_t b1,
+                                                              int64_t nb, int64_t out, int64_t k, const float *bias,
+                                                              float *y, int rows) {
+    for (int64_t b = b0; b < b1; b++) {
+        const float *blk = wb + b * k * 16;
+        const char *ahead = b + BLOCK_AHEAD < nb ? (const char *)(wb + (b + BLOCK_AHEAD) * k * 16) : NULL;
+        __m512 acc[8];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i++) {
+            if (ahead) _mm_prefetch(ahead + 64 * i, _MM_HINT_NTA);
+            const __m512 wv = _mm512_loadu_ps(blk + 16 * i);
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * k + i]), wv, acc[r]);
+        }
+        const int64_t o = 16 * b, n = out - o < 16 ? out - o : 16;
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + o) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * out + o, m, _mm512_add_ps(acc[r], bv));
+    }
+}
+
+static void blocks_span(const float *x, int64_t rows, const float *wb, int64_t b0, int64_t b1, int64_t nb,
+                        int64_t out, int64_t k, const float *bias, float *y) {
+    switch (rows) { /* a compile-time row count: the accumulators stay in registers */
+    case 2: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 2); return;
+    case 3: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 3); return;
+    case 4: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 4); return;
+    case 5: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 5); return;
+    case 6: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 6); return;
+    case 7: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 7); return;
+    default: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 8); return;
+    }
+}
 #endif
 
 int prelude_row_gemv_available(void) {
@@ -115,6 +155,36 @@ int prelude_row_gemv_f32(const float *x, const float *w, int64_t out, int64_t k,
     return 0;
 #else
     (void)x; (void)w; (void)out; (void)k; (void)bias; (void)y; (void)threads;
+    return 1;
+#endif
+}
+
+/* y [rows, out] = x [rows, k] W^T (+ b) for 2 <= rows <= 8, W in the blocked copy
+ * prelude_row_gemv_block() wrote. Returns 0, or 1 on arguments it does not take. */
+int prelude_rows_gemm_blocked_f32(const float *x, int64_t rows, const float *wb, int64_t out, int64_t k,
+                                  const float *bias, float *y, int threads) {
+#if defined(__AVX512F__)
+    if (rows < 2 || rows > 8 || out <= 0 || k <= 0) return 1;
+    const int64_t nb = (out + 15) / 16;
+    if (threads <= 1 || nb < 256) {
+        blocks_span(x, rows, wb, 0, nb, nb, out, k, bias, y);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        extern int omp_get_num_threads(void);
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int64_t t = 0, n = 1;
+#endif
+        const int64_t b0 = nb * t / n, b1 = nb * (t + 1) / n;
+        if (b0 < b1) blocks_span(x, rows, wb, b0, b1, nb, out, k, bias, y);
+    }
+    return 0;
+#else
+    (void)x; (void)rows; (void)wb; (void)out; (void)k; (void)bias; (void)y; (void)threads;
     return 1;
 #endif
 }

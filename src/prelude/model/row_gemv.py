@@ -1,8 +1,10 @@
-"""One float32 row through a wide float32 weight (row_gemv.c), built once per machine
-(model/native_lib.py) and called through ctypes. Projection takes it for one-row calls
-of weights of at least ROW_GEMV_MIN_BYTES (an LM head), where oneDNN's packed one-row
-kernel streamed the weight ~1.3x slower; `load_row_gemv()` is None without a compiler,
-without AVX-512, or with PRELUDE_ROW_GEMV=0.
+"""A few float32 rows through a wide float32 weight (row_gemv.c), built once per machine
+(model/native_lib.py) and called through ctypes. Projection takes it for calls of up to
+BLOCKED_MAX_ROWS rows over weights of at least ROW_GEMV_MIN_BYTES (an LM head at c=1 to
+8): one row reads the plain weight, 2..8 rows a blocked copy made on their first call
+(16 outputs a vector: each weight vector serves every row), where oneDNN's packed kernels
+streamed the weight 1.3-2x slower. `load_row_gemv()` is None without a compiler, without
+AVX-512, or with PRELUDE_ROW_GEMV=0.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ _SOURCE = Path(__file__).with_name("row_gemv.c")
 # Weights this large are read from memory, not from cache, on every call: where the
 # kernel's streaming read pays. Smaller ones (a decoder layer's projections) keep oneDNN.
 ROW_GEMV_MIN_BYTES = 4 << 20
+BLOCKED_MAX_ROWS = 8  # the accumulators of 8 rows fill half the AVX-512 registers
 
 
 class RowGemv:
@@ -30,6 +33,11 @@ class RowGemv:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_int]
         self._fn = fn
+        blocked = lib.prelude_rows_gemm_blocked_f32
+        blocked.restype = ctypes.c_int
+        blocked.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._blocked = blocked
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
@@ -54,6 +62,38 @@ class RowGemv:
                       y.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"row GEMV refused its arguments ({out_features}x{k})")
+        return y.reshape(*x.shape[:-1], out_features)
+
+
+    @staticmethod
+    def block(weight: torch.Tensor) -> torch.Tensor:
+        """The blocked copy of `weight` [out, k] that `rows_linear` reads: [ceil(out/16), k, 16],
+        zero past `out`."""
+        out_features, k = weight.shape
+        nb = (out_features + 15) // 16
+        padded = torch.zeros(nb * 16, k, dtype=torch.float32)
+        padded[:out_features] = weight
+        return padded.view(nb, 16, k).transpose(1, 2).contiguous()
+
+    def rows_linear(self, x: torch.Tensor, blocked: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., k] float32 of 2..BLOCKED_MAX_ROWS rows -> [..., out]: W x (+ bias), W's
+        `block`ed copy given."""
+        k = blocked.shape[1]
+        rows = x.reshape(-1, k).contiguous()
+        m = rows.shape[0]
+        if not 2 <= m <= BLOCKED_MAX_ROWS or x.dtype != torch.float32 or x.shape[-1] != k:
+            raise ValueError(f"blocked GEMM takes 2..{BLOCKED_MAX_ROWS} float32 rows of {k}, "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        if bias is not None:
+            bias = bias.contiguous()
+            if bias.dtype != torch.float32 or bias.numel() != out_features:
+                raise ValueError(f"a bias of {bias.dtype} x {bias.numel()} for {out_features} float32 outputs")
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        rc = self._blocked(rows.data_ptr(), m, blocked.data_ptr(), out_features, k,
+                           None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"blocked GEMM refused its arguments ({m} rows, {out_features}x{k})")
         return y.reshape(*x.shape[:-1], out_features)
 
 
