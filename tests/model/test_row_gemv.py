@@ -146,3 +146,9 @@ def test_projection_sends_few_row_float32_calls_of_a_wide_weight_to_the_row_gemv
     small(x[:3])
     assert packed_rows == [BLOCKED_MAX_ROWS + 1, 1, 3]  # a small weight keeps oneDNN
     assert Projection(w, None, prepack=False)._row_gemv is None  # no prepacking (e.g. not a CPU): plain F.linear
+    wide = torch.randn(ROW_GEMV_MIN_BYTES // (4 * 576) + 1, 576)  # SmolLM2's width: one row is oneDNN's
+    head576 = Projection(wide, None, prepack=True)
+    y = torch.randn(3, 576)
+    torch.testing.assert_close(head576(y[:1]), F.linear(y[:1], wide), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(head576(y), F.linear(y, wide), rtol=1e-5, atol=1e-4)
+    assert packed_rows == [BLOCKED_MAX_ROWS + 1, 1, 3, 1]  # 1 row: oneDNN; 3 rows: the blocked copy

@@ -19,8 +19,9 @@ shapes), and the plain weight the rest. Both copies are kept: projection weights
 twice on a prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
 
 Up to 8 float32 rows through a float32 weight of at least 4 MiB (an LM head at c=1 to 8)
-take row_gemv.c instead, on an AVX-512 CPU: one row streams the plain weight ~1.3x faster
-than oneDNN's one-row kernel (the free model's 25 MB head: ~90 us off a 128/1 step), 2-8
+take row_gemv.c instead, on an AVX-512 CPU: one row of 64-256 streams the plain weight
+~1.3x faster than oneDNN's one-row kernel (the free model's 25 MB head: ~90 us off a
+128/1 step; wider rows keep oneDNN for one row), 2-8
 rows a blocked copy of it (made on their first call, held beside the others) 1.3-2x
 faster than oneDNN's packed kernels; each in its own fixed sum order (equal to fp32
 rounding, as oneDNN's is to MKL's).
@@ -149,7 +150,7 @@ class Projection:
         if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
             return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)
         if self._row_gemv is not None and rows.shape[0] <= BLOCKED_MAX_ROWS and x.dtype == torch.float32:
-            if rows.shape[0] == 1:
+            if rows.shape[0] == 1 and self._row_gemv.one_row_pays(self.weight):
                 return self._row_gemv.linear(x, self.weight, self.bias)
             if rows.shape[0] > 1:
                 if self._blocked is None:  # on the first few-row call: a server that only scores never needs it

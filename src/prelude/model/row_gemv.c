@@ -61,7 +61,7 @@ static inline __attribute__((always_inline)) void rows_fixed(const float *x, con
 
 static void rows_span(const float *x, const float *w, int64_t o0, int64_t o1, int64_t out, int64_t k,
                       const float *bias, float *y) {
-    switch (k) { /* common LM-head widths: x in registers */
+    switch (k) { /* x in registers: the widths Projection sends one row of (row_gemv.py) */
     case 64: rows_fixed(x, w, o0, o1, out, bias, y, 4); return;
     case 128: rows_fixed(x, w, o0, o1, out, bias, y, 8); return;
     case 256: rows_fixed(x, w, o0, o1, out, bias, y, 16); return;

@@ -1,7 +1,8 @@
 """A few float32 rows through a wide float32 weight (row_gemv.c), built once per machine
 (model/native_lib.py) and called through ctypes. Projection takes it for calls of up to
 BLOCKED_MAX_ROWS rows over weights of at least ROW_GEMV_MIN_BYTES (an LM head at c=1 to
-8): one row reads the plain weight, 2..8 rows a blocked copy made on their first call
+8): one row reads the plain weight (rows of 64, 128 or 256 only), 2..8 rows a blocked
+copy made on their first call
 (16 outputs a vector: each weight vector serves every row), where oneDNN's packed kernels
 streamed the weight 1.3-2x slower. `load_row_gemv()` is None without a compiler, without
 AVX-512, or with PRELUDE_ROW_GEMV=0.
@@ -22,6 +23,7 @@ _SOURCE = Path(__file__).with_name("row_gemv.c")
 # kernel's streaming read pays. Smaller ones (a decoder layer's projections) keep oneDNN.
 ROW_GEMV_MIN_BYTES = 4 << 20
 BLOCKED_MAX_ROWS = 8  # the accumulators of 8 rows fill half the AVX-512 registers
+ONE_ROW_WIDTHS = (64, 128, 256)  # row_gemv.c's x-in-registers widths (see RowGemv.one_row_pays)
 
 
 class RowGemv:
@@ -45,6 +47,14 @@ class RowGemv:
         return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
                 and weight.is_contiguous() and weight.shape[1] % 16 == 0
                 and weight.numel() * 4 >= ROW_GEMV_MIN_BYTES)
+
+    @staticmethod
+    def one_row_pays(weight: torch.Tensor) -> bool:
+        """Whether one row through `weight` beats oneDNN here: widths whose x the kernel holds
+        in registers (64, 128, 256). Wider rows (SmolLM2's 576, 1,024) measured ~20% slower
+        than oneDNN for one row (49,152 x 576: 3.25 vs 2.68 ms), while 2-8 rows through the
+        blocked copy stay faster at every width measured (8 rows: 2.68 vs 4.05 ms)."""
+        return weight.shape[1] in ONE_ROW_WIDTHS
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [k] or [1, k] float32 -> [out] or [1, out]: W x (+ bias); `weight` as `takes` allows."""
