@@ -1,4 +1,4 @@
-"""The few-row float32 GEMV (row_gemv.c: one row on the plain weight, 2-8 on a blocked
+"""The few-row float32 GEMV (row_gemv.c: one row on the plain weight, 2-16 on a blocked
 copy) and the projections that take it."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_blocked_rows_match_linear(rows: int, k: int, out: int) -> None:
 def test_blocked_answer_does_not_depend_on_the_thread_count() -> None:
     torch.manual_seed(3)
     w = torch.randn(10_001, 128)
-    x = torch.randn(8, 128)
+    x = torch.randn(BLOCKED_MAX_ROWS, 128)
     assert KERNEL is not None
     blocked = KERNEL.block(w)
     team = torch.get_num_threads()
@@ -138,7 +138,7 @@ def test_projection_sends_few_row_float32_calls_of_a_wide_weight_to_the_row_gemv
     assert head._blocked is None  # one row reads the plain weight: no copy yet
     torch.testing.assert_close(head(x[:3]), F.linear(x[:3], w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(head(x[:BLOCKED_MAX_ROWS]), F.linear(x[:BLOCKED_MAX_ROWS], w), rtol=1e-5, atol=1e-5)
-    assert head._blocked is not None and packed_rows == []  # up to 8 rows: the row GEMV
+    assert head._blocked is not None and packed_rows == []  # up to 16 rows: the row GEMV
     torch.testing.assert_close(head(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert packed_rows == [BLOCKED_MAX_ROWS + 1]  # more rows: oneDNN's packed copy, as before
     small = Projection(w[:64], None, prepack=True)

@@ -18,11 +18,11 @@ those steps (a bounded set: 16 more row counts held ~45-70 MiB over four project
 shapes), and the plain weight the rest. Both copies are kept: projection weights are held
 twice on a prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
 
-Up to 8 float32 rows through a float32 weight of at least 4 MiB (an LM head at c=1 to 8)
+Up to 16 float32 rows through a float32 weight of at least 4 MiB (an LM head at c=1 to 16)
 take row_gemv.c instead, on an AVX-512 CPU: one row of 64-256 streams the plain weight
 ~1.3x faster than oneDNN's one-row kernel (the free model's 25 MB head: ~90 us off a
-128/1 step; wider rows keep oneDNN for one row), 2-8
-rows a blocked copy of it (made on their first call, held beside the others) 1.3-2x
+128/1 step; wider rows keep oneDNN for one row), 2-16
+rows a blocked copy of it (made on their first call, held beside the others) 1.2-2x
 faster than oneDNN's packed kernels; each in its own fixed sum order (equal to fp32
 rounding, as oneDNN's is to MKL's).
 
@@ -122,7 +122,7 @@ class Projection:
         # row_gemv.c (see the module docstring).
         self._row_gemv: RowGemv | None = (load_row_gemv() if prepack and blocks is None and RowGemv.takes(weight)
                                           else None)
-        self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..8 rows
+        self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
 
     def limit_blocks(self, max_rows: int) -> None:
         """Read the blocks for calls of at most `max_rows` rows (0: never); the model sets

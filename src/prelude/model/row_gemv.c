@@ -80,10 +80,10 @@ static void rows_span(const float *x, const float *w, int64_t o0, int64_t o1, in
     }
 }
 
-/* A few rows (2..8) through the same weight in a blocked copy: wb [ceil(out/16)][k][16]
+/* A few rows (2..16) through the same weight in a blocked copy: wb [ceil(out/16)][k][16]
  * (16 outputs a vector, zero past out). Per k, one 64-byte weight vector and each row's
- * x[k] broadcast: R fused multiply-adds a vector, so 8 rows read the weight once at
- * memory speed, where one row per pass would read it 8 times. Each output sums k in
+ * x[k] broadcast: R fused multiply-adds a vector, so 16 rows read the weight once at
+ * memory speed, where one row per pass would read it 16 times. Each output sums k in
  * order. */
 #define BLOCK_AHEAD 4 /* blocks prefetched ahead */
 
@@ -93,7 +93,7 @@ static inline __attribute__((always_inline)) void blocks_rows(const float *x, co
     for (int64_t b = b0; b < b1; b++) {
         const float *blk = wb + b * k * 16;
         const char *ahead = b + BLOCK_AHEAD < nb ? (const char *)(wb + (b + BLOCK_AHEAD) * k * 16) : NULL;
-        __m512 acc[8];
+        __m512 acc[16];
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t i = 0; i < k; i++) {
             if (ahead) _mm_prefetch(ahead + 64 * i, _MM_HINT_NTA);
@@ -110,13 +110,11 @@ static inline __attribute__((always_inline)) void blocks_rows(const float *x, co
 static void blocks_span(const float *x, int64_t rows, const float *wb, int64_t b0, int64_t b1, int64_t nb,
                         int64_t out, int64_t k, const float *bias, float *y) {
     switch (rows) { /* a compile-time row count: the accumulators stay in registers */
-    case 2: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 2); return;
-    case 3: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 3); return;
-    case 4: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 4); return;
-    case 5: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 5); return;
-    case 6: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 6); return;
-    case 7: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 7); return;
-    default: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 8); return;
+#define ROWS_CASE(n) case n: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, n); return;
+    ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9)
+    ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12) ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15)
+#undef ROWS_CASE
+    default: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 16); return;
     }
 }
 #endif
@@ -159,12 +157,12 @@ int prelude_row_gemv_f32(const float *x, const float *w, int64_t out, int64_t k,
 #endif
 }
 
-/* y [rows, out] = x [rows, k] W^T (+ b) for 2 <= rows <= 8, W in the blocked copy
- * prelude_row_gemv_block() wrote. Returns 0, or 1 on arguments it does not take. */
+/* y [rows, out] = x [rows, k] W^T (+ b) for 2 <= rows <= 16, W in the blocked copy
+ * RowGemv.block (row_gemv.py) makes. Returns 0, or 1 on arguments it does not take. */
 int prelude_rows_gemm_blocked_f32(const float *x, int64_t rows, const float *wb, int64_t out, int64_t k,
                                   const float *bias, float *y, int threads) {
 #if defined(__AVX512F__)
-    if (rows < 2 || rows > 8 || out <= 0 || k <= 0) return 1;
+    if (rows < 2 || rows > 16 || out <= 0 || k <= 0) return 1;
     const int64_t nb = (out + 15) / 16;
     if (threads <= 1 || nb < 256) {
         blocks_span(x, rows, wb, 0, nb, nb, out, k, bias, y);
