@@ -70,6 +70,7 @@ def test_packed_path_sees_a_bounded_set_of_row_counts(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(linear, "packed_linear", recording)
     x = torch.randn(linear.PACKED_STEP_MAX_ROWS + 300, 32, dtype=dtype)
+    proj(x[:1])  # the packed copy is made by a decode-sized call (steps only use it)
     for rows in range(1, x.shape[0] + 1):
         out = proj(x[:rows])
         if rows in (1, 37, 128, 200, 256, linear.PACKED_STEP_MAX_ROWS):
@@ -78,7 +79,7 @@ def test_packed_path_sees_a_bounded_set_of_row_counts(monkeypatch: pytest.Monkey
     if dtype == torch.float32 and "avx512_f" not in native_lib.cpu_isa_flags():
         steps = set()  # MKL's sgemm there is as fast: decode sizes only
     assert seen == set(range(1, PACKED_MAX_ROWS + 1)) | steps
-    assert len(seen) <= 48  # ~5 weight shapes a decoder: within oneDNN's bounded cache (256)
+    assert len(seen) <= 48  # a bounded set of kernels per weight shape
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
@@ -135,6 +136,22 @@ def test_prepacked_projections_keep_memory_bounded_over_many_row_counts() -> Non
     done = subprocess.run([sys.executable, "-c", _GROWTH_PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.split()[-1]) < 80.0, done.stdout
+
+
+@pytest.mark.skipif(not _cpu_can_prepack_bf16(), reason="this CPU cannot prepack bf16 weights (needs AVX-512)")
+def test_only_a_decode_sized_call_makes_the_packed_copy() -> None:
+    """The packed copy is the weight again (~210 MiB for SmolLM2 in bf16): a process that
+    only prefills (an embeddings job) must not make it because one step's token count was
+    a multiple of PACKED_ROW_STEP; once a decode-sized call made it, such steps use it."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    x = torch.randn(linear.PACKED_ROW_STEP, 64, dtype=torch.bfloat16)
+    proj = Projection(w, None, prepack=True)
+    assert torch.equal(proj(x), F.linear(x, w))
+    assert proj._packed is None
+    proj(x[:PACKED_MAX_ROWS])
+    assert proj._packed is not None
+    torch.testing.assert_close(proj(x), F.linear(x, w))
 
 
 _BF16_GROWTH_PROBE = """

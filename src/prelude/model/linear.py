@@ -8,9 +8,10 @@ the weak spot, 4 rows through the head 29.8 -> 10.2 ms and through a layer's pro
 0.98 -> 0.59 ms (equal to fp32 rounding). At 128 and 512 rows the two are within 3%.
 In bf16 on an AVX512-BF16 Zen 5 the packed copy is also faster at prefill sizes (a layer's
 projections, one thread: 128 rows 2.26 -> 1.99 ms, 512 rows 7.95 -> 7.54, 1024 rows 15.78 ->
-15.09), so bf16 calls of 128, 256, ... 2048 rows take it as well; so do float32 calls on
-an AVX-512 CPU, where MKL's sgemm behind F.linear (AVX2 code on AMD) measured 2.2-2.3x
-slower than oneDNN's packed kernels (128 rows 9.10 -> 3.97 ms, 1,024 rows 66.1 -> 28.9).
+15.09), so bf16 calls of 128, 256, ... 2048 rows take it as well (once a decode-sized call
+has made it); so do float32 calls on an AVX-512 CPU, where MKL's sgemm behind F.linear
+(AVX2 code on AMD) measured 2.2-2.3x slower than oneDNN's packed kernels (128 rows 9.10 ->
+3.97 ms, 1,024 rows 66.1 -> 28.9).
 But oneDNN compiles a kernel, with its own scratch memory, for every row count it sees,
 and a prefill's token count is a new one almost every time (a soak grew by hundreds of
 MiB that way): the packed copy serves only calls of at most PACKED_MAX_ROWS rows and
@@ -156,7 +157,13 @@ class Projection:
                 if self._blocked is None:  # on the first few-row call: a server that only scores never needs it
                     self._blocked = self._row_gemv.block(self.weight)
                 return self._row_gemv.rows_linear(x, self._blocked, self.out_features, self.bias)
-        packed = self._packed_weight() if packed_row_count(rows.shape[0], x.dtype) else None
+        packed = None
+        if packed_row_count(rows.shape[0], x.dtype):
+            # Only a decode-sized call makes the packed copy (the model's projections again,
+            # ~210 MiB for SmolLM2 in bf16); a step-sized one uses it once it is there. A
+            # process that only prefills (an embeddings job) never needs it, and a step whose
+            # token count happened to be a multiple of 128 made it there, mid-job.
+            packed = self._packed_weight() if rows.shape[0] <= PACKED_MAX_ROWS else self._packed
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         out = packed_linear(rows.contiguous(), packed, self.bias)
