@@ -19,8 +19,8 @@ those steps (a bounded set: 16 more row counts held ~45-70 MiB over four project
 shapes), and the plain weight the rest. Both copies are kept: projection weights are held
 twice on a prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
 
-Up to 16 float32 rows through a float32 weight of at least 4 MiB (an LM head at c=1 to 16)
-take row_gemv.c instead, on an AVX-512 CPU: one row of 64-256 streams the plain weight
+Up to 16 float32 rows through an LM head (`head=True`) of at least 4 MiB in float32 (c=1
+to 16) take row_gemv.c instead, on an AVX-512 CPU: one row of 64-256 streams the plain weight
 ~1.3x faster than oneDNN's one-row kernel (the free model's 25 MB head: ~90 us off a
 128/1 step; wider rows keep oneDNN for one row), 2-16
 rows a blocked copy of it (made on their first call, held beside the others) 1.2-2x
@@ -106,7 +106,7 @@ class Projection:
     row count packed_row_count takes."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False,
-                 blocks: BlocksPath | None = None) -> None:
+                 blocks: BlocksPath | None = None, head: bool = False) -> None:
         if blocks is not None and (blocks.blocks.out_features, blocks.blocks.in_features) != tuple(weight.shape):
             raise ValueError(f"blocks of {blocks.blocks.out_features}x{blocks.blocks.in_features} for a weight "
                              f"of {tuple(weight.shape)}")
@@ -119,10 +119,12 @@ class Projection:
         # took ~0.5 s of a ~3 s start-up, and a server that only scores never needs it.
         self._want_packed = prepack
         self._packed: torch.Tensor | None = None
-        # One-row calls of a wide float32 weight (an LM head at c=1) stream it through
-        # row_gemv.c (see the module docstring).
-        self._row_gemv: RowGemv | None = (load_row_gemv() if prepack and blocks is None and RowGemv.takes(weight)
-                                          else None)
+        # Few-row calls of a wide float32 LM head (`head`) stream it through row_gemv.c (see
+        # the module docstring). Only the head: its 2-16 row calls keep a blocked copy
+        # beside the weight, which for a decoder's wide projections (Qwen3-0.6B's gate_up:
+        # 25 MB a layer) would cost the trunk's size again, unmeasured there.
+        self._row_gemv: RowGemv | None = (load_row_gemv() if head and prepack and blocks is None
+                                          and RowGemv.takes(weight) else None)
         self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
 
     def limit_blocks(self, max_rows: int) -> None:

@@ -120,7 +120,7 @@ class LlamaForCausalLM:
         else:
             self.lm_head = self.embed if config.tie_word_embeddings or self.score is None else None
         head_name = "lm_head.weight" if "lm_head.weight" in cast else "model.embed_tokens.weight"
-        self._lm_head_proj = (Projection(self.lm_head, None, prepack, blocks_for(head_name))
+        self._lm_head_proj = (Projection(self.lm_head, None, prepack, blocks_for(head_name), head=True)
                               if self.lm_head is not None else None)
         # Where decode reads GGUF blocks instead of oneDNN (None: no blocks in this model/CPU/dtype)
         self.decode_route: decode_routes.RouteChoice | None = None

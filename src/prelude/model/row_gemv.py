@@ -1,7 +1,6 @@
 """A few float32 rows through a wide float32 weight (row_gemv.c), built once per machine
-(model/native_lib.py) and called through ctypes. Projection takes it for calls of up to
-BLOCKED_MAX_ROWS rows over weights of at least ROW_GEMV_MIN_BYTES (an LM head at c=1 to
-16): one row reads the plain weight (rows of 64, 128 or 256 only), 2..16 rows a blocked
+(model/native_lib.py) and called through ctypes. An LM head's Projection takes it for calls
+of up to BLOCKED_MAX_ROWS rows over weights of at least ROW_GEMV_MIN_BYTES (c=1 to 16): one row reads the plain weight (rows of 64, 128 or 256 only), 2..16 rows a blocked
 copy made on their first call
 (16 outputs a vector: each weight vector serves every row), where oneDNN's packed kernels
 streamed the weight 1.2-2x slower (49,152 x 128: 8 rows 907 vs 432 us, 16 rows 1,291 vs
