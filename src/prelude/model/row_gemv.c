@@ -119,6 +119,21 @@ static void blocks_span(const float *x, int64_t rows, const float *wb, int64_t b
 }
 #endif
 
+#if defined(__AVX512F__)
+/* [*u0, *u1): the calling OpenMP thread's contiguous share of `units` work units. */
+static void this_threads_share(int64_t units, int64_t *u0, int64_t *u1) {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void);
+    extern int omp_get_num_threads(void);
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+    const int64_t t = 0, n = 1;
+#endif
+    *u0 = units * t / n;
+    *u1 = units * (t + 1) / n;
+}
+#endif
+
 int prelude_row_gemv_available(void) {
 #if defined(__AVX512F__)
     return 1;
@@ -138,15 +153,8 @@ int prelude_row_gemv_f32(const float *x, const float *w, int64_t out, int64_t k,
     /* Split in 4-row-aligned spans, one per thread: each span's rows sum as above. */
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int64_t t = 0, n = 1;
-#endif
-        const int64_t blocks = (out + 3) / 4;
-        const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+        int64_t b0, b1;
+        this_threads_share((out + 3) / 4, &b0, &b1);
         const int64_t o0 = 4 * b0, o1 = 4 * b1 < out ? 4 * b1 : out;
         if (o0 < o1) rows_span(x, w, o0, o1, out, k, bias, y);
     }
@@ -170,14 +178,8 @@ int prelude_rows_gemm_blocked_f32(const float *x, int64_t rows, const float *wb,
     }
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int64_t t = 0, n = 1;
-#endif
-        const int64_t b0 = nb * t / n, b1 = nb * (t + 1) / n;
+        int64_t b0, b1;
+        this_threads_share(nb, &b0, &b1);
         if (b0 < b1) blocks_span(x, rows, wb, b0, b1, nb, out, k, bias, y);
     }
     return 0;
