@@ -39,3 +39,29 @@ def test_garbage_before_the_freeze_is_collected_and_the_living_heap_frozen(unfro
     del later
     gc.collect()
     assert later_ref() is None  # cycles made while serving are still freed
+
+
+def test_native_heap_trim_runs_at_most_once_an_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prelude.entrypoints import heap
+
+    calls: list[int] = []
+    now = [100.0]
+    monkeypatch.setattr(heap.time, "monotonic", lambda: now[0])
+    trim = heap.NativeHeapTrim(every_s=5.0)
+    trim._trim = calls.append  # the C call, recorded
+    assert not trim.maybe()  # the interval counts from construction
+    now[0] += 5.0
+    assert trim.maybe() and calls == [0]  # malloc_trim(0): every arena, keep no pad
+    now[0] += 4.9
+    assert not trim.maybe()
+    now[0] += 0.2
+    assert trim.maybe() and trim.trims == 2
+
+
+def test_native_heap_trim_calls_the_c_heap_where_there_is_one() -> None:
+    from prelude.entrypoints import heap
+
+    trim = heap.NativeHeapTrim(every_s=0.0)
+    if trim._trim is None:
+        pytest.skip("not glibc: no malloc_trim")
+    assert trim.maybe() and trim.trims == 1

@@ -14,7 +14,9 @@ objects made since.
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import time
 
 
 def freeze_startup_heap() -> int:
@@ -23,3 +25,29 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+class NativeHeapTrim:
+    """Hands the C heap's free pages back to the system at most every `every_s` seconds
+    (glibc's malloc_trim; a no-op elsewhere). A long job's torch/oneDNN temporaries come
+    and go in glibc's per-thread arenas, whose freed pages stay resident: a 100,000-line
+    embeddings job's RSS stepped up ~110 MiB that way and never came back down."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self._last = time.monotonic()
+        self.trims = 0
+        try:
+            self._trim = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):  # not glibc
+            self._trim = None
+
+    def maybe(self) -> bool:
+        """Trim if `every_s` has passed since the last one; whether it trimmed."""
+        now = time.monotonic()
+        if self._trim is None or now - self._last < self.every_s:
+            return False
+        self._last = now
+        self._trim(0)
+        self.trims += 1
+        return True

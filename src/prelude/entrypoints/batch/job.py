@@ -19,6 +19,7 @@ from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
 from prelude.entrypoints.batch.lines import LineError, error_line, load_object, parse_line, response_line
 from prelude.entrypoints.batch.output import OutputLog
 from prelude.entrypoints.batch.plan import Plan, plan_job
+from prelude.entrypoints.heap import NativeHeapTrim
 from prelude.entrypoints.openai.limits import ServerLimits
 from prelude.entrypoints.openai.lora_adapters import ServedAdapters
 from prelude.entrypoints.openai.offline import answer
@@ -38,6 +39,7 @@ class JobOptions:
     # /v1/batches on a serving engine: the lines are low-priority requests, which the
     # scheduler runs behind the interactive ones (SchedulerConfig.low_priority_step_tokens).
     low_priority: bool = False
+    heap_trim_s: float = 5.0  # the C heap's free pages handed back this often (0: never; heap.NativeHeapTrim)
 
 
 @dataclass
@@ -165,7 +167,11 @@ async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, 
     progress = _Progress(plan.to_run, summary, options.progress)
     t0 = time.monotonic()
 
+    trim = NativeHeapTrim(options.heap_trim_s) if options.heap_trim_s > 0 else None
+
     def finished(status: str, line: bytes) -> None:
+        if trim is not None:
+            trim.maybe()
         log.append(line)
         summary.by_status[status] += 1
         progress.update()
