@@ -1,4 +1,6 @@
-"""The start-up heap kept out of the cyclic garbage collector's full passes.
+"""A long-running process's heaps: the start-up objects kept out of the cyclic garbage
+collector's full passes (freeze_startup_heap), and the C heap's free pages handed back
+during a long job (NativeHeapTrim).
 
 A served process holds ~220k Python objects from start-up (the model's modules, the
 tokenizer, FastAPI's routes, pydantic's schemas) that never become garbage. CPython's
