@@ -146,17 +146,16 @@ def test_the_pool_refuses_what_it_cannot_speak() -> None:
 
 
 @pytest.mark.parametrize("kind", ["raw", "httpx"])
-def test_bench_serve_reads_the_same_stream_with_either_client(kind: str) -> None:
-    from prelude.bench.peers.launch import PeerOptions, peer_spec
-    from prelude.bench.serve_bench import Clients, Peer
+def test_the_load_client_reads_the_same_stream_with_either_kind(kind: str) -> None:
+    from prelude.bench.load_clients import LoadClient
 
     events = [{"choices": [{"text": t}]} for t in ("x", "y")] + [{"choices": [], "usage": {"completion_tokens": 2}}]
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     server = CannedServer(lambda body: head + _chunked([_sse(events)]))
 
     async def work(base: str):
-        peer = Peer(peer_spec("prelude", 0, PeerOptions()), base, 0.0)
-        send, pool = Clients(kind).completions(peer, 2)
+        client = LoadClient(kind)
+        send, pool = client.completions(base, "m", 2), client.pool(base)
         assert (pool is None) == (kind == "httpx")
         return await run_load(send, ["p1", "p2"], LoadSpec(1, warmup=0), client=pool)
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from prelude.bench.load_clients import CLIENT_KINDS
 from prelude.bench.peers.launch import PeerOptions, PeerSpec, PeerUnavailable, peer_spec
 from prelude.bench.prompts import exact_prompt
 from prelude.bench.results import write_json
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           "the peers alternating")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the default request counts")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+    ap.add_argument("--client", choices=CLIENT_KINDS, default="raw",
                     help="the load generator's HTTP client: raw (bench/raw_http.py, ~5x less CPU a request) or "
                          "httpx (what figures before 2026-11-24 12:00 UTC used)")
     ap.add_argument("--out", default="bench_results/overhead", help="path stem for .json and .png")

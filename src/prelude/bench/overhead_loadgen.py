@@ -17,19 +17,17 @@ import sys
 import time
 from typing import Any
 
-from prelude.bench.loadgen import LoadSpec, Sender, completion_sender, json_sender, run_load, summarize
-from prelude.bench.raw_http import RawPool, raw_completion_sender, raw_json_sender
+from prelude.bench.load_clients import LoadClient
+from prelude.bench.loadgen import LoadSpec, Sender, run_load, summarize
 
 
 def sender_for(job: dict[str, Any]) -> Sender:
-    """The job's sender: over bench/raw_http.py's RawPool (client "raw", the default), or
-    an httpx client ("httpx", what earlier figures were measured with)."""
+    """The job's sender, on the job's client (bench/load_clients.py)."""
     base, model, kind, items = job["base"], job.get("model"), job["kind"], int(job.get("items", 1))
-    raw = job.get("client", "raw") == "raw"
+    client = LoadClient(job.get("client", "raw"))
     named = {"model": model} if model else {}
     if kind == "stream":
-        return raw_completion_sender(model, int(job["max_tokens"])) if raw else \
-            completion_sender(base, model, int(job["max_tokens"]))
+        return client.completions(base, model, int(job["max_tokens"]))
     if kind == "completion":
         max_tokens = int(job["max_tokens"])
         path, body_of = "/v1/completions", lambda p: {**named, "prompt": p, "max_tokens": max_tokens,
@@ -40,13 +38,13 @@ def sender_for(job: dict[str, Any]) -> Sender:
         path, body_of = "/v1/embeddings", lambda p: {**named, "input": p}
     else:
         raise ValueError(f"unknown kind {kind!r}")
-    return raw_json_sender(path, body_of, lambda _: items) if raw else json_sender(base, path, body_of, lambda _: items)
+    return client.json(base, path, body_of, lambda _: items)
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     spec = LoadSpec(int(job["concurrency"]), None, len(job.get("warmup", ())), int(job.get("seed", 0)))
     cpu0, t0 = time.process_time(), time.perf_counter()
-    client = RawPool(job["base"]) if job.get("client", "raw") == "raw" else None
+    client = LoadClient(job.get("client", "raw")).pool(job["base"])
     result = asyncio.run(run_load(sender_for(job), job["payloads"], spec, warmup=job.get("warmup", ()),
                                   client=client))
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0

@@ -41,11 +41,10 @@ from typing import Any
 import httpx
 
 from prelude.bench.ceiling import RawModel
+from prelude.bench.load_clients import CLIENT_KINDS, LoadClient
 from prelude.bench.loadgen import (
     LoadResult,
     LoadSpec,
-    completion_sender,
-    json_sender,
     percentile,
     run_load,
     summarize,
@@ -62,7 +61,6 @@ from prelude.bench.peers.launch import (
     peer_spec,
 )
 from prelude.bench.prompts import exact_prompt, shared_prefix_prompts
-from prelude.bench.raw_http import RawPool, raw_completion_sender, raw_json_sender
 from prelude.bench.report import markdown, plot_sweep
 from prelude.bench.results import write_json
 from prelude.bench.server_proc import free_port, frozen, server_process, wait_until_idle
@@ -162,26 +160,6 @@ def start_peers(names: list[str], opts: PeerOptions, skipped: dict[str, str], co
         yield peers
 
 
-@dataclass(frozen=True)
-class Clients:
-    """The load generator's HTTP client for every peer alike: "raw" (bench/raw_http.py)
-    or "httpx". httpx costs 1-3.5 ms of CPU a request: at the judge's ~35 req/s that is a
-    tenth of a core of this 2-core machine taken from whichever server is measured."""
-
-    kind: str = "raw"
-
-    def completions(self, p: Peer, max_tokens: int) -> tuple[Any, RawPool | None]:
-        """(sender, client for run_load: None = its own httpx client)."""
-        if self.kind == "raw":
-            return raw_completion_sender(p.spec.model, max_tokens), RawPool(p.base)
-        return completion_sender(p.base, p.spec.model, max_tokens), None
-
-    def json(self, p: Peer, path: str, body_of: Callable[[Any], dict[str, Any]]) -> tuple[Any, RawPool | None]:
-        if self.kind == "raw":
-            return raw_json_sender(path, body_of, len), RawPool(p.base)
-        return json_sender(p.base, path, body_of, len), None
-
-
 def _spec(args: argparse.Namespace, concurrency: int, label: str) -> LoadSpec:
     rate = args.rate if concurrency > 1 else None
     return LoadSpec(concurrency, rate, args.warmup, args.seed, None if args.no_progress else label)
@@ -189,7 +167,7 @@ def _spec(args: argparse.Namespace, concurrency: int, label: str) -> LoadSpec:
 
 async def interleaved_c1(
     peers: list[Peer], prompts: list[str], warm: str, warmup: int, raw: RawModel, tok: Any, pause_s: float = 0.1,
-    clients: Clients = Clients(),
+    clients: LoadClient = LoadClient(),
 ) -> tuple[dict[str, LoadResult], list[float]]:
     """One request at a time, alternating peers request by request, with the raw forward
     of the same prompt in between, so slow drift of the machine lands on all alike.
@@ -202,8 +180,9 @@ async def interleaved_c1(
         shared = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0)))
         senders: dict[str, tuple[Any, Any]] = {}
         for p in peers:
-            send, pool = clients.completions(p, 1)
-            senders[p.spec.name] = (send, shared if pool is None else await stack.enter_async_context(pool))
+            pool = clients.pool(p.base)
+            senders[p.spec.name] = (clients.completions(p.base, p.spec.model, 1),
+                                    shared if pool is None else await stack.enter_async_context(pool))
         for name, (send, client) in senders.items():
             with alone(peers, by_name[name]):
                 for _ in range(warmup):
@@ -247,7 +226,7 @@ def run_scenarios(
     """(scenario results, ceiling). The batched ceiling is measured first and again
     before every sweep point, the single-prompt raw forward interleaved with (a)."""
     out: dict[str, Any] = {}
-    clients = Clients(args.client)
+    clients = LoadClient(args.client)
     completers = [p for p in peers if COMPLETIONS in p.spec.serves]
     long_ids = [tok.encode(p, add_special_tokens=False) for p in next(iter(wl.sweep.values()))[:16]]
     with alone(peers):
@@ -281,7 +260,7 @@ def run_scenarios(
             for p in completers:
                 if p.spec.name == "llama.cpp" and c > args.llama_sweep_max:
                     continue  # one request at a time: more concurrency only queues (see --llama-sweep-max)
-                send, pool = clients.completions(p, 1)
+                send, pool = clients.completions(p.base, p.spec.model, 1), clients.pool(p.base)
                 _settle(peers)
                 with alone(peers, p):
                     res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long],
@@ -292,7 +271,7 @@ def run_scenarios(
     if "c" in scenarios and completers:
         out["c"] = {"peers": {}}
         for p in completers:
-            send, pool = clients.completions(p, 32)
+            send, pool = clients.completions(p.base, p.spec.model, 32), clients.pool(p.base)
             _settle(peers)
             with alone(peers, p):
                 res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short],
@@ -313,7 +292,7 @@ def run_scenarios(
                         b["model"] = model
                     return b
 
-                send, pool = clients.json(p, path, body)
+                send, pool = clients.json(p.base, path, body, len), clients.pool(p.base)
                 _settle(peers)
                 with alone(peers, p):
                     res = asyncio.run(run_load(send, wl.texts, _spec(args, 16, f"{key} {p.spec.name}"), wl.texts[:1],
@@ -326,7 +305,7 @@ def run_scenarios(
                     "concurrency": args.prefix_concurrency, "peers": {}}
         mean_len = sum(wl.prefix_lengths) / len(wl.prefix_lengths)
         for p in completers:
-            send, pool = clients.completions(p, args.prefix_max_tokens)
+            send, pool = clients.completions(p.base, p.spec.model, args.prefix_max_tokens), clients.pool(p.base)
             # No warm-up: the first request pays for the cold prefix on every peer alike.
             spec = replace(_spec(args, args.prefix_concurrency, f"e {p.spec.name}"), warmup=0)
             _settle(peers)  # no warm-up here to absorb another peer's spin: the first wave is measured
@@ -470,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ceiling-iters", type=int, default=12)
     ap.add_argument("--out", default="bench_results/serve", help="path stem for .json, .md and _sweep.png")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+    ap.add_argument("--client", choices=CLIENT_KINDS, default="raw",
                     help="the load generator's HTTP client, for every peer alike: raw (bench/raw_http.py, a fraction "
                          "of httpx's CPU a request) or httpx (what runs before 2026-11-24 14:00 used)")
     args = ap.parse_args(argv)

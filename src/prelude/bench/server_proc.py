@@ -55,6 +55,7 @@ def wait_until_idle(pids: list[int], window_s: float = 0.1, busy_fraction: float
         before = now
     return time.monotonic() - t0
 
+
 def process_tree(pid: int) -> list[int]:
     """`pid` and its descendants, parents first (Linux /proc; just `pid` elsewhere)."""
     tree, todo = [], [pid]
