@@ -63,17 +63,13 @@ class RowGemv:
         if row.numel() != k or x.dtype != torch.float32:
             raise ValueError(f"row GEMV takes one float32 row of {k}, got {x.dtype} {tuple(x.shape)}")
         row = row.contiguous()
-        if bias is not None:
-            bias = bias.contiguous()
-            if bias.dtype != torch.float32 or bias.numel() != out_features:
-                raise ValueError(f"a bias of {bias.dtype} x {bias.numel()} for {out_features} float32 outputs")
+        bias = _checked_bias(bias, out_features)
         y = torch.empty(out_features, dtype=torch.float32)
         rc = self._fn(row.data_ptr(), weight.data_ptr(), out_features, k, None if bias is None else bias.data_ptr(),
                       y.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"row GEMV refused its arguments ({out_features}x{k})")
         return y.reshape(*x.shape[:-1], out_features)
-
 
     @staticmethod
     def block(weight: torch.Tensor) -> torch.Tensor:
@@ -95,16 +91,23 @@ class RowGemv:
         if not 2 <= m <= BLOCKED_MAX_ROWS or x.dtype != torch.float32 or x.shape[-1] != k:
             raise ValueError(f"blocked GEMM takes 2..{BLOCKED_MAX_ROWS} float32 rows of {k}, "
                              f"got {x.dtype} {tuple(x.shape)}")
-        if bias is not None:
-            bias = bias.contiguous()
-            if bias.dtype != torch.float32 or bias.numel() != out_features:
-                raise ValueError(f"a bias of {bias.dtype} x {bias.numel()} for {out_features} float32 outputs")
+        bias = _checked_bias(bias, out_features)
         y = torch.empty(m, out_features, dtype=torch.float32)
         rc = self._blocked(rows.data_ptr(), m, blocked.data_ptr(), out_features, k,
                            None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"blocked GEMM refused its arguments ({m} rows, {out_features}x{k})")
         return y.reshape(*x.shape[:-1], out_features)
+
+
+def _checked_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """`bias` contiguous, or ValueError unless it is `out_features` float32 values."""
+    if bias is None:
+        return None
+    bias = bias.contiguous()
+    if bias.dtype != torch.float32 or bias.numel() != out_features:
+        raise ValueError(f"a bias of {bias.dtype} x {bias.numel()} for {out_features} float32 outputs")
+    return bias
 
 
 def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
