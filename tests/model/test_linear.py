@@ -140,9 +140,9 @@ def test_prepacked_projections_keep_memory_bounded_over_many_row_counts() -> Non
 
 @pytest.mark.skipif(not _cpu_can_prepack_bf16(), reason="this CPU cannot prepack bf16 weights (needs AVX-512)")
 def test_only_a_decode_sized_call_makes_the_packed_copy() -> None:
-    """The packed copy is the weight again (~210 MiB for SmolLM2 in bf16): a process that
-    only prefills (an embeddings job) must not make it because one step's token count was
-    a multiple of PACKED_ROW_STEP; once a decode-sized call made it, such steps use it."""
+    """The packed copy is the weight again (~210 MiB for SmolLM2 in bf16): a bf16 process
+    that only prefills (an embeddings job) must not make it because one step's token count
+    was a multiple of PACKED_ROW_STEP; once a decode-sized call made it, such steps use it."""
     torch.manual_seed(0)
     w = torch.randn(96, 64, dtype=torch.bfloat16)
     x = torch.randn(linear.PACKED_ROW_STEP, 64, dtype=torch.bfloat16)
@@ -152,6 +152,24 @@ def test_only_a_decode_sized_call_makes_the_packed_copy() -> None:
     proj(x[:PACKED_MAX_ROWS])
     assert proj._packed is not None
     torch.testing.assert_close(proj(x), F.linear(x, w))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or "avx512_f" not in native_lib.cpu_isa_flags(),
+                    reason="float32 steps take the packed copy on an AVX-512 CPU only (MKL is as fast elsewhere)")
+def test_a_float32_step_makes_the_packed_copy_on_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In float32 on AVX-512 the packed kernels are 2.2x MKL's at step sizes: a process that
+    only prefills 128-token prompts takes them from its first step; other counts do not pack."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    x = torch.randn(linear.PACKED_ROW_STEP + 1, 64)
+    proj = Projection(w, None, prepack=True)
+    seen: list[int] = []
+    real = linear.packed_linear
+    monkeypatch.setattr(linear, "packed_linear", lambda a, p, b: (seen.append(a.shape[0]), real(a, p, b))[1])
+    torch.testing.assert_close(proj(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert proj._packed is None and seen == []
+    torch.testing.assert_close(proj(x[:-1]), F.linear(x[:-1], w), rtol=1e-5, atol=1e-5)
+    assert proj._packed is not None and seen == [linear.PACKED_ROW_STEP]
 
 
 _BF16_GROWTH_PROBE = """

@@ -11,7 +11,8 @@ projections, one thread: 128 rows 2.26 -> 1.99 ms, 512 rows 7.95 -> 7.54, 1024 r
 15.09), so bf16 calls of 128, 256, ... 2048 rows take it as well (once a decode-sized call
 has made it); so do float32 calls on an AVX-512 CPU, where MKL's sgemm behind F.linear
 (AVX2 code on AMD) measured 2.2-2.3x slower than oneDNN's packed kernels (128 rows 9.10 ->
-3.97 ms, 1,024 rows 66.1 -> 28.9).
+3.97 ms, 1,024 rows 66.1 -> 28.9), and there the first such call makes the copy (the free
+model's 128-token prompt, one thread: a 128x128 by 512 projection 154 -> 78 us).
 But oneDNN compiles a kernel, with its own scratch memory, for every row count it sees,
 and a prefill's token count is a new one almost every time (a soak grew by hundreds of
 MiB that way): the packed copy serves only calls of at most PACKED_MAX_ROWS rows and
@@ -161,11 +162,13 @@ class Projection:
                 return self._row_gemv.rows_linear(x, self._blocked, self.out_features, self.bias)
         packed = None
         if packed_row_count(rows.shape[0], x.dtype):
-            # Only a decode-sized call makes the packed copy (the model's projections again,
-            # ~210 MiB for SmolLM2 in bf16); a step-sized one uses it once it is there. A
-            # process that only prefills (an embeddings job) never needs it, and a step whose
-            # token count happened to be a multiple of 128 made it there, mid-job.
-            packed = self._packed_weight() if rows.shape[0] <= PACKED_MAX_ROWS else self._packed
+            # In bf16 only a decode-sized call makes the packed copy (the model's projections
+            # again, ~210 MiB for SmolLM2); a step-sized one uses it once it is there. A process
+            # that only prefills (an embeddings job) would hold it for 4-12% on the rare steps
+            # whose token count is a multiple of 128. In float32 on AVX-512 such steps run 2.2x
+            # faster on it: worth the copy from the first one (a 128-token prompt at c=1).
+            makes = rows.shape[0] <= PACKED_MAX_ROWS or x.dtype == torch.float32
+            packed = self._packed_weight() if makes else self._packed
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         out = packed_linear(rows.contiguous(), packed, self.bias)
