@@ -8,17 +8,23 @@ the weak spot, 4 rows through the head 29.8 -> 10.2 ms and through a layer's pro
 0.98 -> 0.59 ms (equal to fp32 rounding). At 128 and 512 rows the two are within 3%.
 In bf16 on an AVX512-BF16 Zen 5 the packed copy is also faster at prefill sizes (a layer's
 projections, one thread: 128 rows 2.26 -> 1.99 ms, 512 rows 7.95 -> 7.54, 1024 rows 15.78 ->
-15.09), so bf16 calls of 128, 256, ... 2048 rows take it as well (once a decode-sized call
-has made it); so do float32 calls on an AVX-512 CPU, where MKL's sgemm behind F.linear
-(AVX2 code on AMD) measured 2.2-2.3x slower than oneDNN's packed kernels (128 rows 9.10 ->
-3.97 ms, 1,024 rows 66.1 -> 28.9), and there the first such call makes the copy (the free
-model's 128-token prompt, one thread: a 128x128 by 512 projection 154 -> 78 us).
-But oneDNN compiles a kernel, with its own scratch memory, for every row count it sees,
-and a prefill's token count is a new one almost every time (a soak grew by hundreds of
-MiB that way): the packed copy serves only calls of at most PACKED_MAX_ROWS rows and
-those steps (a bounded set: 16 more row counts held ~45-70 MiB over four projection
-shapes), and the plain weight the rest. Both copies are kept: projection weights are held
-twice on a prepacking CPU (PRELUDE_PREPACK=0 holds one). GPUs and float16 use plain F.linear.
+15.09; two threads, SmolLM2's four shapes: 333 rows 2.63 -> 2.48 ms, 1,003 rows 7.97 -> 7.44,
+1,517 rows 13.24 -> 11.61), and F.linear is a oneDNN kernel per row count there too (the
+packed one is no slower to create and holds less scratch), so every bf16 call takes it:
+the judge's trunk (1,024-row steps) ran F.linear when no decode had made the copy. The
+copy is made on the first call, so a process that only prefills holds the projections
+twice as well (~210 MiB for SmolLM2; PRELUDE_PREPACK=0 holds one). In float32 F.linear is
+MKL's sgemm, which compiles nothing per row count; on an AVX-512 CPU it runs AVX2 code
+(on AMD) and measured 2.2-2.3x slower than oneDNN's packed kernels (128 rows 9.10 -> 3.97
+ms, 1,024 rows 66.1 -> 28.9; the free model's 128-token prompt, one thread: a 128x128 by
+512 projection 154 -> 78 us), but a new row count costs a packed kernel ~0.3-0.5 ms to
+create: float32 takes the packed copy at decode sizes and at 128, 256, ... 2048 rows only
+(a bounded set), on AVX-512. Elsewhere (AVX2-only) MKL is as fast: decode sizes only.
+So a prefill's token count, new almost every time, makes a new kernel per projection
+shape in bf16 either way; oneDNN keeps them, each with its own scratch memory (a soak grew
+by hundreds of MiB), so its caches are bounded (ONEDNN_CACHE_BOUNDS below). Both copies
+are kept: projection weights are held twice on a prepacking CPU. GPUs and float16 use
+plain F.linear.
 
 Up to 16 float32 rows through an LM head (`head=True`) of at least 4 MiB in float32 (c=1
 to 16) take row_gemv.c instead, on an AVX-512 CPU: one row of 64-256 streams the plain weight
@@ -54,11 +60,11 @@ from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.row_gemv import BLOCKED_MAX_ROWS, RowGemv, load_row_gemv
 
 
-PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count
-# Larger bf16 calls take it at these row counts only (a bounded set: oneDNN compiles a kernel
-# per row count), where it measured 4-12% faster than F.linear: 128 .. 2048 in steps of 128.
-# Splitting other counts into such tiles plus a remainder lost (every call streams the
-# weight again, and the tiles' outputs are copied together); so did padding them up.
+PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count (bf16: every call)
+# Larger float32 calls on AVX-512 take it at these row counts only (a bounded set: each new
+# count is a packed kernel to create, where MKL's F.linear creates none): 128 .. 2048 in steps
+# of 128. Splitting other counts into such tiles plus a remainder lost in bf16 (every call
+# streams the weight again, and the tiles' outputs are copied together); so did padding.
 PACKED_ROW_STEP = 128
 PACKED_STEP_MAX_ROWS = 2048
 BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
@@ -116,8 +122,9 @@ class Projection:
         self.bias = bias
         self.blocks = blocks
         self.out_features = weight.shape[0]
-        # Packed on the first decode-sized call, not at load: reordering every projection
-        # took ~0.5 s of a ~3 s start-up, and a server that only scores never needs it.
+        # Packed on the first call that takes it, not at load: reordering every projection
+        # took ~0.5 s of a ~3 s start-up, and a float32 server that only scores (at row
+        # counts off the steps) never needs it.
         self._want_packed = prepack
         self._packed: torch.Tensor | None = None
         # Few-row calls of a wide float32 LM head (`head`) stream it through row_gemv.c (see
@@ -160,15 +167,7 @@ class Projection:
                 if self._blocked is None:  # on the first few-row call: a server that only scores never needs it
                     self._blocked = self._row_gemv.block(self.weight)
                 return self._row_gemv.rows_linear(x, self._blocked, self.out_features, self.bias)
-        packed = None
-        if packed_row_count(rows.shape[0], x.dtype):
-            # In bf16 only a decode-sized call makes the packed copy (the model's projections
-            # again, ~210 MiB for SmolLM2); a step-sized one uses it once it is there. A process
-            # that only prefills (an embeddings job) would hold it for 4-12% on the rare steps
-            # whose token count is a multiple of 128. In float32 on AVX-512 such steps run 2.2x
-            # faster on it: worth the copy from the first one (a 128-token prompt at c=1).
-            makes = rows.shape[0] <= PACKED_MAX_ROWS or x.dtype == torch.float32
-            packed = self._packed_weight() if makes else self._packed
+        packed = self._packed_weight() if packed_row_count(rows.shape[0], x.dtype) else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         out = packed_linear(rows.contiguous(), packed, self.bias)
@@ -176,18 +175,18 @@ class Projection:
 
 
 def packed_row_count(rows: int, dtype: torch.dtype) -> bool:
-    """Whether a call of `rows` rows takes the prepacked copy: decode sizes, and the bounded
-    set of larger counts where it pays: bf16, and float32 on an AVX-512 CPU."""
-    return 0 < rows and (rows <= PACKED_MAX_ROWS or (
-        rows <= PACKED_STEP_MAX_ROWS and rows % PACKED_ROW_STEP == 0 and _steps_pay(dtype)))
+    """Whether a call of `rows` rows takes the prepacked copy: decode sizes; in bf16 every
+    count; in float32 on an AVX-512 CPU the bounded set of step sizes."""
+    return 0 < rows and (rows <= PACKED_MAX_ROWS or dtype == torch.bfloat16 or (
+        rows <= PACKED_STEP_MAX_ROWS and rows % PACKED_ROW_STEP == 0 and _float32_steps_pay(dtype)))
 
 
 @functools.cache
-def _steps_pay(dtype: torch.dtype) -> bool:
+def _float32_steps_pay(dtype: torch.dtype) -> bool:
     # float32: F.linear is MKL's sgemm, which runs its AVX2 code on AMD CPUs; oneDNN's packed
     # AVX-512 kernels measured 2.2-2.3x faster at 40-1,024 rows on the Zen 5 (SmolLM2's
     # shapes, one thread), and on an AVX2-only EPYC the two were within 3% (so: no steps).
-    return dtype == torch.bfloat16 or (dtype == torch.float32 and "avx512_f" in native_lib.cpu_isa_flags())
+    return dtype == torch.float32 and "avx512_f" in native_lib.cpu_isa_flags()
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
