@@ -1,5 +1,5 @@
 """`prelude run-batch` freezes the start-up heap once the engine is loaded, before the job
-runs (entrypoints/heap.py says why), as `prelude serve` does."""
+runs (heap.py says why), as `prelude serve` does."""
 
 from __future__ import annotations
 

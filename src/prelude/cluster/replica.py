@@ -22,6 +22,7 @@ from prelude.engine.handoff import KVHandoff
 from prelude.engine.metrics import RequestMetrics
 from prelude.engine.remote import ReplicaInfo, bind_prepared, replica_info  # noqa: F401 - re-exported
 from prelude.engine.request import Request, RequestOutput
+from prelude.heap import freeze_startup_heap
 
 EngineFactory = Callable[[], LLMEngine]
 
@@ -37,8 +38,11 @@ class EngineReplica:
             return factory()
 
         self.index = index
-        self.front = AsyncEngine(build)
+        self.front = AsyncEngine(build)  # returns once the engine is built
         self._in_flight = 0
+        # A replica is a process of its own (a Ray worker): loaded, its full collections
+        # skip the model and engine, as `prelude serve`'s do (heap.py says why).
+        freeze_startup_heap()
 
     def info(self) -> ReplicaInfo:
         return replica_info(self.front.engine)

@@ -11,7 +11,7 @@ from typing import Any
 from prelude.entrypoints.batch.job import JobOptions, run_job
 from prelude.entrypoints.batch.output import OutputFileError
 from prelude.entrypoints.batch.plan import DuplicateCustomIds
-from prelude.entrypoints.heap import freeze_startup_heap
+from prelude.heap import freeze_startup_heap
 
 logger = logging.getLogger("prelude.batch")
 

@@ -24,7 +24,7 @@ from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
 from prelude.engine.remote import bind_prepared, replica_info
 from prelude.engine.request import Request, RequestOutput
-from prelude.entrypoints.heap import freeze_startup_heap
+from prelude.heap import freeze_startup_heap
 from prelude.entrypoints.multiproc.wire import (
     Abort,
     Add,

@@ -141,7 +141,7 @@ def _ray_client(spec: RayReplicas, settings: FrontSettings, index: int) -> Any:
 
 def front_main(index: int, listener: socket.socket, settings: FrontSettings) -> None:
     """One HTTP process's entry (multiprocessing spawn target); exits 1 if the engine died."""
-    from prelude.entrypoints.heap import freeze_startup_heap
+    from prelude.heap import freeze_startup_heap
     from prelude.entrypoints.multiproc.child import child_setup
     from prelude.entrypoints.openai.api_server import build_app
 

@@ -15,7 +15,7 @@ from prelude.engine.client import EngineClient
 from prelude.engine.stage_trace import STAGES, mark
 from prelude.entrypoints.batch.store import BatchStore
 from prelude.entrypoints.batch.worker import BatchRunner, BatchRunnerConfig
-from prelude.entrypoints.heap import freeze_startup_heap
+from prelude.heap import freeze_startup_heap
 from prelude.entrypoints.openai.batch_routes import install_batch_routes
 from prelude.entrypoints.openai.drain import DrainingServer
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers

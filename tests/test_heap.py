@@ -1,4 +1,4 @@
-"""The start-up heap freeze (entrypoints/heap.py): garbage made before it is still
+"""The start-up heap freeze (heap.py): garbage made before it is still
 collected, what is alive then is frozen, and cycles made after it stay collectable."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from prelude.entrypoints.heap import freeze_startup_heap
+from prelude.heap import freeze_startup_heap
 
 
 class _Node:
@@ -42,7 +42,7 @@ def test_garbage_before_the_freeze_is_collected_and_the_living_heap_frozen(unfro
 
 
 def test_native_heap_trim_runs_at_most_once_an_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    from prelude.entrypoints import heap
+    from prelude import heap
 
     calls: list[int] = []
     now = [100.0]
@@ -59,7 +59,7 @@ def test_native_heap_trim_runs_at_most_once_an_interval(monkeypatch: pytest.Monk
 
 
 def test_native_heap_trim_calls_the_c_heap_where_there_is_one() -> None:
-    from prelude.entrypoints import heap
+    from prelude import heap
 
     trim = heap.NativeHeapTrim(every_s=0.0)
     if trim._trim is None:
