@@ -19,7 +19,7 @@ from prelude.executor import label_heads
 from prelude.executor.host_copy import HostCopy, HostValue
 from prelude.executor.inputs import pack_int64
 from prelude.executor.read_rows import RowRead, local_index
-from prelude.executor.sampler import sample_deferred
+from prelude.executor.sampler import argmax_only, chosen_deferred, sample_deferred
 from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import BatchOutput, HeadOutput, HeadSpec, SampleSpec
 from prelude.model import heads
@@ -81,8 +81,13 @@ class OutputHeads:
         sampled_build = None
         if want:
             (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
-            logits = mask_padded_vocab(self.model.compute_logits(hidden.index_select(0, index)), emittable_vocab)
-            sampled_build = sample_deferred(logits, [s for _, _, s in want], copy)
+            picked, specs = hidden.index_select(0, index), [s for _, _, s in want]
+            chosen = self.model.greedy_token_ids(picked, emittable_vocab) if all(map(argmax_only, specs)) else None
+            if chosen is not None:
+                sampled_build = chosen_deferred(chosen, copy)
+            else:
+                logits = mask_padded_vocab(self.model.compute_logits(picked), emittable_vocab)
+                sampled_build = sample_deferred(logits, specs, copy)
         own = classify_heads or {}  # rows whose LoRA adapter brings its own classification head
         pending = {rid: self._head(hidden[starts[i] : starts[i] + _width(read[i], len(tokens))], tokens, head, copy,
                                    own.get(rid), read[i])

@@ -206,6 +206,21 @@ class DeferredSample:
         return self._build()
 
 
+def argmax_only(spec: SampleSpec) -> bool:
+    """Whether a row's token is its logits' argmax and nothing else reads them: greedy, no
+    logprobs, penalties or grammar mask (a model's head may then find the argmax itself)."""
+    p = spec.params
+    return (p.greedy and p.logprobs is None and spec.token_bitmask is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty)
+
+
+def chosen_deferred(chosen: torch.Tensor, copy: HostCopy) -> DeferredSample:
+    """Tokens already chosen (int64 [R] on the device) queued on `copy`, as `sample_deferred`
+    queues an argmax-only step's."""
+    ids = copy.add(chosen)
+    return DeferredSample(chosen, lambda: [SampledToken(token_id=int(t), logprob=None) for t in ids.get()])
+
+
 def sample_deferred(logits: torch.Tensor, specs: Sequence[SampleSpec], copy: HostCopy) -> DeferredSample:
     """Queue the sampling of `logits` (float32 [R, V], one row per spec) on its device and
     its results on `copy`; the returned builder reads them once the copy has landed."""

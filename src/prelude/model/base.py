@@ -42,6 +42,11 @@ class Model(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
+        """The argmax of `compute_logits(hidden)` below `vocab_limit` per row, int64 [R], where
+        the model finds it without the logits; None: the caller takes the logits."""
+        ...
+
     def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the given vocabulary ids only (a gather of the head's rows)."""
         ...

@@ -174,6 +174,9 @@ class BertEncoder:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder model has no language-model head")
 
+    def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
+        raise RuntimeError("an encoder model has no language-model head")
+
     def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder model has no language-model head")
 

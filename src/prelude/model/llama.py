@@ -8,7 +8,7 @@ trunk returns hidden states, `compute_logits` projects only the rows asked for.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping
+from typing import Callable, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from prelude.model.decoder_segments import (
     Linear,
     TailWeights,
 )
-from prelude.model import decode_routes
+from prelude.model import decode_routes, head_argmax
 from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
@@ -122,6 +122,7 @@ class LlamaForCausalLM:
         head_name = "lm_head.weight" if "lm_head.weight" in cast else "model.embed_tokens.weight"
         self._lm_head_proj = (Projection(self.lm_head, None, prepack, blocks_for(head_name), head=True)
                               if self.lm_head is not None else None)
+        self._head_argmax: head_argmax.HeadArgmax | None | Literal[False] = None  # False: not on this CPU
         # Where decode reads GGUF blocks instead of oneDNN (None: no blocks in this model/CPU/dtype)
         self.decode_route: decode_routes.RouteChoice | None = None
         if kernel is not None:
@@ -233,6 +234,21 @@ class LlamaForCausalLM:
         if self._lm_head_proj is None:
             raise RuntimeError("this checkpoint has no language-model head")
         return self._lm_head_proj(hidden).float()
+
+    @torch.inference_mode()
+    def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
+        """The argmax of `compute_logits(hidden)` below `vocab_limit` per row (int64 [R]) where
+        head_argmax.py finds it without the logits, the same token (2..16 float32 rows on an
+        AVX512_BF16 CPU); None elsewhere."""
+        head = self._lm_head_proj
+        if head is None or not head_argmax.serves(head, hidden):
+            return None
+        if self._head_argmax is None:  # made on the first greedy step it serves
+            self._head_argmax = head_argmax.head_argmax_for(head) or False
+        if self._head_argmax is False:
+            return None
+        out = head.weight.shape[0]
+        return self._head_argmax.argmax(hidden, out if vocab_limit is None else min(vocab_limit, out))
 
     @torch.inference_mode()
     def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

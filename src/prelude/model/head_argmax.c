@@ -1,0 +1,142 @@
+/* The greedy token of a few rows through a wide float32 LM head, without their float32
+ * logits: a bfloat16 pass bounds every logit, and only the tokens that can still be the
+ * best are computed in float32, summed exactly as row_gemv.c's blocked kernel sums them
+ * (k in order, one fused multiply-add each, then + 0), so the token is the one the
+ * float32 logits' argmax gives, ties to the lowest id.
+ *
+ * The bound: a bfloat16 rounding is off by at most 2^-9 of its value, so a product of two
+ * by at most ~2^-8 of |x_i w_ji|; the bfloat16 sum's and the float32 sum's roundings add
+ * ~3k 2^-24 of sum |x_i w_ji|. With sum |x_i w_ji| <= |x| |w_j| (Cauchy-Schwarz):
+ *   |approx_j - logit_j| <= B_j = (2^-7 + 2^-10) |x| |w_j| + 2^-100   (k <= 1024)
+ * Token j can be the argmax only if approx_j + B_j >= max_i (approx_i - B_i).
+ * AVX512_BF16's dot product (16 lanes x 2 products an instruction) is twice the float32
+ * FMA's multiply-adds, and the bfloat16 copy half the bytes. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+int prelude_head_argmax_available(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define MAX_ROWS 16
+#define BOUND_SCALE (0.0078125f + 0.0009765625f) /* 2^-7 + 2^-10 */
+#define BOUND_FLOOR 7.8886091e-31f               /* 2^-100 */
+
+/* Pass 1, rows 1..MAX_ROWS at compile time: approx [rows][nb*16], and per row the lanes'
+ * max of approx - bound over the tokens below `limit`. */
+static inline __attribute__((always_inline)) void approx_rows(const uint32_t *xb, const uint16_t *wb,
+                                                              const float *wnorm, const float *scale, int64_t nb,
+                                                              int64_t half_k, int64_t limit, float *approx,
+                                                              __m512 *low, int rows) {
+    const int64_t width = nb * 16;
+    for (int r = 0; r < rows; r++) low[r] = _mm512_set1_ps(-INFINITY);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint16_t *blk = wb + b * half_k * 32;
+        __m512 acc[MAX_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < half_k; p++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(blk + 32 * p));
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)xb[r * half_k + p]), wv);
+        }
+        const int64_t o = 16 * b;
+        const __mmask16 valid = o + 16 <= limit ? (__mmask16)0xFFFF
+                              : o >= limit ? (__mmask16)0 : (__mmask16)((1u << (limit - o)) - 1u);
+        const __m512 wn = _mm512_loadu_ps(wnorm + o);
+        for (int r = 0; r < rows; r++) {
+            _mm512_storeu_ps(approx + r * width + o, acc[r]);
+            const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(scale[r]), wn, _mm512_set1_ps(BOUND_FLOOR));
+            low[r] = _mm512_mask_max_ps(low[r], valid, low[r], _mm512_sub_ps(acc[r], bound));
+        }
+    }
+}
+
+static void approx_span(int rows, const uint32_t *xb, const uint16_t *wb, const float *wnorm, const float *scale,
+                        int64_t nb, int64_t half_k, int64_t limit, float *approx, __m512 *low) {
+    switch (rows) { /* a compile-time row count: the accumulators stay in registers */
+#define ROWS_CASE(n) case n: approx_rows(xb, wb, wnorm, scale, nb, half_k, limit, approx, low, n); return;
+    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+    ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12) ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15)
+#undef ROWS_CASE
+    default: approx_rows(xb, wb, wnorm, scale, nb, half_k, limit, approx, low, 16); return;
+    }
+}
+
+/* Token j's float32 logit as row_gemv.c's blocked kernel computes it. */
+static float exact_logit(const float *x, const float *wj, int64_t k) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < k; i++) acc = fmaf(x[i], wj[i], acc);
+    return acc + 0.0f;
+}
+#endif
+
+/* ids [rows] = argmax over j < limit of x [rows, k] . w [out, k]^T, for 1 <= rows <= 16.
+ * wb: the bfloat16 copy, [ceil(out/16)][k/2][16][2] (token 16b + l's weights 2p, 2p+1 at
+ * [b][p][l]), zero past out; wnorm [ceil(out/16)*16]: |w_j| rounded up (0 past out);
+ * approx: scratch of rows * ceil(out/16)*16 floats. Returns 0, 1 on arguments it does not
+ * take, 2 when an input or a logit is not finite (the caller computes the logits). */
+int prelude_head_argmax_f32(const float *x, int64_t rows, const uint16_t *wb, const float *w, const float *wnorm,
+                            int64_t out, int64_t k, int64_t limit, float *approx, int64_t *ids) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (rows < 1 || rows > MAX_ROWS || out <= 0 || k <= 0 || k % 32 || k > 1024 || limit <= 0 || limit > out)
+        return 1;
+    const int64_t nb = (out + 15) / 16, half_k = k / 2, width = nb * 16;
+    uint32_t xb[MAX_ROWS * 512];
+    float scale[MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * k;
+        double sq = 0.0;
+        for (int64_t i = 0; i < k; i++) {
+            if (!isfinite(xr[i])) return 2;
+            sq += (double)xr[i] * (double)xr[i];
+        }
+        const double norm = sqrt(sq);
+        if (!(norm < 1e30)) return 2;
+        scale[r] = (float)(norm * (double)BOUND_SCALE * (1.0 + 0x1p-20));
+        for (int64_t i = 0; i < k; i += 32) { /* round to nearest even, as the weights were */
+            const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i));
+            _mm512_storeu_si512((void *)(xb + r * half_k + i / 2), (__m512i)pairs);
+        }
+    }
+    __m512 low[MAX_ROWS];
+    approx_span((int)rows, xb, wb, wnorm, scale, nb, half_k, limit, approx, low);
+    for (int64_t r = 0; r < rows; r++) {
+        const float floor_r = _mm512_reduce_max_ps(low[r]);
+        const __m512 lv = _mm512_set1_ps(floor_r), sv = _mm512_set1_ps(scale[r]), fv = _mm512_set1_ps(BOUND_FLOOR);
+        const float *ar = approx + r * width, *xr = x + r * k;
+        int64_t best = -1;
+        float best_logit = 0.0f;
+        for (int64_t o = 0; o < limit; o += 16) {
+            const __m512 upper = _mm512_add_ps(_mm512_loadu_ps(ar + o),
+                                               _mm512_fmadd_ps(sv, _mm512_loadu_ps(wnorm + o), fv));
+            __mmask16 m = _mm512_cmp_ps_mask(upper, lv, _CMP_GE_OQ);
+            if (o + 16 > limit) m &= (__mmask16)((1u << (limit - o)) - 1u);
+            while (m) { /* ascending ids: a tie keeps the lower one, as argmax does */
+                const int l = __builtin_ctz(m);
+                m &= (__mmask16)(m - 1);
+                const float v = exact_logit(xr, w + (o + l) * k, k);
+                if (!isfinite(v)) return 2;
+                if (best < 0 || v > best_logit) {
+                    best = o + l;
+                    best_logit = v;
+                }
+            }
+        }
+        if (best < 0) return 2; /* only where a bound was not finite */
+        ids[r] = best;
+    }
+    return 0;
+#else
+    (void)x; (void)rows; (void)wb; (void)w; (void)wnorm; (void)out; (void)k; (void)limit; (void)approx; (void)ids;
+    return 1;
+#endif
+}

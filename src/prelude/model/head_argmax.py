@@ -1,0 +1,100 @@
+"""The greedy tokens of 2..16 rows through a float32 LM head, without their logits
+(head_argmax.c): a bfloat16 pass over a bfloat16 copy of the head bounds every logit, and
+the few tokens that can still be the best are computed in float32 exactly as row_gemv.c's
+blocked kernel computes them (the kernel Projection runs for such calls), so the token is
+the argmax of the logits that path gives, bit for bit, ties to the lowest id. A
+greedy decode step of the free model at c=8 (49,152 x 128 head, 8 rows): the head and
+its argmax 0.50 -> ~0.25 ms on one thread (AMD EPYC Zen 5).
+
+Serves a head only where Projection would run its blocked float32 kernel (same weight,
+2..16 rows, float32, no bias; `serves`), and only where AVX512_BF16 is there. The copy
+(half the head's bytes) and the norms are made on the first call: a process that never
+decodes greedily never holds them. PRELUDE_HEAD_ARGMAX=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from prelude.model import native_lib
+from prelude.model.linear import Projection
+from prelude.model.row_gemv import BLOCKED_MAX_ROWS
+
+_SOURCE = Path(__file__).with_name("head_argmax.c")
+MAX_K = 1024  # the bound's constant covers sums of up to this many products (head_argmax.c)
+
+
+class HeadArgmax:
+    """One head's bfloat16 copy and row norms, and the kernel over them."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, weight: torch.Tensor) -> None:  # type: ignore[name-defined]
+        self._fn = fn
+        self.weight = weight
+        out, k = weight.shape
+        nb = (out + 15) // 16
+        padded = torch.zeros(nb * 16, k, dtype=torch.float32)
+        padded[:out] = weight
+        # [nb][k/2][16][2]: for token 16b + l, its weights 2p and 2p + 1 side by side at [b][p][l].
+        # torch's float32 -> bfloat16 conversion rounds to nearest even, as the bound assumes.
+        self._blocked = padded.view(nb, 16, k // 2, 2).transpose(1, 2).contiguous().to(torch.bfloat16)
+        # |w_j| in double, rounded up: the bound must never be below the true one.
+        norms = torch.zeros(nb * 16, dtype=torch.float32)
+        norms[:out] = (weight.double().norm(dim=1) * (1 + 2.0**-20)).float()
+        self._norms = norms
+        self._width = nb * 16
+
+    def argmax(self, x: torch.Tensor, limit: int) -> torch.Tensor | None:
+        """int64 [rows]: argmax over ids < `limit` of x [rows, k] W^T; None where the kernel
+        declines (a non-finite input or logit: then the logits decide, NaN included)."""
+        rows = x.contiguous()
+        m = rows.shape[0]
+        out, k = self.weight.shape
+        approx = torch.empty(m, self._width, dtype=torch.float32)
+        ids = torch.empty(m, dtype=torch.int64)
+        rc = self._fn(rows.data_ptr(), m, self._blocked.data_ptr(), self.weight.data_ptr(), self._norms.data_ptr(),
+                      out, k, limit, approx.data_ptr(), ids.data_ptr())
+        if rc == 1:
+            raise RuntimeError(f"head argmax refused its arguments ({m} rows, {out}x{k}, limit {limit})")
+        return ids if rc == 0 else None
+
+
+def serves(head: Projection, x: torch.Tensor) -> bool:
+    """Whether `head(x)` runs row_gemv.c's blocked float32 kernel, whose sums the exact
+    pass repeats (Projection's dispatch: a row GEMV head, no GGUF blocks, 2..16 rows)."""
+    w = head.weight
+    return (getattr(head, "_row_gemv", None) is not None and head.blocks is None and head.bias is None
+            and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and 2 <= x.shape[0] <= BLOCKED_MAX_ROWS and x.shape[1] == w.shape[1]
+            and w.shape[1] % 32 == 0 and w.shape[1] <= MAX_K)
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    lib = native_lib.load(_SOURCE, "PRELUDE_HEAD_ARGMAX", "the bfloat16-bounded greedy head (greedy takes the logits)")
+    if lib is None:
+        return None
+    available = lib.prelude_head_argmax_available
+    available.restype = ctypes.c_int
+    if not available():
+        return None
+    fn = lib.prelude_head_argmax_f32
+    fn.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr]
+    return fn
+
+
+def head_argmax_for(head: Projection) -> HeadArgmax | None:
+    """The greedy head over `head`'s weight (its copy made now), or None without the
+    kernel (no compiler, no AVX512_BF16, PRELUDE_HEAD_ARGMAX=0)."""
+    fn = _kernel()
+    return None if fn is None else HeadArgmax(fn, head.weight)
+
+
+def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
+    """Compile the library into the cache unless it is there (`make install` calls this)."""
+    return native_lib.build(_SOURCE, flags)

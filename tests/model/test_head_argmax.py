@@ -1,0 +1,97 @@
+"""The bfloat16-bounded greedy head (head_argmax.c): the token of the float32 logits'
+argmax, bit for bit, without the logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from prelude import SamplingParams
+from prelude.executor.row_argmax import row_argmax
+from prelude.model.head_argmax import HeadArgmax, head_argmax_for, serves
+from prelude.model.linear import Projection
+from prelude.model.row_gemv import load_row_gemv
+
+from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+
+def _head(out: int, k: int, seed: int) -> tuple[Projection, HeadArgmax]:
+    torch.manual_seed(seed)
+    w = torch.randn(out, k) * 0.02
+    w[out - 3] = w[11]  # an exact tie: the lower id wins
+    w[40] = w[41] * (1 + 2**-23)  # a near one
+    head = Projection(w, None, prepack=True, head=True)
+    found = head_argmax_for(head)
+    if found is None or load_row_gemv() is None:
+        pytest.skip("no AVX-512 BF16, no C compiler or no row GEMV: the logits decide")
+    return head, found
+
+
+@pytest.mark.parametrize("out,k", [(8200, 128), (16_390, 64), (4100, 256)])
+def test_the_argmax_of_the_logits_the_head_computes(out: int, k: int) -> None:
+    head, greedy = _head(out, k, seed=out)
+    with torch.inference_mode():
+        for trial in range(40):
+            rows = 2 + trial % 15
+            x = torch.randn(rows, k) * (0.5 + trial % 4)
+            x[0] = head.weight[11] * 40  # aims at the tied pair
+            x[1] = head.weight[41] * 40  # and at the near one
+            assert serves(head, x)
+            logits = head(x).float()
+            for limit in (out, out - 5, 300):
+                assert torch.equal(greedy.argmax(x, limit), row_argmax(logits[:, :limit].contiguous()))
+    assert greedy.argmax(x[:2], out)[0] == 11  # type: ignore[possibly-undefined]
+
+
+def test_declines_a_row_that_is_not_finite() -> None:
+    head, greedy = _head(8200, 128, seed=1)
+    x = torch.randn(3, 128)
+    x[1, 5] = float("nan")
+    assert greedy.argmax(x, 8200) is None
+    x[1, 5] = float("inf")
+    assert greedy.argmax(x, 8200) is None
+
+
+def test_serves_only_what_the_blocked_kernel_computes() -> None:
+    head, _ = _head(8200, 128, seed=2)
+    assert not serves(head, torch.randn(1, 128))  # one row: the one-row kernel sums otherwise
+    assert not serves(head, torch.randn(17, 128))  # past 16 rows: oneDNN
+    assert not serves(head, torch.randn(4, 128, dtype=torch.bfloat16))
+    small = Projection(torch.randn(300, 128), None, prepack=True, head=True)  # below the row GEMV's size
+    assert not serves(small, torch.randn(4, 128))
+
+
+def test_engine_greedy_tokens_are_the_logits_argmax() -> None:
+    """Greedy decodes of 2..16 rows through a head the kernel serves: the same tokens as
+    with the logits computed and argmaxed, and the kernel did serve them."""
+    pytest.importorskip("transformers")
+    hf = hf_tiny_llama(seed=3, vocab_size=16_448)  # 16,448 x 64 float32: a row GEMV head
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[1 + i, 20 + 3 * i, 30, 40 + i][: 2 + i % 3] for i in range(9)]
+
+    def run(use_kernel: bool) -> tuple[list[list[int]], int]:
+        engine = tiny_engine(hf, max_num_seqs=16)
+        model: Any = engine.runner.model
+        real, served = model.greedy_token_ids, [0]
+
+        def greedy(hidden: torch.Tensor, limit: int | None) -> torch.Tensor | None:
+            ids = real(hidden, limit) if use_kernel else None
+            served[0] += ids is not None
+            return ids
+
+        model.greedy_token_ids = greedy
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+        return list(tokens.values()), served[0]
+
+    with_kernel, served = run(True)
+    if served == 0:
+        pytest.skip("no AVX-512 BF16, no C compiler or no row GEMV on this CPU")
+    assert run(False) == (with_kernel, 0)
+    assert all(len(t) == 12 for t in with_kernel)
