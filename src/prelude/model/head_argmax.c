@@ -31,33 +31,51 @@ int prelude_head_argmax_available(void) {
 #define BOUND_SCALE (0.0078125f + 0.0009765625f) /* 2^-7 + 2^-10 */
 #define BOUND_FLOOR 7.8886091e-31f               /* 2^-100 */
 
-/* Pass 1, rows 1..MAX_ROWS at compile time: approx [rows][nb*16], and per row the lanes'
- * max of approx - bound over the tokens below `limit`. */
+/* Pass 1 over blocks [b0, b1) of `blocks` adjacent 16-token blocks at a time (rows 1..MAX_ROWS
+ * at compile time): approx [rows][nb*16], and per row the lanes' max of approx - bound
+ * over the tokens below `limit`. Few rows take two blocks a pass: a dot product's latency
+ * needs more independent sums in flight than 8 rows give. */
+static inline __attribute__((always_inline)) void approx_blocks(const uint32_t *xb, const uint16_t *wb,
+                                                                const float *wnorm, const float *scale, int64_t b0,
+                                                                int64_t b1, int64_t nb, int64_t half_k, int64_t limit,
+                                                                float *approx, __m512 *low, int rows, int blocks) {
+    const int64_t width = nb * 16;
+    for (int64_t b = b0; b < b1; b += blocks) {
+        __m512 acc[2][MAX_ROWS];
+        for (int t = 0; t < blocks; t++)
+            for (int r = 0; r < rows; r++) acc[t][r] = _mm512_setzero_ps();
+        const uint16_t *blk = wb + b * half_k * 32;
+        for (int64_t p = 0; p < half_k; p++) {
+            __m512bh wv[2];
+            for (int t = 0; t < blocks; t++)
+                wv[t] = (__m512bh)_mm512_loadu_si512((const void *)(blk + t * half_k * 32 + 32 * p));
+            for (int r = 0; r < rows; r++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xb[r * half_k + p]);
+                for (int t = 0; t < blocks; t++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv, wv[t]);
+            }
+        }
+        for (int t = 0; t < blocks; t++) {
+            const int64_t o = 16 * (b + t);
+            const __mmask16 valid = o + 16 <= limit ? (__mmask16)0xFFFF
+                                  : o >= limit ? (__mmask16)0 : (__mmask16)((1u << (limit - o)) - 1u);
+            const __m512 wn = _mm512_loadu_ps(wnorm + o);
+            for (int r = 0; r < rows; r++) {
+                _mm512_storeu_ps(approx + r * width + o, acc[t][r]);
+                const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(scale[r]), wn, _mm512_set1_ps(BOUND_FLOOR));
+                low[r] = _mm512_mask_max_ps(low[r], valid, low[r], _mm512_sub_ps(acc[t][r], bound));
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void approx_rows(const uint32_t *xb, const uint16_t *wb,
                                                               const float *wnorm, const float *scale, int64_t nb,
                                                               int64_t half_k, int64_t limit, float *approx,
                                                               __m512 *low, int rows) {
-    const int64_t width = nb * 16;
     for (int r = 0; r < rows; r++) low[r] = _mm512_set1_ps(-INFINITY);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint16_t *blk = wb + b * half_k * 32;
-        __m512 acc[MAX_ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < half_k; p++) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(blk + 32 * p));
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)xb[r * half_k + p]), wv);
-        }
-        const int64_t o = 16 * b;
-        const __mmask16 valid = o + 16 <= limit ? (__mmask16)0xFFFF
-                              : o >= limit ? (__mmask16)0 : (__mmask16)((1u << (limit - o)) - 1u);
-        const __m512 wn = _mm512_loadu_ps(wnorm + o);
-        for (int r = 0; r < rows; r++) {
-            _mm512_storeu_ps(approx + r * width + o, acc[r]);
-            const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(scale[r]), wn, _mm512_set1_ps(BOUND_FLOOR));
-            low[r] = _mm512_mask_max_ps(low[r], valid, low[r], _mm512_sub_ps(acc[r], bound));
-        }
-    }
+    const int64_t paired = rows <= 8 ? nb & ~(int64_t)1 : 0;
+    if (paired) approx_blocks(xb, wb, wnorm, scale, 0, paired, nb, half_k, limit, approx, low, rows, 2);
+    approx_blocks(xb, wb, wnorm, scale, paired, nb, nb, half_k, limit, approx, low, rows, 1);
 }
 
 static void approx_span(int rows, const uint32_t *xb, const uint16_t *wb, const float *wnorm, const float *scale,
