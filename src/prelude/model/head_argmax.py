@@ -46,6 +46,7 @@ class HeadArgmax:
         norms[:out] = (weight.double().norm(dim=1) * (1 + 2.0**-20)).float()
         self._norms = norms
         self._width = nb * 16
+        self._scratch: torch.Tensor | None = None  # the approximate logits, [16, width]: kept, not faulted in per call
 
     def argmax(self, x: torch.Tensor, limit: int) -> torch.Tensor | None:
         """int64 [rows]: argmax over ids < `limit` of x [rows, k] W^T; None where the kernel
@@ -53,7 +54,9 @@ class HeadArgmax:
         rows = x.contiguous()
         m = rows.shape[0]
         out, k = self.weight.shape
-        approx = torch.empty(m, self._width, dtype=torch.float32)
+        if self._scratch is None:
+            self._scratch = torch.empty(BLOCKED_MAX_ROWS, self._width, dtype=torch.float32)
+        approx = self._scratch
         ids = torch.empty(m, dtype=torch.int64)
         rc = self._fn(rows.data_ptr(), m, self._blocked.data_ptr(), self.weight.data_ptr(), self._norms.data_ptr(),
                       out, k, limit, approx.data_ptr(), ids.data_ptr())
