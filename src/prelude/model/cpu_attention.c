@@ -632,22 +632,102 @@ static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int6
     }
 }
 
+/* In-register transpose of a 16x16 block of 32-bit elements: r[k][j] becomes r[j][k]. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+
+/* Q^T in pairs for an even head_dim: qp[t][i] = pair t of query vector i (zero past nm),
+ * 16 query vectors x 16 pairs a transpose (element by element, the pair stores were a third
+ * of a 128-token prompt's attention: strided 4-byte stores). */
+static inline void pack_q_pairs(const Ctx *c, const Item *it, int64_t nm, int64_t dh, int64_t mp, uint32_t *qp) {
+    const int64_t g = c->group;
+    for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+        const uint32_t *rows[16];
+        for (int64_t k = 0; k < 16; k++) {
+            const int64_t i = i0 + k;
+            rows[k] = i < nm ? (const uint32_t *)(c->q + ((it->q0 + it->m0 + i / g) * c->sqt +
+                                                          (it->kv_head * g + i % g) * c->sqh) * c->esize)
+                             : NULL;
+        }
+        int64_t t0 = 0;
+        for (; t0 + 16 <= dh; t0 += 16) {
+            __m512i r[16];
+            for (int k = 0; k < 16; k++) r[k] = rows[k] ? _mm512_loadu_si512(rows[k] + t0) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int k = 0; k < 16; k++) _mm512_storeu_si512(qp + (t0 + k) * mp + i0, r[k]);
+        }
+        for (; t0 < dh; t0++)
+            for (int64_t k = 0; k < 16; k++) qp[t0 * mp + i0 + k] = rows[k] ? rows[k][t0] : 0u;
+    }
+}
+
+/* The item's outputs from acc^T [dp][mp] and l: each query vector's row acc / l (0 where no
+ * key was visible), rounded to bf16 (nearest even), 16 x 16 a transpose. */
+static inline void store_out_bf16(const Ctx *c, const Item *it, const Scratch *s, int64_t nm, int64_t mp) {
+    const int64_t g = c->group, d = c->d, dp = c->dp;
+    for (int64_t i0 = 0; i0 < nm; i0 += 16) {
+        const __m512 l = _mm512_loadu_ps(s->l + i0);
+        const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_NEQ_UQ),
+                                               _mm512_set1_ps(1.0f), l);
+        float invs[16];
+        _mm512_storeu_ps(invs, inv);
+        for (int64_t x0 = 0; x0 < d; x0 += 16) {
+            __m512i r[16];
+            for (int k = 0; k < 16; k++)
+                r[k] = x0 + k < dp ? _mm512_loadu_si512(s->acc + (x0 + k) * mp + i0) : _mm512_setzero_si512();
+            transpose16(r);
+            const int64_t left = d - x0;
+            const __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+            for (int64_t k = 0; k < 16 && i0 + k < nm; k++) {
+                const int64_t i = i0 + k;
+                uint16_t *o = (uint16_t *)(c->out + ((it->q0 + it->m0 + i / g) * c->sot + (it->kv_head * g + i % g) *
+                                                     c->soh) * c->esize);
+                const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps((__m512)r[k], _mm512_set1_ps(invs[k])));
+                _mm256_mask_storeu_epi16(o + x0, keep, (__m256i)b);
+            }
+        }
+    }
+}
+
 static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
     const int64_t d = c->d, dp = c->dp, dh = (d + 1) / 2, dv = (d + 31) / 32 * 32, prefix = it->ctx - it->q_len;
     /* Q^T in pairs; lane i is query token m0 + i / g, head kv_head * g + i % g */
-    memset(s->qp, 0, (size_t)(dh * mp) * 4);
-    for (int64_t mt = 0, i = 0; mt < it->mq; mt++)
-        for (int64_t h = 0; h < g; h++, i++) {
-            const uint16_t *qr = (const uint16_t *)(c->q + ((it->q0 + it->m0 + mt) * c->sqt +
-                                                            (it->kv_head * g + h) * c->sqh) * c->esize);
-            if (d & 1) {
+    if (d & 1) {
+        memset(s->qp, 0, (size_t)(dh * mp) * 4);
+        for (int64_t mt = 0, i = 0; mt < it->mq; mt++)
+            for (int64_t h = 0; h < g; h++, i++) {
+                const uint16_t *qr = (const uint16_t *)(c->q + ((it->q0 + it->m0 + mt) * c->sqt +
+                                                                (it->kv_head * g + h) * c->sqh) * c->esize);
                 for (int64_t t = 0; t < dh; t++)
                     s->qp[t * mp + i] = qr[2 * t] | (2 * t + 1 < d ? (uint32_t)qr[2 * t + 1] << 16 : 0u);
-            } else { /* a row's pairs are its 32-bit words */
-                for (int64_t t = 0; t < dh; t++) memcpy(s->qp + t * mp + i, qr + 2 * t, 4);
             }
-        }
+    } else { /* a row's pairs are its 32-bit words */
+        pack_q_pairs(c, it, nm, dh, mp, s->qp);
+    }
     for (int64_t i = 0; i < mp; i++) {
         s->qpos[i] = i < nm ? (int32_t)(prefix + it->m0 + i / g) : -1; /* padding sees nothing */
         s->qseg[i] = (i < nm && c->segments) ? (int32_t)c->segments[it->q0 + it->m0 + i / g] : 0;
@@ -668,12 +748,7 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
         pack_v_pairs(vr, n, d, dv, s->vt);
         pv_tile_bf16(s->vt, dv, np, s->pp, nvec, mp, dp, s->acc);
     }
-    float row[4096];
-    for (int64_t i = 0; i < nm; i++) {
-        float inv = s->l[i] == 0.0f ? 0.0f : 1.0f / s->l[i];
-        for (int64_t x = 0; x < d; x++) row[x] = s->acc[x * mp + i] * inv;
-        store_out(c, it->q0 + it->m0 + i / g, it->kv_head * g + i % g, row);
-    }
+    store_out_bf16(c, it, s, nm, mp);
 }
 
 /* Sum of each of 16 vectors, as the 16 lanes of one (lane j: the sum of a[j]). */
