@@ -33,11 +33,11 @@ def _head(out: int, k: int, seed: int) -> tuple[Projection, HeadArgmax]:
 def test_the_argmax_of_the_logits_the_head_computes(out: int, k: int) -> None:
     head, greedy = _head(out, k, seed=out)
     with torch.inference_mode():
-        for trial in range(40):
-            rows = 2 + trial % 15
+        for trial in range(48):
+            rows = 1 + trial % 16
             x = torch.randn(rows, k) * (0.5 + trial % 4)
             x[0] = head.weight[11] * 40  # aims at the tied pair
-            x[1] = head.weight[41] * 40  # and at the near one
+            x[-1] = head.weight[41] * 40  # and at the near one
             assert serves(head, x)
             logits = head(x).float()
             for limit in (out, out - 5, 300):
@@ -54,17 +54,20 @@ def test_declines_a_row_that_is_not_finite() -> None:
     assert greedy.argmax(x, 8200) is None
 
 
-def test_serves_only_what_the_blocked_kernel_computes() -> None:
+def test_serves_only_what_the_row_gemv_kernels_compute() -> None:
     head, _ = _head(8200, 128, seed=2)
-    assert not serves(head, torch.randn(1, 128))  # one row: the one-row kernel sums otherwise
+    assert serves(head, torch.randn(1, 128)) and serves(head, torch.randn(16, 128))
     assert not serves(head, torch.randn(17, 128))  # past 16 rows: oneDNN
+    wide, _ = _head(4100, 320, seed=4)
+    assert serves(wide, torch.randn(2, 320))
+    assert not serves(wide, torch.randn(1, 320))  # one row of 320: oneDNN, not the one-row kernel
     assert not serves(head, torch.randn(4, 128, dtype=torch.bfloat16))
     small = Projection(torch.randn(300, 128), None, prepack=True, head=True)  # below the row GEMV's size
     assert not serves(small, torch.randn(4, 128))
 
 
 def test_engine_greedy_tokens_are_the_logits_argmax() -> None:
-    """Greedy decodes of 2..16 rows through a head the kernel serves: the same tokens as
+    """Greedy decodes of 1..16 rows through a head the kernel serves: the same tokens as
     with the logits computed and argmaxed, and the kernel did serve them."""
     pytest.importorskip("transformers")
     hf = hf_tiny_llama(seed=3, vocab_size=16_448)  # 16,448 x 64 float32: a row GEMV head

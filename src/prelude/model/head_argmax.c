@@ -1,8 +1,8 @@
 /* The greedy token of a few rows through a wide float32 LM head, without their float32
  * logits: a bfloat16 pass bounds every logit, and only the tokens that can still be the
  * best are computed in float32, summed exactly as row_gemv.c's blocked kernel sums them
- * (k in order, one fused multiply-add each, then + 0), so the token is the one the
- * float32 logits' argmax gives, ties to the lowest id.
+ * (k in order, one fused multiply-add each, then + 0; one row as its one-row kernel does),
+ * so the token is the one the float32 logits' argmax gives, ties to the lowest id.
  *
  * The bound: a bfloat16 rounding is off by at most 2^-9 of its value, so a product of two
  * by at most ~2^-8 of |x_i w_ji|; the bfloat16 sum's and the float32 sum's roundings add
@@ -89,15 +89,29 @@ static void approx_span(int rows, const uint32_t *xb, const uint16_t *wb, const 
     }
 }
 
-/* Token j's float32 logit as row_gemv.c's blocked kernel computes it. */
+/* Token j's float32 logit as row_gemv.c's blocked kernel (2-16 rows) computes it. */
 static float exact_logit(const float *x, const float *wj, int64_t k) {
     float acc = 0.0f;
     for (int64_t i = 0; i < k; i++) acc = fmaf(x[i], wj[i], acc);
     return acc + 0.0f;
 }
+
+/* ... and as its one-row kernel (rows_fixed, k = 16 nv) does: even and odd 16-lane vectors
+ * in two sums, the first of each a product, then the lanes. */
+static float one_row_logit(const float *x, const float *wj, int64_t nv) {
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(wj));
+    __m512 a1 = nv > 1 ? _mm512_mul_ps(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(wj + 16)) : _mm512_setzero_ps();
+    for (int64_t i = 2; i + 1 < nv; i += 2) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * i), _mm512_loadu_ps(wj + 16 * i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * i + 16), _mm512_loadu_ps(wj + 16 * i + 16), a1);
+    }
+    if (nv > 2 && nv % 2) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * (nv - 1)), _mm512_loadu_ps(wj + 16 * (nv - 1)), a0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
 #endif
 
-/* ids [rows] = argmax over j < limit of x [rows, k] . w [out, k]^T, for 1 <= rows <= 16.
+/* ids [rows] = argmax over j < limit of x [rows, k] . w [out, k]^T, for 1 <= rows <= 16
+ * (one row: its logits summed as row_gemv.c's one-row kernel sums them, k <= 256).
  * wb: the bfloat16 copy, [ceil(out/16)][k/2][16][2] (token 16b + l's weights 2p, 2p+1 at
  * [b][p][l]), zero past out; wnorm [ceil(out/16)*16]: |w_j| rounded up (0 past out);
  * approx: scratch of rows * ceil(out/16)*16 floats. Returns 0, 1 on arguments it does not
@@ -105,7 +119,8 @@ static float exact_logit(const float *x, const float *wj, int64_t k) {
 int prelude_head_argmax_f32(const float *x, int64_t rows, const uint16_t *wb, const float *w, const float *wnorm,
                             int64_t out, int64_t k, int64_t limit, float *approx, int64_t *ids) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (rows < 1 || rows > MAX_ROWS || out <= 0 || k <= 0 || k % 32 || k > 1024 || limit <= 0 || limit > out)
+    if (rows < 1 || rows > MAX_ROWS || out <= 0 || k <= 0 || k % 32 || k > 1024 || limit <= 0 || limit > out
+        || (rows == 1 && k > 256))
         return 1;
     const int64_t nb = (out + 15) / 16, half_k = k / 2, width = nb * 16;
     uint32_t xb[MAX_ROWS * 512];
@@ -141,7 +156,7 @@ int prelude_head_argmax_f32(const float *x, int64_t rows, const uint16_t *wb, co
             while (m) { /* ascending ids: a tie keeps the lower one, as argmax does */
                 const int l = __builtin_ctz(m);
                 m &= (__mmask16)(m - 1);
-                const float v = exact_logit(xr, w + (o + l) * k, k);
+                const float v = rows == 1 ? one_row_logit(xr, w + (o + l) * k, k / 16) : exact_logit(xr, w + (o + l) * k, k);
                 if (!isfinite(v)) return 2;
                 if (best < 0 || v > best_logit) {
                     best = o + l;

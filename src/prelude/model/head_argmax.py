@@ -1,13 +1,14 @@
-"""The greedy tokens of 2..16 rows through a float32 LM head, without their logits
+"""The greedy tokens of 1..16 rows through a float32 LM head, without their logits
 (head_argmax.c): a bfloat16 pass over a bfloat16 copy of the head bounds every logit, and
 the few tokens that can still be the best are computed in float32 exactly as row_gemv.c's
-blocked kernel computes them (the kernel Projection runs for such calls), so the token is
+kernels compute them (the ones Projection runs for such calls), so the token is
 the argmax of the logits that path gives, bit for bit, ties to the lowest id. A
 greedy decode step of the free model at c=8 (49,152 x 128 head, 8 rows): the head and
 its argmax 0.50 -> ~0.25 ms on one thread (AMD EPYC Zen 5).
 
-Serves a head only where Projection would run its blocked float32 kernel (same weight,
-2..16 rows, float32, no bias; `serves`), and only where AVX512_BF16 is there. The copy
+Serves a head only where Projection would run row_gemv.c (same weight, float32, no bias:
+2..16 rows on its blocked kernel, one row of width 64, 128 or 256 on its one-row kernel;
+`serves`), and only where AVX512_BF16 is there. The copy
 (half the head's bytes) and the norms are made on the first call: a process that never
 decodes greedily never holds them. PRELUDE_HEAD_ARGMAX=0 turns it off.
 """
@@ -22,7 +23,7 @@ import torch
 
 from prelude.model import native_lib
 from prelude.model.linear import Projection
-from prelude.model.row_gemv import BLOCKED_MAX_ROWS
+from prelude.model.row_gemv import BLOCKED_MAX_ROWS, RowGemv
 
 _SOURCE = Path(__file__).with_name("head_argmax.c")
 MAX_K = 1024  # the bound's constant covers sums of up to this many products (head_argmax.c)
@@ -66,13 +67,16 @@ class HeadArgmax:
 
 
 def serves(head: Projection, x: torch.Tensor) -> bool:
-    """Whether `head(x)` runs row_gemv.c's blocked float32 kernel, whose sums the exact
-    pass repeats (Projection's dispatch: a row GEMV head, no GGUF blocks, 2..16 rows)."""
+    """Whether `head(x)` runs one of row_gemv.c's float32 kernels, whose sums the exact
+    pass repeats (Projection's dispatch: a row GEMV head, no GGUF blocks; 2..16 rows on the
+    blocked copy, one row on the plain weight where its width is one the kernel keeps in
+    registers)."""
     w = head.weight
+    rows = x.shape[0] if x.dim() == 2 else 0
     return (getattr(head, "_row_gemv", None) is not None and head.blocks is None and head.bias is None
-            and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
-            and 2 <= x.shape[0] <= BLOCKED_MAX_ROWS and x.shape[1] == w.shape[1]
-            and w.shape[1] % 32 == 0 and w.shape[1] <= MAX_K)
+            and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == w.shape[1]
+            and w.shape[1] % 32 == 0 and w.shape[1] <= MAX_K
+            and (2 <= rows <= BLOCKED_MAX_ROWS or (rows == 1 and RowGemv.one_row_pays(w))))
 
 
 @functools.cache

@@ -238,8 +238,8 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
         """The argmax of `compute_logits(hidden)` below `vocab_limit` per row (int64 [R]) where
-        head_argmax.py finds it without the logits, the same token (2..16 float32 rows on an
-        AVX512_BF16 CPU); None elsewhere."""
+        head_argmax.py finds it without the logits, the same token (1..16 float32 rows through
+        row_gemv.c's kernels, on an AVX512_BF16 CPU); None elsewhere."""
         head = self._lm_head_proj
         if head is None or not head_argmax.serves(head, hidden):
             return None
