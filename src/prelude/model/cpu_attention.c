@@ -164,6 +164,7 @@ typedef struct {
     float *qt, *s, *acc, *kf, *vf, *m, *l;
     int32_t *qpos, *qseg;
     uint32_t *qp, *pp, *vt; /* the bf16 forms' pair-packed Q, P and V (see below) */
+    float *tmax;            /* the bf16 wide form: a full unmasked tile's max per query lane */
     uint16_t *kpad, *zero;  /* K rows padded to an even head_dim; a zero row */
     int64_t kseg[KT_MAX];
 } Scratch;
@@ -529,10 +530,11 @@ static inline __m512 bcast_pair(const uint16_t *p) {
     return (__m512)_mm512_set1_epi32((int)u);
 }
 
-/* S^T[j][cv] = sum_t K[j] pair t . qp[t][cv] for KB keys and NC query vectors. */
+/* S^T[j][cv] = sum_t K[j] pair t . qp[t][cv] for KB keys and NC query vectors; with `mx`
+ * (a full, unmasked tile), each query vector's max over the KB keys also goes into mx[cv]. */
 #define QK_BF16(KB, NC)                                                                           \
     static inline void qk_bf16_##KB##_##NC(const uint16_t *const *kr, int64_t dh, const uint32_t *qp, \
-                                           int64_t mp, float *st) {                               \
+                                           int64_t mp, float *st, float *mx) {                    \
         __m512 a[KB][NC];                                                                         \
         for (int jj = 0; jj < KB; jj++)                                                           \
             for (int cc = 0; cc < NC; cc++) a[jj][cc] = _mm512_setzero_ps();                      \
@@ -547,6 +549,12 @@ static inline __m512 bcast_pair(const uint16_t *p) {
         }                                                                                         \
         for (int jj = 0; jj < KB; jj++)                                                           \
             for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(st + jj * mp + cc * 16, a[jj][cc]);  \
+        if (mx)                                                                                   \
+            for (int cc = 0; cc < NC; cc++) {                                                     \
+                __m512 m = _mm512_loadu_ps(mx + cc * 16);                                         \
+                for (int jj = 0; jj < KB; jj++) m = _mm512_max_ps(m, a[jj][cc]);                  \
+                _mm512_storeu_ps(mx + cc * 16, m);                                                \
+            }                                                                                     \
     }
 QK_BF16(8, 1)
 QK_BF16(8, 2)
@@ -581,12 +589,15 @@ PV_BF16(4, 3)
 /* Register blocks of 8 keys (or head dims) x 3 query vectors: 24 accumulators, each Q (or
  * P) vector loaded once per 8 broadcasts. */
 static inline void qk_tile_bf16(const uint16_t *const *kr, int64_t n, int64_t dh, const uint32_t *qp, int64_t nvec,
-                                int64_t mp, float *st) {
+                                int64_t mp, float *st, float *mx) {
+    if (mx)
+        for (int64_t i = 0; i < nvec * VW; i++) mx[i] = -INFINITY;
     for (int64_t j = 0; j < n; j += 8) { /* keys past n read zero rows; their scores are unused */
         int64_t cv = 0;
-        for (; cv + 3 <= nvec; cv += 3) qk_bf16_8_3(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW);
-        if (nvec - cv == 2) qk_bf16_8_2(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW);
-        if (nvec - cv == 1) qk_bf16_8_1(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW);
+        for (; cv + 3 <= nvec; cv += 3)
+            qk_bf16_8_3(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW, mx ? mx + cv * VW : NULL);
+        if (nvec - cv == 2) qk_bf16_8_2(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW, mx ? mx + cv * VW : NULL);
+        if (nvec - cv == 1) qk_bf16_8_1(kr + j, dh, qp + cv * VW, mp, st + j * mp + cv * VW, mx ? mx + cv * VW : NULL);
     }
 }
 
@@ -611,14 +622,15 @@ static inline void pv_tile_bf16(const uint32_t *vt, int64_t dv, int64_t np, cons
  * never stored as float32; each pair of keys' probabilities goes straight into pp [NKB/2][mp]
  * (low half key 2jp, high half key 2jp+1, queries on the lanes). */
 static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t nvec, int64_t mp,
-                                      int masked, float scale, int64_t rows) {
+                                      int masked, float scale, int64_t rows, const float *mx) {
     const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const vf vscale = vsplat(scale);
     for (int64_t cv = 0; cv < nvec; cv++) {
         vf alpha;
         int rescale;
-        const vf m = lazy_max(s, cv, tile_max(c, s, p0, n, cv, mp, masked, scale), &alpha, &rescale);
+        const vf m_tile = mx ? *(const vf *)(mx + cv * VW) * vsplat(scale) : tile_max(c, s, p0, n, cv, mp, masked, scale);
+        const vf m = lazy_max(s, cv, m_tile, &alpha, &rescale);
         vf sum = vsplat(0.0f);
         for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
             const vf lo = exp2v_bf16(*(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - m);
@@ -743,8 +755,11 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     for (int64_t p0 = 0; p0 < kv_end; p0 += NKB) {
         const int64_t n = kv_end - p0 < NKB ? kv_end - p0 : NKB, np = (n + 1) / 2;
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
-        qk_tile_bf16(kr, n, dh, s->qp, nvec, mp, s->s);
-        softmax_pairs_bf16(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments, c->qscale, dp);
+        const int masked = p0 + n - 1 > first_q || c->segments != NULL;
+        /* a full tile wholly before the item's first query: its max comes with the scores */
+        float *mx = !masked && n == NKB ? s->tmax : NULL;
+        qk_tile_bf16(kr, n, dh, s->qp, nvec, mp, s->s, mx);
+        softmax_pairs_bf16(c, s, p0, n, nvec, mp, masked, c->qscale, dp, mx);
         pack_v_pairs(vr, n, d, dv, s->vt);
         pv_tile_bf16(s->vt, dv, np, s->pp, nvec, mp, dp, s->acc);
     }
@@ -953,15 +968,17 @@ int prelude_paged_attention(
         s.qseg = alloc((size_t)mp_max * 4);
         int ok = s.qt && s.acc && s.s && s.kf && s.vf && s.m && s.l && s.qpos && s.qseg;
         s.qp = s.pp = s.vt = NULL;
+        s.tmax = NULL;
         s.kpad = s.zero = NULL;
         if (use_bf16_forms) {
             const int64_t qp_n = dh * mp_max > WIDE_MIN * dv ? dh * mp_max : WIDE_MIN * dv;
             s.qp = alloc((size_t)qp_n * 4);
             s.pp = alloc((size_t)(NKB / 2 * mp_max) * 4);
+            s.tmax = alloc((size_t)mp_max * 4);
             s.vt = alloc((size_t)(NKB / 2 * dv) * 4);
             s.kpad = alloc((size_t)(NKB * 2 * dh) * 2);
             s.zero = alloc((size_t)dv * 2);
-            ok = ok && s.qp && s.pp && s.vt && s.kpad && s.zero;
+            ok = ok && s.qp && s.pp && s.vt && s.kpad && s.zero && s.tmax;
             if (s.zero) memset(s.zero, 0, (size_t)dv * 2);
         }
         if (!ok) {
@@ -984,7 +1001,7 @@ int prelude_paged_attention(
         }
         free(s.qt); free(s.acc); free(s.s); free(s.kf); free(s.vf);
         free(s.m); free(s.l); free(s.qpos); free(s.qseg);
-        free(s.qp); free(s.pp); free(s.vt); free(s.kpad); free(s.zero);
+        free(s.qp); free(s.pp); free(s.vt); free(s.kpad); free(s.zero); free(s.tmax);
     }
     free(items);
     return failed ? 2 : 0;
