@@ -70,6 +70,11 @@ class OneShotRow:
     With a prefix-cache hit, only tokens [num_cached, n) are computed and attend to the
     cached `prefix_blocks` (pinned for this step only). `publish_blocks` receive the K/V
     of the row's own full prompt blocks and then belong to the prefix cache.
+
+    A hit may end inside a block (token-granular reuse): then `copy_from` is a cached
+    block whose first num_cached % block_size slots hold this prompt's tokens there; the
+    executor copies those slots into publish_blocks[0] (this row's own copy of that
+    block) before the forward, and the block's remaining tokens are computed into it.
     """
 
     request_id: str
@@ -84,6 +89,7 @@ class OneShotRow:
     # part; only the shared part is looked up in and published to the prefix cache.
     item_lens: tuple[int, ...] = ()
     lora: LoraRequest | None = None  # the row's adapter (None: the base model)
+    copy_from: int | None = None  # a hit ending inside a block: the cached block to copy from
 
     @property
     def shared_len(self) -> int:

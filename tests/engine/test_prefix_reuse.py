@@ -70,6 +70,29 @@ def test_same_results_with_cache_on_and_off(hf_model: Any) -> None:
     assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 
 
+@pytest.mark.parametrize("attention_backend", ["torch", "cpu"])
+def test_a_hit_ending_inside_a_block_reuses_those_tokens_with_the_same_results(
+        hf_model: Any, attention_backend: str) -> None:
+    """RUBRIC is 6 full blocks and 2 tokens: after a first prompt has published its
+    blocks, a judged item's OneShot row starts after all 26 rubric tokens (the 2 copied
+    from the cached block that holds them), publishes its own copy of that block, and
+    answers as with the cache off; a third prompt then hits the second's copy."""
+    prompts = [RUBRIC + [200 + i, 150 + i, 100 + 2 * i, 201 - i, 7] for i in range(3)]  # 31 tokens: 7 full blocks
+    one = [(f"one{i}", p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=2), None)
+           for i, p in enumerate(prompts)]
+    lab = [(f"lab{i}", p, SamplingParams(max_tokens=0), PoolingParams(PoolingTask.LABELS, label_token_ids=(1, 2, 3)))
+           for i, p in enumerate(prompts)]
+    off = run(tiny_engine(hf_model, prefix_caching=False, attention_backend=attention_backend), one + lab)
+    engine = tiny_engine(hf_model, attention_backend=attention_backend)
+    on = run(engine, one[:1])
+    for req in one[1:] + lab:
+        before = engine.kv.stats.reused_tokens
+        on |= run(engine, [req])
+        assert engine.kv.stats.reused_tokens - before >= len(RUBRIC), req[0]  # past the last full block
+    assert_same(on, off)
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
+
+
 def test_eviction_under_memory_pressure(hf_model: Any) -> None:
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 250, (30,), generator=gen).tolist() for _ in range(12)]

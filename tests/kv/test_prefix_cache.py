@@ -68,14 +68,14 @@ def test_duplicate_blocks_stay_with_their_holder() -> None:
 def test_oneshot_holds_publish_and_release() -> None:
     kv = KVCacheManager(8, 2, enable_prefix_caching=True)
     prompt = tokens(7)
-    held = kv.hold_for_step([], 3)
-    assert held is not None and len(held) == 3
+    held, copy_from = kv.hold_for_step([], 3)
+    assert len(held) == 3 and copy_from is None
     kv.end_step(prompt, [], held)
     assert kv.stats.published_blocks == 3
     assert kv.pool.num_evictable_blocks == 3 and kv.holders() == {}
     hit = kv.match(prompt)
     assert hit == held
-    again = kv.hold_for_step(hit, 0)
+    again, _ = kv.hold_for_step(hit, 0)
     assert again == [] and kv.pool.ref_count(hit[0]) == 1
     kv.end_step(prompt, hit, [])
     kv.check_integrity()
@@ -109,8 +109,45 @@ def test_oneshot_hold_counts_pinned_prefix_blocks_as_taken() -> None:
     kv.free("a")  # six cached, evictable blocks; 8 available in all
     prefix = kv.match(prompt + [1])
     assert len(prefix) == 6 and kv.num_available_blocks == 8
-    held = kv.hold_for_step(prefix, publish=3)  # 3 <= 8 before the pin, but only 2 after it
+    held, _ = kv.hold_for_step(prefix, publish=3)  # 3 <= 8 before the pin, but only 2 after it
     assert held == []  # nothing published this time, and nothing raised
     kv.end_step(prompt + [1], prefix, held)
     kv.check_integrity()
     assert kv.num_available_blocks == 8
+
+
+def test_a_hit_goes_on_inside_the_next_block_and_its_copy_source_is_held_for_the_step() -> None:
+    """Two prompts agreeing on 1.5 blocks: the second's full-block hit is 1 block, and the
+    cached block that holds the next 2 tokens is found (never the prompt's last token)."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    held, _ = kv.hold_for_step([], 2)
+    kv.end_step(first, [], held)  # blocks [1..4], [5..8] cached
+    second = [1, 2, 3, 4, 5, 6, 70, 80, 90, 100]
+    prefix = kv.match(second)
+    assert prefix == held[:1]
+    assert kv.match_partial(second, prefix) == (held[1], 2)
+    assert kv.match_partial([1, 2, 3, 4, 5], kv.match([1, 2, 3, 4, 5])) is None  # only the last token is left
+    assert kv.match_partial([1, 2, 3, 4, 5, 6], kv.match([1, 2, 3, 4, 5, 6])) == (held[1], 1)
+    assert kv.match_partial([9, 9, 9, 9, 9], []) is None
+    mine, copy_from = kv.hold_for_step(prefix, 1, held[1])
+    assert copy_from == held[1] and len(mine) == 1 and kv.pool.ref_count(held[1]) == 1
+    kv.end_step(second, prefix, mine, copy_from=copy_from)
+    assert kv.pool.ref_count(held[1]) == 0 and kv.holders() == {}
+    assert kv.match(second) == prefix + mine  # this row's copy of the block is cached in its own right
+    kv.check_integrity()
+
+
+def test_a_partial_hit_without_room_for_its_copy_is_dropped_and_unpinned() -> None:
+    kv = KVCacheManager(3, 4, enable_prefix_caching=True)
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    held, _ = kv.hold_for_step([], 2)
+    kv.end_step(first, [], held)
+    assert kv.allocate("other", 4)  # the one block left is taken
+    second = [1, 2, 3, 4, 5, 6, 70, 80, 90]
+    prefix = kv.match(second)
+    mine, copy_from = kv.hold_for_step(prefix, 1, held[1])  # held[1] is pinned: nothing left to publish into
+    assert mine == [] and copy_from is None and kv.pool.ref_count(held[1]) == 0
+    kv.end_step(second, prefix, mine)
+    kv.free("other")
+    kv.check_integrity()

@@ -226,9 +226,9 @@ class Scheduler:
         for row in plan.oneshot_rows:
             if ok:
                 self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks),
-                                 lora_namespace(row.lora))
+                                 lora_namespace(row.lora), row.copy_from)
             else:
-                self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks))
+                self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks), row.copy_from)
 
     def remove(self, request: Request) -> None:
         """Take a request out of the queues and free its blocks (finish or abort)."""
@@ -339,7 +339,11 @@ class Scheduler:
             prompt = req.prompt_token_ids
             shareable = shareable_tokens(req)
             prefix = self._cached_prefix(req, shareable)
-            n_cached = len(prefix) * bs
+            publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
+            # A hit may go on inside the next block when this row publishes it (its copy of
+            # that block takes the cached slots): a rubric ending mid-block, a chat template.
+            partial = self.kv.match_partial(shareable, prefix, namespace(req)) if publish and reuses_prefix(req) else None
+            n_cached = len(prefix) * bs + (partial[1] if partial else 0)
             n = req.num_prompt_tokens - n_cached
             mem = self.activation_bytes(req, n)
             if self._low_priority_tokens(req, n, alone=first_goes and not taken) < n:
@@ -350,14 +354,15 @@ class Scheduler:
                 continue
             if not self._adapter_fits(req, result):
                 continue
-            publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
-            publish_blocks = self.kv.hold_for_step(prefix, publish)
-            assert publish_blocks is not None
+            publish_blocks, copy_from = self.kv.hold_for_step(prefix, publish, partial[0] if partial else None)
+            if partial and copy_from is None:  # no room for this row's copy of the block: its own compute
+                n_cached, n = len(prefix) * bs, n + partial[1]
             self.kv.record(n_cached, n)
             rows.append(OneShotRow(
                 req.request_id, prompt, sample_spec(req), head_spec(req),
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
                 item_lens=req.pooling.item_lens if req.pooling is not None else (), lora=req.lora,
+                copy_from=copy_from,
             ))
             taken.append(req)
             self._took_low_priority(req, n)

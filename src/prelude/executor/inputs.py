@@ -168,13 +168,14 @@ class InputBuilder:
         """A prompt suffix after its cached prefix; only the blocks it publishes are written."""
         bs = self.block_size
         n = len(r.token_ids)
-        published_end = r.num_cached + len(r.publish_blocks) * bs
+        first = r.num_cached // bs  # the first published block (a hit may end inside it: copy_from)
+        published_end = (first + len(r.publish_blocks)) * bs
         if r.publish_blocks:
-            slots = [r.publish_blocks[(p - r.num_cached) // bs] * bs + p % bs if p < published_end else -1
+            slots = [r.publish_blocks[p // bs - first] * bs + p % bs if p < published_end else -1
                      for p in range(r.num_cached, n)]
         else:  # nothing published: no K/V kept (the common case, built in C)
             slots = [-1] * (n - r.num_cached)
-        table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks else ()
+        table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks or r.copy_from is not None else ()
         if not r.item_lens:
             return RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
         # Packed items: each restarts at the shared part's end and is its own segment.

@@ -343,6 +343,7 @@ class ModelRunner:
     def forward_oneshot(self, rows: Sequence[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
         """Flattened varlen prompt suffixes. A row attends to its cached prefix blocks and
         to its own K/V, which are temporaries except the full blocks it publishes."""
+        self._copy_partial_blocks(rows)
         inputs = self.inputs.oneshot(rows)
         lora = self.lora_step([(r.lora, len(r.token_ids) - r.num_cached) for r in rows])
         return self.forward(inputs, lora), inputs.starts
@@ -393,6 +394,9 @@ class ModelRunner:
         """The trunk of one step: hidden states, each row's start in them, what each row
         asks of the heads (request id, the tokens computed, sampling, head) and, when the
         last layer computed only the positions read, which those are."""
+        oneshot_rows = batch.rows if isinstance(batch, OneShotBatch) else (
+            batch.oneshot_rows if isinstance(batch, MixedBatch) else ())
+        self._copy_partial_blocks(oneshot_rows)
         if isinstance(batch, OneShotBatch):
             inputs = self.inputs.oneshot(batch.rows)
             row_loras = [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.rows]
@@ -420,6 +424,27 @@ class ModelRunner:
             reads = dataclasses.replace(reads, positions=dataclasses.replace(reads.positions, lora=read_lora))
         hidden = self.forward(inputs, lora, reads)
         return hidden, inputs.starts if reads is None else reads.starts, rows, reads
+
+    def _copy_partial_blocks(self, rows: Sequence[OneShotRow]) -> None:
+        """Rows whose cache hit ends inside a block: that block's cached slots, copied into
+        the row's own copy of it (its first publish block) in every layer, before the
+        forward reads them as prefix and writes the rest (OneShotRow.copy_from)."""
+        bs = self.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        for r in rows:
+            if r.copy_from is not None:
+                n = r.num_cached % bs
+                src += range(r.copy_from * bs, r.copy_from * bs + n)
+                dst += range(r.publish_blocks[0] * bs, r.publish_blocks[0] * bs + n)
+        if not src:
+            return
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                slots = cache.view(-1, *cache.shape[2:])  # [blocks * block_size, kv_heads, head_dim]
+                slots.index_copy_(0, dst_t, slots.index_select(0, src_t))
 
     def step_reads_for(self, inputs: StepInputs,
                        rows: Sequence[tuple[str, list[int], SampleSpec | None, HeadSpec | None]]) -> StepReads | None:

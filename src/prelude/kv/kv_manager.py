@@ -65,6 +65,14 @@ class KVCacheManager:
             return []
         return self.prefix.match(tokens, (len(tokens) - 1) // self.block_size, namespace)
 
+    def match_partial(self, tokens: list[int], matched: list[int], namespace: str = "") -> tuple[int, int] | None:
+        """A hit continuing the full blocks `matched` inside the next block: (the cached
+        block holding those tokens, how many), leaving the last token to compute; None
+        without one (see PrefixCache.partial)."""
+        if self.prefix is None:
+            return None
+        return self.prefix.partial(tokens, matched, len(tokens) - 1 - len(matched) * self.block_size, namespace)
+
     def first_uncached_key(self, tokens: list[int], num_matched_blocks: int,
                            namespace: str = "") -> tuple[object, ...] | None:
         """Identity of the first full block a request would compute and publish: requests
@@ -97,30 +105,36 @@ class KVCacheManager:
 
     # --- OneShot: blocks held for one step only --------------------------------------
 
-    def hold_for_step(self, prefix_blocks: list[int], publish: int) -> list[int] | None:
-        """Pin a OneShot row's prefix and allocate `publish` blocks to write its own full
-        prompt blocks into; None (nothing taken) if the pool has no room for them."""
-        self.pool.acquire(prefix_blocks)
+    def hold_for_step(self, prefix_blocks: list[int], publish: int,
+                      copy_from: int | None = None) -> tuple[list[int], int | None]:
+        """Pin a OneShot row's prefix (and `copy_from`, the cached block its hit ends
+        inside) and allocate `publish` blocks to write its own full prompt blocks into.
+        Returns (the publish blocks, copy_from): none and None where the pool has no room
+        for them (the first publish block is where copy_from's slots are copied)."""
+        self.pool.acquire(prefix_blocks + ([copy_from] if copy_from is not None else []))
         # Checked after pinning: pinned prefix blocks that were evictable are no longer
         # available, so checking before could promise blocks the pool no longer has.
         if publish and publish > self.pool.num_available_blocks:
             publish = 0
-        return self.pool.allocate(publish) if publish else []
+        if copy_from is not None and not publish:
+            self.pool.release([copy_from])
+            copy_from = None
+        return (self.pool.allocate(publish) if publish else []), copy_from
 
     def end_step(self, tokens: list[int], prefix_blocks: list[int], publish_blocks: list[int],
-                 namespace: str = "") -> None:
+                 namespace: str = "", copy_from: int | None = None) -> None:
         """After the forward: published blocks join the cache (owned by it, evictable),
         then the step's holds are dropped. Nothing stays counted as the request's."""
         if self.prefix is not None and publish_blocks:
             chain = prefix_blocks + publish_blocks
             cached = self.prefix.insert(tokens, chain, namespace)
             self.stats.published_blocks += max(0, cached - len(prefix_blocks))
-        self.pool.release(reversed(prefix_blocks + publish_blocks))
+        self.drop_step(prefix_blocks, publish_blocks, copy_from)
 
-    def drop_step(self, prefix_blocks: list[int], publish_blocks: list[int]) -> None:
+    def drop_step(self, prefix_blocks: list[int], publish_blocks: list[int], copy_from: int | None = None) -> None:
         """The forward failed: drop the step's holds and publish nothing (the blocks it
         was writing may hold partial KV)."""
-        self.pool.release(reversed(prefix_blocks + publish_blocks))
+        self.pool.release(reversed(prefix_blocks + publish_blocks + ([copy_from] if copy_from is not None else [])))
 
     # --- paged requests ---------------------------------------------------------------
 

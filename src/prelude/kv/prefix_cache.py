@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from prelude.kv.block_pool import BlockPool
 
+PARTIAL_SCAN = 64  # children compared for a hit ending inside a block (see PrefixCache.partial)
+
 
 @dataclass(eq=False)
 class _Node:
@@ -57,6 +59,29 @@ class PrefixCache:
             blocks.append(child.block)
             node = child
         return blocks
+
+    def partial(self, tokens: list[int], matched: list[int], limit: int, namespace: str = "") -> tuple[int, int] | None:
+        """After the full blocks `matched` (what `match` returned for `tokens`): the cached
+        block whose leading tokens agree longest with `tokens`' next block, up to `limit`
+        tokens; (block, tokens agreed) or None. K/V of a token depend only on the tokens
+        before it, so those slots of that block are this prompt's too. A node may have
+        thousands of children (one per judged item after a rubric): the first
+        PARTIAL_SCAN are compared, which share whatever the items' template shares."""
+        node = self._by_block.get(matched[-1]) if matched else self._roots.get(namespace)
+        if node is None or limit <= 0:
+            return None
+        start = len(matched) * self.block_size
+        want = tokens[start : start + min(limit, self.block_size - 1)]
+        best, best_len = -1, 0
+        for i, child in enumerate(node.children.values()):
+            if i == PARTIAL_SCAN or best_len == len(want):
+                break
+            n = 0
+            while n < len(want) and child.key[n] == want[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = child.block, n
+        return (best, best_len) if best_len else None
 
     def insert(self, tokens: list[int], blocks: list[int], namespace: str = "") -> int:
         """Register `blocks` as holding the full blocks of `tokens`, in order. Stops at the
