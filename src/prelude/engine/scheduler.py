@@ -342,7 +342,8 @@ class Scheduler:
             publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
             # A hit may go on inside the next block when this row publishes it (its copy of
             # that block takes the cached slots): a rubric ending mid-block, a chat template.
-            partial = self.kv.match_partial(shareable, prefix, namespace(req)) if publish and reuses_prefix(req) else None
+            partial = (self.kv.match_partial(shareable, prefix, namespace(req))
+                       if publish and reuses_prefix(req) else None)
             n_cached = len(prefix) * bs + (partial[1] if partial else 0)
             n = req.num_prompt_tokens - n_cached
             mem = self.activation_bytes(req, n)
