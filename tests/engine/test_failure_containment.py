@@ -86,6 +86,8 @@ def test_failed_decode_step_frees_the_tables_of_its_requests(hf_model: Any) -> N
     real = engine.runner.launch
 
     class _FailsOnWait:  # a device error surfaces when the result is awaited
+        heads_heavy = False
+
         def wait(self) -> Any:
             raise _Boom("kernel error")
 

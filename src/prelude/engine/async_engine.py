@@ -61,6 +61,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._inbox: deque[tuple[str, object]] = deque()
         self._sinks: dict[str, _Sink] = {}
+        self._held: list[RequestOutput] = []  # streaming increments handed over in the next step's heads
         self._stopping = False
         self._dead: str | None = None  # why the engine loop stopped for good
         self._built = threading.Event()
@@ -275,6 +276,11 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed
                 pass
 
+    def _release_held(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self._deliver_step(held)
+
     def _drain_inbox(self) -> None:
         with self._lock:
             items = list(self._inbox)
@@ -315,22 +321,41 @@ class AsyncEngine:
         )
 
     def _iteration(self) -> None:
-        """One turn of the loop: apply the inbox, run a step, deliver its outputs."""
+        """One turn of the loop: apply the inbox, run a step, deliver its outputs.
+
+        Where the step's heads outweigh its trunk on a CPU (a small model with a large
+        vocabulary, `LLMEngine.heads_heavy`), its streaming increments (neither a request's
+        first output nor its last) are held and handed over when the next step's heads
+        start: the engine thread then sits in native kernels outside the GIL, and the HTTP
+        thread serializes and sends them alongside. Handed over at the end of the step,
+        the HTTP thread's Python took the GIL from the next step's trunk, which releases it
+        at every torch op, and the two ran one after the other. A held increment arrives
+        one trunk later (~0.4 ms on the free model) and so does every later one: the time
+        between tokens is what drops; the first token and the last are never held."""
         self._drain_inbox()
         if not self.engine.has_unfinished():
+            self._release_held()
             self._wake.wait(timeout=1.0)
             self._wake.clear()
             return
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(self._release_held if self._held else None)
         except StepFailed as exc:  # contained by the engine: only that step's requests fail
+            self._release_held()
             logger.error("engine step failed; failing its %d requests: %r", len(exc.request_ids), exc.cause,
                          exc_info=exc.cause)
             error = EngineStepError(str(exc))
             for rid in exc.request_ids:
                 self._deliver(rid, error)
             return
-        self._deliver_step(outputs)
+        self._release_held()  # the step launched nothing: no heads ran
+        now = outputs
+        if self.engine.heads_heavy:
+            self._held = [out for out in outputs if not out.finished and out.num_output_tokens > 1]
+            if self._held:
+                now = [out for out in outputs if out.finished or out.num_output_tokens <= 1]
+        if now:
+            self._deliver_step(now)
         for handoff in self.engine.take_handoffs():  # after its first-token output
             self._deliver(handoff.request_id, handoff)
         if self.engine.idle and not outputs:
@@ -387,6 +412,7 @@ class AsyncEngine:
                     self._iteration()
                     failures = 0
                 except Exception as exc:  # noqa: BLE001 - the thread must never die silently
+                    self._release_held()  # produced before the failure: they go first
                     failures += 1
                     logger.exception("engine loop iteration failed (%d in a row)", failures)
                     self._fail_everything(exc)
@@ -397,5 +423,6 @@ class AsyncEngine:
             self._die(f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            self._release_held()
             if self._dead is None:
                 self._die("the engine was shut down" if self._stopping else "the engine thread exited")

@@ -12,6 +12,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from prelude.config import EngineConfig
 from prelude.engine.validation import RequestRules, validate_request
@@ -110,6 +111,10 @@ class LLMEngine:
         # is the device, so there is nothing to hide.
         self.overlap = config.overlap if config.overlap is not None else info.device.startswith("cuda")
         self._in_flight: InFlight | None = None
+        # Whether the last step launched had heads that outweigh its trunk, on a CPU (see
+        # ModelRunner.heads_outweigh_trunk): the async front then hands streaming outputs
+        # over while the next step's heads run.
+        self.heads_heavy = False
         self._tracing = False  # set for good by the first traced request: off, steps look for no traces
         self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)
         self.observer: EngineObserver | None = None  # e.g. the server's Prometheus metrics
@@ -263,8 +268,10 @@ class LLMEngine:
 
     # --- the step loop --------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute -> postprocess.
+    def step(self, on_heads: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One iteration: schedule -> execute -> postprocess. `on_heads`: called when the
+        step's trunk has run and its heads start (ModelRunner.launch; not called when the
+        step launches nothing).
 
         Overlap is a choice (`EngineConfig.overlap`, on with CUDA): `launch` returns while
         the device computes, and the step stays in flight into the next iteration. That
@@ -287,8 +294,10 @@ class LLMEngine:
             try:
                 # The clock starts before the launch: on a CPU `launch` runs the whole forward.
                 started = time.perf_counter()
-                queued = self.runner.launch(plan.batch, carried) if carried else self.runner.launch(plan.batch)
+                args = (plan.batch, carried) if carried else (plan.batch,)  # test doubles take the batch alone
+                queued = self.runner.launch(*args, on_heads=on_heads) if on_heads else self.runner.launch(*args)
                 launched = InFlight(plan, queued, started, traces)
+                self.heads_heavy = queued.heads_heavy and not self.overlap
             except Exception as exc:  # noqa: BLE001 - contained: only this step's requests fail
                 failed, cause = failed + self._fail_step(plan), exc
         for step in (in_flight, None if self.overlap else launched):

@@ -36,6 +36,7 @@ class LaunchedStep:
         self._build = build
         self._result: BatchOutput | None = None
         self.forward_done: float | None = None  # perf_counter when the forward was run (or queued)
+        self.heads_heavy = False  # on a CPU, its heads' work at least its trunk's (ModelRunner.heads_outweigh_trunk)
         self.sampled_ids = sampled_ids
         self.sampled_rows = sampled_rows or {}
 

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -370,7 +370,8 @@ class ModelRunner:
     # --- one entry point, one path per class ------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> LaunchedStep:
+    def launch(self, batch: ForwardBatch, carried: CarriedTokens | None = None,
+               on_heads: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue the forward, sampling, heads and the one result copy; on CUDA this returns
         while the device still works, so the host can schedule the next step meanwhile.
         `carried`: decode rows scheduled ahead of a step in flight, whose input tokens that
@@ -382,11 +383,22 @@ class ModelRunner:
         with self.step_threads.for_trunk(tokens):
             hidden, starts, rows, reads = self._forward_step(batch, carried)
         forward_done = time.perf_counter()
+        if on_heads is not None:
+            on_heads()
         with self.step_threads.for_heads(tokens, sampled):
             launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch),
                                            None if reads is None else reads.rows)
         launched.forward_done = forward_done
+        launched.heads_heavy = self.heads_outweigh_trunk(tokens, sampled)
         return launched
+
+    def heads_outweigh_trunk(self, tokens: int, sampled: int) -> bool:
+        """Whether, on a CPU, a step's LM head over its `sampled` rows has at least the
+        multiply-adds of its trunk over `tokens` (decode of a small model with a large
+        vocabulary: the free model's head is ~20x its trunk a row, SmolLM2-135M's ~0.3x)."""
+        threads = self.step_threads
+        return (self.device.type == "cpu" and sampled > 0
+                and sampled * threads.flops_per_logit_row >= tokens * threads.flops_per_token > 0)
 
     def _forward_step(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
             torch.Tensor, list[int], list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
