@@ -45,6 +45,16 @@ def test_the_argmax_of_the_logits_the_head_computes(out: int, k: int) -> None:
     assert greedy.argmax(x[:2], out)[0] == 11  # type: ignore[possibly-undefined]
 
 
+def test_more_than_16_rows_go_16_at_a_time() -> None:
+    """Each chunk's token is its own logits' argmax (a chunk of one row summed as the one-row
+    kernel sums): what a head called 16 rows at a time would give."""
+    head, greedy = _head(8200, 128, seed=6)
+    x = torch.randn(33, 128)
+    with torch.inference_mode():
+        logits = torch.cat([head(chunk).float() for chunk in x.split(16)])
+        assert torch.equal(greedy.argmax(x, 8200), row_argmax(logits))
+
+
 def test_declines_a_row_that_is_not_finite() -> None:
     head, greedy = _head(8200, 128, seed=1)
     x = torch.randn(3, 128)

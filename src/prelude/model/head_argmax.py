@@ -51,7 +51,12 @@ class HeadArgmax:
 
     def argmax(self, x: torch.Tensor, limit: int) -> torch.Tensor | None:
         """int64 [rows]: argmax over ids < `limit` of x [rows, k] W^T; None where the kernel
-        declines (a non-finite input or logit: then the logits decide, NaN included)."""
+        declines (a non-finite input or logit: then the logits decide, NaN included). More
+        than 16 rows go 16 at a time (each row's sums are its own: a chunk of one row is
+        summed in the one-row kernel's order)."""
+        if x.shape[0] > BLOCKED_MAX_ROWS:
+            chunks = [self.argmax(chunk, limit) for chunk in x.split(BLOCKED_MAX_ROWS)]
+            return None if any(c is None for c in chunks) else torch.cat(chunks)  # type: ignore[arg-type]
         rows = x.contiguous()
         m = rows.shape[0]
         out, k = self.weight.shape
