@@ -34,7 +34,7 @@ def test_the_argmax_of_the_logits_the_head_computes(out: int, k: int) -> None:
     head, greedy = _head(out, k, seed=out)
     with torch.inference_mode():
         for trial in range(48):
-            rows = 1 + trial % 16
+            rows = 1 + trial % 16 if trial % 4 else 17 + trial % 48
             x = torch.randn(rows, k) * (0.5 + trial % 4)
             x[0] = head.weight[11] * 40  # aims at the tied pair
             x[-1] = head.weight[41] * 40  # and at the near one
@@ -66,11 +66,12 @@ def test_declines_a_row_that_is_not_finite() -> None:
 
 def test_serves_only_what_the_row_gemv_kernels_compute() -> None:
     head, _ = _head(8200, 128, seed=2)
-    assert serves(head, torch.randn(1, 128)) and serves(head, torch.randn(16, 128))
-    assert not serves(head, torch.randn(17, 128))  # past 16 rows: oneDNN
+    assert serves(head, torch.randn(1, 128)) and serves(head, torch.randn(64, 128))
+    assert not serves(head, torch.randn(65, 128))  # past 64 rows: oneDNN or MKL
     wide, _ = _head(4100, 320, seed=4)
     assert serves(wide, torch.randn(2, 320))
     assert not serves(wide, torch.randn(1, 320))  # one row of 320: oneDNN, not the one-row kernel
+    assert not serves(wide, torch.randn(17, 320))  # ... nor a last chunk of one
     assert not serves(head, torch.randn(4, 128, dtype=torch.bfloat16))
     small = Projection(torch.randn(300, 128), None, prepack=True, head=True)  # below the row GEMV's size
     assert not serves(small, torch.randn(4, 128))

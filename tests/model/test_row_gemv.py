@@ -140,11 +140,14 @@ def test_projection_sends_few_row_float32_calls_of_a_wide_weight_to_the_row_gemv
     torch.testing.assert_close(head(x[:BLOCKED_MAX_ROWS]), F.linear(x[:BLOCKED_MAX_ROWS], w), rtol=1e-5, atol=1e-5)
     assert head._blocked is not None and packed_rows == []  # up to 16 rows: the row GEMV
     torch.testing.assert_close(head(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert packed_rows == [BLOCKED_MAX_ROWS + 1]  # more rows: oneDNN's packed copy, as before
+    assert packed_rows == []  # 17..64 rows: 16 at a time
+    many = torch.randn(128, 128)
+    torch.testing.assert_close(head(many), F.linear(many, w), rtol=1e-4, atol=1e-4)
+    assert packed_rows == [128]  # more rows: oneDNN's packed copy, as before
     small = Projection(w[:64], None, prepack=True, head=True)
     small(x[:1])
     small(x[:3])
-    assert packed_rows == [BLOCKED_MAX_ROWS + 1, 1, 3]  # a small weight keeps oneDNN
+    assert packed_rows == [128, 1, 3]  # a small weight keeps oneDNN
     assert Projection(w, None, prepack=False, head=True)._row_gemv is None  # no prepacking (e.g. not a CPU)
     assert Projection(w, None, prepack=True)._row_gemv is None  # a decoder's projection: oneDNN, no blocked copy
     wide = torch.randn(ROW_GEMV_MIN_BYTES // (4 * 576) + 1, 576)  # SmolLM2's width: one row is oneDNN's
@@ -152,4 +155,4 @@ def test_projection_sends_few_row_float32_calls_of_a_wide_weight_to_the_row_gemv
     y = torch.randn(3, 576)
     torch.testing.assert_close(head576(y[:1]), F.linear(y[:1], wide), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(head576(y), F.linear(y, wide), rtol=1e-5, atol=1e-4)
-    assert packed_rows == [BLOCKED_MAX_ROWS + 1, 1, 3, 1]  # 1 row: oneDNN; 3 rows: the blocked copy
+    assert packed_rows == [128, 1, 3, 1]  # 1 row: oneDNN; 3 rows: the blocked copy

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from prelude.model import native_lib
-from prelude.model.linear import Projection
+from prelude.model.linear import ROW_GEMV_CHUNKED_MAX_ROWS, Projection
 from prelude.model.row_gemv import BLOCKED_MAX_ROWS, RowGemv
 
 _SOURCE = Path(__file__).with_name("head_argmax.c")
@@ -81,7 +81,8 @@ def serves(head: Projection, x: torch.Tensor) -> bool:
     return (getattr(head, "_row_gemv", None) is not None and head.blocks is None and head.bias is None
             and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == w.shape[1]
             and w.shape[1] % 32 == 0 and w.shape[1] <= MAX_K
-            and (2 <= rows <= BLOCKED_MAX_ROWS or (rows == 1 and RowGemv.one_row_pays(w))))
+            and 1 <= rows <= ROW_GEMV_CHUNKED_MAX_ROWS
+            and (rows % BLOCKED_MAX_ROWS != 1 or RowGemv.one_row_pays(w)))  # a last chunk of one row
 
 
 @functools.cache
