@@ -340,11 +340,7 @@ class Scheduler:
             shareable = shareable_tokens(req)
             prefix = self._cached_prefix(req, shareable)
             publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
-            # A hit may go on inside the next block when this row publishes it (its copy of
-            # that block takes the cached slots): a rubric ending mid-block, a chat template.
-            partial = (self.kv.match_partial(shareable, prefix, namespace(req))
-                       if publish and reuses_prefix(req) else None)
-            n_cached = len(prefix) * bs + (partial[1] if partial else 0)
+            n_cached = len(prefix) * bs
             n = req.num_prompt_tokens - n_cached
             mem = self.activation_bytes(req, n)
             if self._low_priority_tokens(req, n, alone=first_goes and not taken) < n:
@@ -355,9 +351,15 @@ class Scheduler:
                 continue
             if not self._adapter_fits(req, result):
                 continue
+            # A hit after a shared block may go on inside the next block when this row
+            # publishes it (its copy of that block takes the cached slots): a rubric or a chat
+            # template ending mid-block. Looked up for taken rows only (a scan of cached
+            # children), after the budget, which the full-block hit already bounds.
+            partial = (self.kv.match_partial(shareable, prefix, namespace(req))
+                       if publish and prefix and reuses_prefix(req) else None)
             publish_blocks, copy_from = self.kv.hold_for_step(prefix, publish, partial[0] if partial else None)
-            if partial and copy_from is None:  # no room for this row's copy of the block: its own compute
-                n_cached, n = len(prefix) * bs, n + partial[1]
+            if partial and copy_from is not None:
+                n_cached, n = n_cached + partial[1], n - partial[1]
             self.kv.record(n_cached, n)
             rows.append(OneShotRow(
                 req.request_id, prompt, sample_spec(req), head_spec(req),
