@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -27,17 +28,45 @@ async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], params: Sam
     return tokens
 
 
+def streams_at_once(front: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                    collect: Callable[..., Awaitable[list[int]]] = _collect) -> list[list[int]]:
+    """Each prompt's tokens, all streams at once (request ids r0, r1, ...)."""
+    async def together() -> list[list[int]]:
+        return await asyncio.gather(*(collect(front, f"r{i}", p, params) for i, p in enumerate(prompts)))
+
+    return asyncio.run(together())
+
+
+def streams_one_by_one(front: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                       collect: Callable[..., Awaitable[list[int]]] = _collect) -> list[list[int]]:
+    """Each prompt's tokens, one stream after another (request ids s0, s1, ...)."""
+    return [asyncio.run(collect(front, f"s{i}", p, params)) for i, p in enumerate(prompts)]
+
+
+def close_streams_after(front: AsyncEngine, params: SamplingParams, outputs: int) -> None:
+    """Four streams read `outputs` increments each, then closed; returns once the engine
+    thread has applied the aborts (or after ~30 s)."""
+    async def run() -> None:
+        streams = [front.generate(f"a{i}", [1, 2, 3, i], params) for i in range(4)]
+        for s in streams:
+            for _ in range(outputs):
+                await s.__anext__()
+        for s in streams:
+            await s.aclose()
+        for _ in range(3000):  # the engine thread applies the aborts at its next step
+            if not front.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+
+
 def test_concurrent_streams_match_sequential(hf_model) -> None:  # noqa: ANN001
     engine = tiny_engine(hf_model)
-    front = AsyncEngine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    front = AsyncEngine(engine)
     prompts = [[10 + i, 20, 30 + i] for i in range(8)]
-
-    async def run() -> list[list[int]]:
-        return await asyncio.gather(*(_collect(front, f"r{i}", p, params) for i, p in enumerate(prompts)))
-
-    together = asyncio.run(run())
-    alone = [asyncio.run(_collect(front, f"s{i}", p, params)) for i, p in enumerate(prompts)]
+    together, alone = streams_at_once(front, prompts, params), streams_one_by_one(front, prompts, params)
     front.shutdown()
     assert together == alone and all(len(t) == 8 for t in together)
     engine.check_integrity()
@@ -50,20 +79,7 @@ def test_closing_a_stream_aborts_and_frees(hf_model) -> None:  # noqa: ANN001
     with it none of them finishes and every block is back."""
     engine = tiny_engine(hf_model)
     front = AsyncEngine(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-
-    async def run() -> None:
-        streams = [front.generate(f"a{i}", [1, 2, 3, i], params) for i in range(4)]
-        for s in streams:
-            await s.__anext__()
-        for s in streams:
-            await s.aclose()
-        for _ in range(3000):  # the engine thread applies the aborts at its next step
-            if not engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
-
-    asyncio.run(run())
+    close_streams_after(front, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), outputs=1)
     assert not engine.has_unfinished()
     front.shutdown()
     assert not [m.request_id for m in engine.finished_metrics]  # aborted, none ran to its end

@@ -4,7 +4,6 @@ stream still aborts its request."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from prelude import SamplingParams
 from prelude.engine.async_engine import AsyncEngine
 
+from tests.engine.test_async_engine import close_streams_after, streams_at_once, streams_one_by_one
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 
 pytest.importorskip("transformers")
@@ -55,16 +55,12 @@ def test_which_steps_count_as_heads_heavy(wide_head: Any) -> None:
 def test_held_streams_match_sequential(wide_head: Any) -> None:
     engine = tiny_engine(wide_head)
     handed = _holds(engine)
-    front = AsyncEngine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = [[10 + i, 20, 30 + i] for i in range(6)]
-
-    async def together() -> list[list[int]]:
-        return await asyncio.gather(*(_collect(front, f"r{i}", p, params) for i, p in enumerate(prompts)))
-
-    concurrent = asyncio.run(together())
+    front = AsyncEngine(engine)
+    concurrent = streams_at_once(front, prompts, params, _collect)
     held = handed[0]
-    alone = [asyncio.run(_collect(front, f"s{i}", p, params)) for i, p in enumerate(prompts)]
+    alone = streams_one_by_one(front, prompts, params, _collect)
     front.shutdown()
     assert held > 0  # increments were held and handed over in a later step's heads
     assert concurrent == alone and all(len(t) == 10 for t in concurrent)
@@ -76,21 +72,8 @@ def test_closing_a_held_stream_aborts_and_frees(wide_head: Any) -> None:
     engine = tiny_engine(wide_head)
     handed = _holds(engine)
     front = AsyncEngine(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
-
-    async def run() -> None:
-        streams = [front.generate(f"a{i}", [1, 2, 3, i], params) for i in range(4)]
-        for s in streams:  # past the first token: the later increments are the held kind
-            for _ in range(3):
-                await s.__anext__()
-        for s in streams:
-            await s.aclose()
-        for _ in range(3000):  # the engine thread applies the aborts at its next step
-            if not engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
-
-    asyncio.run(run())
+    # past the first token: the later increments are the held kind
+    close_streams_after(front, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True), outputs=3)
     assert handed[0] > 0 and not engine.has_unfinished()
     front.shutdown()
     assert not [m.request_id for m in engine.finished_metrics]  # aborted, none ran to its end
