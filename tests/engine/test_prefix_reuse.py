@@ -93,6 +93,37 @@ def test_a_hit_ending_inside_a_block_reuses_those_tokens_with_the_same_results(
     assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 
 
+def test_hits_ending_anywhere_in_a_block_under_eviction_match_the_cache_off(hf_model: Any) -> None:
+    """Prompts from three shared prefixes of lengths off the block size, with items of 1-9
+    tokens, OneShot requests in waves through a pool small enough to evict: every answer
+    equals the cache-off one, partial hits happened, and the pool's books balance."""
+    gen = torch.Generator().manual_seed(7)
+    rubrics = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (9, 18, 23)]
+    prompts = [rubrics[i % 3] + torch.randint(0, 250, (int(torch.randint(1, 10, (1,), generator=gen)),),
+                                              generator=gen).tolist() for i in range(30)]
+    reqs = [(f"one{i}", p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=2), None) for i, p in enumerate(prompts)]
+    reqs += [(f"lab{i}", p, SamplingParams(max_tokens=0), PoolingParams(PoolingTask.LABELS, label_token_ids=(1, 2, 3)))
+             for i, p in enumerate(prompts)]
+    off = run(tiny_engine(hf_model, prefix_caching=False), reqs)
+    engine = tiny_engine(hf_model, num_blocks=24)
+    copies: list[int] = []
+    hold = engine.kv.hold_for_step
+
+    def counting_hold(prefix: list[int], publish: int, copy_from: int | None = None) -> tuple[list[int], int | None]:
+        held = hold(prefix, publish, copy_from)
+        copies.append(held[1] is not None)
+        return held
+
+    engine.kv.hold_for_step = counting_hold  # type: ignore[method-assign]
+    on: dict[str, Any] = {}
+    for wave in range(0, len(reqs), 7):
+        on |= run(engine, reqs[wave : wave + 7])
+    assert_same(on, off)
+    assert engine.kv.prefix is not None and engine.kv.prefix.num_evicted > 0
+    assert sum(copies) >= 10  # hits ending inside a block, their slots copied
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
+
+
 def test_eviction_under_memory_pressure(hf_model: Any) -> None:
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 250, (30,), generator=gen).tolist() for _ in range(12)]
