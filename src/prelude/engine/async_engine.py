@@ -348,7 +348,7 @@ class AsyncEngine:
             for rid in exc.request_ids:
                 self._deliver(rid, error)
             return
-        self._release_held()  # the step launched nothing: no heads ran
+        self._release_held()  # still held: the step launched nothing, so no heads handed them over
         now = outputs
         if self.engine.heads_heavy:
             self._held = [out for out in outputs if not out.finished and out.num_output_tokens > 1]

@@ -1,4 +1,4 @@
-"""The greedy tokens of 1..16 rows through a float32 LM head, without their logits
+"""The greedy tokens of 1..64 rows (16 at a time) through a float32 LM head, without their logits
 (head_argmax.c): a bfloat16 pass over a bfloat16 copy of the head bounds every logit, and
 the few tokens that can still be the best are computed in float32 exactly as row_gemv.c's
 kernels compute them (the ones Projection runs for such calls), so the token is
@@ -7,8 +7,8 @@ greedy decode step of the free model at c=8 (49,152 x 128 head, 8 rows): the hea
 its argmax 0.50 -> ~0.25 ms on one thread (AMD EPYC Zen 5).
 
 Serves a head only where Projection would run row_gemv.c (same weight, float32, no bias:
-2..16 rows on its blocked kernel, one row of width 64, 128 or 256 on its one-row kernel;
-`serves`), and only where AVX512_BF16 is there. The copy
+2..16 rows on its blocked kernel, one row of width 64, 128 or 256 on its one-row kernel,
+up to 64 rows 16 at a time; `serves`), and only where AVX512_BF16 is there. The copy
 (half the head's bytes) and the norms are made on the first call: a process that never
 decodes greedily never holds them. PRELUDE_HEAD_ARGMAX=0 turns it off.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from prelude.model import native_lib
-from prelude.model.linear import ROW_GEMV_CHUNKED_MAX_ROWS, Projection
-from prelude.model.row_gemv import BLOCKED_MAX_ROWS, RowGemv
+from prelude.model.linear import Projection
+from prelude.model.row_gemv import BLOCKED_MAX_ROWS, padded_to_blocks
 
 _SOURCE = Path(__file__).with_name("head_argmax.c")
 MAX_K = 1024  # the bound's constant covers sums of up to this many products (head_argmax.c)
@@ -36,9 +36,8 @@ class HeadArgmax:
         self._fn = fn
         self.weight = weight
         out, k = weight.shape
-        nb = (out + 15) // 16
-        padded = torch.zeros(nb * 16, k, dtype=torch.float32)
-        padded[:out] = weight
+        padded = padded_to_blocks(weight)
+        nb = padded.shape[0] // 16
         # [nb][k/2][16][2]: for token 16b + l, its weights 2p and 2p + 1 side by side at [b][p][l].
         # torch's float32 -> bfloat16 conversion rounds to nearest even, as the bound assumes.
         self._blocked = padded.view(nb, 16, k // 2, 2).transpose(1, 2).contiguous().to(torch.bfloat16)
@@ -72,17 +71,12 @@ class HeadArgmax:
 
 
 def serves(head: Projection, x: torch.Tensor) -> bool:
-    """Whether `head(x)` runs one of row_gemv.c's float32 kernels, whose sums the exact
-    pass repeats (Projection's dispatch: a row GEMV head, no GGUF blocks; 2..16 rows on the
-    blocked copy, one row on the plain weight where its width is one the kernel keeps in
-    registers)."""
+    """Whether `head(x)` runs row_gemv.c's float32 kernels only (Projection.runs_row_gemv),
+    whose sums the exact pass repeats, on a head the bound covers (no bias, a width of a
+    multiple of 32 up to MAX_K)."""
     w = head.weight
-    rows = x.shape[0] if x.dim() == 2 else 0
-    return (getattr(head, "_row_gemv", None) is not None and head.blocks is None and head.bias is None
-            and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == w.shape[1]
-            and w.shape[1] % 32 == 0 and w.shape[1] <= MAX_K
-            and 1 <= rows <= ROW_GEMV_CHUNKED_MAX_ROWS
-            and (rows % BLOCKED_MAX_ROWS != 1 or RowGemv.one_row_pays(w)))  # a last chunk of one row
+    return (x.dim() == 2 and head.runs_row_gemv(x.shape[0], x.dtype) and head.blocks is None and head.bias is None
+            and x.device.type == "cpu" and x.shape[-1] == w.shape[1] and w.shape[1] % 32 == 0 and w.shape[1] <= MAX_K)
 
 
 @functools.cache

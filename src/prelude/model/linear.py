@@ -157,24 +157,31 @@ class Projection:
                 self._want_packed = False
         return self._packed
 
+    def runs_row_gemv(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a call of `rows` rows runs row_gemv.c's kernels only (every 16-row chunk on
+        the blocked copy, a chunk of one row on the one-row kernel): what the greedy head
+        (head_argmax.py) repeats bit for bit."""
+        return (self._row_gemv is not None and dtype == torch.float32 and 0 < rows <= ROW_GEMV_CHUNKED_MAX_ROWS
+                and (rows % BLOCKED_MAX_ROWS != 1 or self._row_gemv.one_row_pays(self.weight)))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
             return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)
-        if self._row_gemv is not None and rows.shape[0] <= BLOCKED_MAX_ROWS and x.dtype == torch.float32:
-            if rows.shape[0] == 1 and self._row_gemv.one_row_pays(self.weight):
-                return self._row_gemv.linear(x, self.weight, self.bias)
-            if rows.shape[0] > 1:
+        n = rows.shape[0]
+        if self._row_gemv is not None and x.dtype == torch.float32 and 0 < n <= ROW_GEMV_CHUNKED_MAX_ROWS:
+            if n > BLOCKED_MAX_ROWS:
+                # A head's decode-sized calls past 16 rows, 16 at a time through the calls below: the
+                # free model's head at 64 rows 5.4 ms against MKL's 8.9 (oneDNN's packed 3.7), and the
+                # greedy head (head_argmax.py) repeats these sums without the logits: 2.0 ms.
+                return torch.cat([self(chunk) for chunk in rows.split(BLOCKED_MAX_ROWS)]).reshape(
+                    *x.shape[:-1], self.out_features)
+            if n > 1:
                 if self._blocked is None:  # on the first few-row call: a server that only scores never needs it
                     self._blocked = self._row_gemv.block(self.weight)
                 return self._row_gemv.rows_linear(x, self._blocked, self.out_features, self.bias)
-        if (self._row_gemv is not None and BLOCKED_MAX_ROWS < rows.shape[0] <= ROW_GEMV_CHUNKED_MAX_ROWS
-                and x.dtype == torch.float32):
-            # A head's decode-sized calls past 16 rows, 16 at a time through the calls above: the
-            # free model's head at 64 rows 5.4 ms against MKL's 8.9 (oneDNN's packed 3.7), and the
-            # greedy head (head_argmax.py) repeats these sums without the logits: 2.0 ms.
-            return torch.cat([self(chunk) for chunk in rows.split(BLOCKED_MAX_ROWS)]).reshape(
-                *x.shape[:-1], self.out_features)
+            if self._row_gemv.one_row_pays(self.weight):
+                return self._row_gemv.linear(x, self.weight, self.bias)
         packed = self._packed_weight() if packed_row_count(rows.shape[0], x.dtype) else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)

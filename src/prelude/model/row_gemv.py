@@ -75,11 +75,8 @@ class RowGemv:
     def block(weight: torch.Tensor) -> torch.Tensor:
         """The blocked copy of `weight` [out, k] that `rows_linear` reads: [ceil(out/16), k, 16],
         zero past `out`."""
-        out_features, k = weight.shape
-        nb = (out_features + 15) // 16
-        padded = torch.zeros(nb * 16, k, dtype=torch.float32)
-        padded[:out_features] = weight
-        return padded.view(nb, 16, k).transpose(1, 2).contiguous()
+        padded = padded_to_blocks(weight)
+        return padded.view(padded.shape[0] // 16, 16, weight.shape[1]).transpose(1, 2).contiguous()
 
     def rows_linear(self, x: torch.Tensor, blocked: torch.Tensor, out_features: int,
                     bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,6 +95,15 @@ class RowGemv:
         if rc != 0:
             raise RuntimeError(f"blocked GEMM refused its arguments ({m} rows, {out_features}x{k})")
         return y.reshape(*x.shape[:-1], out_features)
+
+
+def padded_to_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, k] as float32 with zero rows up to a multiple of 16 outputs (the kernels'
+    block of 16 outputs a vector)."""
+    out_features, k = weight.shape
+    padded = torch.zeros((out_features + 15) // 16 * 16, k, dtype=torch.float32)
+    padded[:out_features] = weight
+    return padded
 
 
 def _checked_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
