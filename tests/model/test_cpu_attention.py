@@ -180,6 +180,18 @@ def test_long_suffixes_over_prefixes(backend: CpuAttention, dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+def test_causal_rows_whose_query_tiles_end_before_later_key_tiles(backend: CpuAttention, dtype: torch.dtype,
+                                                                   heads: int, kv_heads: int) -> None:
+    # Long causal rows, fresh and over a prefix: a query tile's first query vectors see none of
+    # its later key tiles, which the kernel skips for them. Over 49 cached tokens a vector's
+    # last query sits exactly on a key tile's first key (it must still see that key).
+    rows = [Row(0, 150, own_in_cache=False), Row(0, 200), Row(49, 100, own_in_cache=False), Row(49, 100),
+            Row(3, 1)]
+    check(backend, make_batch(rows, heads, kv_heads, 64, block_size=16, dtype=dtype, seed=7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_multi_item_segments(backend: CpuAttention, dtype: torch.dtype) -> None:
     # a query (segment 0) then items 1..3, over a cached prefix; a plain row and a decode beside it
     seg = (0, 0, 0, 1, 1, 2, 2, 2, 3)

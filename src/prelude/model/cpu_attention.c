@@ -338,10 +338,10 @@ static inline void finish_tile(Scratch *s, int64_t cv, int64_t mp, vf alpha, int
 }
 
 /* The float32 forms: S^T becomes P^T in place; l and the accumulator acc^T [rows][mp] follow. */
-static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t nvec, int64_t mp,
-                                int masked, float scale, int64_t rows) {
+static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t cv0, int64_t nvec,
+                                int64_t mp, int masked, float scale, int64_t rows) {
     const vf vscale = vsplat(scale);
-    for (int64_t cv = 0; cv < nvec; cv++) {
+    for (int64_t cv = cv0; cv < nvec; cv++) {
         vf alpha;
         int rescale;
         const vf m = lazy_max(s, cv, tile_max(c, s, p0, n, cv, mp, masked, scale), &alpha, &rescale);
@@ -353,6 +353,20 @@ static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n,
         }
         finish_tile(s, cv, mp, alpha, rescale, sums[0] + sums[1], rows);
     }
+}
+
+/* Causal skipping: query vectors before the first one returned see no key at or after p0
+ * (their lanes' positions, ascending, all < p0), so a tile from p0 on leaves their m, l and
+ * accumulators as they are and is not computed for them. `from`: the previous tile's
+ * answer (p0 only grows). */
+static inline int64_t first_seeing(const Scratch *s, int64_t from, int64_t nvec, int64_t nm, int64_t p0) {
+    int64_t cv = from;
+    while (cv < nvec) {
+        const int64_t last = (cv + 1) * VW < nm ? (cv + 1) * VW - 1 : nm - 1; /* the vector's last real lane */
+        if (s->qpos[last] >= p0) break;
+        cv++;
+    }
+    return cv;
 }
 
 static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
@@ -377,11 +391,13 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
     const int64_t first_q = prefix + it->m0;
+    int64_t cv0 = 0;
     for (int64_t p0 = 0; p0 < kv_end; p0 += NK) {
         const int64_t n = kv_end - p0 < NK ? kv_end - p0 : NK;
+        cv0 = first_seeing(s, cv0, nvec, nm, p0);
         load_tile(c, it, s, p0, n, cache_end);
         for (int64_t j = 0; j < NK; j += 4) {
-            int64_t cv = 0;
+            int64_t cv = cv0;
             for (; cv + 4 <= nvec; cv += 4) qk_block_4(s->kf + j * dp, dp, d, s->qt + cv * VW, mp, s->s + j * mp + cv * VW);
             switch (nvec - cv) {
                 case 3: qk_block_3(s->kf + j * dp, dp, d, s->qt + cv * VW, mp, s->s + j * mp + cv * VW); break;
@@ -389,9 +405,9 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
                 case 1: qk_block_1(s->kf + j * dp, dp, d, s->qt + cv * VW, mp, s->s + j * mp + cv * VW); break;
             }
         }
-        softmax_tile(c, s, p0, n, nvec, mp, p0 + n - 1 > first_q || c->segments, 1.0f, dp);
+        softmax_tile(c, s, p0, n, cv0, nvec, mp, p0 + n - 1 > first_q || c->segments, 1.0f, dp);
         for (int64_t x = 0; x < dp; x += 4) {
-            int64_t cv = 0;
+            int64_t cv = cv0;
             for (; cv + 4 <= nvec; cv += 4) pv_block_4(s->vf + x, dp, n, s->s + cv * VW, mp, s->acc + x * mp + cv * VW);
             switch (nvec - cv) {
                 case 3: pv_block_3(s->vf + x, dp, n, s->s + cv * VW, mp, s->acc + x * mp + cv * VW); break;
@@ -621,12 +637,12 @@ static inline void pv_tile_bf16(const uint32_t *vt, int64_t dv, int64_t np, cons
 /* softmax_tile for the bf16 forms, fused with the rounding of P to bf16 key pairs: P is
  * never stored as float32; each pair of keys' probabilities goes straight into pp [NKB/2][mp]
  * (low half key 2jp, high half key 2jp+1, queries on the lanes). */
-static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t nvec, int64_t mp,
-                                      int masked, float scale, int64_t rows, const float *mx) {
+static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t cv0, int64_t nvec,
+                                      int64_t mp, int masked, float scale, int64_t rows, const float *mx) {
     const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const vf vscale = vsplat(scale);
-    for (int64_t cv = 0; cv < nvec; cv++) {
+    for (int64_t cv = cv0; cv < nvec; cv++) {
         vf alpha;
         int rescale;
         const vf m_tile = mx ? *(const vf *)(mx + cv * VW) * vsplat(scale) : tile_max(c, s, p0, n, cv, mp, masked, scale);
@@ -752,16 +768,18 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
     const int64_t first_q = prefix + it->m0;
     const uint16_t *kr[NKB], *vr[NKB];
+    int64_t cv0 = 0;
     for (int64_t p0 = 0; p0 < kv_end; p0 += NKB) {
         const int64_t n = kv_end - p0 < NKB ? kv_end - p0 : NKB, np = (n + 1) / 2;
+        cv0 = first_seeing(s, cv0, nvec, nm, p0); /* 0 on an unmasked tile */
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
         const int masked = p0 + n - 1 > first_q || c->segments != NULL;
         /* a full tile wholly before the item's first query: its max comes with the scores */
         float *mx = !masked && n == NKB ? s->tmax : NULL;
-        qk_tile_bf16(kr, n, dh, s->qp, nvec, mp, s->s, mx);
-        softmax_pairs_bf16(c, s, p0, n, nvec, mp, masked, c->qscale, dp, mx);
+        qk_tile_bf16(kr, n, dh, s->qp + cv0 * VW, nvec - cv0, mp, s->s + cv0 * VW, mx ? mx + cv0 * VW : NULL);
+        softmax_pairs_bf16(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, dp, mx);
         pack_v_pairs(vr, n, d, dv, s->vt);
-        pv_tile_bf16(s->vt, dv, np, s->pp, nvec, mp, dp, s->acc);
+        pv_tile_bf16(s->vt, dv, np, s->pp + cv0 * VW, nvec - cv0, mp, dp, s->acc + cv0 * VW);
     }
     store_out_bf16(c, it, s, nm, mp);
 }
