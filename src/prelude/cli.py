@@ -123,6 +123,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, fused_kernels=args.fused_kernels, compile=args.compile,
             prune_last_layer=args.prune_last_layer,
+            pack_at_start=True,  # a serving engine: its first prompt pays no weight reorders
         ),
         overlap=args.overlap,
         cache=CacheConfig(

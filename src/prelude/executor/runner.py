@@ -236,6 +236,11 @@ class ModelRunner:
         # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
                             prepack=config.compile == "off", blocks=blocks)
+        if config.pack_at_start:
+            start = time.perf_counter()
+            if made := model.make_packed_copies():
+                logger.info("%d projections' oneDNN packed copies made at start (%.2f s), not by the first prompt",
+                            made, time.perf_counter() - start)
         return cls(model, block_size, config, lora)
 
     def limit_sampled_vocab(self, emittable: int) -> None:

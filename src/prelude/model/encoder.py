@@ -186,3 +186,6 @@ class BertEncoder:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 1
+
+    def make_packed_copies(self) -> int:
+        return 0  # its projections are plain F.linear calls

@@ -125,7 +125,8 @@ class Projection:
         self.out_features = weight.shape[0]
         # Packed on the first call that takes it, not at load: reordering every projection
         # took ~0.5 s of a ~3 s start-up, and a float32 server that only scores (at row
-        # counts off the steps) never needs it.
+        # counts off the steps) never needs it. A bf16 server makes them at load
+        # (make_packed_copy): every bf16 call takes them, so its first prompt would.
         self._want_packed = prepack
         self._packed: torch.Tensor | None = None
         # Few-row calls of a wide float32 LM head (`head`) stream it through row_gemv.c (see
@@ -156,6 +157,10 @@ class Projection:
             except (RuntimeError, AttributeError):  # op missing, or no bf16 reorder on this CPU
                 self._want_packed = False
         return self._packed
+
+    def make_packed_copy(self) -> bool:
+        """Make the packed copy now (see ExecutorConfig.pack_at_start); whether there is one."""
+        return self._packed_weight() is not None
 
     def runs_row_gemv(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether a call of `rows` rows runs row_gemv.c's kernels only (every 16-row chunk on

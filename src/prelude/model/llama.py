@@ -135,11 +135,21 @@ class LlamaForCausalLM:
         self.shape = LayerShape(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                 config.rms_norm_eps)
 
+    def _projections(self) -> list[Projection]:
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        return projections + ([self._lm_head_proj] if self._lm_head_proj is not None else [])
+
+    def make_packed_copies(self) -> int:
+        """In bf16, where every call of a prepacked projection takes its packed copy, make
+        them all now; how many were made (0 in float32: there only some row counts take
+        them, and a server that never calls with those never needs them)."""
+        if self.dtype != torch.bfloat16:
+            return 0
+        return sum(p.make_packed_copy() for p in self._projections())
+
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:
         """Blocks or oneDNN per decode row count, as measured on this CPU (decode_routes.py)."""
-        projections = [p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-        projections += [self._lm_head_proj] if self._lm_head_proj is not None else []
-        with_blocks = [p for p in projections if p.blocks is not None]
+        with_blocks = [p for p in self._projections() if p.blocks is not None]
         if not with_blocks:
             return
         choice = decode_routes.choose([(p.weight, p.blocks.blocks) for p in with_blocks], kernel,  # type: ignore[union-attr]

@@ -1,0 +1,37 @@
+"""ExecutorConfig.pack_at_start: a bf16 decoder's prepacked projections get their oneDNN
+copies while the runner is built, so that its first prompt makes none."""
+
+from __future__ import annotations
+
+from prelude.config import ExecutorConfig, ModelConfig
+from prelude.executor.runner import ModelRunner
+from tests.engine.tiny import hf_tiny_llama
+from tests.model.test_linear import _cpu_can_prepack_bf16
+
+
+def _runner(dtype: str, pack_at_start: bool) -> ModelRunner:
+    hf = hf_tiny_llama()
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype=dtype, pack_at_start=pack_at_start), 4)
+
+
+def _packed(runner: ModelRunner) -> list[bool]:
+    """Per projection (each layer's qkv, o_proj, gate_up, down, then the LM head): whether it holds its packed copy."""
+    return [p._packed is not None for p in runner.model._projections()]  # type: ignore[attr-defined]
+
+
+def test_a_bf16_runner_makes_every_packed_copy_at_start_where_the_cpu_can() -> None:
+    packed = _packed(_runner("bfloat16", pack_at_start=True))
+    assert len(packed) == 2 * 4 + 1
+    # a CPU without oneDNN's bf16 reorder (AVX2-only) makes none, and its calls run F.linear
+    assert packed == [_cpu_can_prepack_bf16()] * len(packed)
+
+
+def test_without_pack_at_start_the_copies_wait_for_the_first_calls() -> None:
+    assert not any(_packed(_runner("bfloat16", pack_at_start=False)))
+
+
+def test_float32_makes_none_at_start() -> None:
+    # there only some row counts take the packed copy: a server that never calls with them never needs it
+    assert not any(_packed(_runner("float32", pack_at_start=True)))
