@@ -18,9 +18,9 @@ class _Carried:
         self.launches: list[tuple[str, ...]] = []
         launch = engine.runner.launch
 
-        def recorded(batch, carried=None):  # noqa: ANN001, ANN202
+        def recorded(batch, carried=None, on_heads=None):  # noqa: ANN001, ANN202
             self.launches.append(carried.request_ids if carried else ())
-            return launch(batch, carried)
+            return launch(batch, carried, on_heads)
 
         engine.runner.launch = recorded  # type: ignore[method-assign]
 

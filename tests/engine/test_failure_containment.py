@@ -35,11 +35,11 @@ def _fail_oneshot_steps(engine: Any, times: int = 1) -> list[int]:
     real = engine.runner.launch
     left = [times]
 
-    def launch(batch: Any) -> Any:
+    def launch(batch: Any, *rest: Any) -> Any:
         if isinstance(batch, OneShotBatch) and left[0] > 0:
             left[0] -= 1
             raise _Boom("simulated out of memory")
-        return real(batch)
+        return real(batch, *rest)
 
     engine.runner.launch = launch
     return left
@@ -91,7 +91,7 @@ def test_failed_decode_step_frees_the_tables_of_its_requests(hf_model: Any) -> N
         def wait(self) -> Any:
             raise _Boom("kernel error")
 
-    engine.runner.launch = lambda batch: _FailsOnWait()
+    engine.runner.launch = lambda batch, *rest: _FailsOnWait()
     with pytest.raises(StepFailed) as failed:
         engine.step()
     engine.runner.launch = real
@@ -141,11 +141,11 @@ def test_failed_fused_step_fails_its_decode_and_oneshot_rows_and_leaks_nothing(h
     real = engine.runner.launch
     left = [1]
 
-    def launch(batch: Any) -> Any:
+    def launch(batch: Any, *rest: Any) -> Any:
         if isinstance(batch, MixedBatch) and batch.oneshot_rows and left[0] > 0:
             left[0] -= 1
             raise _Boom("simulated out of memory")
-        return real(batch)
+        return real(batch, *rest)
 
     engine.runner.launch = launch  # type: ignore[method-assign]
     decode = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -57,9 +57,9 @@ def spy_batches(engine: LLMEngine) -> list[ForwardBatch]:
     seen: list[ForwardBatch] = []
     launch = engine.runner.launch
 
-    def spy(batch: ForwardBatch) -> Any:
+    def spy(batch: ForwardBatch, *rest: Any) -> Any:
         seen.append(batch)
-        return launch(batch)
+        return launch(batch, *rest)
 
     engine.runner.launch = spy  # type: ignore[method-assign]
     return seen

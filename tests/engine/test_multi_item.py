@@ -139,10 +139,10 @@ def test_multi_item_rows_batched_with_plain_rows(hf_model: Any) -> None:
     batches: list[int] = []
     launch = engine.runner.launch
 
-    def spy(batch: Any) -> Any:
+    def spy(batch: Any, *rest: Any) -> Any:
         if isinstance(batch, OneShotBatch):
             batches.append(len(batch.rows))
-        return launch(batch)
+        return launch(batch, *rest)
 
     engine.runner.launch = spy  # type: ignore[method-assign]
     for rnd in range(2):

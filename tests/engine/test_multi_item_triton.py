@@ -88,10 +88,10 @@ def check_fused_step_matches_torch_backend() -> dict[str, list[float]]:
         fused = []
         launch = engine.runner.launch
 
-        def spy(batch: Any, launch: Any = launch, fused: list[Any] = fused) -> Any:
+        def spy(batch: Any, *rest: Any, launch: Any = launch, fused: list[Any] = fused) -> Any:
             if isinstance(batch, MixedBatch) and batch.oneshot_rows and batch.decode_rows:
                 fused.append(batch)
-            return launch(batch)
+            return launch(batch, *rest)
 
         engine.runner.launch = spy  # type: ignore[method-assign]
         got: dict[str, list[float]] = {}

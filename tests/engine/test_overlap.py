@@ -17,8 +17,8 @@ class _Recorder:
         self._launch = runner.launch
         runner.launch = self.launch
 
-    def launch(self, batch, carried=None):  # noqa: ANN001, ANN201
-        step = self._launch(batch, carried)
+    def launch(self, batch, carried=None, on_heads=None):  # noqa: ANN001, ANN201
+        step = self._launch(batch, carried, on_heads)
         n = len(self.events)
         self.events.append(f"launch{n}:{type(batch).__name__}" + (f":carried{len(carried.request_ids)}" if carried else ""))
         wait = step.wait

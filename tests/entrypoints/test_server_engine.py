@@ -99,9 +99,9 @@ def test_non_streaming_client_that_leaves_is_aborted_and_logged_as_cancel(served
     body = {"prompt": "leave early", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
     launch = engine.runner.launch
 
-    def slow_launch(batch):  # noqa: ANN001, ANN202 - 240 steps now outlast the client's 0.3 s on any machine
+    def slow_launch(batch, *rest):  # noqa: ANN001, ANN002, ANN202 - 240 steps now outlast the client's 0.3 s on any machine
         time.sleep(0.01)
-        return launch(batch)
+        return launch(batch, *rest)
 
     monkeypatch.setattr(engine.runner, "launch", slow_launch)
     with caplog.at_level(logging.INFO):

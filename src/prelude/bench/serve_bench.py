@@ -45,6 +45,7 @@ from prelude.bench.load_clients import CLIENT_KINDS, LoadClient
 from prelude.bench.loadgen import (
     LoadResult,
     LoadSpec,
+    Sender,
     percentile,
     run_load,
     summarize,
@@ -61,6 +62,7 @@ from prelude.bench.peers.launch import (
     peer_spec,
 )
 from prelude.bench.prompts import exact_prompt, shared_prefix_prompts
+from prelude.bench.raw_http import RawPool
 from prelude.bench.report import markdown, plot_sweep
 from prelude.bench.results import write_json
 from prelude.bench.server_proc import free_port, frozen, server_process, wait_until_idle
@@ -158,6 +160,11 @@ def start_peers(names: list[str], opts: PeerOptions, skipped: dict[str, str], co
                 skipped[name] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
                 print(f"{name} skipped: {exc}", flush=True)
         yield peers
+
+
+def _completer(clients: LoadClient, p: Peer, max_tokens: int) -> tuple[Sender, RawPool | None]:
+    """A peer's streamed-completions sender and the client run_load gives it."""
+    return clients.completions(p.base, p.spec.model, max_tokens), clients.pool(p.base)
 
 
 def _spec(args: argparse.Namespace, concurrency: int, label: str) -> LoadSpec:
@@ -260,7 +267,7 @@ def run_scenarios(
             for p in completers:
                 if p.spec.name == "llama.cpp" and c > args.llama_sweep_max:
                     continue  # one request at a time: more concurrency only queues (see --llama-sweep-max)
-                send, pool = clients.completions(p.base, p.spec.model, 1), clients.pool(p.base)
+                send, pool = _completer(clients, p, 1)
                 _settle(peers)
                 with alone(peers, p):
                     res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long],
@@ -271,7 +278,7 @@ def run_scenarios(
     if "c" in scenarios and completers:
         out["c"] = {"peers": {}}
         for p in completers:
-            send, pool = clients.completions(p.base, p.spec.model, 32), clients.pool(p.base)
+            send, pool = _completer(clients, p, 32)
             _settle(peers)
             with alone(peers, p):
                 res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short],
@@ -305,7 +312,7 @@ def run_scenarios(
                     "concurrency": args.prefix_concurrency, "peers": {}}
         mean_len = sum(wl.prefix_lengths) / len(wl.prefix_lengths)
         for p in completers:
-            send, pool = clients.completions(p.base, p.spec.model, args.prefix_max_tokens), clients.pool(p.base)
+            send, pool = _completer(clients, p, args.prefix_max_tokens)
             # No warm-up: the first request pays for the cold prefix on every peer alike.
             spec = replace(_spec(args, args.prefix_concurrency, f"e {p.spec.name}"), warmup=0)
             _settle(peers)  # no warm-up here to absorb another peer's spin: the first wave is measured

@@ -294,8 +294,7 @@ class LLMEngine:
             try:
                 # The clock starts before the launch: on a CPU `launch` runs the whole forward.
                 started = time.perf_counter()
-                args = (plan.batch, carried) if carried else (plan.batch,)  # test doubles take the batch alone
-                queued = self.runner.launch(*args, on_heads=on_heads) if on_heads else self.runner.launch(*args)
+                queued = self.runner.launch(plan.batch, carried, on_heads)
                 launched = InFlight(plan, queued, started, traces)
                 self.heads_heavy = queued.heads_heavy and not self.overlap
             except Exception as exc:  # noqa: BLE001 - contained: only this step's requests fail

@@ -411,15 +411,14 @@ class ModelRunner:
         """The trunk of one step: hidden states, each row's start in them, what each row
         asks of the heads (request id, the tokens computed, sampling, head) and, when the
         last layer computed only the positions read, which those are."""
-        oneshot_rows = batch.rows if isinstance(batch, OneShotBatch) else (
-            batch.oneshot_rows if isinstance(batch, MixedBatch) else ())
-        self._copy_partial_blocks(oneshot_rows)
         if isinstance(batch, OneShotBatch):
+            self._copy_partial_blocks(batch.rows)
             inputs = self.inputs.oneshot(batch.rows)
             row_loras = [(r.lora, len(r.token_ids) - r.num_cached) for r in batch.rows]
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
             rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
         elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
+            self._copy_partial_blocks(batch.oneshot_rows)
             inputs = self.inputs.fused(batch.rows, batch.oneshot_rows)
             self._carry(inputs, batch.rows, carried)
             row_loras = ([(r.lora, len(r.token_ids)) for r in batch.rows]

@@ -111,7 +111,7 @@ class KVCacheManager:
         inside) and allocate `publish` blocks to write its own full prompt blocks into.
         Returns (the publish blocks, copy_from): none and None where the pool has no room
         for them (the first publish block is where copy_from's slots are copied)."""
-        self.pool.acquire(prefix_blocks + ([copy_from] if copy_from is not None else []))
+        self.pool.acquire(_with_copy_source(prefix_blocks, copy_from))
         # Checked after pinning: pinned prefix blocks that were evictable are no longer
         # available, so checking before could promise blocks the pool no longer has.
         if publish and publish > self.pool.num_available_blocks:
@@ -134,7 +134,7 @@ class KVCacheManager:
     def drop_step(self, prefix_blocks: list[int], publish_blocks: list[int], copy_from: int | None = None) -> None:
         """The forward failed: drop the step's holds and publish nothing (the blocks it
         was writing may hold partial KV)."""
-        self.pool.release(reversed(prefix_blocks + publish_blocks + ([copy_from] if copy_from is not None else [])))
+        self.pool.release(reversed(_with_copy_source(prefix_blocks + publish_blocks, copy_from)))
 
     # --- paged requests ---------------------------------------------------------------
 
@@ -171,3 +171,8 @@ class KVCacheManager:
             self.prefix.check_integrity()
             cached = self.prefix.cached_blocks()
         self.pool.check_integrity(self._tables.values(), cached)
+
+
+def _with_copy_source(blocks: list[int], copy_from: int | None) -> list[int]:
+    """A OneShot step's held blocks: `blocks`, and the cached block its hit ends inside."""
+    return blocks if copy_from is None else [*blocks, copy_from]

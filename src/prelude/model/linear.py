@@ -187,7 +187,7 @@ class Projection:
                 return self._row_gemv.rows_linear(x, self._blocked, self.out_features, self.bias)
             if self._row_gemv.one_row_pays(self.weight):
                 return self._row_gemv.linear(x, self.weight, self.bias)
-        packed = self._packed_weight() if packed_row_count(rows.shape[0], x.dtype) else None
+        packed = self._packed_weight() if packed_row_count(n, x.dtype) else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         out = packed_linear(rows.contiguous(), packed, self.bias)

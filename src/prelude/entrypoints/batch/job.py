@@ -19,10 +19,10 @@ from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
 from prelude.entrypoints.batch.lines import LineError, error_line, load_object, parse_line, response_line
 from prelude.entrypoints.batch.output import OutputLog
 from prelude.entrypoints.batch.plan import Plan, plan_job
-from prelude.heap import NativeHeapTrim
 from prelude.entrypoints.openai.limits import ServerLimits
 from prelude.entrypoints.openai.lora_adapters import ServedAdapters
 from prelude.entrypoints.openai.offline import answer
+from prelude.heap import NativeHeapTrim
 
 logger = logging.getLogger("prelude.batch")
 

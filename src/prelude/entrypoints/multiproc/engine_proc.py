@@ -24,7 +24,6 @@ from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
 from prelude.engine.remote import bind_prepared, replica_info
 from prelude.engine.request import Request, RequestOutput
-from prelude.heap import freeze_startup_heap
 from prelude.entrypoints.multiproc.wire import (
     Abort,
     Add,
@@ -37,6 +36,7 @@ from prelude.entrypoints.multiproc.wire import (
     raw_frame,
     read_frame,
 )
+from prelude.heap import freeze_startup_heap
 
 logger = logging.getLogger("prelude.engine_proc")
 

@@ -15,7 +15,6 @@ from prelude.engine.client import EngineClient
 from prelude.engine.stage_trace import STAGES, mark
 from prelude.entrypoints.batch.store import BatchStore
 from prelude.entrypoints.batch.worker import BatchRunner, BatchRunnerConfig
-from prelude.heap import freeze_startup_heap
 from prelude.entrypoints.openai.batch_routes import install_batch_routes
 from prelude.entrypoints.openai.drain import DrainingServer
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
@@ -43,6 +42,7 @@ from prelude.entrypoints.openai.protocol import (
 from prelude.entrypoints.openai.routes import ROUTES
 from prelude.entrypoints.openai.serving_tokens import detokenize, tokenize
 from prelude.entrypoints.openai.streaming import SSEResponse
+from prelude.heap import freeze_startup_heap
 
 VERSION = "0.1.0"
 
