@@ -159,6 +159,67 @@ def test_a_float32_step_makes_the_packed_copy_on_avx512(monkeypatch: pytest.Monk
     assert proj._packed is not None and seen == [linear.PACKED_ROW_STEP]
 
 
+@pytest.mark.parametrize("flags, vendor, pads", [
+    ({"avx2", "avx512_f"}, "AuthenticAMD", True),
+    ({"avx2", "avx512_f"}, "GenuineIntel", False),  # MKL's AVX-512 code: padding would only waste rows
+    ({"avx2", "avx512_f"}, "", False),  # vendor unknown: no padding
+    ({"avx2"}, "AuthenticAMD", False),  # AVX2-only: MKL as fast, decode sizes only
+])
+def test_float32_row_counts_pad_up_to_a_step_where_mkl_runs_avx2_code_on_avx512(
+        monkeypatch: pytest.MonkeyPatch, flags: set[str], vendor: str, pads: bool) -> None:
+    monkeypatch.setattr(native_lib, "cpu_isa_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(native_lib, "cpu_vendor", lambda: vendor)
+    linear._float32_steps_pay.cache_clear()
+    linear._float32_pads.cache_clear()
+    try:
+        steps = "avx512_f" in flags
+        assert linear.packed_rows(17, torch.float32) == 17  # decode sizes as they are
+        assert linear.packed_rows(960, torch.bfloat16) == 960  # bf16: every count as it is
+        assert linear.packed_rows(1024, torch.float32) == (1024 if steps else 0)
+        assert linear.packed_rows(960, torch.float32) == (1024 if pads else 0)
+        assert linear.packed_rows(1088, torch.float32) == (1152 if pads else 0)
+        assert linear.packed_rows(80, torch.float32) == (128 if pads else 0)  # 1.6x the rows: still padded
+        assert linear.packed_rows(79, torch.float32) == 0  # past 1.6x: MKL
+        assert linear.packed_rows(129, torch.float32) == 0
+        assert linear.packed_rows(2049, torch.float32) == 0  # a call splits these into 2,048-row pieces first
+    finally:
+        linear._float32_steps_pay.cache_clear()
+        linear._float32_pads.cache_clear()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_padded_float32_calls_agree_and_the_packed_kernel_sees_only_steps_with_zero_padding(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where float32 pads (forced here, so any oneDNN CPU runs it): every count agrees with
+    F.linear, the packed op sees the count's step with zero rows after the call's own, and
+    a call past 2,048 rows goes 2,048 at a time."""
+    monkeypatch.setattr(linear, "_float32_steps_pay", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(linear, "_float32_pads", lambda dtype: dtype == torch.float32)
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32), torch.randn(48)
+    proj = Projection(w, b, prepack=True)
+    seen: list[torch.Tensor] = []
+    real = linear.packed_linear
+    monkeypatch.setattr(linear, "packed_linear", lambda a, p, bias: (seen.append(a.clone()), real(a, p, bias))[1])
+    x = torch.randn(2 * linear.PACKED_STEP_MAX_ROWS + 300, 32)
+    expected = {33: [], 80: [128], 200: [256], 960: [1024], 2048: [2048], x.shape[0]: [2048, 2048, 384]}
+    for rows, counts in expected.items():
+        seen.clear()
+        out = proj(x[:rows])
+        assert out.shape == (rows, 48)
+        torch.testing.assert_close(out, F.linear(x[:rows], w, b), rtol=1e-5, atol=1e-5)
+        assert [a.shape[0] for a in seen] == counts
+        fed = torch.cat([a[: min(len(a), rows - i * linear.PACKED_STEP_MAX_ROWS)] for i, a in enumerate(seen)]) \
+            if seen else x[:0]
+        assert torch.equal(fed, x[:rows] if seen else x[:0])  # the call's rows, in order
+        for i, a in enumerate(seen):
+            own = min(len(a), rows - i * linear.PACKED_STEP_MAX_ROWS)
+            assert not a[own:].any()  # the padding is zeros
+    # a batch of rows in more dimensions pads as its flattened rows
+    three = x[:200].reshape(2, 100, 32)
+    torch.testing.assert_close(proj(three), F.linear(three, w, b), rtol=1e-5, atol=1e-5)
+
+
 _BF16_GROWTH_PROBE = """
 import torch
 from prelude.model.linear import Projection

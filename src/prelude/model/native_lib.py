@@ -13,6 +13,7 @@ thread's team instead of starting a second pool; ctypes releases the GIL for a c
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -48,6 +49,19 @@ def cpu_isa_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...), "" where /proc/cpuinfo
+    does not say: what MKL's dispatch reads to pick its code paths."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _cache_dir() -> Path:
