@@ -73,3 +73,37 @@ def test_dtype_reason_names_the_flags_behind_auto() -> None:
     assert "avx512_bf16" in dtype_reason("auto", cpu, frozenset({"avx2", "avx512_bf16"}))
     assert "no AVX512-BF16" in dtype_reason("auto", cpu, frozenset({"avx2", "fma"}))
     assert dtype_reason("float32", cpu) == "asked for"
+
+
+def test_the_avx2_cap_hides_the_wider_flags_from_every_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PRELUDE_CPU_ISA=avx2 runs a wider CPU as an AVX2-only one: no AVX-512 or AMX flag
+    reaches a choice (bf16 auto then picks float32), and builds drop -march=native."""
+    from prelude.model import native_lib
+
+    wide = frozenset({"avx2", "fma3", "avx512_f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    monkeypatch.setattr(native_lib, "_detected_isa_flags", lambda: wide)
+    monkeypatch.delenv(native_lib.ISA_CAP_ENV, raising=False)
+    assert native_lib.cpu_isa_flags() == wide
+    assert auto_dtype(torch.device("cpu"), native_lib.cpu_isa_flags()) is torch.bfloat16
+    assert native_lib.build_flags(native_lib.FLAGS) == native_lib.FLAGS
+    monkeypatch.setenv(native_lib.ISA_CAP_ENV, "AVX2")
+    assert native_lib.cpu_isa_flags() == {"avx2", "fma3"}
+    assert auto_dtype(torch.device("cpu"), native_lib.cpu_isa_flags()) is torch.float32
+    assert native_lib.build_flags(native_lib.FLAGS) == native_lib.AVX2_FLAGS
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_isa_flags(), reason="the cap changes nothing on a CPU without AVX512-BF16")
+def test_the_avx2_cap_builds_the_kernels_without_the_wider_paths(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """On an AVX512-BF16 CPU the native attention build has the bf16 dot-product forms; under
+    the cap the same source builds (into its own cache entry) without them."""
+    import ctypes
+
+    from prelude.model import native_lib
+    from prelude.model.attention import cpu_backend
+
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))
+    native = ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, cpu_backend._FLAGS)))
+    monkeypatch.setenv(native_lib.ISA_CAP_ENV, "avx2")
+    capped = ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, cpu_backend._FLAGS)))
+    assert native.prelude_attention_bf16_forms() == 1
+    assert capped.prelude_attention_bf16_forms() == 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -47,6 +48,7 @@ from prelude.model.cpu_fused_kernels import DTYPES as CPU_FUSED_DTYPES, load_cpu
 from prelude.model.decoder_segments import DecoderSegments
 from prelude.model.fused_segments import fused_segments, triton_segments
 from prelude.model.loader import cache_root
+from prelude.model.native_lib import ISA_CAP_ENV, isa_capped_to_avx2
 from prelude.model.lora import LoraBatch, LoraStep
 from prelude.params import LoraRequest
 
@@ -229,6 +231,10 @@ class ModelRunner:
         if device.type == "cpu":  # before any of the model's GEMMs (encoders call F.linear directly)
             bound_onednn_caches()
         dtype = resolve_dtype(config.dtype, device)
+        if device.type == "cpu" and isa_capped_to_avx2():
+            logger.info("%s=avx2: running as on an AVX2-only CPU (torch's ATEN_CPU_CAPABILITY=%s, oneDNN's "
+                        "ONEDNN_MAX_CPU_ISA=%s)", ISA_CAP_ENV, os.environ.get("ATEN_CPU_CAPABILITY", "unset"),
+                        os.environ.get("ONEDNN_MAX_CPU_ISA", "unset"))
         logger.info("dtype %s (%s)", str(dtype).removeprefix("torch."), dtype_reason(config.dtype, device))
         attention = get_attention_backend(resolve_attention_backend(config.attention_backend, device), device)
         describe = getattr(attention, "describe", None)

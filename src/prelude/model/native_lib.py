@@ -32,9 +32,30 @@ FLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-ffp-contract=off", "-fopen
 AVX2_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
 
 
+# PRELUDE_CPU_ISA=avx2: run as on an AVX2-only CPU, to measure that CPU's paths on a wider one.
+# Every choice that reads the ISA flags sees no AVX-512 or AMX (dtype auto, the float32 steps,
+# the greedy head's bf16 pass), and the C kernels build without the host's wider paths. torch's
+# own kernels read ATEN_CPU_CAPABILITY=avx2 (before torch is imported) and oneDNN's
+# ONEDNN_MAX_CPU_ISA=AVX2: set them with it (the start-up log says what they are).
+ISA_CAP_ENV = "PRELUDE_CPU_ISA"
+
+
+def isa_capped_to_avx2() -> bool:
+    return os.environ.get(ISA_CAP_ENV, "").lower() == "avx2"
+
+
 def cpu_isa_flags() -> frozenset[str]:
     """The CPU's vector/matrix ISA extensions, as torch's cpuinfo names them (avx2,
-    avx512_f, avx512_bf16, amx_bf16, ...). Falls back to /proc/cpuinfo's flags."""
+    avx512_f, avx512_bf16, amx_bf16, ...); without the AVX-512 and AMX ones under
+    PRELUDE_CPU_ISA=avx2."""
+    found = _detected_isa_flags()
+    if isa_capped_to_avx2():
+        return frozenset(f for f in found if not f.startswith(("avx512", "amx")))
+    return found
+
+
+def _detected_isa_flags() -> frozenset[str]:
+    """cpuinfo's flags through torch, else /proc/cpuinfo's."""
     try:
         caps = torch._C._cpu._get_cpu_capability()  # cpuinfo's view; private but stable since 2.3
         return frozenset(k for k, v in caps.items() if v is True)
@@ -74,6 +95,11 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def build_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The compiler flags a build takes: `flags`, less -march=native under PRELUDE_CPU_ISA=avx2."""
+    return tuple(f for f in flags if f != "-march=native") if isa_capped_to_avx2() else flags
+
+
 def library_path(source: Path, cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     isa = ",".join(sorted(cpu_isa_flags()))
@@ -86,6 +112,7 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc, or $CC)")
+    flags = build_flags(flags)
     target = library_path(source, cc, flags)
     if target.is_file():
         return target
