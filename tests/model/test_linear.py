@@ -53,8 +53,9 @@ def test_packed_path_takes_bf16_at_every_row_count_and_float32_at_a_bounded_set(
         monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """bf16: every row count takes the packed copy (F.linear is a oneDNN kernel per row count
     there too, 3-12% slower). float32: F.linear is MKL's, which compiles nothing per count,
-    so the packed op sees only the decode sizes and the steps (on an AVX-512 CPU only: the
-    2.2x over MKL there), a bounded set of kernels. Every count's result agrees."""
+    so the packed op sees only the decode sizes and the steps (2.2x MKL on an AMD AVX-512 CPU,
+    1.2x in AVX2 code; off-step counts pad up to a step or run their whole steps there), a
+    bounded set of kernels. Every count's result agrees."""
     if dtype == torch.bfloat16 and not _cpu_can_prepack_bf16():
         pytest.skip("this CPU cannot prepack bf16 weights (needs AVX-512)")
     if not torch.backends.mkldnn.is_available():
@@ -79,8 +80,6 @@ def test_packed_path_takes_bf16_at_every_row_count_and_float32_at_a_bounded_set(
         assert seen == set(range(1, x.shape[0] + 1))
         return
     steps = set(range(linear.PACKED_ROW_STEP, linear.PACKED_STEP_MAX_ROWS + 1, linear.PACKED_ROW_STEP))
-    if "avx512_f" not in native_lib.cpu_isa_flags():
-        steps = set()  # MKL's sgemm there is as fast: decode sizes only
     assert seen == set(range(1, PACKED_MAX_ROWS + 1)) | steps
     assert len(seen) <= 48  # a bounded set of kernels per weight shape
 
@@ -141,11 +140,11 @@ def test_prepacked_projections_keep_memory_bounded_over_many_row_counts() -> Non
     assert float(done.stdout.split()[-1]) < 80.0, done.stdout
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or "avx512_f" not in native_lib.cpu_isa_flags(),
-                    reason="float32 steps take the packed copy on an AVX-512 CPU only (MKL is as fast elsewhere)")
-def test_a_float32_step_makes_the_packed_copy_on_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In float32 on AVX-512 the packed kernels are 2.2x MKL's at step sizes: a process that
-    only prefills 128-token prompts takes them from its first step; other counts do not pack."""
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_a_float32_step_makes_the_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In float32 the packed kernels beat MKL's at step sizes: a process that only prefills
+    128-token prompts takes them from its first step, and a 129-row call (its step up is
+    past 1.6x of it) runs its whole step there and the one row after."""
     torch.manual_seed(0)
     w = torch.randn(96, 64)
     x = torch.randn(linear.PACKED_ROW_STEP + 1, 64)
@@ -153,37 +152,40 @@ def test_a_float32_step_makes_the_packed_copy_on_avx512(monkeypatch: pytest.Monk
     seen: list[int] = []
     real = linear.packed_linear
     monkeypatch.setattr(linear, "packed_linear", lambda a, p, b: (seen.append(a.shape[0]), real(a, p, b))[1])
-    torch.testing.assert_close(proj(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert proj._packed is None and seen == []
     torch.testing.assert_close(proj(x[:-1]), F.linear(x[:-1], w), rtol=1e-5, atol=1e-5)
     assert proj._packed is not None and seen == [linear.PACKED_ROW_STEP]
+    seen.clear()
+    torch.testing.assert_close(proj(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert seen == [linear.PACKED_ROW_STEP, 1]  # the step packed, then the one row after it
 
 
 @pytest.mark.parametrize("flags, vendor, pads", [
     ({"avx2", "avx512_f"}, "AuthenticAMD", True),
     ({"avx2", "avx512_f"}, "GenuineIntel", False),  # MKL's AVX-512 code: padding would only waste rows
     ({"avx2", "avx512_f"}, "", False),  # vendor unknown: no padding
-    ({"avx2"}, "AuthenticAMD", False),  # AVX2-only: MKL as fast, decode sizes only
+    ({"avx2"}, "AuthenticAMD", False),  # AVX2-only: steps, no padding (oneDNN 1.2x MKL at most)
 ])
-def test_float32_row_counts_pad_up_to_a_step_where_mkl_runs_avx2_code_on_avx512(
+def test_float32_row_counts_take_steps_and_pad_up_where_mkl_runs_avx2_code_on_avx512(
         monkeypatch: pytest.MonkeyPatch, flags: set[str], vendor: str, pads: bool) -> None:
     monkeypatch.setattr(native_lib, "cpu_isa_flags", lambda: frozenset(flags))
     monkeypatch.setattr(native_lib, "cpu_vendor", lambda: vendor)
-    linear._float32_steps_pay.cache_clear()
     linear._float32_pads.cache_clear()
     try:
-        steps = "avx512_f" in flags
         assert linear.packed_rows(17, torch.float32) == 17  # decode sizes as they are
         assert linear.packed_rows(960, torch.bfloat16) == 960  # bf16: every count as it is
-        assert linear.packed_rows(1024, torch.float32) == (1024 if steps else 0)
+        assert linear.packed_rows(1024, torch.float32) == 1024  # steps on every CPU
         assert linear.packed_rows(960, torch.float32) == (1024 if pads else 0)
         assert linear.packed_rows(1088, torch.float32) == (1152 if pads else 0)
         assert linear.packed_rows(80, torch.float32) == (128 if pads else 0)  # 1.6x the rows: still padded
         assert linear.packed_rows(79, torch.float32) == 0  # past 1.6x: MKL
         assert linear.packed_rows(129, torch.float32) == 0
-        assert linear.packed_rows(2049, torch.float32) == 0  # a call splits these into 2,048-row pieces first
+        assert linear.packed_rows(2049, torch.float32) == 0  # a call cuts these into pieces first
+        # pieces: 2,048 rows at a time, the rest's whole steps where the rest is not padded, then the rest
+        assert linear.float32_pieces(2049) == [2048, 1]
+        assert linear.float32_pieces(4396) == ([2048, 2048, 300] if pads else [2048, 2048, 256, 44])
+        assert linear.float32_pieces(1088) == ([1088] if pads else [1024, 64])
+        assert linear.float32_pieces(129) == [128, 1]  # 256 is past 1.6x of 129
     finally:
-        linear._float32_steps_pay.cache_clear()
         linear._float32_pads.cache_clear()
 
 
@@ -193,7 +195,6 @@ def test_padded_float32_calls_agree_and_the_packed_kernel_sees_only_steps_with_z
     """Where float32 pads (forced here, so any oneDNN CPU runs it): every count agrees with
     F.linear, the packed op sees the count's step with zero rows after the call's own, and
     a call past 2,048 rows goes 2,048 at a time."""
-    monkeypatch.setattr(linear, "_float32_steps_pay", lambda dtype: dtype == torch.float32)
     monkeypatch.setattr(linear, "_float32_pads", lambda dtype: dtype == torch.float32)
     torch.manual_seed(0)
     w, b = torch.randn(48, 32), torch.randn(48)
@@ -218,6 +219,26 @@ def test_padded_float32_calls_agree_and_the_packed_kernel_sees_only_steps_with_z
     # a batch of rows in more dimensions pads as its flattened rows
     three = x[:200].reshape(2, 100, 32)
     torch.testing.assert_close(proj(three), F.linear(three, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_float32_calls_off_the_steps_run_their_whole_steps_packed_where_nothing_pads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where float32 does not pad (forced here): a call runs its whole steps on the packed copy
+    and the rest after (MKL past the decode sizes), in order, agreeing with F.linear."""
+    monkeypatch.setattr(linear, "_float32_pads", lambda dtype: False)
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32), torch.randn(48)
+    proj = Projection(w, b, prepack=True)
+    seen: list[int] = []
+    real = linear.packed_linear
+    monkeypatch.setattr(linear, "packed_linear", lambda a, p, bias: (seen.append(a.shape[0]), real(a, p, bias))[1])
+    x = torch.randn(2 * linear.PACKED_STEP_MAX_ROWS + 300, 32)
+    expected = {100: [], 130: [128, 2], 1088: [1024], 2048: [2048], x.shape[0]: [2048, 2048, 256]}
+    for rows, counts in expected.items():
+        seen.clear()
+        torch.testing.assert_close(proj(x[:rows]), F.linear(x[:rows], w, b), rtol=1e-5, atol=1e-5)
+        assert seen == counts
 
 
 _BF16_GROWTH_PROBE = """

@@ -19,13 +19,14 @@ MKL's sgemm, which compiles nothing per row count; on an AVX-512 CPU it runs AVX
 ms, 1,024 rows 66.1 -> 28.9; the free model's 128-token prompt, one thread: a 128x128 by
 512 projection 154 -> 78 us), but a new row count costs a packed kernel ~0.3-0.5 ms to
 create: float32 takes the packed copy at decode sizes and at 128, 256, ... 2048 rows only
-(a bounded set), on AVX-512. Elsewhere (AVX2-only) MKL is as fast: decode sizes only.
-MKL picks its code by CPU vendor, so on a non-Intel AVX-512 CPU the counts between the steps
-are padded up to the next step (zero rows, at most 1.6x the rows) and longer calls go 2,048
-rows at a time: the packed kernel on the padded rows still measured 1.8-2.2x faster than MKL
-on the exact ones (SmolLM2's four shapes, one thread: 960 rows 61.4 -> 29.2 ms, 1,088 rows
-69.5 -> 33.0, 300 rows 20.1 -> 11.6, 100 rows 7.3 -> 4.0; a float32 judge's steps are such
-counts); at 70 rows padded to 128 the two were even, hence the 1.6 bound.
+(a bounded set); a longer or off-step call runs its whole steps there and the rest after
+(AVX2 code: 1.16-1.2x MKL's on a capped Zen 5, even on an AVX2-only EPYC). MKL picks its
+code by CPU vendor, so on a non-Intel AVX-512 CPU the counts between the steps are padded
+up to the next step instead (zero rows, at most 1.6x the rows): the packed kernel on the
+padded rows still measured 1.8-2.2x faster than MKL on the exact ones (SmolLM2's four
+shapes, one thread: 960 rows 61.4 -> 29.2 ms, 1,088 rows 69.5 -> 33.0, 300 rows 20.1 ->
+11.6, 100 rows 7.3 -> 4.0; a float32 judge's steps are such counts); at 70 rows padded to
+128 the two were even, hence the 1.6 bound.
 So a prefill's token count, new almost every time, makes a new kernel per projection
 shape in bf16 either way; oneDNN keeps them, each with its own scratch memory (a soak grew
 by hundreds of MiB), so its caches are bounded (ONEDNN_CACHE_BOUNDS below). Both copies
@@ -68,9 +69,11 @@ from prelude.model.row_gemv import BLOCKED_MAX_ROWS, RowGemv, load_row_gemv
 
 ROW_GEMV_CHUNKED_MAX_ROWS = 64  # a row-GEMV head's calls up to this many rows go 16 at a time
 PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count (bf16: every call)
-# Larger float32 calls on AVX-512 take it at these row counts only (a bounded set: each new
-# count is a packed kernel to create, where MKL's F.linear creates none): 128 .. 2048 in steps
-# of 128. Splitting other counts into such tiles plus a remainder lost in bf16 (every call
+# Larger float32 calls take it at these row counts only (a bounded set: each new count is a
+# packed kernel to create, where MKL's F.linear creates none): 128 .. 2048 in steps of 128.
+# oneDNN's kernels measured 2.2-2.3x MKL's on an AVX-512 Zen 5 (MKL runs its AVX2 code on
+# AMD), 1.16-1.2x in AVX2 code on the same CPU capped (PRELUDE_CPU_ISA=avx2 with
+# ONEDNN_MAX_CPU_ISA=AVX2), within 3% on an AVX2-only EPYC: never slower, so every CPU takes them. Splitting other counts into such tiles plus a remainder lost in bf16 (every call
 # streams the weight again, and the tiles' outputs are copied together); so did padding (in
 # bf16, whose F.linear is oneDNN too; float32's is MKL's, which padding beats: PACKED_PAD_MAX).
 PACKED_ROW_STEP = 128
@@ -195,11 +198,11 @@ class Projection:
                 return self._row_gemv.rows_linear(x, self._blocked, self.out_features, self.bias)
             if self._row_gemv.one_row_pays(self.weight):
                 return self._row_gemv.linear(x, self.weight, self.bias)
-        if n > PACKED_STEP_MAX_ROWS and _float32_pads(x.dtype) and self._packed_weight() is not None:
-            # a long float32 call: 2,048 rows at a time, each on the packed copy
-            return torch.cat([self(chunk) for chunk in rows.split(PACKED_STEP_MAX_ROWS)]).reshape(
-                *x.shape[:-1], self.out_features)
         take = packed_rows(n, x.dtype)
+        if not take and x.dtype == torch.float32 and n > PACKED_ROW_STEP and self._packed_weight() is not None:
+            # float32 that no one packed call takes: whole steps on the packed copy, the rest after
+            pieces = float32_pieces(n)
+            return torch.cat([self(piece) for piece in rows.split(pieces)]).reshape(*x.shape[:-1], self.out_features)
         packed = self._packed_weight() if take else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
@@ -208,20 +211,35 @@ class Projection:
 
 
 def packed_rows(rows: int, dtype: torch.dtype) -> int:
-    """How many rows a call of `rows` rows runs the prepacked copy at, 0 for F.linear:
-    decode sizes and every bf16 count as they are; in float32 on an AVX-512 CPU the bounded
-    set of step sizes, and on a non-Intel one the counts up to 2,048 that the next step up
-    covers within PACKED_PAD_MAX (padded to it)."""
+    """How many rows a call of `rows` rows runs the prepacked copy at, 0 for F.linear (or,
+    in float32 past one step, for float32_pieces): decode sizes and every bf16 count as they
+    are; in float32 the bounded set of step sizes, and on a non-Intel AVX-512 CPU the counts
+    up to 2,048 that the next step up covers within PACKED_PAD_MAX (padded to it)."""
     if rows <= 0:
         return 0
     if rows <= PACKED_MAX_ROWS or dtype == torch.bfloat16:
         return rows
-    if rows > PACKED_STEP_MAX_ROWS or not _float32_steps_pay(dtype):
+    if rows > PACKED_STEP_MAX_ROWS or dtype != torch.float32:
         return 0
     step = -(-rows // PACKED_ROW_STEP) * PACKED_ROW_STEP
     if step == rows or (_float32_pads(dtype) and step <= PACKED_PAD_MAX * rows):
         return step
     return 0
+
+
+def float32_pieces(rows: int) -> list[int]:
+    """The row counts a float32 call of `rows` rows (past one step, and not taken whole by
+    packed_rows) is cut into: 2,048 rows at a time, then the whole steps of the rest, then
+    what is left (which packed_rows pads, or MKL takes). Each piece but the last is a step."""
+    pieces = []
+    while rows > PACKED_STEP_MAX_ROWS:
+        pieces.append(PACKED_STEP_MAX_ROWS)
+        rows -= PACKED_STEP_MAX_ROWS
+    whole = rows // PACKED_ROW_STEP * PACKED_ROW_STEP
+    if whole and whole != rows and not packed_rows(rows, torch.float32):
+        pieces.append(whole)
+        rows -= whole
+    return pieces + ([rows] if rows else [])
 
 
 def _padded(rows: torch.Tensor, to: int) -> torch.Tensor:
@@ -237,34 +255,24 @@ def _padded(rows: torch.Tensor, to: int) -> torch.Tensor:
 
 
 @functools.cache
-def _float32_steps_pay(dtype: torch.dtype) -> bool:
-    # float32: F.linear is MKL's sgemm, which runs its AVX2 code on AMD CPUs; oneDNN's packed
-    # AVX-512 kernels measured 2.2-2.3x faster at 40-1,024 rows on the Zen 5 (SmolLM2's
-    # shapes, one thread), and on an AVX2-only EPYC the two were within 3% (so: no steps).
-    return dtype == torch.float32 and "avx512_f" in native_lib.cpu_isa_flags()
-
-
-@functools.cache
 def _float32_pads(dtype: torch.dtype) -> bool:
     # MKL takes its AVX-512 code on Intel CPUs only (its dispatch reads the vendor): there
     # the steps cost nothing, but padding would be wasted rows, so only other vendors pad (a
     # CPU whose vendor is unknown does not).
-    return _float32_steps_pay(dtype) and native_lib.cpu_vendor() not in ("GenuineIntel", "")
+    return (dtype == torch.float32 and "avx512_f" in native_lib.cpu_isa_flags()
+            and native_lib.cpu_vendor() not in ("GenuineIntel", ""))
 
 
 def describe_routes(dtype: torch.dtype) -> str:
     """Which GEMM serves which calls of prepacked projections in `dtype`, for the start-up log."""
     if dtype == torch.bfloat16:
         return "bf16 projections: oneDNN packed copies at every row count"
-    if not _float32_steps_pay(dtype):
-        return (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows, MKL's sgemm above "
-                "(as fast without AVX-512)")
+    steps = (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows and at {PACKED_ROW_STEP}-row "
+             f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls cut into steps)")
     if not _float32_pads(dtype):
-        return (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows and at {PACKED_ROW_STEP}-row "
-                "steps, MKL's sgemm at other counts (its AVX-512 code on an Intel CPU)")
-    return (f"float32 projections: oneDNN packed copies (AVX-512), calls padded up to the next {PACKED_ROW_STEP}-row "
-            f"step within {PACKED_PAD_MAX}x and taken {PACKED_STEP_MAX_ROWS} rows at a time: MKL's sgemm runs its "
-            f"AVX2 code on this {native_lib.cpu_vendor()} CPU (measured 2x slower on an AMD Zen 5)")
+        return steps + ", MKL's sgemm for the rows past the last whole step"
+    return (steps + f", other counts padded up to the next step within {PACKED_PAD_MAX}x: MKL's sgemm runs its "
+            f"AVX2 code on this {native_lib.cpu_vendor()} AVX-512 CPU (measured 2x slower on an AMD Zen 5)")
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
