@@ -73,9 +73,11 @@ PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count (bf
 # packed kernel to create, where MKL's F.linear creates none): 128 .. 2048 in steps of 128.
 # oneDNN's kernels measured 2.2-2.3x MKL's on an AVX-512 Zen 5 (MKL runs its AVX2 code on
 # AMD), 1.16-1.2x in AVX2 code on the same CPU capped (PRELUDE_CPU_ISA=avx2 with
-# ONEDNN_MAX_CPU_ISA=AVX2), within 3% on an AVX2-only EPYC: never slower, so every CPU takes them. Splitting other counts into such tiles plus a remainder lost in bf16 (every call
-# streams the weight again, and the tiles' outputs are copied together); so did padding (in
-# bf16, whose F.linear is oneDNN too; float32's is MKL's, which padding beats: PACKED_PAD_MAX).
+# ONEDNN_MAX_CPU_ISA=AVX2), within 3% on an AVX2-only EPYC: never slower, so every CPU takes
+# them. In bf16, whose F.linear is a oneDNN kernel too, splitting other counts into such tiles
+# plus a remainder lost (every call streams the weight again, and the tiles' outputs are
+# copied together), and so did padding; against float32's MKL both gain (float32_pieces,
+# PACKED_PAD_MAX).
 PACKED_ROW_STEP = 128
 PACKED_STEP_MAX_ROWS = 2048
 PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the next step within this factor

@@ -33,7 +33,7 @@ AVX2_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
 
 
 # PRELUDE_CPU_ISA=avx2: run as on an AVX2-only CPU, to measure that CPU's paths on a wider one.
-# Every choice that reads the ISA flags sees no AVX-512 or AMX (dtype auto, the float32 steps,
+# Every choice that reads the ISA flags sees no AVX-512 or AMX (dtype auto, float32's padding,
 # the greedy head's bf16 pass), and the C kernels build without the host's wider paths. torch's
 # own kernels read ATEN_CPU_CAPABILITY=avx2 (before torch is imported) and oneDNN's
 # ONEDNN_MAX_CPU_ISA=AVX2: set them with it (the start-up log says what they are).
