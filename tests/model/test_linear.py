@@ -145,6 +145,7 @@ def test_a_float32_step_makes_the_packed_copy(monkeypatch: pytest.MonkeyPatch) -
     """In float32 the packed kernels beat MKL's at step sizes: a process that only prefills
     128-token prompts takes them from its first step, and a 129-row call (its step up is
     past 1.6x of it) runs its whole step there and the one row after."""
+    monkeypatch.setattr(linear, "PIECES_MIN_WEIGHT", 0)  # this small weight is cut like a model's
     torch.manual_seed(0)
     w = torch.randn(96, 64)
     x = torch.randn(linear.PACKED_ROW_STEP + 1, 64)
@@ -196,6 +197,7 @@ def test_padded_float32_calls_agree_and_the_packed_kernel_sees_only_steps_with_z
     F.linear, the packed op sees the count's step with zero rows after the call's own, and
     a call past 2,048 rows goes 2,048 at a time."""
     monkeypatch.setattr(linear, "_float32_pads", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(linear, "PIECES_MIN_WEIGHT", 0)  # this small weight cuts long calls too
     torch.manual_seed(0)
     w, b = torch.randn(48, 32), torch.randn(48)
     proj = Projection(w, b, prepack=True)
@@ -224,8 +226,9 @@ def test_padded_float32_calls_agree_and_the_packed_kernel_sees_only_steps_with_z
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 def test_float32_calls_off_the_steps_run_their_whole_steps_packed_where_nothing_pads(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where float32 does not pad (forced here): a call runs its whole steps on the packed copy
-    and the rest after (MKL past the decode sizes), in order, agreeing with F.linear."""
+    """Where float32 does not pad (forced here): a call over a large enough weight runs its
+    whole steps on the packed copy and the rest after (MKL past the decode sizes), in order,
+    agreeing with F.linear; over a smaller weight the whole call is MKL's."""
     monkeypatch.setattr(linear, "_float32_pads", lambda dtype: False)
     torch.manual_seed(0)
     w, b = torch.randn(48, 32), torch.randn(48)
@@ -234,6 +237,10 @@ def test_float32_calls_off_the_steps_run_their_whole_steps_packed_where_nothing_
     real = linear.packed_linear
     monkeypatch.setattr(linear, "packed_linear", lambda a, p, bias: (seen.append(a.shape[0]), real(a, p, bias))[1])
     x = torch.randn(2 * linear.PACKED_STEP_MAX_ROWS + 300, 32)
+    monkeypatch.setattr(linear, "PIECES_MIN_WEIGHT", w.numel() + 1)
+    torch.testing.assert_close(proj(x[:1088]), F.linear(x[:1088], w, b), rtol=1e-5, atol=1e-5)
+    assert seen == []  # a weight under the bound: MKL takes the whole call
+    monkeypatch.setattr(linear, "PIECES_MIN_WEIGHT", w.numel())
     expected = {100: [], 130: [128, 2], 1088: [1024], 2048: [2048], x.shape[0]: [2048, 2048, 256]}
     for rows, counts in expected.items():
         seen.clear()

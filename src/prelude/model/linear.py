@@ -81,6 +81,11 @@ PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count (bf
 PACKED_ROW_STEP = 128
 PACKED_STEP_MAX_ROWS = 2048
 PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the next step within this factor
+# float32 calls cut into pieces (float32_pieces) only over weights of at least this many
+# elements: over the free model's 128-wide ones the extra call and the copy of the outputs
+# cost more than the steps save (130 rows, two threads, its four shapes: MKL 0.215 ms, cut
+# 0.274), over SmolLM2's (576 x 576 and up) the cut halves the time (5.14 -> 2.78 ms).
+PIECES_MIN_WEIGHT = 1 << 18
 BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 entries each). Every bf16
 # GEMM goes through oneDNN, packed or not (F.linear too), and each row count is a new
@@ -201,7 +206,8 @@ class Projection:
             if self._row_gemv.one_row_pays(self.weight):
                 return self._row_gemv.linear(x, self.weight, self.bias)
         take = packed_rows(n, x.dtype)
-        if not take and x.dtype == torch.float32 and n > PACKED_ROW_STEP and self._packed_weight() is not None:
+        if (not take and x.dtype == torch.float32 and n > PACKED_ROW_STEP
+                and self.weight.numel() >= PIECES_MIN_WEIGHT and self._packed_weight() is not None):
             # float32 that no one packed call takes: whole steps on the packed copy, the rest after
             pieces = float32_pieces(n)
             return torch.cat([self(piece) for piece in rows.split(pieces)]).reshape(*x.shape[:-1], self.out_features)
