@@ -40,7 +40,7 @@ from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.forward_batch import (BatchRow, DecodeBatch, ForwardBatch, HeadSpec, MixedBatch, OneShotBatch,
                                   OneShotRow, SampleSpec)
 from prelude.model.ggml_blocks import GgmlBlocks
-from prelude.model.linear import bound_onednn_caches, describe_routes, prepack_enabled
+from prelude.model.linear import bound_onednn_caches
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.base import KVCaches, Model
@@ -242,8 +242,6 @@ class ModelRunner:
         # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
                             prepack=config.compile == "off", blocks=blocks)
-        if config.compile == "off" and prepack_enabled(dtype, device) and not model.is_encoder:
-            logger.info("%s", describe_routes(dtype))
         if config.pack_at_start:
             start = time.perf_counter()
             if made := model.make_packed_copies():

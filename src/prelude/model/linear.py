@@ -214,7 +214,9 @@ class Projection:
         packed = self._packed_weight() if take else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        out = packed_linear(_padded(rows.contiguous(), take), packed, self.bias)[:n]
+        # padded with zero rows (not garbage: no NaN or subnormals in the rows computed and dropped)
+        rows = rows.contiguous() if take == n else F.pad(rows, (0, 0, 0, take - n))
+        out = packed_linear(rows, packed, self.bias)[:n]
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -250,18 +252,6 @@ def float32_pieces(rows: int) -> list[int]:
     return pieces + ([rows] if rows else [])
 
 
-def _padded(rows: torch.Tensor, to: int) -> torch.Tensor:
-    """`rows` [n, k] followed by zero rows up to `to` (zeros: no NaN or subnormal garbage in
-    the rows computed and dropped); `rows` itself when it has `to` rows."""
-    n = rows.shape[0]
-    if n == to:
-        return rows
-    out = rows.new_empty((to, rows.shape[1]))
-    out[:n].copy_(rows)
-    out[n:].zero_()
-    return out
-
-
 @functools.cache
 def _float32_pads(dtype: torch.dtype) -> bool:
     # MKL takes its AVX-512 code on Intel CPUs only (its dispatch reads the vendor): there
@@ -276,7 +266,7 @@ def describe_routes(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16:
         return "bf16 projections: oneDNN packed copies at every row count"
     steps = (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows and at {PACKED_ROW_STEP}-row "
-             f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls cut into steps)")
+             f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls over weights of 2^18 elements and up cut into steps)")
     if not _float32_pads(dtype):
         return steps + ", MKL's sgemm for the rows past the last whole step"
     return (steps + f", other counts padded up to the next step within {PACKED_PAD_MAX}x: MKL's sgemm runs its "

@@ -30,7 +30,7 @@ from prelude.model import decode_routes, head_argmax
 from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
-from prelude.model.linear import BlocksPath, Projection, prepack_enabled
+from prelude.model.linear import BlocksPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora import LoraStep
 from prelude.model.rope import RotaryEmbedding
 
@@ -94,6 +94,8 @@ class LlamaForCausalLM:
         cast = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         self.embed = cast["model.embed_tokens.weight"]
         prepack = prepack and prepack_enabled(dtype, self.device)
+        if prepack:
+            logger.info("%s", describe_routes(dtype))
         # Decode reads a GGUF's block-format projections (float32 activations on the CPU, or
         # bf16 on an AVX512-BF16 one) for the row counts where that measured faster.
         kernel = load_kernel() if prepack and blocks else None
@@ -141,8 +143,9 @@ class LlamaForCausalLM:
 
     def make_packed_copies(self) -> int:
         """In bf16, where every call of a prepacked projection takes its packed copy, make
-        them all now; how many were made (0 in float32: there only some row counts take
-        them, and a server that never calls with those never needs them)."""
+        them all now; how many were made (0 in float32: there only decode sizes and calls
+        from a 128-row step up take them, so a server that scores short texts never needs
+        them, and the first call that does makes them)."""
         if self.dtype != torch.bfloat16:
             return 0
         return sum(p.make_packed_copy() for p in self._projections())

@@ -15,6 +15,7 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from prelude.model import native_lib
 
@@ -100,10 +101,7 @@ class RowGemv:
 def padded_to_blocks(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, k] as float32 with zero rows up to a multiple of 16 outputs (the kernels'
     block of 16 outputs a vector)."""
-    out_features, k = weight.shape
-    padded = torch.zeros((out_features + 15) // 16 * 16, k, dtype=torch.float32)
-    padded[:out_features] = weight
-    return padded
+    return F.pad(weight.to(torch.float32), (0, 0, 0, -weight.shape[0] % 16))
 
 
 def _checked_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
