@@ -45,6 +45,32 @@ def test_the_argmax_of_the_logits_the_head_computes(out: int, k: int) -> None:
     assert greedy.argmax(x[:2], out)[0] == 11  # type: ignore[possibly-undefined]
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_the_bfloat16_pass_split_over_threads_gives_the_logits_argmax(threads: int) -> None:
+    """29,000 tokens are 1,813 blocks: up to 7 spans of at least 256 (odd sizes, the last
+    one odd), each row count on both sides of the paired form (<= 8 rows), rows aimed at
+    the first and last blocks of spans, limits inside the first, a middle and the last
+    span."""
+    head, greedy = _head(29_000, 64, seed=threads)
+    # the first token of each 7-thread span's first block, its 2- and 3-thread peers, and
+    # the last block's tokens (the last block runs unpaired)
+    targets = [28_999, 0, 4128, 8288, 9664, 12_416, 14_496, 16_576, 19_328, 20_704, 24_864, 28_992, 4127, 14_495]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for rows in (1, 3, 8, 9, 16):
+                for first in range(0, len(targets), rows):
+                    x = torch.randn(rows, 64) * 2
+                    for r, token in enumerate(targets[first : first + rows]):
+                        x[r] = head.weight[token] * 40
+                    logits = head(x).float()
+                    for limit in (29_000, 28_995, 15_001, 300):
+                        assert torch.equal(greedy.argmax(x, limit), row_argmax(logits[:, :limit].contiguous()))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_more_than_16_rows_go_16_at_a_time() -> None:
     """Each chunk's token is its own logits' argmax (a chunk of one row summed as the one-row
     kernel sums): what a head called 16 rows at a time would give."""

@@ -69,23 +69,51 @@ static inline __attribute__((always_inline)) void approx_blocks(const uint32_t *
 }
 
 static inline __attribute__((always_inline)) void approx_rows(const uint32_t *xb, const uint16_t *wb,
-                                                              const float *wnorm, const float *scale, int64_t nb,
-                                                              int64_t half_k, int64_t limit, float *approx,
-                                                              __m512 *low, int rows) {
+                                                              const float *wnorm, const float *scale, int64_t b0,
+                                                              int64_t b1, int64_t nb, int64_t half_k, int64_t limit,
+                                                              float *approx, __m512 *low, int rows) {
     for (int r = 0; r < rows; r++) low[r] = _mm512_set1_ps(-INFINITY);
-    const int64_t paired = rows <= 8 ? nb & ~(int64_t)1 : 0;
-    if (paired) approx_blocks(xb, wb, wnorm, scale, 0, paired, nb, half_k, limit, approx, low, rows, 2);
-    approx_blocks(xb, wb, wnorm, scale, paired, nb, nb, half_k, limit, approx, low, rows, 1);
+    const int64_t paired = rows <= 8 ? b0 + ((b1 - b0) & ~(int64_t)1) : b0;
+    if (paired > b0) approx_blocks(xb, wb, wnorm, scale, b0, paired, nb, half_k, limit, approx, low, rows, 2);
+    approx_blocks(xb, wb, wnorm, scale, paired, b1, nb, half_k, limit, approx, low, rows, 1);
 }
 
+/* Pass 1 over blocks [b0, b1): approx there, and each row's lanes' max of approx - bound. */
 static void approx_span(int rows, const uint32_t *xb, const uint16_t *wb, const float *wnorm, const float *scale,
-                        int64_t nb, int64_t half_k, int64_t limit, float *approx, __m512 *low) {
+                        int64_t b0, int64_t b1, int64_t nb, int64_t half_k, int64_t limit, float *approx,
+                        __m512 *low) {
     switch (rows) { /* a compile-time row count: the accumulators stay in registers */
-#define ROWS_CASE(n) case n: approx_rows(xb, wb, wnorm, scale, nb, half_k, limit, approx, low, n); return;
+#define ROWS_CASE(n) case n: approx_rows(xb, wb, wnorm, scale, b0, b1, nb, half_k, limit, approx, low, n); return;
     ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
     ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12) ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15)
 #undef ROWS_CASE
-    default: approx_rows(xb, wb, wnorm, scale, nb, half_k, limit, approx, low, 16); return;
+    default: approx_rows(xb, wb, wnorm, scale, b0, b1, nb, half_k, limit, approx, low, 16); return;
+    }
+}
+
+/* Pass 1 over all nb blocks, one contiguous span a thread (every span starts on an even
+ * block, so the paired form pairs the blocks one span would): a token's approx is its own
+ * sums and the lows' max does not depend on the order, so neither do the ids. A thread
+ * takes at least SPAN_MIN_BLOCKS: below that the hand-off costs more than it saves. */
+#define SPAN_MIN_BLOCKS 256
+#define MAX_THREADS 64
+static void approx_all(int rows, const uint32_t *xb, const uint16_t *wb, const float *wnorm, const float *scale,
+                       int64_t nb, int64_t half_k, int64_t limit, float *approx, __m512 *low, int threads) {
+    int64_t nt = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (nt > nb / SPAN_MIN_BLOCKS) nt = nb / SPAN_MIN_BLOCKS > 1 ? nb / SPAN_MIN_BLOCKS : 1;
+    if (nt == 1) {
+        approx_span(rows, xb, wb, wnorm, scale, 0, nb, nb, half_k, limit, approx, low);
+        return;
+    }
+    __m512 lows[MAX_THREADS][MAX_ROWS];
+#pragma omp parallel for num_threads((int)nt) schedule(static)
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t b0 = (nb * t / nt) & ~(int64_t)1, b1 = t + 1 == nt ? nb : (nb * (t + 1) / nt) & ~(int64_t)1;
+        approx_span(rows, xb, wb, wnorm, scale, b0, b1, nb, half_k, limit, approx, lows[t]);
+    }
+    for (int r = 0; r < rows; r++) {
+        low[r] = lows[0][r];
+        for (int64_t t = 1; t < nt; t++) low[r] = _mm512_max_ps(low[r], lows[t][r]);
     }
 }
 
@@ -114,10 +142,11 @@ static float one_row_logit(const float *x, const float *wj, int64_t nv) {
  * (one row: its logits summed as row_gemv.c's one-row kernel sums them, k <= 256).
  * wb: the bfloat16 copy, [ceil(out/16)][k/2][16][2] (token 16b + l's weights 2p, 2p+1 at
  * [b][p][l]), zero past out; wnorm [ceil(out/16)*16]: |w_j| rounded up (0 past out);
- * approx: scratch of rows * ceil(out/16)*16 floats. Returns 0, 1 on arguments it does not
- * take, 2 when an input or a logit is not finite (the caller computes the logits). */
+ * approx: scratch of rows * ceil(out/16)*16 floats; threads: the bfloat16 pass's (approx_all;
+ * the few exact logits after it stay on one). Returns 0, 1 on arguments it does not take, 2
+ * when an input or a logit is not finite (the caller computes the logits). */
 int prelude_head_argmax_f32(const float *x, int64_t rows, const uint16_t *wb, const float *w, const float *wnorm,
-                            int64_t out, int64_t k, int64_t limit, float *approx, int64_t *ids) {
+                            int64_t out, int64_t k, int64_t limit, float *approx, int64_t *ids, int threads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (rows < 1 || rows > MAX_ROWS || out <= 0 || k <= 0 || k % 32 || k > 1024 || limit <= 0 || limit > out
         || (rows == 1 && k > 256))
@@ -141,7 +170,7 @@ int prelude_head_argmax_f32(const float *x, int64_t rows, const uint16_t *wb, co
         }
     }
     __m512 low[MAX_ROWS];
-    approx_span((int)rows, xb, wb, wnorm, scale, nb, half_k, limit, approx, low);
+    approx_all((int)rows, xb, wb, wnorm, scale, nb, half_k, limit, approx, low, threads);
     for (int64_t r = 0; r < rows; r++) {
         const float floor_r = _mm512_reduce_max_ps(low[r]);
         const __m512 lv = _mm512_set1_ps(floor_r), sv = _mm512_set1_ps(scale[r]), fv = _mm512_set1_ps(BOUND_FLOOR);
@@ -169,7 +198,7 @@ int prelude_head_argmax_f32(const float *x, int64_t rows, const uint16_t *wb, co
     }
     return 0;
 #else
-    (void)x; (void)rows; (void)wb; (void)w; (void)wnorm; (void)out; (void)k; (void)limit; (void)approx; (void)ids;
+    (void)x; (void)rows; (void)wb; (void)w; (void)wnorm; (void)out; (void)k; (void)limit; (void)approx; (void)ids; (void)threads;
     return 1;
 #endif
 }

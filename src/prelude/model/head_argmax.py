@@ -64,7 +64,7 @@ class HeadArgmax:
         approx = self._scratch
         ids = torch.empty(m, dtype=torch.int64)
         rc = self._fn(rows.data_ptr(), m, self._blocked.data_ptr(), self.weight.data_ptr(), self._norms.data_ptr(),
-                      out, k, limit, approx.data_ptr(), ids.data_ptr())
+                      out, k, limit, approx.data_ptr(), ids.data_ptr(), torch.get_num_threads())
         if rc == 1:
             raise RuntimeError(f"head argmax refused its arguments ({m} rows, {out}x{k}, limit {limit})")
         return ids if rc == 0 else None
@@ -91,7 +91,7 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn = lib.prelude_head_argmax_f32
     fn.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
     return fn
 
 
