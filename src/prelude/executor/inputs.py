@@ -170,11 +170,12 @@ class InputBuilder:
         n = len(r.token_ids)
         first = r.num_cached // bs  # the first published block (a hit may end inside it: copy_from)
         published_end = (first + len(r.publish_blocks)) * bs
-        if r.publish_blocks:
-            slots = [r.publish_blocks[p // bs - first] * bs + p % bs if p < published_end else -1
-                     for p in range(r.num_cached, n)]
-        else:  # nothing published: no K/V kept (the common case, built in C)
-            slots = [-1] * (n - r.num_cached)
+        slots: list[int] = []
+        for i, block in enumerate(r.publish_blocks):  # a range per block, not a Python step per token
+            start = (first + i) * bs
+            lo, hi = max(start, r.num_cached), min(start + bs, n)
+            slots.extend(range(block * bs + lo - start, block * bs + hi - start))
+        slots.extend([-1] * (n - max(published_end, r.num_cached)))  # past the published blocks: no K/V kept
         table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks or r.copy_from is not None else ()
         if not r.item_lens:
             return RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
