@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 
 import pytest
 
@@ -214,3 +215,48 @@ def test_evicting_an_inner_block_drops_its_subtree_children_first() -> None:
     cache.check_integrity()
     assert cache.evict(5) == 1 and cache.num_cached_blocks == 0
     cache.check_integrity()
+
+
+def test_random_publishing_and_eviction_match_a_reference_of_prefixes() -> None:
+    """Prompts over a 3-token alphabet (shared prefixes, branches, re-publishing of what is
+    cached) into a 24-block pool: after every step the tree is whole and `match` finds
+    exactly the cached prefixes a plain dict of them finds; `partial` agrees with it too."""
+    rng = random.Random(0)
+    pool = BlockPool(24)
+    cache = PrefixCache(pool, block_size=2)
+    reference: dict[tuple[int, ...], int] = {}  # a cached block's whole prefix -> the block
+
+    def expected(tokens: list[int], max_blocks: int) -> list[int]:
+        found = []
+        for i in range(min(max_blocks, len(tokens) // 2)):
+            block = reference.get(tuple(tokens[: 2 * (i + 1)]))
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    for _ in range(1500):
+        tokens = [rng.randint(0, 2) for _ in range(2 * rng.randint(1, 6))]
+        n = len(tokens) // 2
+        matched = cache.match(tokens, n)
+        assert matched == expected(tokens, n)
+        pool.acquire(matched)
+        if n - len(matched) > pool.num_available_blocks:
+            pool.release(reversed(matched))
+            continue
+        before = cache.cached_blocks()
+        table = matched + pool.allocate(n - len(matched))  # may evict
+        dropped = before - cache.cached_blocks()
+        reference = {prefix: b for prefix, b in reference.items() if b not in dropped}
+        cached = cache.insert(tokens, table)
+        for i in range(len(matched), cached):
+            reference[tuple(tokens[: 2 * (i + 1)])] = table[i]
+        pool.release(reversed(table))
+        cache.check_integrity()
+        probe = [rng.randint(0, 2) for _ in range(7)]
+        hit = cache.match(probe, 3)
+        assert hit == expected(probe, 3)
+        got = cache.partial(probe, hit, 1)
+        assert got is None or (got[1] == 1 and tuple(probe[: 2 * len(hit) + 1]) == next(
+            p[: 2 * len(hit) + 1] for p, b in reference.items() if b == got[0]))
+    assert cache.num_evicted > 0 and len(reference) == cache.num_cached_blocks

@@ -9,42 +9,79 @@ leaf in practice; evicting an inner node drops its (equally unreferenced) subtre
 Each namespace has a tree of its own: K/V computed under one LoRA adapter are never
 found by a request of another adapter or of the base ("" is the base's namespace).
 
-The tree is held in dicts of ints and tuples of ints, with no object per node. CPython's
-cyclic collector stops tracking such tuples and dicts after their first pass, so its full
-passes never walk the cache. With a `_Node` object per block (and its children dict) every
-full pass walked two objects per cached block: 28-37 ms a pass, every ~1.3 s, with the GIL
-held, for the free model's pool under `bench overhead` on the 2-core Zen 5.
+The tree holds no Python object per node that the cyclic collector tracks: nodes are ints
+(a cached block, or a namespace's root: -1, -2, ...), a block's tokens are packed into
+bytes, and every map is from ints or bytes to ints or bytes. Such dicts are never tracked,
+so a full collection (GIL held) never walks the cache. With a node object per block every
+full pass walked ~137k objects for the free model's pool under `bench overhead` on the
+2-core Zen 5 (28-37 ms every ~1.3 s); with tuples for keys, the maps holding them were
+tracked again by every insert and walked item by item (14-20 ms).
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Mapping
+from array import array
+from typing import Iterator
 
 from prelude.kv.block_pool import BlockPool
 
 PARTIAL_SCAN = 64  # children compared for a hit ending inside a block (see PrefixCache.partial)
-_NO_CHILDREN: Mapping[tuple[int, ...], int] = MappingProxyType({})
+_TOKEN_BYTES = 8  # array("q")
+
+
+def _packed(tokens: list[int]) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+def _node_bytes(node: int) -> bytes:
+    return node.to_bytes(8, "little", signed=True)
+
+
+def _tokens_agreed(a: bytes, b: bytes) -> int:
+    """How many leading tokens two packed token runs share (equal slices, halved)."""
+    lo, hi = 0, min(len(a), len(b)) // _TOKEN_BYTES
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * _TOKEN_BYTES] == b[: mid * _TOKEN_BYTES]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _relink(links: dict[int, int], key: int, target: int | None) -> None:
+    if target is None:
+        del links[key]
+    else:
+        links[key] = target
 
 
 class PrefixCache:
-    """Nodes are ints: a cached block's id, or a namespace's root (-1, -2, ...; never a
-    pool block). `_children[node]` maps each child's tokens to its block (insertion order:
-    `partial` scans the oldest first); `_parent` and `_tokens` map a cached block back."""
+    """`_child[node bytes + tokens]` is the child of `node` holding those tokens; `_parent`
+    and `_tokens` map a cached block back. A node's children are a doubly linked list in
+    insertion order (`_first`/`_last` child, `_next`/`_prev` sibling): `partial` scans the
+    oldest first, `_drop` walks a subtree."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_cached_blocks: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_cached_blocks = max_cached_blocks
         self._roots: dict[str, int] = {}
-        self._children: dict[int, dict[tuple[int, ...], int]] = {}
+        self._child: dict[bytes, int] = {}
         self._parent: dict[int, int] = {}
-        self._tokens: dict[int, tuple[int, ...]] = {}
+        self._tokens: dict[int, bytes] = {}
+        self._first: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._next: dict[int, int] = {}
+        self._prev: dict[int, int] = {}
         self.num_evicted = 0
         pool.set_evictor(self.evict)
 
-    def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
-        return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+    def _key(self, tokens: list[int], i: int) -> bytes | None:
+        """Block i's tokens, packed; None when `tokens` does not fill it."""
+        if (i + 1) * self.block_size > len(tokens):
+            return None
+        return _packed(tokens[i * self.block_size : (i + 1) * self.block_size])
 
     def _root(self, namespace: str) -> int:
         root = self._roots.get(namespace)
@@ -52,8 +89,11 @@ class PrefixCache:
             root = self._roots[namespace] = -1 - len(self._roots)
         return root
 
-    def _kids(self, node: int) -> Mapping[tuple[int, ...], int]:
-        return self._children.get(node, _NO_CHILDREN)
+    def _children(self, node: int) -> Iterator[int]:
+        child = self._first.get(node)
+        while child is not None:
+            yield child
+            child = self._next.get(child)
 
     def match(self, tokens: list[int], max_blocks: int, namespace: str = "") -> list[int]:
         """Blocks of the longest cached prefix of `tokens`, at most `max_blocks` of them."""
@@ -62,7 +102,7 @@ class PrefixCache:
             return []
         blocks: list[int] = []
         for i in range(min(max_blocks, len(tokens) // self.block_size)):
-            child = self._kids(node).get(self._key(tokens, i))
+            child = self._child.get(_node_bytes(node) + _packed(tokens[i * self.block_size : (i + 1) * self.block_size]))
             if child is None:
                 break
             blocks.append(child)
@@ -84,13 +124,12 @@ class PrefixCache:
             return None
         start = len(matched) * self.block_size
         want = tokens[start : start + min(limit, self.block_size - 1)]
+        packed = _packed(want)
         best, best_len = -1, 0
-        for i, (key, block) in enumerate(self._kids(node).items()):
+        for i, block in enumerate(self._children(node)):
             if i == PARTIAL_SCAN or best_len == len(want):
                 break
-            n = 0
-            while n < len(want) and key[n] == want[n]:
-                n += 1
+            n = _tokens_agreed(self._tokens[block], packed)
             if n > best_len:
                 best, best_len = block, n
         return (best, best_len) if best_len else None
@@ -102,15 +141,22 @@ class PrefixCache:
         node = self._root(namespace)
         for i, b in enumerate(blocks):
             key = self._key(tokens, i)
-            if len(key) < self.block_size:
+            if key is None:
                 return i
-            child = self._kids(node).get(key)
+            edge = _node_bytes(node) + key
+            child = self._child.get(edge)
             if child is None:
                 if self.pool.is_cached(b):
                     return i  # already cached under another prefix: keep the tree a tree
-                self._children.setdefault(node, {})[key] = b
+                self._child[edge] = b
                 self._parent[b] = node
                 self._tokens[b] = key
+                last = self._last.get(node)
+                if last is None:
+                    self._first[node] = b
+                else:
+                    self._next[last], self._prev[b] = b, last
+                self._last[node] = b
                 self.pool.mark_cached(b)
             elif child != b:
                 return i
@@ -140,14 +186,15 @@ class PrefixCache:
             raise KeyError(f"block {block} is not in the prefix tree")
         subtree = [block]
         for node in subtree:  # grows while it is walked: breadth first
-            subtree.extend(self._kids(node).values())
+            subtree.extend(self._children(node))
         for node in reversed(subtree):
-            self._children.pop(node, None)
             parent = self._parent.pop(node)
-            siblings = self._children[parent]
-            del siblings[self._tokens.pop(node)]
-            if not siblings:
-                del self._children[parent]
+            del self._child[_node_bytes(parent) + self._tokens.pop(node)]
+            prev, nxt = self._prev.pop(node, None), self._next.pop(node, None)
+            # what pointed at node (the sibling before, or the parent's first-child slot) now
+            # points past it, and likewise from the other side
+            _relink(self._first if prev is None else self._next, parent if prev is None else prev, nxt)
+            _relink(self._last if nxt is None else self._prev, parent if nxt is None else nxt, prev)
             self.pool.evict(node)
             self.num_evicted += 1
         return len(subtree)
@@ -165,8 +212,12 @@ class PrefixCache:
         stack = list(roots)
         while stack:
             node = stack.pop()
-            for key, child in self._kids(node).items():
-                if self._tokens.get(child) != key or self._parent.get(child) != node or len(key) != self.block_size:
+            prev = None
+            for child in self._children(node):
+                key = self._tokens.get(child)
+                if (key is None or self._parent.get(child) != node or self._prev.get(child) != prev
+                        or len(key) != self.block_size * _TOKEN_BYTES
+                        or self._child.get(_node_bytes(node) + key) != child):
                     raise AssertionError("prefix tree links are inconsistent")
                 if child in seen:
                     raise AssertionError(f"block {child} appears twice in the prefix tree")
@@ -174,7 +225,10 @@ class PrefixCache:
                     raise AssertionError(f"held block {child} under an unheld parent")
                 seen.add(child)
                 stack.append(child)
-        if seen != set(self._parent) or seen != set(self._tokens):
+                prev = child
+            if self._last.get(node) != prev:
+                raise AssertionError("prefix tree links are inconsistent")
+        if seen != set(self._parent) or seen != set(self._tokens) or len(self._child) != len(seen):
             raise AssertionError("prefix tree index out of date")
-        if any(not kids or (node not in roots and node not in seen) for node, kids in self._children.items()):
-            raise AssertionError("prefix tree keeps children of a dropped node, or an empty children map")
+        if not set(self._first) <= roots | seen:
+            raise AssertionError("prefix tree keeps children of a dropped node")
