@@ -93,7 +93,7 @@ class AsyncEngine:
         return self.engine.metrics()
 
     def request_metrics(self) -> list[RequestMetrics]:
-        return list(self.engine.finished_metrics)
+        return self.engine.finished_metrics
 
     def set_observer(self, observer: EngineObserver) -> None:
         """Subscribe to finished requests and steps (called on the engine thread)."""

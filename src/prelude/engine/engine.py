@@ -116,7 +116,9 @@ class LLMEngine:
         # over while the next step's heads run.
         self.heads_heavy = False
         self._tracing = False  # set for good by the first traced request: off, steps look for no traces
-        self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)
+        # The last 10,000 finished requests' records, as plain tuples: CPython's collector stops
+        # tracking a tuple of strs and numbers (not a NamedTuple's), so its full passes skip them.
+        self._finished: deque[tuple[object, ...]] = deque(maxlen=10_000)
         self.observer: EngineObserver | None = None  # e.g. the server's Prometheus metrics
         if not info.is_encoder:
             logger.info(
@@ -489,9 +491,14 @@ class LLMEngine:
         del self._requests[req.request_id]
         del self._streams[req.request_id]
 
+    @property
+    def finished_metrics(self) -> list[RequestMetrics]:
+        """The records of the last 10,000 requests that ran to their end, oldest first."""
+        return [RequestMetrics._make(t) for t in self._finished]
+
     def _record_finished(self, req: Request) -> None:
         record = request_metrics(req)
-        self.finished_metrics.append(record)
+        self._finished.append(tuple(record))
         if self.observer is not None:
             self.observer.request_finished(record)
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prelude.forward_batch import DecodeBatch, MixedBatch, OneShotBatch
 from prelude.engine.request import Request
 
 
-@dataclass(frozen=True)
-class RequestMetrics:
+class RequestMetrics(NamedTuple):
+    """One finished request's record (the engine keeps the last 10,000 as plain tuples)."""
+
     request_id: str
     exec_class: str
     prompt_tokens: int

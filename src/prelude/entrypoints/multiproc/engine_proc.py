@@ -15,7 +15,6 @@ import logging
 import os
 import pickle
 import signal
-from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -108,7 +107,7 @@ class _FrontConnection:
         if method == "metrics":
             return self._engine.metrics()
         if method == "request_metrics":
-            return [asdict(m) for m in self._engine.request_metrics()]
+            return [m._asdict() for m in self._engine.request_metrics()]
         if method == "integrity":
             return await self._engine.integrity()
         raise ValueError(f"unknown call {method!r}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -125,7 +124,7 @@ def build_app(
         """Recently finished requests' TTFT/TPOT/JCT/SLO records, for benchmarks."""
         if refresh_request_metrics is not None:
             await refresh_request_metrics()
-        return {"object": "list", "data": [asdict(m) for m in engine.request_metrics()]}
+        return {"object": "list", "data": [m._asdict() for m in engine.request_metrics()]}
 
     @app.get("/debug/integrity")
     async def integrity() -> dict[str, Any]:
