@@ -209,3 +209,22 @@ def test_multibyte_streaming_text(make_engine) -> None:  # noqa: ANN001
         pieces.append(process_token(req, stream, b, None, 1000).text)
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_finished_records_add_nothing_for_the_garbage_collector_to_walk() -> None:
+    """The engine keeps its last 10,000 records for /v1/request_metrics: as objects the
+    collector tracks, every full collection (GIL held) would walk them all. After a
+    collection only the deque holding them is tracked, and they read back whole."""
+    import gc
+
+    engine = tiny_engine(hf_tiny_llama())
+    for i in range(20):
+        engine.add_request(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    gc.collect()
+    records = engine._finished
+    assert len(records) == 20 and not any(gc.is_tracked(r) for r in records)
+    metrics = engine.finished_metrics
+    assert [m.request_id for m in metrics] == [f"r{i}" for i in range(20)]
+    assert all(m.output_tokens == 2 and m.prompt_tokens == 3 and m.ttft_s is not None for m in metrics)
