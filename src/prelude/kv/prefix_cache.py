@@ -77,10 +77,8 @@ class PrefixCache:
         self.num_evicted = 0
         pool.set_evictor(self.evict)
 
-    def _key(self, tokens: list[int], i: int) -> bytes | None:
-        """Block i's tokens, packed; None when `tokens` does not fill it."""
-        if (i + 1) * self.block_size > len(tokens):
-            return None
+    def _key(self, tokens: list[int], i: int) -> bytes:
+        """Block i's tokens, packed."""
         return _packed(tokens[i * self.block_size : (i + 1) * self.block_size])
 
     def _root(self, namespace: str) -> int:
@@ -102,7 +100,7 @@ class PrefixCache:
             return []
         blocks: list[int] = []
         for i in range(min(max_blocks, len(tokens) // self.block_size)):
-            child = self._child.get(_node_bytes(node) + _packed(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            child = self._child.get(_node_bytes(node) + self._key(tokens, i))
             if child is None:
                 break
             blocks.append(child)
@@ -140,9 +138,9 @@ class PrefixCache:
         with its holder). Returns how many of `blocks` are cached now."""
         node = self._root(namespace)
         for i, b in enumerate(blocks):
-            key = self._key(tokens, i)
-            if key is None:
+            if (i + 1) * self.block_size > len(tokens):
                 return i
+            key = self._key(tokens, i)
             edge = _node_bytes(node) + key
             child = self._child.get(edge)
             if child is None:
