@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -107,3 +109,22 @@ def test_the_avx2_cap_builds_the_kernels_without_the_wider_paths(monkeypatch: py
     capped = ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, cpu_backend._FLAGS)))
     assert native.prelude_attention_bf16_forms() == 1
     assert capped.prelude_attention_bf16_forms() == 0
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs Linux's /proc/cpuinfo")
+def test_cpuinfo_fields_back_the_flags_and_the_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/proc/cpuinfo's flags (what serves when torch's cpuinfo cannot) agree with torch's on
+    the flags the choices read, and its vendor is what MKL's dispatch sees."""
+    from prelude.model import native_lib
+
+    torch_flags = native_lib._detected_isa_flags()
+
+    def no_cpuinfo() -> dict[str, bool]:
+        raise RuntimeError("cpuinfo unavailable")
+
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", no_cpuinfo)
+    proc_flags = native_lib._detected_isa_flags()
+    for flag in ("avx2", "avx512_f", "avx512_bf16", "amx_bf16"):
+        assert (flag in proc_flags) == (flag in torch_flags), flag
+    assert native_lib.cpu_vendor() == (native_lib.cpuinfo_field("vendor_id") or "")
+    assert native_lib.cpuinfo_field("no such field") is None

@@ -410,14 +410,9 @@ def machine() -> str:
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from prelude.model.native_lib import cpuinfo_field
+
+    cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0
     return (f"{cpu}, {len(os.sched_getaffinity(0))} cores, {mem:.0f} GiB, torch {torch.__version__}, "
             f"python {platform.python_version()}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")

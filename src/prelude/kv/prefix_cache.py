@@ -26,7 +26,7 @@ from typing import Iterator
 from prelude.kv.block_pool import BlockPool
 
 PARTIAL_SCAN = 64  # children compared for a hit ending inside a block (see PrefixCache.partial)
-_TOKEN_BYTES = 8  # array("q")
+_TOKEN_BYTES = 8  # array("q"), memoryview.cast("q")
 
 
 def _packed(tokens: list[int]) -> bytes:
@@ -38,15 +38,12 @@ def _node_bytes(node: int) -> bytes:
 
 
 def _tokens_agreed(a: bytes, b: bytes) -> int:
-    """How many leading tokens two packed token runs share (equal slices, halved)."""
-    lo, hi = 0, min(len(a), len(b)) // _TOKEN_BYTES
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[: mid * _TOKEN_BYTES] == b[: mid * _TOKEN_BYTES]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """How many leading tokens two packed token runs share."""
+    x, y = memoryview(a).cast("q"), memoryview(b).cast("q")
+    n, most = 0, min(len(x), len(y))
+    while n < most and x[n] == y[n]:
+        n += 1
+    return n
 
 
 def _relink(links: dict[int, int], key: int, target: int | None) -> None:

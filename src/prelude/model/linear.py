@@ -266,7 +266,8 @@ def describe_routes(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16:
         return "bf16 projections: oneDNN packed copies at every row count"
     steps = (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows and at {PACKED_ROW_STEP}-row "
-             f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls over weights of 2^18 elements and up cut into steps)")
+             f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls over weights of {PIECES_MIN_WEIGHT:,} elements and up "
+             "cut into steps)")
     if not _float32_pads(dtype):
         return steps + ", MKL's sgemm for the rows past the last whole step"
     return (steps + f", other counts padded up to the next step within {PACKED_PAD_MAX}x: MKL's sgemm runs its "

@@ -61,28 +61,28 @@ def _detected_isa_flags() -> frozenset[str]:
         return frozenset(k for k, v in caps.items() if v is True)
     except (AttributeError, RuntimeError):
         pass
+    flags = cpuinfo_field("flags")
+    # /proc/cpuinfo spells them avx512f, avx512_bf16, amx_bf16.
+    return frozenset(f.replace("avx512f", "avx512_f") for f in (flags or "").split())
+
+
+def cpuinfo_field(name: str) -> str | None:
+    """The first value /proc/cpuinfo gives for `name` (its first CPU's), None without one."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                # /proc/cpuinfo spells them avx512f, avx512_bf16, amx_bf16.
-                return frozenset(f.replace("avx512f", "avx512_f") for f in flags)
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == name:
+                return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return None
 
 
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...), "" where /proc/cpuinfo
     does not say: what MKL's dispatch reads to pick its code paths."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("vendor_id") or ""
 
 
 def _cache_dir() -> Path:
