@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import types
 
 import pytest
@@ -141,7 +140,7 @@ def test_a_decode_step_runs_its_trunk_and_heads_on_the_threads_they_were_given(
     assert seen["trunk"] == {1} and team in seen["heads"]
 
 
-def test_the_trial_warms_up_both_ways_then_runs_the_faster_and_notices_a_change(caplog) -> None:  # noqa: ANN001
+def test_the_trial_warms_up_both_ways_then_runs_the_faster_and_notices_a_change() -> None:
     """A machine where the team takes half one thread's time a FLOP, then (three busy
     neighbours arrive) twice as long: one thread twice, the team twice, then the team but
     for every 4th step; after the change, one thread within a few of those retries."""
@@ -152,14 +151,11 @@ def test_the_trial_warms_up_both_ways_then_runs_the_faster_and_notices_a_change(
         chosen = []
         for _ in range(steps):
             team = trial.choose()
-            trial.record(team, cost[team] * 1e-12 * 5e8, 5e8)  # cost: ms a GFLOP
+            trial.record(team, cost[team] * 1e-9 * 5e8, 5e8)
             chosen.append(team)
         return chosen
 
-    with caplog.at_level(logging.INFO, logger="prelude.executor.step_threads"):
-        quiet = run(24)
-    assert [r.getMessage() for r in caplog.records] == [
-        "a tiny model's large steps run on the team: 1.00 vs 2.00 ms a GFLOP measured lately"]
+    quiet = run(24)
     assert quiet[:4] == [False, False, True, True]
     assert quiet[4:].count(False) == 5 and all(quiet[i] for i in range(4, 24) if (i + 1) % 4)
     cost[True] = 4.0  # the team now waits on the OS for its second thread

@@ -90,11 +90,10 @@ class TeamTrial:
             if self.samples[team] < self.warmup:
                 return team
         faster = self.seconds_per_flop[True] < self.seconds_per_flop[False]
-        if faster != self._faster:  # the first choice at INFO; later flips (load moving) at DEBUG
-            logger.log(logging.INFO if self._faster is None else logging.DEBUG,
-                       "a tiny model's large steps run %s: %.2f vs %.2f ms a GFLOP measured lately",
-                       "on the team" if faster else "on one thread", 1e12 * self.seconds_per_flop[faster],
-                       1e12 * self.seconds_per_flop[not faster])
+        if faster != self._faster:
+            logger.info("a tiny model's large steps run %s: %.2f vs %.2f ms a GFLOP measured lately",
+                        "on the team" if faster else "on one thread", 1e12 * self.seconds_per_flop[faster],
+                        1e12 * self.seconds_per_flop[not faster])
             self._faster = faster
         return faster != (self._steps % self.every == 0)
 
