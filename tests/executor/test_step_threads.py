@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import prelude.executor.step_threads as step_threads
-from prelude.executor.step_threads import (SMALL_STEP_FLOPS, TINY_MODEL_FLOPS, TINY_TEAM_MIN_FLOPS, StepThreads, TeamTrial,
-                                          TrialStep, decoder_flops)
+from prelude.executor.step_threads import SMALL_STEP_FLOPS, TINY_MODEL_FLOPS, StepThreads, decoder_flops
 
 
 def _tiny_cfg() -> object:
@@ -44,9 +43,8 @@ def no_tiny_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_tiny_model_runs_every_step_on_one_thread(team: int) -> None:
-    """The free model (below TINY_MODEL_FLOPS a token): outside a trial (below), a 32 x
-    128-token OneShot step and 64 sampled rows run on one thread; SmolLM2's shape is not
-    tiny."""
+    """The free model (below TINY_MODEL_FLOPS a token): a 32 x 128-token OneShot step and
+    64 sampled rows run on one thread; SmolLM2's shape is not tiny."""
     per_token, _ = decoder_flops(_tiny_cfg())
     assert per_token < TINY_MODEL_FLOPS < decoder_flops(_smol_cfg())[0]
     threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()))
@@ -138,72 +136,3 @@ def test_a_decode_step_runs_its_trunk_and_heads_on_the_threads_they_were_given(
     seen = {"trunk": set(), "heads": set()}
     decode(8)
     assert seen["trunk"] == {1} and team in seen["heads"]
-
-
-def test_the_trial_warms_up_both_ways_then_runs_the_faster_and_notices_a_change() -> None:
-    """A machine where the team takes half one thread's time a FLOP, then (three busy
-    neighbours arrive) twice as long: one thread twice, the team twice, then the team but
-    for every 4th step; after the change, one thread within a few of those retries."""
-    trial = TeamTrial(every=4, warmup=2)
-    cost = {False: 2.0, True: 1.0}
-
-    def run(steps: int) -> list[bool]:
-        chosen = []
-        for _ in range(steps):
-            team = trial.choose()
-            trial.record(team, cost[team] * 1e-9 * 5e8, 5e8)
-            chosen.append(team)
-        return chosen
-
-    quiet = run(24)
-    assert quiet[:4] == [False, False, True, True]
-    assert quiet[4:].count(False) == 5 and all(quiet[i] for i in range(4, 24) if (i + 1) % 4)
-    cost[True] = 4.0  # the team now waits on the OS for its second thread
-    busy = run(40)
-    assert busy[-20:].count(True) == 5  # only the retries
-    assert trial.seconds_per_flop[True] > trial.seconds_per_flop[False]
-
-
-def test_a_tiny_models_large_steps_are_trial_steps(team: int) -> None:
-    tiny = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()))
-    per_token, per_row = decoder_flops(_tiny_cfg())
-    step = tiny.trial_step(2048, 16)
-    assert step is not None and step.flops == 2048 * per_token + 16 * per_row >= TINY_TEAM_MIN_FLOPS
-    assert step.team is False  # one thread first
-    assert tiny.trial_step(128, 1) is None  # small: one thread, as before
-    with tiny.for_trunk(2048, TrialStep(True, step.flops)), tiny.for_heads(2048, 16, TrialStep(True, step.flops)):
-        assert torch.get_num_threads() == team
-    with tiny.for_trunk(2048, TrialStep(False, step.flops)):
-        assert torch.get_num_threads() == 1
-    tiny.finished(step, 0.01)
-    assert tiny.trial is not None and tiny.trial.samples == {False: 1, True: 0}
-    # SmolLM2's shape keeps the team for every step; an unreadable config is never split
-    assert StepThreads(torch.device("cpu"), *decoder_flops(_smol_cfg())).trial_step(4096, 64) is None
-    assert StepThreads(torch.device("cpu"), *decoder_flops(types.SimpleNamespace())).trial_step(4096, 64) is None
-
-
-def test_trial_steps_run_through_the_runner_on_the_chosen_threads(team: int, monkeypatch) -> None:  # noqa: ANN001
-    """Every step a trial step (the bound lowered): the trunks of the first two run on one
-    thread, the next two on the team, and each step's time reaches the trial."""
-    from prelude.engine.request import SamplingParams
-    from tests.engine.tiny import hf_tiny_llama, tiny_engine
-
-    monkeypatch.setattr(step_threads, "TINY_TEAM_MIN_FLOPS", 0.0)
-    engine = tiny_engine(hf_tiny_llama())
-    runner = engine.runner
-    trial = runner.step_threads.trial
-    assert trial is not None
-    seen: list[int] = []
-    forward = runner.forward
-
-    def trunk(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        seen.append(torch.get_num_threads())
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "forward", trunk)
-    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0))
-    while engine.has_unfinished():
-        engine.step()
-    assert seen[:4] == [1, 1, team, team]
-    assert trial.samples[False] + trial.samples[True] == len(seen) and min(trial.seconds_per_flop.values()) > 0
-    assert torch.get_num_threads() == team

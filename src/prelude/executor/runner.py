@@ -387,24 +387,18 @@ class ModelRunner:
         while the device still works, so the host can schedule the next step meanwhile.
         `carried`: decode rows scheduled ahead of a step in flight, whose input tokens that
         step samples (decode overlap). On a CPU the trunk and the heads each run on one
-        thread when they are too small to split, and a tiny model's large step the way
-        measured faster lately (step_threads.py)."""
+        thread when they are too small to split (step_threads.py)."""
         if carried is not None and isinstance(batch, OneShotBatch):
             raise ValueError("a OneShot step has no rows to carry tokens into")
         tokens, sampled = step_size(batch)
-        trial = self.step_threads.trial_step(tokens, sampled)
-        started = time.perf_counter()
-        with self.step_threads.for_trunk(tokens, trial):
+        with self.step_threads.for_trunk(tokens):
             hidden, starts, rows, reads = self._forward_step(batch, carried)
         forward_done = time.perf_counter()
         if on_heads is not None:
             on_heads()
-        heads_started = time.perf_counter()
-        with self.step_threads.for_heads(tokens, sampled, trial):
+        with self.step_threads.for_heads(tokens, sampled):
             launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch),
                                            None if reads is None else reads.rows)
-        # trial steps are CPU steps, whose heads ran in `launch`: trunk + heads is the step's work
-        self.step_threads.finished(trial, forward_done - started + time.perf_counter() - heads_started)
         launched.forward_done = forward_done
         launched.heads_heavy = self.heads_outweigh_trunk(tokens, sampled)
         return launched

@@ -26,24 +26,13 @@ Its steps are never long enough to pay for the team when the server is busy: the
 core is what the HTTP thread (and, in the benchmark, the client) runs on. Measured, the
 free model at load average ~5, alternated (server CPU per request, all threads): 128/1
 c=32 6.3 -> 1.5 ms (98 -> 145 req/s), 8-prompt requests 34 -> 6.5 ms (132 -> 726
-prompts/s); idle, the team's worker spun 0.74 ms a c=32 request.
-
-What a quiet machine loses that way: a tiny model's large steps split well there (the free
-model's 16 x 128-token OneShot steps ran ~1.3-1.45x faster on two threads in-process),
-while beside three busy processes two threads halved the served figures. So a tiny
-model's step of at least TINY_TEAM_MIN_FLOPS (trunk and heads) runs the way measured
-faster on this machine lately (TeamTrial): one thread first, then the team, then the
-faster of the two, with every TRIAL_EVERY-th such step run the other way so that a change
-of load is noticed. Served 8-prompt requests, 3 runs alternated against one thread
-always: 1,686-1,754 vs 1,560-1,610 prompts/s quiet; beside three busy processes 715-766
-vs 715-752 (the trial settles on one thread).
+prompts/s); idle, the team's worker spun 0.74 ms a c=32 request. What an idle machine
+loses: a single large step of such a model (a long prompt) would split ~2x.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -54,62 +43,9 @@ SMALL_STEP_FLOPS = 1e8
 # The heads of a step with a small trunk stay on one thread below this (the LM head's
 # multiply-adds x 2 over the sampled rows): ~16 rows of a hidden-128, 49,152-row head.
 SMALL_HEAD_FLOPS = 2e8
-# A model below this a token (2 x its weights a token passes through) is tiny: its steps
-# run on one thread, but for the large ones TeamTrial decides. The free model is ~0.6 MFLOP a token, SmolLM2-135M ~0.2 GFLOP.
+# A model below this a token (2 x its weights a token passes through) is tiny: all its
+# steps run on one thread. The free model is ~0.6 MFLOP a token, SmolLM2-135M ~0.2 GFLOP.
 TINY_MODEL_FLOPS = 5e6
-# A tiny model's step with at least this much work (trunk and heads: ~850 tokens of the free
-# model, ~2.5 ms on one thread) runs the way TeamTrial measured faster; smaller ones stay on
-# one thread, whose few milliseconds a join on a busy machine could double.
-TINY_TEAM_MIN_FLOPS = 5e8
-# Every so many such steps run the way not chosen: one in 32 costs ~0.5% on a quiet machine
-# (the team ~15% faster) and ~3% on a busy one (the team ~2x slower).
-TRIAL_EVERY = 32
-TRIAL_WARMUP = 2  # steps each way before the faster is chosen (the first may fault pages in)
-
-logger = logging.getLogger("prelude.executor.step_threads")
-
-
-class TeamTrial:
-    """Whether a tiny model's large steps run faster on one thread or on the team, on this
-    machine under its current load: seconds per FLOP of each, a moving average (`weight` to
-    the newest step). After TRIAL_WARMUP steps each way (one thread first) the faster way
-    runs, and every `every`-th step the other, so the average of the way not chosen stays
-    current when a neighbour starts or stops."""
-
-    def __init__(self, every: int = TRIAL_EVERY, warmup: int = TRIAL_WARMUP, weight: float = 0.25) -> None:
-        self.every, self.warmup, self.weight = every, warmup, weight
-        self.seconds_per_flop: dict[bool, float] = {}  # team? -> the moving average
-        self.samples = {False: 0, True: 0}
-        self._steps = 0
-        self._faster: bool | None = None
-
-    def choose(self) -> bool:
-        """Whether the next large step runs on the team."""
-        self._steps += 1
-        for team in (False, True):
-            if self.samples[team] < self.warmup:
-                return team
-        faster = self.seconds_per_flop[True] < self.seconds_per_flop[False]
-        if faster != self._faster:
-            logger.info("a tiny model's large steps run %s: %.2f vs %.2f ms a GFLOP measured lately",
-                        "on the team" if faster else "on one thread", 1e12 * self.seconds_per_flop[faster],
-                        1e12 * self.seconds_per_flop[not faster])
-            self._faster = faster
-        return faster != (self._steps % self.every == 0)
-
-    def record(self, team: bool, seconds: float, flops: float) -> None:
-        rate = seconds / flops
-        old = self.seconds_per_flop.get(team)
-        self.seconds_per_flop[team] = rate if old is None else old + self.weight * (rate - old)
-        self.samples[team] += 1
-
-
-@dataclass(frozen=True)
-class TrialStep:
-    """A step TeamTrial chose for: run on the team or not, and its work estimate."""
-
-    team: bool
-    flops: float
 
 
 class StepThreads:
@@ -121,7 +57,6 @@ class StepThreads:
         self.enabled = device.type == "cpu" and torch.get_num_threads() > 1 and flops_per_token > 0
         self.flops_per_token = flops_per_token
         self.flops_per_logit_row = flops_per_logit_row
-        self.trial = TeamTrial() if self.enabled and self.tiny_model else None
 
     @property
     def tiny_model(self) -> bool:
@@ -134,24 +69,11 @@ class StepThreads:
         return self.tiny_model or (self.trunk_is_small(tokens)
                                    and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS)
 
-    def trial_step(self, tokens: int, logit_rows: int) -> TrialStep | None:
-        """For a tiny model's step of at least TINY_TEAM_MIN_FLOPS: TeamTrial's choice
-        (report the step's time to `finished`); None for every other step."""
-        if self.trial is None:
-            return None
-        flops = tokens * self.flops_per_token + logit_rows * self.flops_per_logit_row
-        return TrialStep(self.trial.choose(), flops) if flops >= TINY_TEAM_MIN_FLOPS else None
+    def for_trunk(self, tokens: int) -> contextlib.AbstractContextManager[None]:
+        return self._one_thread(self.trunk_is_small(tokens))
 
-    def finished(self, step: TrialStep | None, seconds: float) -> None:
-        if step is not None and self.trial is not None:
-            self.trial.record(step.team, seconds, step.flops)
-
-    def for_trunk(self, tokens: int, trial: TrialStep | None = None) -> contextlib.AbstractContextManager[None]:
-        return self._one_thread(not trial.team if trial else self.trunk_is_small(tokens))
-
-    def for_heads(self, tokens: int, logit_rows: int,
-                  trial: TrialStep | None = None) -> contextlib.AbstractContextManager[None]:
-        return self._one_thread(not trial.team if trial else self.heads_are_small(tokens, logit_rows))
+    def for_heads(self, tokens: int, logit_rows: int) -> contextlib.AbstractContextManager[None]:
+        return self._one_thread(self.heads_are_small(tokens, logit_rows))
 
     @contextlib.contextmanager
     def _one_thread(self, small: bool) -> Iterator[None]:
