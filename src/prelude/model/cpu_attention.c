@@ -385,16 +385,126 @@ static inline int64_t first_seeing(const Scratch *s, int64_t from, int64_t nvec,
     return cv;
 }
 
+/* ---- in-register transposes of VW x VW blocks of 32-bit elements: r[k][j] becomes r[j][k] ---- */
+#if defined(__AVX512F__)
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+static inline void transpose_vw(vf r[VW]) { transpose16((__m512i *)r); }
+#else
+static inline void transpose_vw(vf r[VW]) { /* 8 x 8: pairs, quads, then 128-bit halves */
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps((__m256)r[2 * i], (__m256)r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps((__m256)r[2 * i], (__m256)r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = (vf)_mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+        r[4 + i] = (vf)_mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+    }
+}
+#endif
+
+/* The float32 wide form's Q^T, scaled: qt[x][i] = q(lane i)[x] * qscale for x < d, zero on
+ * lanes past nm; VW lanes x VW dims a transpose (element by element, the strided stores and
+ * the output's strided loads below were a fifth of a fresh prompt's attention, ~0.15 of the
+ * default model's 512-token prefill). */
+static inline void build_qt_f32(const Ctx *c, const Item *it, int64_t nm, int64_t mp, float *qt) {
+    const int64_t g = c->group, d = c->d;
+    const vf scale = vsplat(c->qscale);
+    for (int64_t i0 = 0; i0 < mp; i0 += VW) {
+        const float *rows[VW];
+        for (int64_t k = 0; k < VW; k++) {
+            const int64_t i = i0 + k;
+            rows[k] = i < nm ? (const float *)(c->q + ((it->q0 + it->m0 + i / g) * c->sqt +
+                                                       (it->kv_head * g + i % g) * c->sqh) * 4)
+                             : NULL;
+        }
+        for (int64_t x0 = 0; x0 < d; x0 += VW) {
+            const int64_t left = d - x0 < VW ? d - x0 : VW;
+            vf r[VW];
+            for (int k = 0; k < VW; k++) {
+                if (!rows[k]) {
+                    r[k] = vsplat(0.0f);
+                } else if (left == VW) {
+                    r[k] = *(const vfu *)(rows[k] + x0);
+                } else {
+                    float part[VW] __attribute__((aligned(64))) = {0};
+                    memcpy(part, rows[k] + x0, (size_t)left * 4);
+                    r[k] = *(const vf *)part;
+                }
+            }
+            transpose_vw(r);
+            for (int64_t k = 0; k < left; k++) *(vf *)(qt + (x0 + k) * mp + i0) = r[k] * scale;
+        }
+    }
+}
+
+/* The float32 wide form's outputs from acc^T [dp][mp] and l: each query lane's row acc / l
+ * (0 where no key was visible), VW x VW a transpose. */
+static inline void store_out_f32(const Ctx *c, const Item *it, const Scratch *s, int64_t nm, int64_t mp) {
+    const int64_t g = c->group, d = c->d, dp = c->dp;
+    for (int64_t i0 = 0; i0 < nm; i0 += VW) {
+        float inv[VW];
+        for (int64_t k = 0; k < VW; k++) inv[k] = s->l[i0 + k] == 0.0f ? 0.0f : 1.0f / s->l[i0 + k];
+        for (int64_t x0 = 0; x0 < d; x0 += VW) {
+            const int64_t left = d - x0 < VW ? d - x0 : VW;
+            vf r[VW];
+            for (int64_t k = 0; k < VW; k++) r[k] = x0 + k < dp ? *(const vf *)(s->acc + (x0 + k) * mp + i0) : vsplat(0.0f);
+            transpose_vw(r);
+            for (int64_t k = 0; k < VW && i0 + k < nm; k++) {
+                const int64_t i = i0 + k;
+                float *o = (float *)(c->out + ((it->q0 + it->m0 + i / g) * c->sot + (it->kv_head * g + i % g) * c->soh) * 4);
+                const vf v = r[k] * inv[k];
+                if (left == VW) *(vfu *)(o + x0) = v;
+                else memcpy(o + x0, &v, (size_t)left * 4);
+            }
+        }
+    }
+}
+
 static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
     const int64_t d = c->d, dp = c->dp, prefix = it->ctx - it->q_len;
     /* Q^T, scaled; lane i is query token m0 + i / g, head kv_head * g + i % g */
-    memset(s->qt, 0, (size_t)(d * mp) * 4);
     float row[4096];
-    for (int64_t i = 0; i < nm; i++) {
-        int64_t tok = it->q0 + it->m0 + i / g, head = it->kv_head * g + i % g;
-        load_row(c->q + (tok * c->sqt + head * c->sqh) * c->esize, c->bf16, d, d, row);
-        for (int64_t x = 0; x < d; x++) s->qt[x * mp + i] = row[x] * c->qscale;
+    if (!c->bf16) {
+        build_qt_f32(c, it, nm, mp, s->qt);
+    } else {
+        memset(s->qt, 0, (size_t)(d * mp) * 4);
+        for (int64_t i = 0; i < nm; i++) {
+            int64_t tok = it->q0 + it->m0 + i / g, head = it->kv_head * g + i % g;
+            load_row(c->q + (tok * c->sqt + head * c->sqh) * c->esize, c->bf16, d, d, row);
+            for (int64_t x = 0; x < d; x++) s->qt[x * mp + i] = row[x] * c->qscale;
+        }
     }
     for (int64_t i = 0; i < mp; i++) {
         s->qpos[i] = i < nm ? (int32_t)(prefix + it->m0 + i / g) : -1; /* padding sees nothing */
@@ -437,6 +547,10 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
                 case 1: pv_block_1(s->vf + x, dp, n, s->s + cv * VW, mp, s->acc + x * mp + cv * VW); break;
             }
         }
+    }
+    if (!c->bf16) {
+        store_out_f32(c, it, s, nm, mp);
+        return;
     }
     for (int64_t i = 0; i < nm; i++) {
         float inv = s->l[i] == 0.0f ? 0.0f : 1.0f / s->l[i];
@@ -679,33 +793,6 @@ static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int6
             _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
         }
         finish_tile(s, cv, mp, alpha, rescale, sum, rows);
-    }
-}
-
-/* In-register transpose of a 16x16 block of 32-bit elements: r[k][j] becomes r[j][k]. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
-        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
-        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
-        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
-        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
-        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
-        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
     }
 }
 
