@@ -72,34 +72,26 @@ static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)
 static inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
 #endif
 
-/* a * b + c in one rounding: the library builds with -ffp-contract=off (the elementwise
- * kernels match torch's separate ops), so the softmax's polynomial says where it fuses. */
-#if defined(__AVX512F__)
-static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-#else
-static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#endif
-
 /* 2^x for x <= 0 (and -inf -> 0): round to the nearest integer n, a degree-6 Taylor
  * polynomial for 2^f on |f| <= 0.5 (rel. error ~1e-7), then times 2^n (AVX-512: vscalefps,
  * else n added to the exponent bits). */
 static inline vf exp2_poly(vf f) {
     vf p = vsplat(1.5403530393381606e-4f);
-    p = vfma(p, f, vsplat(1.3333558146428443e-3f));
-    p = vfma(p, f, vsplat(9.6181291076284772e-3f));
-    p = vfma(p, f, vsplat(5.5504108664821580e-2f));
-    p = vfma(p, f, vsplat(2.4022650695910071e-1f));
-    p = vfma(p, f, vsplat(6.9314718055994531e-1f));
-    return vfma(p, f, vsplat(1.0f));
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    return p * f + 1.0f;
 }
 
 /* The same to degree 4 (rel. error <= 4.2e-5 on |f| <= 0.5: a hundredth of bf16's rounding). */
 static inline vf exp2_poly4(vf f) {
     vf p = vsplat(9.6181291076284772e-3f);
-    p = vfma(p, f, vsplat(5.5504108664821580e-2f));
-    p = vfma(p, f, vsplat(2.4022650695910071e-1f));
-    p = vfma(p, f, vsplat(6.9314718055994531e-1f));
-    return vfma(p, f, vsplat(1.0f));
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    return p * f + 1.0f;
 }
 
 #if defined(__AVX512F__)
@@ -371,7 +363,7 @@ static inline void softmax_tile(const Ctx *c, Scratch *s, int64_t p0, int64_t n,
         const vf m = lazy_max(s, cv, tile_max(c, s, p0, n, cv, mp, masked, scale), &alpha, &rescale);
         vf sums[2] = {vsplat(0.0f), vsplat(0.0f)};
         for (int64_t j = 0; j < n; j++) {
-            vf p = exp2v(vfma(*(vf *)(s->s + j * mp + cv * VW), vscale, -m));
+            vf p = exp2v(*(vf *)(s->s + j * mp + cv * VW) * vscale - m);
             *(vf *)(s->s + j * mp + cv * VW) = p;
             sums[j & 1] += p;
         }
@@ -793,8 +785,8 @@ static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int6
         const vf m = lazy_max(s, cv, m_tile, &alpha, &rescale);
         vf sum = vsplat(0.0f);
         for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
-            const vf lo = exp2v_bf16(vfma(*(vf *)(s->s + 2 * jp * mp + cv * VW), vscale, -m));
-            const vf hi = 2 * jp + 1 < n ? exp2v_bf16(vfma(*(vf *)(s->s + (2 * jp + 1) * mp + cv * VW), vscale, -m))
+            const vf lo = exp2v_bf16(*(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - m);
+            const vf hi = 2 * jp + 1 < n ? exp2v_bf16(*(vf *)(s->s + (2 * jp + 1) * mp + cv * VW) * vscale - m)
                                          : vsplat(0.0f);
             sum += lo + hi;
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
