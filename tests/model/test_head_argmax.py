@@ -71,6 +71,29 @@ def test_the_bfloat16_pass_split_over_threads_gives_the_logits_argmax(threads: i
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rows_whose_every_token_stays_a_candidate(threads: int) -> None:
+    """A zero row bounds every logit at 0 +- 2^-100, so every token below the limit is kept
+    by the bfloat16 pass (the candidates' worst case: every span's list full) and the first
+    one wins, as argmax's ties do; rows beside it keep their own tokens."""
+    head, greedy = _head(29_000, 64, seed=9)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for rows in (1, 5, 16):
+                x = torch.randn(rows, 64) * 2
+                x[0] = 0.0
+                x[-1] = 0.0
+                logits = head(x).float()
+                for limit in (29_000, 15_001, 17):
+                    found = greedy.argmax(x, limit)
+                    assert torch.equal(found, row_argmax(logits[:, :limit].contiguous()))
+                    assert found[0] == 0 and found[-1] == 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_more_than_16_rows_go_16_at_a_time() -> None:
     """Each chunk's token is its own logits' argmax (a chunk of one row summed as the one-row
     kernel sums): what a head called 16 rows at a time would give."""

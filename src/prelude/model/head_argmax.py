@@ -46,7 +46,9 @@ class HeadArgmax:
         norms[:out] = (weight.double().norm(dim=1) * (1 + 2.0**-20)).float()
         self._norms = norms
         self._width = nb * 16
-        self._scratch: torch.Tensor | None = None  # the approximate logits, [16, width]: kept, not faulted in per call
+        # the bfloat16 pass's candidates ([16, width] upper bounds, then as many ids), kept:
+        # a call writes a few of them, and no page is faulted in per call
+        self._scratch: torch.Tensor | None = None
 
     def argmax(self, x: torch.Tensor, limit: int) -> torch.Tensor | None:
         """int64 [rows]: argmax over ids < `limit` of x [rows, k] W^T; None where the kernel
@@ -60,11 +62,10 @@ class HeadArgmax:
         m = rows.shape[0]
         out, k = self.weight.shape
         if self._scratch is None:
-            self._scratch = torch.empty(BLOCKED_MAX_ROWS, self._width, dtype=torch.float32)
-        approx = self._scratch
+            self._scratch = torch.empty(2 * BLOCKED_MAX_ROWS, self._width, dtype=torch.float32)
         ids = torch.empty(m, dtype=torch.int64)
         rc = self._fn(rows.data_ptr(), m, self._blocked.data_ptr(), self.weight.data_ptr(), self._norms.data_ptr(),
-                      out, k, limit, approx.data_ptr(), ids.data_ptr(), torch.get_num_threads())
+                      out, k, limit, self._scratch.data_ptr(), ids.data_ptr(), torch.get_num_threads())
         if rc == 1:
             raise RuntimeError(f"head argmax refused its arguments ({m} rows, {out}x{k}, limit {limit})")
         return ids if rc == 0 else None
