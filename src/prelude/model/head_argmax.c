@@ -47,9 +47,10 @@ typedef struct {
 /* Pass 1 over blocks [b0, b1) of `blocks` adjacent 16-token blocks at a time (rows 1..MAX_ROWS
  * at compile time): per row the lanes' max of approx - bound over the tokens below `limit`,
  * and the tokens whose approx + bound reaches it (`cand`, in ascending ids). Few rows of a
- * narrow head take two blocks a pass (approx_rows). The candidates are compressed in registers and stored whole (16 lanes past the
- * count, which the next store overwrites): a compressing store to memory is microcoded on
- * some AMD cores. */
+ * narrow head take two blocks a pass (approx_rows). The candidates are compressed in
+ * registers and stored whole (16 lanes, past the count, which the next store overwrites;
+ * within the span's part of the row, which holds 16 a block): a compressing store to memory
+ * is microcoded on some AMD cores. */
 static inline __attribute__((always_inline)) void approx_blocks(const uint32_t *xb, const uint16_t *wb,
                                                                 const float *wnorm, const float *scale, int64_t b0,
                                                                 int64_t b1, int64_t half_k, int64_t limit,
