@@ -478,11 +478,13 @@ static inline void store_out_f32(const Ctx *c, const Item *it, const Scratch *s,
         for (int64_t x0 = 0; x0 < d; x0 += VW) {
             const int64_t left = d - x0 < VW ? d - x0 : VW;
             vf r[VW];
-            for (int64_t k = 0; k < VW; k++) r[k] = x0 + k < dp ? *(const vf *)(s->acc + (x0 + k) * mp + i0) : vsplat(0.0f);
+            for (int64_t k = 0; k < VW; k++)
+                r[k] = x0 + k < dp ? *(const vf *)(s->acc + (x0 + k) * mp + i0) : vsplat(0.0f);
             transpose_vw(r);
             for (int64_t k = 0; k < VW && i0 + k < nm; k++) {
                 const int64_t i = i0 + k;
-                float *o = (float *)(c->out + ((it->q0 + it->m0 + i / g) * c->sot + (it->kv_head * g + i % g) * c->soh) * 4);
+                float *o = (float *)(c->out + ((it->q0 + it->m0 + i / g) * c->sot +
+                                               (it->kv_head * g + i % g) * c->soh) * 4);
                 const vf v = r[k] * inv[k];
                 if (left == VW) *(vfu *)(o + x0) = v;
                 else memcpy(o + x0, &v, (size_t)left * 4);

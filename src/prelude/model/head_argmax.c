@@ -83,8 +83,8 @@ static inline __attribute__((always_inline)) void approx_blocks(const uint32_t *
                 if (keep) {
                     const int64_t at = r * cand->stride + cand->at + cand->count[r];
                     _mm512_storeu_ps(cand->upper + at, _mm512_maskz_compress_ps(keep, upper));
-                    _mm512_storeu_si512((void *)(cand->id + at),
-                                        _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(lanes, _mm512_set1_epi32((int)o))));
+                    const __m512i ids = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)o));
+                    _mm512_storeu_si512((void *)(cand->id + at), _mm512_maskz_compress_epi32(keep, ids));
                     cand->count[r] += __builtin_popcount(keep);
                 }
             }
