@@ -223,8 +223,20 @@ static inline void load_tile(const Ctx *c, const Item *it, Scratch *s, int64_t p
     }
 }
 
-static inline void store_out(const Ctx *c, int64_t tok, int64_t head, const float *src) {
-    char *dst = c->out + (tok * c->sot + head * c->soh) * c->esize;
+/* Lane i of an item is its query token m0 + i / g (of the row starting at q0) under head
+ * kv_head * g + i % g: that lane's Q row and output row. */
+static inline const char *lane_q(const Ctx *c, const Item *it, int64_t i) {
+    return c->q + ((it->q0 + it->m0 + i / c->group) * c->sqt + (it->kv_head * c->group + i % c->group) * c->sqh) *
+                      c->esize;
+}
+
+static inline char *lane_out(const Ctx *c, const Item *it, int64_t i) {
+    return c->out + ((it->q0 + it->m0 + i / c->group) * c->sot + (it->kv_head * c->group + i % c->group) * c->soh) *
+                        c->esize;
+}
+
+static inline void store_out(const Ctx *c, const Item *it, int64_t i, const float *src) {
+    char *dst = lane_out(c, it, i);
     if (c->bf16) {
         uint16_t *o = (uint16_t *)dst;
         for (int64_t d = 0; d < c->d; d++) o[d] = f32_to_bf16(src[d]);
@@ -438,15 +450,13 @@ static inline void transpose_vw(vf r[VW]) { /* 8 x 8: pairs, quads, then 128-bit
  * the output's strided loads below were a fifth of a fresh prompt's attention, ~0.15 of the
  * default model's 512-token prefill). */
 static inline void build_qt_f32(const Ctx *c, const Item *it, int64_t nm, int64_t mp, float *qt) {
-    const int64_t g = c->group, d = c->d;
+    const int64_t d = c->d;
     const vf scale = vsplat(c->qscale);
     for (int64_t i0 = 0; i0 < mp; i0 += VW) {
         const float *rows[VW];
         for (int64_t k = 0; k < VW; k++) {
             const int64_t i = i0 + k;
-            rows[k] = i < nm ? (const float *)(c->q + ((it->q0 + it->m0 + i / g) * c->sqt +
-                                                       (it->kv_head * g + i % g) * c->sqh) * 4)
-                             : NULL;
+            rows[k] = i < nm ? (const float *)lane_q(c, it, i) : NULL;
         }
         for (int64_t x0 = 0; x0 < d; x0 += VW) {
             const int64_t left = d - x0 < VW ? d - x0 : VW;
@@ -471,7 +481,7 @@ static inline void build_qt_f32(const Ctx *c, const Item *it, int64_t nm, int64_
 /* The float32 wide form's outputs from acc^T [dp][mp] and l: each query lane's row acc / l
  * (0 where no key was visible), VW x VW a transpose. */
 static inline void store_out_f32(const Ctx *c, const Item *it, const Scratch *s, int64_t nm, int64_t mp) {
-    const int64_t g = c->group, d = c->d, dp = c->dp;
+    const int64_t d = c->d, dp = c->dp;
     for (int64_t i0 = 0; i0 < nm; i0 += VW) {
         float inv[VW];
         for (int64_t k = 0; k < VW; k++) inv[k] = s->l[i0 + k] == 0.0f ? 0.0f : 1.0f / s->l[i0 + k];
@@ -483,8 +493,7 @@ static inline void store_out_f32(const Ctx *c, const Item *it, const Scratch *s,
             transpose_vw(r);
             for (int64_t k = 0; k < VW && i0 + k < nm; k++) {
                 const int64_t i = i0 + k;
-                float *o = (float *)(c->out + ((it->q0 + it->m0 + i / g) * c->sot +
-                                               (it->kv_head * g + i % g) * c->soh) * 4);
+                float *o = (float *)lane_out(c, it, i);
                 const vf v = r[k] * inv[k];
                 if (left == VW) *(vfu *)(o + x0) = v;
                 else memcpy(o + x0, &v, (size_t)left * 4);
@@ -503,8 +512,7 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
     } else {
         memset(s->qt, 0, (size_t)(d * mp) * 4);
         for (int64_t i = 0; i < nm; i++) {
-            int64_t tok = it->q0 + it->m0 + i / g, head = it->kv_head * g + i % g;
-            load_row(c->q + (tok * c->sqt + head * c->sqh) * c->esize, c->bf16, d, d, row);
+            load_row(lane_q(c, it, i), c->bf16, d, d, row);
             for (int64_t x = 0; x < d; x++) s->qt[x * mp + i] = row[x] * c->qscale;
         }
     }
@@ -557,7 +565,7 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
     for (int64_t i = 0; i < nm; i++) {
         float inv = s->l[i] == 0.0f ? 0.0f : 1.0f / s->l[i];
         for (int64_t x = 0; x < d; x++) row[x] = s->acc[x * mp + i] * inv;
-        store_out(c, it->q0 + it->m0 + i / g, it->kv_head * g + i % g, row);
+        store_out(c, it, i, row);
     }
 }
 
@@ -567,14 +575,13 @@ static void narrow_item(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t g = c->group, nm = it->mq * g, d = c->d, dp = c->dp, prefix = it->ctx - it->q_len;
     float *qs = s->qt, *acc = s->acc, *sc = s->s; /* [nm][dp], [nm][dp], [nm][NK] */
     for (int64_t i = 0; i < nm; i++) {
-        int64_t tok = it->q0 + it->m0 + i / g, head = it->kv_head * g + i % g;
-        load_row(c->q + (tok * c->sqt + head * c->sqh) * c->esize, c->bf16, d, dp, qs + i * dp);
+        load_row(lane_q(c, it, i), c->bf16, d, dp, qs + i * dp);
         for (int64_t x = 0; x < dp; x++) qs[i * dp + x] *= c->qscale;
         memset(acc + i * dp, 0, (size_t)dp * 4);
         s->m[i] = -INFINITY;
         s->l[i] = 0.0f;
         s->qpos[i] = (int32_t)(prefix + it->m0 + i / g);
-        s->qseg[i] = c->segments ? (int32_t)c->segments[tok] : 0;
+        s->qseg[i] = c->segments ? (int32_t)c->segments[it->q0 + it->m0 + i / g] : 0;
     }
     const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
@@ -618,7 +625,7 @@ static void narrow_item(const Ctx *c, const Item *it, Scratch *s) {
     for (int64_t i = 0; i < nm; i++) {
         float inv = s->l[i] == 0.0f ? 0.0f : 1.0f / s->l[i];
         for (int64_t x = 0; x < d; x++) acc[i * dp + x] *= inv;
-        store_out(c, it->q0 + it->m0 + i / g, it->kv_head * g + i % g, acc + i * dp);
+        store_out(c, it, i, acc + i * dp);
     }
 }
 
@@ -802,14 +809,11 @@ static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int6
  * 16 query vectors x 16 pairs a transpose (element by element, the pair stores were a third
  * of a 128-token prompt's attention: strided 4-byte stores). */
 static inline void pack_q_pairs(const Ctx *c, const Item *it, int64_t nm, int64_t dh, int64_t mp, uint32_t *qp) {
-    const int64_t g = c->group;
     for (int64_t i0 = 0; i0 < mp; i0 += 16) {
         const uint32_t *rows[16];
         for (int64_t k = 0; k < 16; k++) {
             const int64_t i = i0 + k;
-            rows[k] = i < nm ? (const uint32_t *)(c->q + ((it->q0 + it->m0 + i / g) * c->sqt +
-                                                          (it->kv_head * g + i % g) * c->sqh) * c->esize)
-                             : NULL;
+            rows[k] = i < nm ? (const uint32_t *)lane_q(c, it, i) : NULL;
         }
         int64_t t0 = 0;
         for (; t0 + 16 <= dh; t0 += 16) {
@@ -826,7 +830,7 @@ static inline void pack_q_pairs(const Ctx *c, const Item *it, int64_t nm, int64_
 /* The item's outputs from acc^T [dp][mp] and l: each query vector's row acc / l (0 where no
  * key was visible), rounded to bf16 (nearest even), 16 x 16 a transpose. */
 static inline void store_out_bf16(const Ctx *c, const Item *it, const Scratch *s, int64_t nm, int64_t mp) {
-    const int64_t g = c->group, d = c->d, dp = c->dp;
+    const int64_t d = c->d, dp = c->dp;
     for (int64_t i0 = 0; i0 < nm; i0 += 16) {
         const __m512 l = _mm512_loadu_ps(s->l + i0);
         const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_NEQ_UQ),
@@ -842,8 +846,7 @@ static inline void store_out_bf16(const Ctx *c, const Item *it, const Scratch *s
             const __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
             for (int64_t k = 0; k < 16 && i0 + k < nm; k++) {
                 const int64_t i = i0 + k;
-                uint16_t *o = (uint16_t *)(c->out + ((it->q0 + it->m0 + i / g) * c->sot + (it->kv_head * g + i % g) *
-                                                     c->soh) * c->esize);
+                uint16_t *o = (uint16_t *)lane_out(c, it, i);
                 const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps((__m512)r[k], _mm512_set1_ps(invs[k])));
                 _mm256_mask_storeu_epi16(o + x0, keep, (__m256i)b);
             }
@@ -857,13 +860,11 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     /* Q^T in pairs; lane i is query token m0 + i / g, head kv_head * g + i % g */
     if (d & 1) {
         memset(s->qp, 0, (size_t)(dh * mp) * 4);
-        for (int64_t mt = 0, i = 0; mt < it->mq; mt++)
-            for (int64_t h = 0; h < g; h++, i++) {
-                const uint16_t *qr = (const uint16_t *)(c->q + ((it->q0 + it->m0 + mt) * c->sqt +
-                                                                (it->kv_head * g + h) * c->sqh) * c->esize);
-                for (int64_t t = 0; t < dh; t++)
-                    s->qp[t * mp + i] = qr[2 * t] | (2 * t + 1 < d ? (uint32_t)qr[2 * t + 1] << 16 : 0u);
-            }
+        for (int64_t i = 0; i < nm; i++) {
+            const uint16_t *qr = (const uint16_t *)lane_q(c, it, i);
+            for (int64_t t = 0; t < dh; t++)
+                s->qp[t * mp + i] = qr[2 * t] | (2 * t + 1 < d ? (uint32_t)qr[2 * t + 1] << 16 : 0u);
+        }
     } else { /* a row's pairs are its 32-bit words */
         pack_q_pairs(c, it, nm, dh, mp, s->qp);
     }
@@ -918,14 +919,13 @@ static void narrow_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     uint16_t *qs = (uint16_t *)s->qp; /* [nm][dv] bf16, zero-padded */
     float *acc = s->acc;              /* [nm][dv] */
     for (int64_t i = 0; i < nm; i++) {
-        int64_t tok = it->q0 + it->m0 + i / g, head = it->kv_head * g + i % g;
         memset(qs + i * dv, 0, (size_t)dv * 2);
-        memcpy(qs + i * dv, c->q + (tok * c->sqt + head * c->sqh) * c->esize, (size_t)d * 2);
+        memcpy(qs + i * dv, lane_q(c, it, i), (size_t)d * 2);
         memset(acc + i * dv, 0, (size_t)dv * 4);
         s->m[i] = -INFINITY;
         s->l[i] = 0.0f;
         s->qpos[i] = (int32_t)(prefix + it->m0 + i / g);
-        s->qseg[i] = c->segments ? (int32_t)c->segments[tok] : 0;
+        s->qseg[i] = c->segments ? (int32_t)c->segments[it->q0 + it->m0 + i / g] : 0;
     }
     const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
@@ -985,7 +985,7 @@ static void narrow_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     for (int64_t i = 0; i < nm; i++) {
         float inv = s->l[i] == 0.0f ? 0.0f : 1.0f / s->l[i];
         for (int64_t x = 0; x < d; x++) acc[i * dv + x] *= inv;
-        store_out(c, it->q0 + it->m0 + i / g, it->kv_head * g + i % g, acc + i * dv);
+        store_out(c, it, i, acc + i * dv);
     }
 }
 #endif /* HAVE_DPBF16 */
