@@ -42,12 +42,20 @@ def no_tiny_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_threads, "TINY_MODEL_FLOPS", 0.0)
 
 
-def test_a_tiny_model_runs_every_step_on_one_thread(team: int) -> None:
-    """The free model (below TINY_MODEL_FLOPS a token): a 32 x 128-token OneShot step and
-    64 sampled rows run on one thread; SmolLM2's shape is not tiny."""
+class _Probe:
+    def __init__(self, quiet: bool) -> None:
+        self.answer = quiet
+
+    def quiet(self) -> bool:
+        return self.answer
+
+
+def test_a_tiny_model_runs_every_step_on_one_thread_while_the_machine_is_busy(team: int) -> None:
+    """The free model (below TINY_MODEL_FLOPS a token), other work on the machine: a 32 x
+    128-token OneShot step and 64 sampled rows run on one thread; SmolLM2's shape is not tiny."""
     per_token, _ = decoder_flops(_tiny_cfg())
     assert per_token < TINY_MODEL_FLOPS < decoder_flops(_smol_cfg())[0]
-    threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()))
+    threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()), spare=_Probe(quiet=False))
     assert threads.trunk_is_small(32 * 128) and threads.heads_are_small(32 * 128, 64)
     with threads.for_trunk(32 * 128):
         assert torch.get_num_threads() == 1
@@ -55,6 +63,27 @@ def test_a_tiny_model_runs_every_step_on_one_thread(team: int) -> None:
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == team
     assert not StepThreads(torch.device("cpu"), *decoder_flops(_smol_cfg())).tiny_model
+
+
+def test_a_tiny_model_on_a_quiet_machine_splits_its_large_steps(team: int) -> None:
+    """Quiet, the size bounds decide as for any model: a 32 x 128-token step and its 64-row
+    head take the team, a 128-token step and an 8-row head stay on one thread; when the
+    machine turns busy the next step is on one thread again."""
+    probe = _Probe(quiet=True)
+    threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()), spare=probe)
+    assert not threads.trunk_is_small(32 * 128) and not threads.heads_are_small(32 * 128, 64)
+    assert threads.trunk_is_small(128) and threads.heads_are_small(8, 8)
+    with threads.for_trunk(32 * 128):
+        assert torch.get_num_threads() == team
+    probe.answer = False
+    with threads.for_trunk(32 * 128):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == team
+
+
+def test_only_a_tiny_model_measures_the_machine() -> None:
+    assert StepThreads(torch.device("cpu"), *decoder_flops(_smol_cfg())).spare is None
+    assert StepThreads(torch.device("meta"), *decoder_flops(_tiny_cfg())).spare is None
 
 
 def test_small_trunk_runs_on_one_thread_and_restores_the_team(team: int, no_tiny_rule: None) -> None:

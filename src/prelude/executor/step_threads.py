@@ -21,21 +21,29 @@ the whole team for everything, as before. Setting the count costs ~0.2 µs and a
 to the calling (engine) thread's team; on CUDA this does nothing.
 
 A model below TINY_MODEL_FLOPS a token (the free model of `bench overhead`: ~0.6 MFLOP)
-runs every step on one thread, batched OneShot prompts and wide decode heads included.
-Its steps are never long enough to pay for the team when the server is busy: the other
-core is what the HTTP thread (and, in the benchmark, the client) runs on. Measured, the
-free model at load average ~5, alternated (server CPU per request, all threads): 128/1
-c=32 6.3 -> 1.5 ms (98 -> 145 req/s), 8-prompt requests 34 -> 6.5 ms (132 -> 726
-prompts/s); idle, the team's worker spun 0.74 ms a c=32 request. What an idle machine
-loses: a single large step of such a model (a long prompt) would split ~2x.
+runs every step on one thread, batched OneShot prompts and wide decode heads included,
+while work outside the team holds the machine's cores (spare_cores.py: other processes,
+and the server's own HTTP event loop): a join then waits for a team thread the OS has not
+scheduled, or the team's spinning worker takes the event loop's core. Measured, the free
+model at load average ~5, alternated (server CPU per request, all threads): 128/1 c=32
+6.3 -> 1.5 ms (98 -> 145 req/s), 8-prompt requests 34 -> 6.5 ms (132 -> 726 prompts/s);
+beside one busy-looping process (Zen 5, 2 cores, 2026-11-25), the team against one thread:
+8-prompt 163 / 65 vs 166 / 221 requests/s, OneShot c=32 901 / 708 vs 1,037 / 1,408 req/s.
+The machine otherwise alone, the team on every large step against one thread: 8-prompt
+requests +20-25%, but OneShot c=32 and c=64 -12% and classify c=32 -20% (its worker spins
+on the core the event loop answers ~1,500 requests/s on). So a tiny model's steps follow
+the size bounds above, as any model's, only while the event loop and everything else
+leave the second core quiet, which the 8-prompt requests do and c=32 does not.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
+
+from prelude.executor.spare_cores import SpareCores
 
 # Below this estimate of a trunk's multiply-adds x 2 it runs on one thread: a few hundred
 # microseconds of work, where splitting saves less than the joins cost.
@@ -48,26 +56,39 @@ SMALL_HEAD_FLOPS = 2e8
 TINY_MODEL_FLOPS = 5e6
 
 
+class QuietProbe(Protocol):
+    def quiet(self) -> bool: ...
+
+
 class StepThreads:
     """`flops_per_token`: 2 x the weights a token passes through (embeddings left out);
-    `flops_per_logit_row`: 2 x the LM head's weights (one per sampled row)."""
+    `flops_per_logit_row`: 2 x the LM head's weights (one per sampled row); `spare`: whether
+    the machine is quiet (a tiny model's only; spare_cores.SpareCores by default)."""
 
-    def __init__(self, device: torch.device, flops_per_token: float, flops_per_logit_row: float) -> None:
+    def __init__(self, device: torch.device, flops_per_token: float, flops_per_logit_row: float,
+                 spare: QuietProbe | None = None) -> None:
         # A config the estimate cannot read (0 flops) never counts as small.
         self.enabled = device.type == "cpu" and torch.get_num_threads() > 1 and flops_per_token > 0
         self.flops_per_token = flops_per_token
         self.flops_per_logit_row = flops_per_logit_row
+        if spare is None and self.enabled and self.tiny_model:
+            spare = SpareCores(torch.get_num_threads())
+        self.spare = spare
 
     @property
     def tiny_model(self) -> bool:
         return self.flops_per_token < TINY_MODEL_FLOPS
 
+    def _tiny_alone(self) -> bool:
+        """A tiny model's step on one thread whatever its size: unless the machine is quiet."""
+        return self.tiny_model and not (self.spare is not None and self.spare.quiet())
+
     def trunk_is_small(self, tokens: int) -> bool:
-        return self.tiny_model or tokens * self.flops_per_token < SMALL_STEP_FLOPS
+        return self._tiny_alone() or tokens * self.flops_per_token < SMALL_STEP_FLOPS
 
     def heads_are_small(self, tokens: int, logit_rows: int) -> bool:
-        return self.tiny_model or (self.trunk_is_small(tokens)
-                                   and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS)
+        return self._tiny_alone() or (self.trunk_is_small(tokens)
+                                      and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS)
 
     def for_trunk(self, tokens: int) -> contextlib.AbstractContextManager[None]:
         return self._one_thread(self.trunk_is_small(tokens))

@@ -1,0 +1,122 @@
+"""Whether the rest of the machine leaves this process's thread team its cores.
+
+A team's parallel region joins only when every thread of it has run: where another process
+(or a hypervisor's steal) holds a core, each join waits for the OS to schedule the missing
+thread. step_threads.py splits a tiny model's large steps over the team only while the
+machine is quiet, and so asks this every step.
+
+The measure is the CPU time that work outside the team used over the last window, in cores:
+/proc/stat's busy ticks of all CPUs (steal included) less /proc/self/stat's user and system
+ticks (other processes: a load generator, `--api-server-count`'s fronts, a neighbour), plus
+this process's main thread when the team is not its (a server's HTTP event loop: the team's
+spinning worker would take the core it parses, tokenizes and answers on). Quiet: at most
+the cores the team leaves free plus QUIET_SLACK_CORES; busy again past BUSY_SLACK_CORES
+(in between the last answer stands, so one window's noise does not flip it). Without /proc (not Linux) the machine never counts as quiet.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+WINDOW_S = 0.5  # the shortest window measured (a step asks more often: the answer is kept)
+# A load generator's, a shell's or an event loop's share of a core below this still counts as
+# quiet. Free model, Zen 5, 2 cores (bench overhead): 8-prompt requests at c=4 read 0.19-0.29
+# on one thread and 0.26-0.35 once on the team; OneShot, classify and embed at c=32 and c=64,
+# whose event loop answers a request every ~0.7 ms, read 0.36-0.94 (there the team loses
+# 12-20%: its spinning worker holds the core the event loop needs).
+QUIET_SLACK_CORES = 0.3
+BUSY_SLACK_CORES = 0.45
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Cumulative counters at one moment: all CPUs' busy ticks, this process's ticks, and
+    the CPU seconds of this process's front (main) thread (0 where the team runs on it)."""
+
+    at_s: float
+    busy_ticks: int
+    own_ticks: int
+    front_s: float = 0.0
+
+
+def others_cores(before: CpuSample, after: CpuSample, ticks_per_s: float) -> float:
+    """Cores' worth of CPU time used outside the team between two samples: other processes
+    and this process's front thread."""
+    wall = after.at_s - before.at_s
+    if wall <= 0 or ticks_per_s <= 0:
+        return 0.0
+    others = (after.busy_ticks - before.busy_ticks) - (after.own_ticks - before.own_ticks)
+    return max(0.0, others / ticks_per_s / wall) + max(0.0, after.front_s - before.front_s) / wall
+
+
+def front_thread_seconds() -> float:
+    """The CPU seconds of this process's main thread, when the caller is another thread (the
+    engine's, beside a server's event loop); 0 when the caller is the main thread or the
+    platform has no per-thread clocks."""
+    main = threading.main_thread()
+    if threading.get_ident() == main.ident or main.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return 0.0
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(main.ident))
+    except OSError:
+        return 0.0
+
+
+def read_sample(at_s: float, proc: Path = Path("/proc"),
+                front: Callable[[], float] = front_thread_seconds) -> CpuSample | None:
+    """The counters now (None where /proc cannot be read). /proc/stat's first line is `cpu
+    user nice system idle iowait irq softirq steal ...`; /proc/self/stat has utime and stime
+    as its 14th and 15th fields (the 12th and 13th after the command's closing parenthesis)."""
+    try:
+        first = (proc / "stat").read_text().split("\n", 1)[0].split()
+        own = (proc / "self" / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if not first or first[0] != "cpu" or len(first) < 9 or len(own) < 13:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in first[1:9])
+    return CpuSample(at_s, user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12]), front())
+
+
+class SpareCores:
+    """`quiet()`: whether the machine leaves a team of `team` threads its cores, as last
+    measured over at least WINDOW_S."""
+
+    def __init__(self, team: int, cores: int | None = None,
+                 read: Callable[[float], CpuSample | None] = read_sample,
+                 clock: Callable[[], float] = time.monotonic, ticks_per_s: float | None = None) -> None:
+        if cores is None:
+            affinity = getattr(os, "sched_getaffinity", None)
+            cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+        self.free_cores = max(0, cores - team)
+        self._read = read
+        self._clock = clock
+        if ticks_per_s is None:
+            ticks_per_s = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+        self._ticks_per_s = ticks_per_s
+        self._last = read(clock())
+        self._quiet = False
+        self.others = 0.0  # the last window's measure, in cores
+
+    def quiet(self) -> bool:
+        if self._last is None:
+            return False
+        now = self._clock()
+        if now - self._last.at_s < WINDOW_S:
+            return self._quiet
+        sample = self._read(now)
+        if sample is None:
+            self._last, self._quiet = None, False
+            return False
+        self.others = others_cores(self._last, sample, self._ticks_per_s)
+        self._last = sample
+        if self.others <= self.free_cores + QUIET_SLACK_CORES:
+            self._quiet = True
+        elif self.others > self.free_cores + BUSY_SLACK_CORES:
+            self._quiet = False
+        return self._quiet
