@@ -85,7 +85,14 @@ class _Machine:
 def test_quiet_follows_others_use_with_hysteresis() -> None:
     m = _Machine()
     probe = SpareCores(team=2, cores=2, read=m.read, clock=lambda: m.now, ticks_per_s=100.0)
-    assert _QUIET(probe) is False  # no window measured yet
+    m.run(5.0, others=0.0)  # before the first ask: not part of any window
+    assert _QUIET(probe) is False  # the first ask starts the first window
+    m.run(WINDOW_S / 2, others=2.0)
+    assert _QUIET(probe) is False  # inside it: no answer yet
+    m.run(WINDOW_S, others=0.1)
+    # the window is the 0.75 s since the first ask, (2.0 x 0.25 + 0.1 x 0.5) / 0.75 = 0.73
+    # cores: busy (from construction on, the quiet 5 s would have made it 0.10)
+    assert _QUIET(probe) is False and probe.others == pytest.approx(0.55 / 0.75)
     m.run(1.0, others=0.1)
     assert _QUIET(probe) is True and probe.others == pytest.approx(0.1)
     m.run(1.0, others=0.4)  # between the bounds: the last answer stands
@@ -104,6 +111,7 @@ def test_quiet_follows_others_use_with_hysteresis() -> None:
 def test_cores_the_team_leaves_free_absorb_others_work() -> None:
     m = _Machine()
     probe = SpareCores(team=2, cores=4, read=m.read, clock=lambda: m.now, ticks_per_s=100.0)
+    assert _QUIET(probe) is False  # the first ask starts the first window
     m.run(1.0, others=2.25)
     assert _QUIET(probe) is True
     m.run(1.0, others=2.5)

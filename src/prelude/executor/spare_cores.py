@@ -11,7 +11,8 @@ ticks (other processes: a load generator, `--api-server-count`'s fronts, a neigh
 this process's main thread when the team is not its (a server's HTTP event loop: the team's
 spinning worker would take the core it parses, tokenizes and answers on). Quiet: at most
 the cores the team leaves free plus QUIET_SLACK_CORES; busy again past BUSY_SLACK_CORES
-(in between the last answer stands, so one window's noise does not flip it). Without /proc (not Linux) the machine never counts as quiet.
+(in between the last answer stands, so one window's noise does not flip it). Without /proc
+(not Linux) the machine never counts as quiet.
 """
 
 from __future__ import annotations
@@ -99,19 +100,25 @@ class SpareCores:
         if ticks_per_s is None:
             ticks_per_s = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
         self._ticks_per_s = ticks_per_s
-        self._last = read(clock())
+        self._readable = read(clock()) is not None
+        # The first window starts at the first ask, on the asking (engine) thread: from the
+        # constructing thread the front's clock would read 0, then its whole CPU time so far.
+        self._last: CpuSample | None = None
         self._quiet = False
         self.others = 0.0  # the last window's measure, in cores
 
     def quiet(self) -> bool:
-        if self._last is None:
+        if not self._readable:
             return False
         now = self._clock()
-        if now - self._last.at_s < WINDOW_S:
+        if self._last is not None and now - self._last.at_s < WINDOW_S:
             return self._quiet
         sample = self._read(now)
         if sample is None:
-            self._last, self._quiet = None, False
+            self._readable, self._quiet = False, False
+            return False
+        if self._last is None:
+            self._last = sample
             return False
         self.others = others_cores(self._last, sample, self._ticks_per_s)
         self._last = sample
