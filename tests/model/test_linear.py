@@ -11,13 +11,6 @@ from prelude.model import linear, native_lib
 from prelude.model.linear import ONEDNN_CACHE_BOUNDS, PACKED_MAX_ROWS, Projection, prepack_enabled
 
 
-@pytest.fixture
-def packed_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The packed routes for this module's small test weights, whose calls are otherwise all
-    below SMALL_CALL_MACS (test_small_float32_calls_take_f_linear_... covers that rule)."""
-    monkeypatch.setattr(linear, "SMALL_CALL_MACS", 0)
-
-
 def _cpu_can_prepack_bf16() -> bool:
     """oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; AVX2-only CPUs lack it."""
     if not torch.backends.mkldnn.is_available():
@@ -78,7 +71,6 @@ def test_packed_path_takes_bf16_at_every_row_count_and_float32_at_a_bounded_set(
         return real(x, packed, bias)
 
     monkeypatch.setattr(linear, "packed_linear", recording)
-    monkeypatch.setattr(linear, "SMALL_CALL_MACS", 0)  # this weight's calls are small: see packed_at_any_size
     x = torch.randn(linear.PACKED_STEP_MAX_ROWS + 300, 32, dtype=dtype)
     for rows in range(1, x.shape[0] + 1):
         out = proj(x[:rows])
@@ -93,40 +85,8 @@ def test_packed_path_takes_bf16_at_every_row_count_and_float32_at_a_bounded_set(
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
-def test_small_float32_calls_take_f_linear_and_larger_ones_the_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below SMALL_CALL_MACS (rows x weight elements) a float32 call skips oneDNN, whose fixed
-    cost outweighs such a GEMM; from the bound on the packed copy serves as before. bf16
-    calls take the packed copy whatever their size."""
-    torch.manual_seed(0)
-    w = torch.randn(128, 256)
-    proj = Projection(w, None, prepack=True)
-    seen: list[int] = []
-    real = linear.packed_linear
-
-    def recording(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        seen.append(x.shape[0])
-        return real(x, packed, bias)
-
-    monkeypatch.setattr(linear, "packed_linear", recording)
-    small_rows = linear.SMALL_CALL_MACS // w.numel() - (linear.SMALL_CALL_MACS % w.numel() == 0)
-    assert small_rows >= 1
-    for rows in (1, small_rows):
-        x = torch.randn(rows, 256)
-        assert torch.equal(proj(x), F.linear(x, w))
-    assert seen == []
-    x = torch.randn(small_rows + 1, 256)
-    torch.testing.assert_close(proj(x), F.linear(x, w), rtol=1e-4, atol=1e-4)  # oneDNN sums in another order
-    assert seen == [small_rows + 1]
-    if _cpu_can_prepack_bf16():
-        bf16 = Projection(w.to(torch.bfloat16), None, prepack=True)
-        one = torch.randn(1, 256, dtype=torch.bfloat16)
-        torch.testing.assert_close(bf16(one), F.linear(one, w.to(torch.bfloat16)))
-        assert seen == [small_rows + 1, 1]
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("rows", [0, 1, 4, 37])
-def test_prepacked_float32_projection_matches_plain_linear(rows: int, packed_at_any_size: None) -> None:
+def test_prepacked_float32_projection_matches_plain_linear(rows: int) -> None:
     """oneDNN's float32 kernels sum in another order than MKL's: equal to fp32 rounding."""
     torch.manual_seed(0)
     w = torch.randn(96, 64)
@@ -181,7 +141,7 @@ def test_prepacked_projections_keep_memory_bounded_over_many_row_counts() -> Non
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
-def test_a_float32_step_makes_the_packed_copy(monkeypatch: pytest.MonkeyPatch, packed_at_any_size: None) -> None:
+def test_a_float32_step_makes_the_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """In float32 the packed kernels beat MKL's at step sizes: a process that only prefills
     128-token prompts takes them from its first step, and a 129-row call (its step up is
     past 1.6x of it) runs its whole step there and the one row after."""
@@ -232,7 +192,7 @@ def test_float32_row_counts_take_steps_and_pad_up_where_mkl_runs_avx2_code_on_av
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 def test_padded_float32_calls_agree_and_the_packed_kernel_sees_only_steps_with_zero_padding(
-        monkeypatch: pytest.MonkeyPatch, packed_at_any_size: None) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Where float32 pads (forced here, so any oneDNN CPU runs it): every count agrees with
     F.linear, the packed op sees the count's step with zero rows after the call's own, and
     a call past 2,048 rows goes 2,048 at a time."""
@@ -265,7 +225,7 @@ def test_padded_float32_calls_agree_and_the_packed_kernel_sees_only_steps_with_z
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 def test_float32_calls_off_the_steps_run_their_whole_steps_packed_where_nothing_pads(
-        monkeypatch: pytest.MonkeyPatch, packed_at_any_size: None) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Where float32 does not pad (forced here): a call over a large enough weight runs its
     whole steps on the packed copy and the rest after (MKL past the decode sizes), in order,
     agreeing with F.linear; over a smaller weight the whole call is MKL's."""

@@ -144,7 +144,6 @@ def test_projection_sends_few_row_float32_calls_of_a_wide_weight_to_the_row_gemv
     many = torch.randn(128, 128)
     torch.testing.assert_close(head(many), F.linear(many, w), rtol=1e-4, atol=1e-4)
     assert packed_rows == [128]  # more rows: oneDNN's packed copy, as before
-    monkeypatch.setattr(linear, "SMALL_CALL_MACS", 0)  # past linear.py's small-call bound
     small = Projection(w[:64], None, prepack=True, head=True)
     small(x[:1])
     small(x[:3])

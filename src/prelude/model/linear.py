@@ -87,13 +87,6 @@ PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the
 # 0.274), over SmolLM2's (576 x 576 and up) the cut halves the time (5.14 -> 2.78 ms).
 PIECES_MIN_WEIGHT = 1 << 18
 BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
-# float32 calls of fewer multiply-adds than this (rows x weight elements) take MKL's F.linear:
-# a oneDNN packed call costs ~10 us before its first multiply-add, more than such a call's
-# whole GEMM. One and two threads, Zen 5 (packed vs F.linear, us): 128x128 weight at 1 row
-# 11.1 vs 2.5, 16 rows 17.3 vs 7.5; 128x512 at 4 rows 12.2 vs 10.7, at 8 rows 14.9 vs 15.6
-# (the bound); 576x576 at 1 row 27.2 vs 18.4, 2 rows 27.4 vs 34.4. The free model's decode
-# and its last layer's read rows take it; SmolLM2's only at one row without GGUF blocks.
-SMALL_CALL_MACS = 1 << 19
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 entries each). Every bf16
 # GEMM goes through oneDNN, packed or not (F.linear too), and each row count is a new
 # kernel that holds its own scratch memory, ~2.8 KiB per row for a 576x1536 weight (1,000
@@ -212,8 +205,6 @@ class Projection:
                 return self._row_gemv.rows_linear(x, self._blocked, self.out_features, self.bias)
             if self._row_gemv.one_row_pays(self.weight):
                 return self._row_gemv.linear(x, self.weight, self.bias)
-        if x.dtype == torch.float32 and n * self.weight.numel() < SMALL_CALL_MACS:
-            return F.linear(x, self.weight, self.bias)
         take = packed_rows(n, x.dtype)
         if (not take and x.dtype == torch.float32 and n > PACKED_ROW_STEP
                 and self.weight.numel() >= PIECES_MIN_WEIGHT and self._packed_weight() is not None):
