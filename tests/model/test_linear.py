@@ -85,6 +85,24 @@ def test_packed_path_takes_bf16_at_every_row_count_and_float32_at_a_bounded_set(
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_output_is_the_same_bits_at_every_decode_row_count(dtype: torch.dtype) -> None:
+    """Up to PACKED_MAX_ROWS rows a row's output does not depend on the rows beside it (the
+    packed kernel's; MKL's F.linear differs by row count and thread count), so identical
+    requests batched differently answer identically. Small weights included: there
+    F.linear is faster, and taking it broke this (docs/benchmarks.md, tenth session)."""
+    if dtype == torch.bfloat16 and not _cpu_can_prepack_bf16():
+        pytest.skip("this CPU cannot prepack bf16 weights (needs AVX-512)")
+    torch.manual_seed(0)
+    for out_features, in_features in ((96, 64), (256, 128)):
+        proj = Projection(torch.randn(out_features, in_features, dtype=dtype), None, prepack=True)
+        x = torch.randn(PACKED_MAX_ROWS, in_features, dtype=dtype)
+        alone = proj(x[:1])[0]
+        for rows in (2, 3, 5, 8, 16, PACKED_MAX_ROWS):
+            assert torch.equal(proj(x[:rows])[0], alone), (out_features, in_features, rows)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("rows", [0, 1, 4, 37])
 def test_prepacked_float32_projection_matches_plain_linear(rows: int) -> None:
     """oneDNN's float32 kernels sum in another order than MKL's: equal to fp32 rounding."""

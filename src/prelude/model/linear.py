@@ -69,6 +69,11 @@ from prelude.model.row_gemv import BLOCKED_MAX_ROWS, RowGemv, load_row_gemv
 
 ROW_GEMV_CHUNKED_MAX_ROWS = 64  # a row-GEMV head's calls up to this many rows go 16 at a time
 PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count (bf16: every call)
+# The packed kernel gives a row the same bits at every row count up to here, MKL's F.linear
+# does not (nor at another thread count): identical requests batched differently answer
+# identically (tests/entrypoints/test_multiproc_front.py's embeddings). So few-row float32
+# calls keep it although F.linear is 2-4x faster on a small weight (128 x 128, 1 row:
+# 11.1 vs 2.5 us, docs/benchmarks.md, tenth session).
 # Larger float32 calls take it at these row counts only (a bounded set: each new count is a
 # packed kernel to create, where MKL's F.linear creates none): 128 .. 2048 in steps of 128.
 # oneDNN's kernels measured 2.2-2.3x MKL's on an AVX-512 Zen 5 (MKL runs its AVX2 code on
