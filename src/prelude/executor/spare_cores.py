@@ -100,7 +100,7 @@ class SpareCores:
         if ticks_per_s is None:
             ticks_per_s = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
         self._ticks_per_s = ticks_per_s
-        self._readable = read(clock()) is not None
+        self._readable = True  # until a read fails (no /proc: never quiet)
         # The first window starts at the first ask, on the asking (engine) thread: from the
         # constructing thread the front's clock would read 0, then its whole CPU time so far.
         self._last: CpuSample | None = None

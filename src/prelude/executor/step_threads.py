@@ -83,11 +83,15 @@ class StepThreads:
         """A tiny model's step on one thread whatever its size: unless the machine is quiet."""
         return self.tiny_model and not (self.spare is not None and self.spare.quiet())
 
+    def _trunk_below_bound(self, tokens: int) -> bool:
+        return tokens * self.flops_per_token < SMALL_STEP_FLOPS
+
     def trunk_is_small(self, tokens: int) -> bool:
-        return self._tiny_alone() or tokens * self.flops_per_token < SMALL_STEP_FLOPS
+        return self._tiny_alone() or self._trunk_below_bound(tokens)
 
     def heads_are_small(self, tokens: int, logit_rows: int) -> bool:
-        return self._tiny_alone() or (self.trunk_is_small(tokens)
+        # the trunk's bound, not trunk_is_small: one probe a decision
+        return self._tiny_alone() or (self._trunk_below_bound(tokens)
                                       and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS)
 
     def for_trunk(self, tokens: int) -> contextlib.AbstractContextManager[None]:
