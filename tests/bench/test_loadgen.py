@@ -76,6 +76,23 @@ def test_closed_loop_keeps_exactly_the_concurrency_in_flight_and_counts_tokens()
     assert body["stream"] and body["max_tokens"] == 4 and body["model"] == "m" and body["temperature"] == 0
 
 
+def test_a_timed_warm_up_runs_the_payloads_at_the_concurrency_then_the_clock_starts() -> None:
+    """warmup_s: the payloads round and round, `concurrency` in flight, none recorded; then
+    every payload once, timed. The warm-up's count comes back (per-request CPU figures)."""
+    server = FakeServer(tokens=1, delay=0.005)
+    server.hold_until_in_flight = 3  # the warm-up's own requests fill the loop too
+    payloads = [f"p{i}" for i in range(5)]
+    res = _run(server, payloads, LoadSpec(concurrency=3, warmup=0, warmup_s=0.1), max_tokens=1)
+    assert len(res.records) == 5 and all(r.ok for r in res.records)
+    assert res.warmup_sent >= 3 and len(server.bodies) == res.warmup_sent + 5
+    assert server.most_in_flight == 3
+    # the warm-up sends the payloads (each loop slot at least once), the timed run each once
+    warm = [b["prompt"] for b in server.bodies[: res.warmup_sent]]
+    timed = [b["prompt"] for b in server.bodies[res.warmup_sent:]]
+    assert set(warm) <= set(payloads) and sorted(timed) == payloads
+    assert _run(FakeServer(), ["a"], LoadSpec(concurrency=1, warmup=0)).warmup_sent == 0
+
+
 def test_poisson_arrivals_respect_the_in_flight_cap_and_finish_every_request() -> None:
     server = FakeServer(delay=0.02)
     res = _run(server, [f"p{i}" for i in range(30)], LoadSpec(concurrency=3, rate=500.0, warmup=0, seed=7))

@@ -28,6 +28,15 @@ def test_the_front_threads_cpu_time_counts_as_others_work() -> None:
     assert others_cores(a, b, ticks_per_s=100.0) == pytest.approx(1.0 + 0.6)
 
 
+def test_the_front_thread_counts_at_most_its_share_of_the_steps_time() -> None:
+    """One request at a time the event loop works between steps, not beside them: its 0.6
+    cores over the window count as its share of the steps' time when that is lower."""
+    a, b = CpuSample(10.0, 1_000, 400, front_s=3.0), CpuSample(12.0, 1_300, 500, front_s=4.2)
+    assert others_cores(a, b, 100.0, front_in_steps=0.05) == pytest.approx(1.0 + 0.05)
+    assert others_cores(a, b, 100.0, front_in_steps=0.9) == pytest.approx(1.0 + 0.6)
+    assert others_cores(a, b, 100.0, front_in_steps=None) == pytest.approx(1.0 + 0.6)  # no step measured
+
+
 def test_front_thread_seconds_reads_the_main_thread_from_another_thread() -> None:
     """From the main thread it is 0 (the team runs there: nothing beside it); from another
     thread it follows the main thread's CPU time, which grows while the main thread works."""
@@ -67,24 +76,30 @@ def test_read_sample_parses_proc_stat_and_the_process_line(tmp_path: Path) -> No
 
 
 class _Machine:
-    """A fake clock and counters: `others` cores of someone else's work a second."""
+    """A fake clock and counters: `others` cores of someone else's work a second, and this
+    process's front (main) thread's CPU seconds."""
 
     def __init__(self) -> None:
-        self.now, self.busy, self.own, self.reads = 0.0, 0, 0, 0
+        self.now, self.busy, self.own, self.reads, self.front_s = 0.0, 0, 0, 0, 0.0
 
-    def run(self, seconds: float, others: float, ours: float = 1.0) -> None:
+    def run(self, seconds: float, others: float, ours: float = 1.0, front: float = 0.0) -> None:
         self.now += seconds
-        self.busy += round(100 * seconds * (others + ours))
-        self.own += round(100 * seconds * ours)
+        self.busy += 100 * seconds * (others + ours + front)
+        self.own += 100 * seconds * (ours + front)
+        self.front_s += seconds * front
 
     def read(self, at: float) -> CpuSample:
         self.reads += 1
-        return CpuSample(at, self.busy, self.own)
+        return CpuSample(at, round(self.busy), round(self.own), self.front_s)
+
+    def probe(self, team: int = 2, cores: int = 2) -> SpareCores:
+        return SpareCores(team=team, cores=cores, read=self.read, clock=lambda: self.now, ticks_per_s=100.0,
+                          front=lambda: self.front_s)
 
 
 def test_quiet_follows_others_use_with_hysteresis() -> None:
     m = _Machine()
-    probe = SpareCores(team=2, cores=2, read=m.read, clock=lambda: m.now, ticks_per_s=100.0)
+    probe = m.probe()
     m.run(5.0, others=0.0)  # before the first ask: not part of any window
     assert _QUIET(probe) is False  # the first ask starts the first window
     m.run(WINDOW_S / 2, others=2.0)
@@ -110,12 +125,35 @@ def test_quiet_follows_others_use_with_hysteresis() -> None:
 
 def test_cores_the_team_leaves_free_absorb_others_work() -> None:
     m = _Machine()
-    probe = SpareCores(team=2, cores=4, read=m.read, clock=lambda: m.now, ticks_per_s=100.0)
+    probe = m.probe(team=2, cores=4)
     assert _QUIET(probe) is False  # the first ask starts the first window
     m.run(1.0, others=2.25)
     assert _QUIET(probe) is True
     m.run(1.0, others=2.5)
     assert _QUIET(probe) is False
+
+
+def test_an_event_loop_that_works_between_the_steps_leaves_the_machine_quiet() -> None:
+    """c=1: the front thread works 0.4 cores' worth, all of it between the steps, so the
+    machine is quiet; at c=32 it works beside the steps and the machine is busy. Steps
+    before the first window are in none."""
+    m = _Machine()
+    probe = m.probe()
+    probe.step_began()
+    m.run(2.0, others=0.0, front=1.0)  # a long step beside a busy front, before the first ask
+    probe.step_ended()
+    assert _QUIET(probe) is False  # the first ask starts the first window
+    for _ in range(100):  # 1 s: 6 ms steps, the front's 4 ms between them
+        probe.step_began()
+        m.run(0.006, others=0.05)
+        probe.step_ended()
+        m.run(0.004, others=0.05, ours=0.0, front=1.0)
+    assert _QUIET(probe) is True and probe.others == pytest.approx(0.05, abs=0.02)
+    for _ in range(100):  # the front now works beside the steps
+        probe.step_began()
+        m.run(0.01, others=0.05, front=0.6)
+        probe.step_ended()
+    assert _QUIET(probe) is False and probe.others == pytest.approx(0.65, abs=0.02)
 
 
 def test_without_proc_the_machine_is_never_quiet() -> None:

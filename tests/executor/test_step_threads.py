@@ -45,9 +45,16 @@ def no_tiny_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 class _Probe:
     def __init__(self, quiet: bool) -> None:
         self.answer = quiet
+        self.events: list[str] = []
 
     def quiet(self) -> bool:
         return self.answer
+
+    def step_began(self) -> None:
+        self.events.append("began")
+
+    def step_ended(self) -> None:
+        self.events.append("ended")
 
 
 def test_a_tiny_model_runs_every_step_on_one_thread_while_the_machine_is_busy(team: int) -> None:
@@ -65,19 +72,33 @@ def test_a_tiny_model_runs_every_step_on_one_thread_while_the_machine_is_busy(te
     assert not StepThreads(torch.device("cpu"), *decoder_flops(_smol_cfg())).tiny_model
 
 
-def test_a_tiny_model_on_a_quiet_machine_splits_its_large_steps(team: int) -> None:
-    """Quiet, the size bounds decide as for any model: a 32 x 128-token step and its 64-row
-    head take the team, a 128-token step and an 8-row head stay on one thread; when the
-    machine turns busy the next step is on one thread again."""
+def test_a_tiny_model_on_a_quiet_machine_splits_every_step(team: int) -> None:
+    """Quiet, a tiny model's steps take the team whatever their size (the free model's c=1
+    128-token step, in process: 1.04 ms on one thread, 0.80 on two), a single decode row
+    and its head included; when the machine turns busy the next step is on one thread."""
     probe = _Probe(quiet=True)
     threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()), spare=probe)
-    assert not threads.trunk_is_small(32 * 128) and not threads.heads_are_small(32 * 128, 64)
-    assert threads.trunk_is_small(128) and threads.heads_are_small(8, 8)
-    with threads.for_trunk(32 * 128):
+    for tokens, rows in ((32 * 128, 64), (128, 1), (1, 1)):
+        assert not threads.trunk_is_small(tokens) and not threads.heads_are_small(tokens, rows)
+    with threads.for_trunk(128), threads.for_heads(128, 1):
         assert torch.get_num_threads() == team
     probe.answer = False
     with threads.for_trunk(32 * 128):
         assert torch.get_num_threads() == 1
+
+
+def test_a_measured_step_brackets_trunk_and_heads_for_the_probe(team: int) -> None:
+    """The probe hears where each step begins and ends (its in-step measure of the event
+    loop), a failed step included; a model without a probe measures nothing."""
+    probe = _Probe(quiet=False)
+    threads = StepThreads(torch.device("cpu"), *decoder_flops(_tiny_cfg()), spare=probe)
+    with threads.measured_step():
+        assert probe.events == ["began"]
+    with pytest.raises(RuntimeError), threads.measured_step():
+        raise RuntimeError("a failed forward")
+    assert probe.events == ["began", "ended", "began", "ended"]
+    with StepThreads(torch.device("cpu"), *decoder_flops(_smol_cfg())).measured_step():
+        pass
     assert torch.get_num_threads() == team
 
 

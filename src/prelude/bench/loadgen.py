@@ -28,6 +28,9 @@ class LoadSpec:
     concurrency: int  # most requests in flight (closed loop: always this many)
     rate: float | None = None  # Poisson arrivals per second; None = closed loop
     warmup: int = 1  # requests sent and discarded before timing starts
+    # then, for this long, the payloads in a closed loop at `concurrency`, discarded: the
+    # server settles into the load (a thread count chosen per window of load, caches)
+    warmup_s: float = 0.0
     seed: int = 0
     progress: str | None = None  # progress bar label; None hides the bar
 
@@ -48,6 +51,7 @@ class Record:
 class LoadResult:
     records: list[Record]
     wall_s: float
+    warmup_sent: int = 0  # requests of the timed warm-up (LoadSpec.warmup_s)
 
 
 Sender = Callable[[httpx.AsyncClient, Any], Awaitable[Record]]
@@ -152,6 +156,7 @@ async def run_load(
     async with client:
         for payload in list(warmup)[: spec.warmup]:
             await send(client, payload)
+        warmup_sent = await _keep_busy(send, client, payloads, spec.concurrency, spec.warmup_s)
         bar = tqdm(total=len(payloads), desc=spec.progress, disable=spec.progress is None, file=sys.stderr,
                    leave=False, dynamic_ncols=True)
         records: list[Record] = []
@@ -199,7 +204,33 @@ async def run_load(
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
         bar.close()
-        return LoadResult(records, wall)
+        return LoadResult(records, wall, warmup_sent)
+
+
+async def _keep_busy(send: Sender, client: Any, payloads: Sequence[Any], concurrency: int, seconds: float) -> int:
+    """The payloads, round and round, `concurrency` at a time, until `seconds` have passed
+    (each loop slot sends at least once; a request under way then is finished); how many
+    were sent. Failures are not counted apart."""
+    if seconds <= 0 or not payloads:
+        return 0
+    end = time.perf_counter() + seconds
+    sent = 0
+
+    async def worker(first: int) -> None:
+        nonlocal sent
+        i = first
+        while True:
+            sent += 1
+            try:
+                await send(client, payloads[i % len(payloads)])
+            except Exception:  # noqa: BLE001 - a warm-up failure shows again in the timed run
+                pass
+            i += concurrency
+            if time.perf_counter() >= end:
+                return
+
+    await asyncio.gather(*(worker(k) for k in range(max(1, concurrency))))
+    return sent
 
 
 def percentile(xs: Sequence[float], p: float) -> float:

@@ -15,6 +15,9 @@ Scenarios (request counts scaled by --scale):
   stages    Prelude only, a separate start with --trace-stages: one request at a time,
             the median host time of each stage (engine/stage_trace.py) beside the
             client's E2E of the same requests
+Before its timed requests every scenario sends its own payloads at its own concurrency for
+--warmup-s (discarded): the server settles into that load first (a tiny model's thread count
+follows the load of the last half second, executor/spare_cores.py).
 The load generator runs in a process of its own (overhead_loadgen.py) and reports its
 own CPU time per request and its share of a core, printed beside every figure: a client
 near a whole core is what saturates, not the server. Its HTTP client is bench/raw_http.py
@@ -87,11 +90,12 @@ def build_workload(tok: Any, sizes: dict[str, int], seed: int) -> dict[str, list
 
 
 def load(base: str, kind: str, payloads: list[Any], concurrency: int, warmup: list[Any], max_tokens: int = 1,
-         items: int = 1, input_tokens: float = 0.0, python: str = sys.executable, client: str = "raw") -> dict[str, Any]:
+         items: int = 1, input_tokens: float = 0.0, python: str = sys.executable, client: str = "raw",
+         warmup_s: float = 0.0) -> dict[str, Any]:
     """One scenario through the load generator's own process (`client`: raw or httpx)."""
     job = {"base": base, "model": SERVED_NAME, "kind": kind, "payloads": payloads, "warmup": warmup,
-           "concurrency": concurrency, "max_tokens": max_tokens, "items": items, "input_tokens": input_tokens,
-           "client": client}
+           "warmup_s": warmup_s, "concurrency": concurrency, "max_tokens": max_tokens, "items": items,
+           "input_tokens": input_tokens, "client": client}
     done = subprocess.run([python, "-m", "prelude.bench.overhead_loadgen"], input=json.dumps(job),
                           capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -106,7 +110,7 @@ def _point(kind: str, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str], name: str,
-             client: str = "raw") -> dict[str, dict[str, Any]]:
+             client: str = "raw", warmup_s: float = 0.0) -> dict[str, dict[str, Any]]:
     """Every scenario against one running server: scenario point -> figures. Beside the
     client's figures, the server's own CPU time per request (all its threads and its
     engine child process): what a busy machine inflates least."""
@@ -116,9 +120,9 @@ def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str],
     def run(key: str, kind: str, payloads: list[Any], c: int, **kw: Any) -> None:
         warmup = warm if kind in ("completion", "stream") else wl["pooling"][:4]
         cpu0, main0 = cpu_seconds(pid), main_thread_cpu_seconds(pid)
-        out[key] = _point(kind, load(base, kind, payloads, c, warmup, client=client, **kw))
-        s = out[key]
-        sent = len(payloads) + len(warmup)
+        summary = load(base, kind, payloads, c, warmup, client=client, warmup_s=warmup_s, **kw)
+        out[key] = s = _point(kind, summary)
+        sent = summary.get("sent", len(payloads) + len(warmup))
         s["server_cpu_ms_per_request"] = 1000 * (cpu_seconds(pid) - cpu0) / sent
         s["server_main_thread_cpu_ms_per_request"] = 1000 * (main_thread_cpu_seconds(pid) - main0) / sent
         print(f"  {name:>12} {key:<12} req/s {s['req_s']:8.1f}  items/s {s['items_s']:8.1f}  "
@@ -145,10 +149,11 @@ def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str],
     return out
 
 
-def stage_breakdown(base: str, prompts: list[str], warm: list[str], client_kind: str = "raw") -> dict[str, Any]:
+def stage_breakdown(base: str, prompts: list[str], warm: list[str], client_kind: str = "raw",
+                    warmup_s: float = 0.0) -> dict[str, Any]:
     """Client E2E and the server's per-stage host time of the same c=1 requests."""
     httpx.get(base + "/debug/stages", timeout=10)  # drop anything traced before
-    client = load(base, "completion", prompts, 1, warm, input_tokens=128, client=client_kind)
+    client = load(base, "completion", prompts, 1, warm, input_tokens=128, client=client_kind, warmup_s=warmup_s)
     traced = [t for t in httpx.get(base + "/debug/stages", timeout=30).json()["data"]
               if t["route"] == "/v1/completions" and t["status"] == 200][-len(prompts):]
     stages = list(traced[0]["stages_s"]) if traced else []
@@ -270,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client", choices=CLIENT_KINDS, default="raw",
                     help="the load generator's HTTP client: raw (bench/raw_http.py, ~5x less CPU a request) or "
                          "httpx (what figures before 2026-11-24 12:00 UTC used)")
+    ap.add_argument("--warmup-s", type=float, default=1.5,
+                    help="seconds of each scenario's own load before its timed requests (discarded)")
     ap.add_argument("--out", default="bench_results/overhead", help="path stem for .json and .png")
     args = ap.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
@@ -304,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 started: list[Any] = []
                 with _start(name, opts, started=started) as base:
                     startup[name].append(time.perf_counter() - t0)
-                    rounds[name].append(run_peer(base, started[0].pid, wl, scenarios, name, args.client))
+                    rounds[name].append(run_peer(base, started[0].pid, wl, scenarios, name, args.client,
+                                                 args.warmup_s))
             except (RuntimeError, TimeoutError) as exc:  # this round goes without it; the others count
                 result.setdefault("failed_rounds", []).append(
                     {"peer": name, "round": r + 1, "error": str(exc).splitlines()[0][:300]})
@@ -315,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if "stages" in scenarios and any(name == "prelude" for name, _ in specs):
         print("stages: prelude --trace-stages", flush=True)
         with _start("prelude", opts, ("--trace-stages",)) as base:
-            result["stages"] = stage_breakdown(base, wl["stages"], wl["warm"], args.client)
+            result["stages"] = stage_breakdown(base, wl["stages"], wl["warm"], args.client, args.warmup_s)
         for stage, ms in result["stages"]["stages_p50_ms"].items():
             print(f"  {stage:<20} {1000 * ms:8.1f} µs", flush=True)
     loads.append(os.getloadavg()[0])

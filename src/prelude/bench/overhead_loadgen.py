@@ -5,8 +5,10 @@ seconds over the timed requests) next to the server's figures.
 
 Reads one job as JSON on stdin, writes one JSON object on stdout:
   {"base", "model", "kind": completion|stream|classify|embed, "payloads": [...],
-   "warmup": [...], "concurrency", "max_tokens", "items": texts per payload,
+   "warmup": [...], "warmup_s": seconds of the payloads at the concurrency before timing,
+   "concurrency", "max_tokens", "items": texts per payload,
    "client": raw (bench/raw_http.py, the default) | httpx}
+and beside the summary "sent": every request sent, warm-ups included.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def sender_for(job: dict[str, Any]) -> Sender:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    spec = LoadSpec(int(job["concurrency"]), None, len(job.get("warmup", ())), int(job.get("seed", 0)))
+    spec = LoadSpec(int(job["concurrency"]), None, len(job.get("warmup", ())), int(job.get("seed", 0)),
+                    warmup_s=float(job.get("warmup_s", 0.0)))
     cpu0, t0 = time.process_time(), time.perf_counter()
     client = LoadClient(job.get("client", "raw")).pool(job["base"])
     result = asyncio.run(run_load(sender_for(job), job["payloads"], spec, warmup=job.get("warmup", ()),
@@ -50,7 +53,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     out = summarize(result, float(job.get("input_tokens", 0)))
     # The client's own cost over warm-up and timed requests together (the same per request).
-    sent = len(job["payloads"]) + len(job.get("warmup", ()))
+    sent = len(job["payloads"]) + len(job.get("warmup", ())) + result.warmup_sent
+    out["sent"] = sent
     out["client_cpu_ms_per_request"] = 1000 * cpu / max(1, sent)
     out["client_cpu_share"] = cpu / wall if wall > 0 else 0.0  # 1.0: one core busy all the time
     return out

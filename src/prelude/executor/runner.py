@@ -391,14 +391,15 @@ class ModelRunner:
         if carried is not None and isinstance(batch, OneShotBatch):
             raise ValueError("a OneShot step has no rows to carry tokens into")
         tokens, sampled = step_size(batch)
-        with self.step_threads.for_trunk(tokens):
-            hidden, starts, rows, reads = self._forward_step(batch, carried)
-        forward_done = time.perf_counter()
-        if on_heads is not None:
-            on_heads()
-        with self.step_threads.for_heads(tokens, sampled):
-            launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab, self._adapter_heads(batch),
-                                           None if reads is None else reads.rows)
+        with self.step_threads.measured_step():
+            with self.step_threads.for_trunk(tokens):
+                hidden, starts, rows, reads = self._forward_step(batch, carried)
+            forward_done = time.perf_counter()
+            if on_heads is not None:
+                on_heads()
+            with self.step_threads.for_heads(tokens, sampled):
+                launched = self.outputs.launch(hidden, starts, rows, self.emittable_vocab,
+                                               self._adapter_heads(batch), None if reads is None else reads.rows)
         launched.forward_done = forward_done
         launched.heads_heavy = self.heads_outweigh_trunk(tokens, sampled)
         return launched

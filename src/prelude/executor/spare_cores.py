@@ -2,17 +2,21 @@
 
 A team's parallel region joins only when every thread of it has run: where another process
 (or a hypervisor's steal) holds a core, each join waits for the OS to schedule the missing
-thread. step_threads.py splits a tiny model's large steps over the team only while the
-machine is quiet, and so asks this every step.
+thread. step_threads.py splits a tiny model's steps over the team only while the machine is
+quiet, and so asks this every step.
 
 The measure is the CPU time that work outside the team used over the last window, in cores:
 /proc/stat's busy ticks of all CPUs (steal included) less /proc/self/stat's user and system
 ticks (other processes: a load generator, `--api-server-count`'s fronts, a neighbour), plus
 this process's main thread when the team is not its (a server's HTTP event loop: the team's
-spinning worker would take the core it parses, tokenizes and answers on). Quiet: at most
-the cores the team leaves free plus QUIET_SLACK_CORES; busy again past BUSY_SLACK_CORES
-(in between the last answer stands, so one window's noise does not flip it). Without /proc
-(not Linux) the machine never counts as quiet.
+spinning worker would take the core it parses, tokenizes and answers on). The main thread
+counts at the lower of its share of the window and its share of the time steps ran
+(`step_began` / `step_ended`: two reads of its CPU clock a step): one request at a time, the
+event loop works between the steps, on the core the step leaves (128/1 at c=1: ~0.3 cores
+over the window, ~0 while steps run), and at c=32 it parses and answers beside every step.
+Quiet: at most the cores the team leaves free plus QUIET_SLACK_CORES; busy again past
+BUSY_SLACK_CORES (in between the last answer stands, so one window's noise does not flip
+it). Without /proc (not Linux) the machine never counts as quiet.
 """
 
 from __future__ import annotations
@@ -45,14 +49,17 @@ class CpuSample:
     front_s: float = 0.0
 
 
-def others_cores(before: CpuSample, after: CpuSample, ticks_per_s: float) -> float:
+def others_cores(before: CpuSample, after: CpuSample, ticks_per_s: float,
+                 front_in_steps: float | None = None) -> float:
     """Cores' worth of CPU time used outside the team between two samples: other processes
-    and this process's front thread."""
+    and this process's front thread, the latter at most `front_in_steps` (its share of the
+    time the team's steps ran; None: not measured)."""
     wall = after.at_s - before.at_s
     if wall <= 0 or ticks_per_s <= 0:
         return 0.0
     others = (after.busy_ticks - before.busy_ticks) - (after.own_ticks - before.own_ticks)
-    return max(0.0, others / ticks_per_s / wall) + max(0.0, after.front_s - before.front_s) / wall
+    front = max(0.0, after.front_s - before.front_s) / wall
+    return max(0.0, others / ticks_per_s / wall) + (front if front_in_steps is None else min(front, front_in_steps))
 
 
 def front_thread_seconds() -> float:
@@ -86,11 +93,13 @@ def read_sample(at_s: float, proc: Path = Path("/proc"),
 
 class SpareCores:
     """`quiet()`: whether the machine leaves a team of `team` threads its cores, as last
-    measured over at least WINDOW_S."""
+    measured over at least WINDOW_S. `step_began()` and `step_ended()` bracket each step
+    (on the engine thread); `front` reads the main thread's CPU seconds."""
 
     def __init__(self, team: int, cores: int | None = None,
                  read: Callable[[float], CpuSample | None] = read_sample,
-                 clock: Callable[[], float] = time.monotonic, ticks_per_s: float | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, ticks_per_s: float | None = None,
+                 front: Callable[[], float] = front_thread_seconds) -> None:
         if cores is None:
             affinity = getattr(os, "sched_getaffinity", None)
             cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
@@ -106,6 +115,27 @@ class SpareCores:
         self._last: CpuSample | None = None
         self._quiet = False
         self.others = 0.0  # the last window's measure, in cores
+        self._front = front
+        self._step: tuple[float, float] | None = None  # the step running: (wall, front CPU) at its start
+        self._front_in_steps = 0.0  # this window's steps: the main thread's CPU seconds meanwhile
+        self._wall_in_steps = 0.0  # and their wall seconds
+
+    def step_began(self) -> None:
+        self._step = (self._clock(), self._front())
+
+    def step_ended(self) -> None:
+        if self._step is None:
+            return
+        (began, front), self._step = self._step, None
+        self._wall_in_steps += max(0.0, self._clock() - began)
+        self._front_in_steps += max(0.0, self._front() - front)
+
+    def _take_front_in_steps(self) -> float | None:
+        """The main thread's share of the time this window's steps ran (None: no step ran);
+        the next window starts from nothing."""
+        share = self._front_in_steps / self._wall_in_steps if self._wall_in_steps > 0 else None
+        self._front_in_steps = self._wall_in_steps = 0.0
+        return share
 
     def quiet(self) -> bool:
         if not self._readable:
@@ -117,10 +147,11 @@ class SpareCores:
         if sample is None:
             self._readable, self._quiet = False, False
             return False
-        if self._last is None:
+        in_steps = self._take_front_in_steps()
+        if self._last is None:  # steps before the first window are in none
             self._last = sample
             return False
-        self.others = others_cores(self._last, sample, self._ticks_per_s)
+        self.others = others_cores(self._last, sample, self._ticks_per_s, in_steps)
         self._last = sample
         if self.others <= self.free_cores + QUIET_SLACK_CORES:
             self._quiet = True

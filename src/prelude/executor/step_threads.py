@@ -8,32 +8,30 @@ model's 128-token forward took 40-65 ms on two threads at load average 8, 0.9-1.
 one (bench overhead). After a region the team's threads also spin for a while before
 they sleep, on the core the server's HTTP thread needs.
 
-The trunk (the decoder's layers) and the heads (LM head, sampling) are decided apart: a
-tiny model with a large vocabulary has a trunk of a few hundred microseconds even when
-its step samples 8-16 rows through a 49,152-row head. Splitting that trunk only buys
-joins, and the head of a few rows is a read of its weights that a second thread barely
-shortens (8 rows of the free model's head: 1.0 ms on one thread, 0.8 on two, quiet).
-So the trunk runs on one thread below SMALL_STEP_FLOPS, and the heads too while the
-trunk is small and the sampled rows' head work is below SMALL_HEAD_FLOPS (decode of the
-free model at c=8: both on one thread; at c=64 the head keeps the team). A model whose
-one decode row is above SMALL_STEP_FLOPS (the default model: ~0.2 GFLOP a token) keeps
-the whole team for everything, as before. Setting the count costs ~0.2 µs and applies
-to the calling (engine) thread's team; on CUDA this does nothing.
+The trunk (the decoder's layers) and the heads (LM head, sampling) are decided apart. A
+model that is not tiny (below) runs its trunk on one thread below SMALL_STEP_FLOPS, and
+its heads too while the trunk is small and the sampled rows' head work is below
+SMALL_HEAD_FLOPS; a model whose one decode row is above SMALL_STEP_FLOPS (the default
+model: ~0.2 GFLOP a token) keeps the whole team for everything. Setting the count costs
+~0.2 µs and applies to the calling (engine) thread's team; on CUDA this does nothing.
 
 A model below TINY_MODEL_FLOPS a token (the free model of `bench overhead`: ~0.6 MFLOP)
 runs every step on one thread, batched OneShot prompts and wide decode heads included,
 while work outside the team holds the machine's cores (spare_cores.py: other processes,
-and the server's own HTTP event loop): a join then waits for a team thread the OS has not
-scheduled, or the team's spinning worker takes the event loop's core. Measured, the free
-model at load average ~5, alternated (server CPU per request, all threads): 128/1 c=32
-6.3 -> 1.5 ms (98 -> 145 req/s), 8-prompt requests 34 -> 6.5 ms (132 -> 726 prompts/s);
-beside one busy-looping process (Zen 5, 2 cores, 2026-11-25), the team against one thread:
-8-prompt 163 / 65 vs 166 / 221 requests/s, OneShot c=32 901 / 708 vs 1,037 / 1,408 req/s.
-The machine otherwise alone, the team on every large step against one thread: 8-prompt
-requests +20-25%, but OneShot c=32 and c=64 -12% and classify c=32 -20% (its worker spins
-on the core the event loop answers ~1,500 requests/s on). So a tiny model's steps follow
-the size bounds above, as any model's, only while the event loop and everything else
-leave the second core quiet, which the 8-prompt requests do and c=32 does not.
+and the server's own HTTP event loop beside the steps): a join then waits for a team
+thread the OS has not scheduled, or the team's spinning worker takes the event loop's
+core. Measured, the free model at load average ~5, alternated (server CPU per request, all
+threads): 128/1 c=32 6.3 -> 1.5 ms (98 -> 145 req/s), 8-prompt requests 34 -> 6.5 ms
+(132 -> 726 prompts/s); beside one busy-looping process (Zen 5, 2 cores, 2026-11-25), the
+team against one thread: 8-prompt 163 / 65 vs 166 / 221 requests/s, OneShot c=32 901 / 708
+vs 1,037 / 1,408 req/s. The machine otherwise alone, the team on every step against one
+thread: 8-prompt requests +20-25%, OneShot c=32 and c=64 -12% and classify c=32 -20% (its
+worker spins on the core the event loop answers ~1,500 requests/s on, beside the steps).
+So a tiny model's steps take the team only while the event loop and everything else leave
+the second core quiet, which the 8-prompt requests and one request at a time do and c=32
+does not; then every step does, small ones included (the size bounds were set on a busy
+machine): 128/1 at c=1, in process, 1.04 ms on one thread, 0.92 with the head on the team,
+0.80 with trunk and head; served, 1.44 vs 1.57 ms (bench overhead, 3 rounds alternated).
 """
 
 from __future__ import annotations
@@ -59,6 +57,10 @@ TINY_MODEL_FLOPS = 5e6
 class QuietProbe(Protocol):
     def quiet(self) -> bool: ...
 
+    def step_began(self) -> None: ...
+
+    def step_ended(self) -> None: ...
+
 
 class StepThreads:
     """`flops_per_token`: 2 x the weights a token passes through (embeddings left out);
@@ -80,19 +82,32 @@ class StepThreads:
         return self.flops_per_token < TINY_MODEL_FLOPS
 
     def _tiny_alone(self) -> bool:
-        """A tiny model's step on one thread whatever its size: unless the machine is quiet."""
-        return self.tiny_model and not (self.spare is not None and self.spare.quiet())
+        """A tiny model's step on one thread: unless the machine is quiet."""
+        return not (self.spare is not None and self.spare.quiet())
 
     def _trunk_below_bound(self, tokens: int) -> bool:
         return tokens * self.flops_per_token < SMALL_STEP_FLOPS
 
     def trunk_is_small(self, tokens: int) -> bool:
-        return self._tiny_alone() or self._trunk_below_bound(tokens)
+        return self._tiny_alone() if self.tiny_model else self._trunk_below_bound(tokens)
 
     def heads_are_small(self, tokens: int, logit_rows: int) -> bool:
-        # the trunk's bound, not trunk_is_small: one probe a decision
-        return self._tiny_alone() or (self._trunk_below_bound(tokens)
-                                      and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS)
+        if self.tiny_model:
+            return self._tiny_alone()
+        return self._trunk_below_bound(tokens) and logit_rows * self.flops_per_logit_row < SMALL_HEAD_FLOPS
+
+    @contextlib.contextmanager
+    def measured_step(self) -> Iterator[None]:
+        """Brackets one step (its trunk and heads) for the quiet probe, which counts the
+        server's event loop only while steps run (spare_cores.py)."""
+        if self.spare is None:
+            yield
+            return
+        self.spare.step_began()
+        try:
+            yield
+        finally:
+            self.spare.step_ended()
 
     def for_trunk(self, tokens: int) -> contextlib.AbstractContextManager[None]:
         return self._one_thread(self.trunk_is_small(tokens))
