@@ -9,7 +9,7 @@ import time
 import pytest
 
 from prelude.bench.overhead_bench import _median_points, goals
-from prelude.bench.overhead_loadgen import sender_for
+from prelude.bench.overhead_loadgen import load_spec, sender_for
 
 
 def test_median_points_take_each_metric_over_rounds() -> None:
@@ -38,6 +38,13 @@ def test_goals_without_vllm_are_open() -> None:
     rows = goals({"prelude": {"c1": {"e2e_p50_ms": 1.5}}})
     assert rows[0]["met"] is True
     assert all(r["met"] is None for r in rows[1:])
+
+
+def test_a_job_becomes_its_closed_loop() -> None:
+    job = {"concurrency": 8, "warmup": ["a", "b"], "warmup_s": 1.5, "seed": 3}
+    spec = load_spec(job)
+    assert (spec.concurrency, spec.rate, spec.warmup, spec.warmup_s, spec.seed) == (8, None, 2, 1.5, 3)
+    assert load_spec({"concurrency": 1}).warmup_s == 0.0
 
 
 def test_loadgen_refuses_an_unknown_kind() -> None:

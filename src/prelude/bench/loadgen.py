@@ -28,11 +28,11 @@ class LoadSpec:
     concurrency: int  # most requests in flight (closed loop: always this many)
     rate: float | None = None  # Poisson arrivals per second; None = closed loop
     warmup: int = 1  # requests sent and discarded before timing starts
-    # then, for this long, the payloads in a closed loop at `concurrency`, discarded: the
-    # server settles into the load (a thread count chosen per window of load, caches)
-    warmup_s: float = 0.0
     seed: int = 0
     progress: str | None = None  # progress bar label; None hides the bar
+    # after `warmup`, for this long, the payloads in a closed loop at `concurrency`, discarded:
+    # the server settles into the load (a thread count chosen per window of load, caches)
+    warmup_s: float = 0.0
 
 
 @dataclass(frozen=True)

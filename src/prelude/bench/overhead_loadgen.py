@@ -43,9 +43,14 @@ def sender_for(job: dict[str, Any]) -> Sender:
     return client.json(base, path, body_of, lambda _: items)
 
 
-def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    spec = LoadSpec(int(job["concurrency"]), None, len(job.get("warmup", ())), int(job.get("seed", 0)),
+def load_spec(job: dict[str, Any]) -> LoadSpec:
+    """The job's closed loop: its concurrency, its warm-up requests and seconds, its seed."""
+    return LoadSpec(int(job["concurrency"]), None, warmup=len(job.get("warmup", ())), seed=int(job.get("seed", 0)),
                     warmup_s=float(job.get("warmup_s", 0.0)))
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    spec = load_spec(job)
     cpu0, t0 = time.process_time(), time.perf_counter()
     client = LoadClient(job.get("client", "raw")).pool(job["base"])
     result = asyncio.run(run_load(sender_for(job), job["payloads"], spec, warmup=job.get("warmup", ()),
