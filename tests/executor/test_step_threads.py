@@ -186,3 +186,25 @@ def test_a_decode_step_runs_its_trunk_and_heads_on_the_threads_they_were_given(
     seen = {"trunk": set(), "heads": set()}
     decode(8)
     assert seen["trunk"] == {1} and team in seen["heads"]
+
+
+def test_every_launched_step_is_bracketed_for_the_probe(team: int, monkeypatch) -> None:  # noqa: ANN001
+    """Through ModelRunner.launch: the probe hears each step begin before its trunk runs and
+    end after its heads, once a step."""
+    from prelude.engine.request import SamplingParams
+    from tests.engine.tiny import hf_tiny_llama, tiny_engine
+
+    engine = tiny_engine(hf_tiny_llama())
+    runner = engine.runner
+    probe = _Probe(quiet=False)
+    monkeypatch.setattr(runner.step_threads, "spare", probe)
+    forward, logits = runner.forward, runner.model.compute_logits
+    monkeypatch.setattr(runner, "forward", lambda *a, **k: (probe.events.append("trunk"), forward(*a, **k))[1])
+    monkeypatch.setattr(runner.model, "compute_logits",
+                        lambda *a, **k: (probe.events.append("heads"), logits(*a, **k))[1])
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert probe.events == ["began", "trunk", "heads", "ended"] * 3 and steps == 3
