@@ -122,7 +122,7 @@ def run_peer(base: str, pid: int, wl: dict[str, list[Any]], scenarios: set[str],
         cpu0, main0 = cpu_seconds(pid), main_thread_cpu_seconds(pid)
         summary = load(base, kind, payloads, c, warmup, client=client, warmup_s=warmup_s, **kw)
         out[key] = s = _point(kind, summary)
-        sent = summary.get("sent", len(payloads) + len(warmup))
+        sent = summary["sent"]  # warm-ups included (overhead_loadgen.py)
         s["server_cpu_ms_per_request"] = 1000 * (cpu_seconds(pid) - cpu0) / sent
         s["server_main_thread_cpu_ms_per_request"] = 1000 * (main_thread_cpu_seconds(pid) - main0) / sent
         print(f"  {name:>12} {key:<12} req/s {s['req_s']:8.1f}  items/s {s['items_s']:8.1f}  "
