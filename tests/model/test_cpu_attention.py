@@ -23,17 +23,27 @@ from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, Pref
 from prelude.model.attention.torch_backend import TorchAttention
 
 _BACKEND = load_cpu_attention()
+_BACKEND_LIB = None if _BACKEND is None else ctypes.CDLL(str(cpu_backend.build()))
 pytestmark = pytest.mark.skipif(_BACKEND is None, reason="the C attention kernel does not build here "
                                 "(no C compiler, no AVX2+FMA, or PRELUDE_CPU_ATTENTION=0)")
 
 
-@pytest.fixture(scope="module", params=("native", "avx2"))
+@pytest.fixture(scope="module", params=("native", "amx", "avx2"))
 def backend(request: pytest.FixtureRequest) -> CpuAttention:
-    """The kernel as built for this CPU (its AVX512-BF16 forms where it has them), and built
-    for AVX2+FMA only: the float32 code an AVX2-only CPU runs for either dtype, checked too."""
+    """The kernel as built for this CPU: its AVX512-BF16 forms where it has them ("native",
+    the AMX form off), and its bf16 prefill items on AMX tiles ("amx", where the CPU has
+    AMX-BF16); and built for AVX2+FMA only: the float32 code an AVX2-only CPU runs for either
+    dtype."""
     assert _BACKEND is not None
     if request.param == "native":
-        return _BACKEND
+        return CpuAttention(_BACKEND_LIB, amx=False)
+    if request.param == "amx":
+        amx = CpuAttention(_BACKEND_LIB, amx=True)
+        if not amx.amx:
+            flags = native_lib.cpu_isa_flags()
+            pytest.skip("no AMX form here: " + ("the OS refused the tile registers" if "amx_bf16" in flags else
+                        f"this CPU has no AMX-BF16 (flags: {' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx'))))})"))
+        return amx
     flags = tuple(f for f in native_lib.AVX2_FLAGS if f != "-ffp-contract=off")
     return CpuAttention(ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, flags))))
 
@@ -49,10 +59,34 @@ def test_native_build_takes_the_bf16_dot_product_where_the_cpu_has_it() -> None:
     assert "vdpbf16ps" in text
 
 
-def test_the_backend_says_which_bf16_math_its_build_has(backend: CpuAttention) -> None:
-    native = backend is _BACKEND
+def test_native_build_takes_amx_tiles_where_the_cpu_has_them() -> None:
+    flags = native_lib.cpu_isa_flags()
+    if "amx_bf16" not in flags:
+        pytest.skip(f"this CPU has no AMX-BF16 (flags: {' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx'))))})")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to read the library's instructions")
+    text = subprocess.run([objdump, "-d", str(cpu_backend.build())], capture_output=True, text=True).stdout
+    assert "tdpbf16ps" in text and "ldtilecfg" in text
+
+
+def test_the_backend_says_which_bf16_math_its_build_has(backend: CpuAttention, request: pytest.FixtureRequest) -> None:
+    native = request.node.callspec.params["backend"] != "avx2"
     assert backend.bf16_dot_product == (native and "avx512_bf16" in native_lib.cpu_isa_flags())
     assert ("dot product" in backend.describe(torch.bfloat16)) == backend.bf16_dot_product
+    assert ("AMX" in backend.describe(torch.bfloat16)) == backend.amx
+
+
+def test_amx_follows_its_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _BACKEND_LIB is not None
+    assert CpuAttention(_BACKEND_LIB, amx=False).amx is False
+    monkeypatch.setenv(cpu_backend.AMX_SWITCH, "0")
+    assert CpuAttention(_BACKEND_LIB).amx is False
+    monkeypatch.setenv(cpu_backend.AMX_SWITCH, "1")
+    ready = bool(_BACKEND_LIB.prelude_attention_amx_ready())
+    assert CpuAttention(_BACKEND_LIB).amx == ready == CpuAttention(_BACKEND_LIB, amx=True).amx
+    if "amx_bf16" not in native_lib.cpu_isa_flags():  # with it, the OS may still refuse the tiles
+        assert not ready
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,16 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #else
 #define HAVE_DPBF16 0
 #endif
+#if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HAVE_AMX 0
+#endif
+#ifndef MAX_M_AMX
+#define MAX_M_AMX 192 /* query vectors per wide item of the AMX form */
+#endif
 
 static inline vf vsplat(float x) { return (vf){0} + x; }
 /* A broadcast of *p for the float32 QK/PV blocks. AVX2: one load-broadcast (vbroadcastss
@@ -176,6 +186,7 @@ typedef struct {
     uint32_t *qp, *pp, *vt; /* the bf16 forms' pair-packed Q, P and V (see below) */
     float *tmax;            /* the bf16 wide form: a full unmasked tile's max per query lane */
     uint16_t *kpad, *zero;  /* K rows padded to an even head_dim; a zero row */
+    uint16_t *kb;           /* the AMX form: a key tile's K rows, zero-padded to a multiple of 32 */
     int64_t kseg[KT_MAX];
 } Scratch;
 
@@ -896,6 +907,125 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     store_out_bf16(c, it, s, nm, mp);
 }
 
+#if HAVE_AMX
+/* ---- the AMX form of the wide bf16 item (CPUs with AMX-BF16: Intel Xeon 4th gen on) -----
+ * The same tile loop, masks, softmax and layouts as wide_item_bf16; the two products run on
+ * the tile unit, 16 x 16 float32 outputs from 16 x 32 bf16 by 32 x 16 bf16 per instruction:
+ * - S^T [keys][queries] = K Q^T: A is 16 key rows (copied into kb, zero-padded to a multiple
+ *   of 32 head dims), B the pair-packed Q^T that the dpbf16 form builds (qp [pairs][mp]);
+ * - acc^T [dims][queries] += V^T P^T: A is V^T in pairs (vtt [dims][key pairs], built per key
+ *   tile), B the pair-packed P^T that softmax_pairs_bf16 writes (pp [key pairs][mp]).
+ * Every tile is 16 rows x 64 bytes. Tiles are per thread: each OpenMP thread loads the
+ * configuration before its first item and releases it after its last. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* V^T in key pairs for keys 0 .. np16*2-1 of the tile (zero past n): vtt[x][jp] holds
+ * (V[2jp][x], V[2jp+1][x]) for x < d16 (zero past d); rows of NKB/2 words. 16 pairs x 16
+ * dims a transpose. */
+static inline void pack_vt_pairs_amx(const uint16_t *const *vr, int64_t n, int64_t d, int64_t d16, int64_t np16,
+                                     const uint16_t *zero, uint32_t *vtt) {
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int64_t jp0 = 0; jp0 < np16; jp0 += 16)
+        for (int64_t x0 = 0; x0 < d16; x0 += 16) {
+            const int64_t left = d - x0;
+            const __mmask32 mask = left >= 16 ? 0xffffu : left <= 0 ? 0u : (__mmask32)((1u << left) - 1u);
+            __m512i r[16];
+            for (int k = 0; k < 16; k++) {
+                const int64_t j = 2 * (jp0 + k);
+                const uint16_t *r0 = j < n ? vr[j] : zero, *r1 = j + 1 < n ? vr[j + 1] : zero;
+                const __m512i a = _mm512_maskz_loadu_epi16(mask, r0 + x0), b = _mm512_maskz_loadu_epi16(mask, r1 + x0);
+                r[k] = _mm512_permutex2var_epi16(a, lo_idx, b);
+            }
+            transpose16(r);
+            for (int k = 0; k < 16; k++) _mm512_storeu_si512(vtt + (x0 + k) * (NKB / 2) + jp0, r[k]);
+        }
+}
+
+static void wide_item_amx(const Ctx *c, const Item *it, Scratch *s) {
+    const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
+    const int64_t d = c->d, dh = (d + 1) / 2, d32 = (d + 31) / 32 * 32, d16 = (d + 15) / 16 * 16;
+    const int64_t ksteps = d32 / 32, prefix = it->ctx - it->q_len;
+    /* Q^T in pairs (as the dpbf16 form), zero rows up to a multiple of 16 pairs */
+    if (d & 1) {
+        for (int64_t i = 0; i < mp * dh; i++) s->qp[i] = 0;
+        for (int64_t i = 0; i < nm; i++) {
+            const uint16_t *qr = (const uint16_t *)lane_q(c, it, i);
+            for (int64_t t = 0; t < dh; t++)
+                s->qp[t * mp + i] = qr[2 * t] | (2 * t + 1 < d ? (uint32_t)qr[2 * t + 1] << 16 : 0u);
+        }
+    } else {
+        pack_q_pairs(c, it, nm, dh, mp, s->qp);
+    }
+    memset(s->qp + dh * mp, 0, (size_t)((d32 / 2 - dh) * mp) * 4);
+    for (int64_t i = 0; i < mp; i++) {
+        s->qpos[i] = i < nm ? (int32_t)(prefix + it->m0 + i / g) : -1;
+        s->qseg[i] = (i < nm && c->segments) ? (int32_t)c->segments[it->q0 + it->m0 + i / g] : 0;
+        s->m[i] = -INFINITY;
+        s->l[i] = 0.0f;
+    }
+    memset(s->acc, 0, (size_t)(d16 * mp) * 4);
+
+    const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
+    const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
+    const int64_t first_q = prefix + it->m0;
+    const uint16_t *kr[NKB], *vr[NKB];
+    int64_t cv0 = 0;
+    for (int64_t p0 = 0; p0 < kv_end; p0 += NKB) {
+        const int64_t n = kv_end - p0 < NKB ? kv_end - p0 : NKB, n16 = (n + 15) / 16 * 16;
+        const int64_t np = (n + 1) / 2, np16 = (np + 15) / 16 * 16;
+        cv0 = first_seeing(s, cv0, nvec, nm, p0);
+        tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
+        const int masked = p0 + n - 1 > first_q || c->segments != NULL;
+        /* K rows, zero-padded to d32 (rows past n are the zero row) */
+        for (int64_t j = 0; j < n16; j++) {
+            uint16_t *dst = s->kb + j * d32;
+            memcpy(dst, kr[j], (size_t)d * 2);
+            for (int64_t x = d; x < d32; x++) dst[x] = 0;
+        }
+        for (int64_t j0 = 0; j0 < n16; j0 += 16)
+            for (int64_t cv = cv0; cv < nvec; cv++) {
+                _tile_zero(0);
+                for (int64_t ks = 0; ks < ksteps; ks++) {
+                    _tile_loadd(2, s->kb + j0 * d32 + ks * 32, d32 * 2);
+                    _tile_loadd(4, s->qp + ks * 16 * mp + cv * VW, mp * 4);
+                    _tile_dpbf16ps(0, 2, 4);
+                }
+                _tile_stored(0, s->s + j0 * mp + cv * VW, mp * 4);
+            }
+        softmax_pairs_bf16(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, d16, NULL);
+        for (int64_t jp = np; jp < np16; jp++) memset(s->pp + jp * mp, 0, (size_t)mp * 4);
+        pack_vt_pairs_amx(vr, n, d, d16, np16, s->zero, s->vt);
+        for (int64_t x0 = 0; x0 < d16; x0 += 16)
+            for (int64_t cv = cv0; cv < nvec; cv++) {
+                _tile_loadd(0, s->acc + x0 * mp + cv * VW, mp * 4);
+                for (int64_t jp0 = 0; jp0 < np16; jp0 += 16) {
+                    _tile_loadd(2, s->vt + x0 * (NKB / 2) + jp0, NKB / 2 * 4);
+                    _tile_loadd(4, s->pp + jp0 * mp + cv * VW, mp * 4);
+                    _tile_dpbf16ps(0, 2, 4);
+                }
+                _tile_stored(0, s->acc + x0 * mp + cv * VW, mp * 4);
+            }
+    }
+    store_out_bf16(c, it, s, nm, mp);
+}
+#endif /* HAVE_AMX */
+
 /* Sum of each of 16 vectors, as the 16 lanes of one (lane j: the sum of a[j]). */
 static inline __m512 hsum16(__m512 *a) {
     __m512 b[8], e[4];
@@ -995,6 +1125,18 @@ static void *alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 
 /* 1 where this build has the bf16 forms (AVX512-BF16), for the start-up log. */
 int prelude_attention_bf16_forms(void) { return HAVE_DPBF16; }
 
+/* 1 where the AMX form can run: this build has it and the kernel lets this process use the
+ * tile registers (Linux asks each process to request them once; the answer is cached). */
+int prelude_attention_amx_ready(void) {
+#if HAVE_AMX
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ready;
+#else
+    return 0;
+#endif
+}
+
 /* Scatter new tokens' K/V ([T, kv_heads, d], element strides) into their pool slots
  * (block * block_size + offset; -1: not kept). esize: bytes per element. */
 static void write_kv_rows(const void *k, int64_t skt, int64_t skh, const void *v, int64_t svt, int64_t svh, void *kc,
@@ -1034,14 +1176,16 @@ int prelude_paged_attention(
     const int64_t *pre_tables, int64_t pre_tstride, const int64_t *pre_tail, int64_t n_dec, const int64_t *dec_index,
     const int64_t *dec_ctx, const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments,
     const int64_t *slots, int64_t n_slots, void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads,
-    int64_t d, float scale, int bf16, int threads) {
+    int64_t d, float scale, int bf16, int threads, int amx) {
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 4096 || block_size <= 0 || !(scale > 0.0f))
         return 1;
     Ctx c = {(const char *)q, (const char *)k, (const char *)v, (const char *)kc, (const char *)vc,
              sqt, sqh, skt, skh, svt, svh, scb, scs, sch, (char *)out, sot, soh, segments,
              block_size, heads, kv_heads, heads / kv_heads, d, (d + 3) / 4 * 4,
              scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4};
-    const int64_t g = c.group, max_m = HAVE_DPBF16 && bf16 ? MAX_M_BF16 : MAX_M;
+    /* amx: bf16 prefill items take the AMX form where it can run */
+    const int use_amx = HAVE_AMX && bf16 && amx && prelude_attention_amx_ready();
+    const int64_t g = c.group, max_m = use_amx ? MAX_M_AMX : HAVE_DPBF16 && bf16 ? MAX_M_BF16 : MAX_M;
     const int64_t tile = g >= max_m ? 1 : max_m / g; /* most query tokens per wide item */
     int64_t count = n_dec * kv_heads;
     /* pre_tail (NULL: all): per prefill row, how many of its last queries are attended;
@@ -1078,14 +1222,14 @@ int prelude_paged_attention(
             items[n++] = (Item){dec_index[r], 1, dec_ctx[r], 1, dec_tables + r * dec_tstride, h, 0, 1};
     count = n;
     const int64_t mp_max = ((tile * g > g ? tile * g : g) + VW - 1) / VW * VW;
-    const int64_t dh = (c.d + 1) / 2, dv = (c.d + 31) / 32 * 32;
+    const int64_t dh = (c.d + 1) / 2, dv = (c.d + 31) / 32 * 32, d16 = (c.d + 15) / 16 * 16;
     const int use_bf16_forms = HAVE_DPBF16 && bf16;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (count > 1)
     {
         Scratch s;
         const int64_t span = c.dp > c.d ? c.dp : c.d;
-        const int64_t acc_n = c.dp * mp_max > WIDE_MIN * dv ? c.dp * mp_max : WIDE_MIN * dv;
+        const int64_t acc_n = d16 * mp_max > WIDE_MIN * dv ? d16 * mp_max : WIDE_MIN * dv;
         s.qt = alloc((size_t)(span * mp_max) * 4);
         s.acc = alloc((size_t)acc_n * 4);
         s.s = alloc((size_t)(KT_MAX * mp_max) * 4);
@@ -1098,9 +1242,10 @@ int prelude_paged_attention(
         int ok = s.qt && s.acc && s.s && s.kf && s.vf && s.m && s.l && s.qpos && s.qseg;
         s.qp = s.pp = s.vt = NULL;
         s.tmax = NULL;
-        s.kpad = s.zero = NULL;
+        s.kpad = s.zero = s.kb = NULL;
         if (use_bf16_forms) {
-            const int64_t qp_n = dh * mp_max > WIDE_MIN * dv ? dh * mp_max : WIDE_MIN * dv;
+            /* Q^T pairs up to a multiple of 16 (the AMX form's tiles of 32 head dims) */
+            const int64_t qp_n = dv / 2 * mp_max > WIDE_MIN * dv ? dv / 2 * mp_max : WIDE_MIN * dv;
             s.qp = alloc((size_t)qp_n * 4);
             s.pp = alloc((size_t)(NKB / 2 * mp_max) * 4);
             s.tmax = alloc((size_t)mp_max * 4);
@@ -1110,6 +1255,13 @@ int prelude_paged_attention(
             ok = ok && s.qp && s.pp && s.vt && s.kpad && s.zero && s.tmax;
             if (s.zero) memset(s.zero, 0, (size_t)dv * 2);
         }
+        if (use_amx) {
+            s.kb = alloc((size_t)(NKB * dv) * 2);
+            ok = ok && s.kb;
+#if HAVE_AMX
+            amx_configure();
+#endif
+        }
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1118,6 +1270,12 @@ int prelude_paged_attention(
         for (int64_t i = 0; i < count; i++) {
             if (!ok) continue;
             const int wide = items[i].mq * g >= WIDE_MIN;
+#if HAVE_AMX
+            if (use_amx && wide) {
+                wide_item_amx(&c, &items[i], &s);
+                continue;
+            }
+#endif
 #if HAVE_DPBF16
             if (use_bf16_forms) {
                 if (wide) wide_item_bf16(&c, &items[i], &s);
@@ -1130,7 +1288,10 @@ int prelude_paged_attention(
         }
         free(s.qt); free(s.acc); free(s.s); free(s.kf); free(s.vf);
         free(s.m); free(s.l); free(s.qpos); free(s.qseg);
-        free(s.qp); free(s.pp); free(s.vt); free(s.kpad); free(s.zero); free(s.tmax);
+        free(s.qp); free(s.pp); free(s.vt); free(s.kpad); free(s.zero); free(s.tmax); free(s.kb);
+#if HAVE_AMX
+        if (use_amx) _tile_release();
+#endif
     }
     free(items);
     return failed ? 2 : 0;

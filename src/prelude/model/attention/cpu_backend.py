@@ -16,6 +16,7 @@ take (another dtype, a CUDA tensor) goes to the torch backend as well.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # numerics follow no eager op's roundings; an online softmax reorders them anyway).
 _FLAGS = tuple(f for f in native_lib.FLAGS if f != "-ffp-contract=off")
 MAX_HEAD_DIM = 4096  # the C side's per-row scratch
+AMX_SWITCH = "PRELUDE_CPU_AMX"
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,9 @@ class CpuAttention:
     attends_tails = True  # forward(..., tail_queries=): only each prefill row's last queries
     devices = ("cpu",)
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, amx: bool | None = None) -> None:
+        """amx: None takes the AMX form where it runs (unless PRELUDE_CPU_AMX=0); False never
+        takes it (the dot-product form); True takes it where it runs."""
         i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
         self._attend = lib.prelude_paged_attention
         self._attend.argtypes = [
@@ -104,7 +108,7 @@ class CpuAttention:
             i64, ptr, ptr, ptr, i64,  # decode rows
             ptr, ptr, i64,  # segments, slots (the KV write)
             ptr, i64, i64,  # out
-            i64, i64, i64, f32, c_int, c_int,
+            i64, i64, i64, f32, c_int, c_int, c_int,
         ]
         self._write = lib.prelude_write_kv
         self._write.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64,
@@ -113,6 +117,10 @@ class CpuAttention:
             fn.restype = c_int
         # bf16 tensors take the bf16 dot-product forms (this build has AVX512-BF16)
         self.bf16_dot_product = bool(lib.prelude_attention_bf16_forms())
+        # bf16 prefill rows take the AMX tile unit where this build has it and the OS grants it
+        # (PRELUDE_CPU_AMX=0: the dot-product form, to compare the two on one machine)
+        wanted = os.environ.get(AMX_SWITCH, "1") != "0" if amx is None else amx
+        self.amx = wanted and bool(lib.prelude_attention_amx_ready())
         self._fallback = TorchAttention()
         # (metadata, its row tensors): every layer of a forward gets the same metadata object
         self._prepared: tuple[AttentionMetadata, _Rows] | None = None
@@ -138,8 +146,11 @@ class CpuAttention:
     def describe(self, dtype: torch.dtype) -> str:
         """What serves `dtype` here, for the start-up log."""
         if dtype == torch.bfloat16:
-            return ("C paged kernel, bf16 products on the AVX512-BF16 dot product, float32 softmax"
-                    if self.bf16_dot_product else "C paged kernel, float32 math (no AVX512-BF16 in this build)")
+            if not self.bf16_dot_product:
+                return "C paged kernel, float32 math (no AVX512-BF16 in this build)"
+            return ("C paged kernel, bf16 prefill products on AMX tiles, decode on the AVX512-BF16 dot product, "
+                    "float32 softmax" if self.amx else
+                    "C paged kernel, bf16 products on the AVX512-BF16 dot product, float32 softmax")
         if dtype == torch.float32:
             return "C paged kernel, float32"
         return "torch SDPA (the C kernel takes float32 and bfloat16)"
@@ -200,7 +211,7 @@ class CpuAttention:
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             k_cache.shape[1], *rows.pre_args, None if tail is None else tail.data_ptr(), *rows.rest_args,
             out.data_ptr(), out.stride(0), out.stride(1),
-            q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(),
+            q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(), int(self.amx),
         )
         if rc != 0:
             raise RuntimeError(f"cpu_attention.c refused the forward's arguments (code {rc})")
