@@ -957,6 +957,59 @@ static inline void pack_vt_pairs_amx(const uint16_t *const *vr, int64_t n, int64
         }
 }
 
+/* 2^x to bf16's precision for finite x (no -inf: the unmasked tiles' scores): a degree-3
+ * fit of 2^f on |f| <= 0.5 (rel. error 1.4e-4, a thirtieth of bf16's rounding), times 2^n. */
+static inline vf exp2v_bf16_finite(vf x) {
+    const __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = (vf)_mm512_sub_ps((__m512)x, n);
+    vf p = vsplat(0.05502926645151903f);
+    p = p * f + 0.24225698192660428f;
+    p = p * f + 0.6932530549963511f;
+    p = p * f + 0.9999513386570452f;
+    return (vf)_mm512_scalef_ps((__m512)p, n);
+}
+
+/* softmax_pairs_bf16 with one pass over an unmasked tile: once every lane of a query vector
+ * has a reference max, the exponents run against it while the tile's max is taken beside
+ * them; only when that max passes the reference by more than LAZY_LOG2 (rare once set, see
+ * lazy_max) is the vector redone the two-pass way. Masked tiles and a vector's first tile
+ * take the two passes. */
+static inline void softmax_pairs_amx(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t cv0, int64_t nvec,
+                                     int64_t mp, int masked, float scale, int64_t rows) {
+    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const vf vscale = vsplat(scale);
+    for (int64_t cv = cv0; cv < nvec; cv++) {
+        const vf m = *(const vf *)(s->m + cv * VW);
+        if (!masked && _mm512_cmp_ps_mask((__m512)m, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ) == 0xffff) {
+            vf sum = vsplat(0.0f), top = vsplat(-INFINITY);
+            for (int64_t jp = 0; jp < n / 2; jp++) {
+                const vf lo = *(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - m;
+                const vf hi = *(vf *)(s->s + (2 * jp + 1) * mp + cv * VW) * vscale - m;
+                top = vmax(top, vmax(lo, hi));
+                const vf plo = exp2v_bf16_finite(lo), phi = exp2v_bf16_finite(hi);
+                sum += plo + phi;
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)phi, (__m512)plo);
+                _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
+            }
+            if (n & 1) { /* the last key alone: its pair's high half is 0 */
+                const int64_t jp = n / 2;
+                const vf lo = *(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - m;
+                top = vmax(top, lo);
+                const vf plo = exp2v_bf16_finite(lo);
+                sum += plo;
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), (__m512)plo);
+                _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
+            }
+            if (_mm512_cmp_ps_mask((__m512)top, _mm512_set1_ps(LAZY_LOG2), _CMP_GT_OQ) == 0) {
+                *(vf *)(s->l + cv * VW) += sum;
+                continue;
+            }
+        }
+        softmax_pairs_bf16(c, s, p0, n, cv, cv + 1, mp, masked, scale, rows, NULL);
+    }
+}
+
 static void wide_item_amx(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
     const int64_t d = c->d, dh = (d + 1) / 2, d32 = (d + 31) / 32 * 32, d16 = (d + 15) / 16 * 16;
@@ -992,35 +1045,69 @@ static void wide_item_amx(const Ctx *c, const Item *it, Scratch *s) {
         cv0 = first_seeing(s, cv0, nvec, nm, p0);
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
         const int masked = p0 + n - 1 > first_q || c->segments != NULL;
-        /* K rows, zero-padded to d32 (rows past n are the zero row) */
-        for (int64_t j = 0; j < n16; j++) {
-            uint16_t *dst = s->kb + j * d32;
-            memcpy(dst, kr[j], (size_t)d * 2);
-            for (int64_t x = d; x < d32; x++) dst[x] = 0;
-        }
-        for (int64_t j0 = 0; j0 < n16; j0 += 16)
+        for (int64_t j0 = 0; j0 < n16; j0 += 16) {
+            /* the group's 16 K rows: read in place when they lie at one stride (one block of
+             * the pool, or the forward's own rows) and fill whole tiles, else copied into kb
+             * zero-padded to d32 (rows past n are the zero row) */
+            const uint16_t *kg = s->kb + j0 * d32;
+            int64_t kstride = d32 * 2;
+            const int64_t pa = p0 + j0, pz = pa + 15;
+            if (d % 32 == 0 && j0 + 16 <= n && pz < cache_end && pa / c->block_size == pz / c->block_size) {
+                kg = kr[j0];
+                kstride = c->scs * 2;
+            } else if (d % 32 == 0 && j0 + 16 <= n && pa >= cache_end) {
+                kg = kr[j0];
+                kstride = c->skt * 2;
+            } else {
+                for (int64_t j = j0; j < j0 + 16; j++) {
+                    uint16_t *dst = s->kb + j * d32;
+                    memcpy(dst, kr[j], (size_t)d * 2);
+                    for (int64_t x = d; x < d32; x++) dst[x] = 0;
+                }
+            }
+            if (ksteps <= 2) { /* head_dim <= 64: the key group's two K tiles stay loaded */
+                _tile_loadd(2, kg, kstride);
+                if (ksteps == 2) _tile_loadd(3, kg + 32, kstride);
+                for (int64_t cv = cv0; cv < nvec; cv++) {
+                    _tile_zero(0);
+                    _tile_loadd(4, s->qp + cv * VW, mp * 4);
+                    _tile_dpbf16ps(0, 2, 4);
+                    if (ksteps == 2) {
+                        _tile_loadd(5, s->qp + 16 * mp + cv * VW, mp * 4);
+                        _tile_dpbf16ps(0, 3, 5);
+                    }
+                    _tile_stored(0, s->s + j0 * mp + cv * VW, mp * 4);
+                }
+                continue;
+            }
             for (int64_t cv = cv0; cv < nvec; cv++) {
                 _tile_zero(0);
                 for (int64_t ks = 0; ks < ksteps; ks++) {
-                    _tile_loadd(2, s->kb + j0 * d32 + ks * 32, d32 * 2);
+                    _tile_loadd(2, kg + ks * 32, kstride);
                     _tile_loadd(4, s->qp + ks * 16 * mp + cv * VW, mp * 4);
                     _tile_dpbf16ps(0, 2, 4);
                 }
                 _tile_stored(0, s->s + j0 * mp + cv * VW, mp * 4);
             }
-        softmax_pairs_bf16(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, d16, NULL);
+        }
+        softmax_pairs_amx(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, d16);
         for (int64_t jp = np; jp < np16; jp++) memset(s->pp + jp * mp, 0, (size_t)mp * 4);
         pack_vt_pairs_amx(vr, n, d, d16, np16, s->zero, s->vt);
-        for (int64_t x0 = 0; x0 < d16; x0 += 16)
-            for (int64_t cv = cv0; cv < nvec; cv++) {
+        /* per query vector its P tiles (the tile's 32 or 64 keys) stay loaded over the head dims */
+        for (int64_t cv = cv0; cv < nvec; cv++) {
+            _tile_loadd(4, s->pp + cv * VW, mp * 4);
+            if (np16 > 16) _tile_loadd(5, s->pp + 16 * mp + cv * VW, mp * 4);
+            for (int64_t x0 = 0; x0 < d16; x0 += 16) {
                 _tile_loadd(0, s->acc + x0 * mp + cv * VW, mp * 4);
-                for (int64_t jp0 = 0; jp0 < np16; jp0 += 16) {
-                    _tile_loadd(2, s->vt + x0 * (NKB / 2) + jp0, NKB / 2 * 4);
-                    _tile_loadd(4, s->pp + jp0 * mp + cv * VW, mp * 4);
-                    _tile_dpbf16ps(0, 2, 4);
+                _tile_loadd(2, s->vt + x0 * (NKB / 2), NKB / 2 * 4);
+                _tile_dpbf16ps(0, 2, 4);
+                if (np16 > 16) {
+                    _tile_loadd(3, s->vt + x0 * (NKB / 2) + 16, NKB / 2 * 4);
+                    _tile_dpbf16ps(0, 3, 5);
                 }
                 _tile_stored(0, s->acc + x0 * mp + cv * VW, mp * 4);
             }
+        }
     }
     store_out_bf16(c, it, s, nm, mp);
 }
