@@ -65,6 +65,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep at most this many unreferenced cached blocks (default: as many as fit)")
     p.add_argument("--prefix-deferral", action=argparse.BooleanOptionalAction, default=True,
                    help="peers of a cold shared prefix wait one step for the request computing it")
+    p.add_argument("--prefix-riders", action=argparse.BooleanOptionalAction, default=True,
+                   help="OneShot peers of a cold shared prefix run in the same forward as the request computing "
+                        "it, reading the blocks it writes (default: on; off: they wait the step)")
     p.add_argument("--oneshot-gather-ms", type=float, default=250.0,
                    help="a OneShot-only step waits for the rest of the burst its last step's answers bring back, "
                         "at most this long and 5%% of that step (0: never waits)")
@@ -142,6 +145,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             force_paged=args.force_paged_path,
             fuse_oneshot=args.fuse_oneshot,
             prefix_deferral=args.prefix_deferral,
+            prefix_riders=args.prefix_riders,
             oneshot_gather_ms=args.oneshot_gather_ms,
             max_decode_batch=args.max_decode_batch,
             default_ttft_slo_ms=args.ttft_slo_ms,

@@ -131,6 +131,9 @@ class SchedulerConfig:
     # False: steps alternate between a OneShot batch and a Decode/Mixed batch.
     fuse_oneshot: bool = True
     prefix_deferral: bool = True  # peers of a cold shared prefix wait one step for its leader
+    # OneShot peers of a leader in the same step ride in its forward instead (they read the
+    # prefix blocks it writes; needs prefix_deferral's leaders); False: they wait the step
+    prefix_riders: bool = True
     # A OneShot-only step waits for the rest of a burst of arrivals it expects (the answers
     # of its last step coming back, engine/oneshot_gather.py), at most this long and 5% of
     # that step's duration; 0: never waits.

@@ -60,10 +60,13 @@ def test_failed_oneshot_step_releases_its_held_blocks(hf_model: Any) -> None:
                            SamplingParams(max_tokens=0, prompt_logprobs=1))
     failed: list[str] = []
     while engine.has_unfinished():
-        with pytest.raises(StepFailed) as step_failed:
-            engine.step()
-        assert isinstance(step_failed.value.cause, _Boom)
-        failed += step_failed.value.request_ids
+        try:
+            outputs = engine.step()  # may launch nothing: a burst of OneShot arrivals is gathered first
+        except StepFailed as step_failed:
+            assert isinstance(step_failed.cause, _Boom)
+            failed += step_failed.request_ids
+        else:
+            assert outputs == []
         engine.check_integrity()
     assert sorted(failed) == ["p0", "p1", "p2", "p3"]
     engine.check_integrity()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from prelude import SamplingParams
-from prelude.engine.oneshot_gather import GAP_S, BurstGather
+from prelude.engine.oneshot_gather import GAP_S, LONE_MIN_TOKENS, BurstGather
 from prelude.engine.request import Request
 from prelude.engine.validation import RequestRules, validate_request
 from prelude.forward_batch import OneShotBatch
@@ -101,3 +101,34 @@ def test_scheduler_never_holds_past_the_cap_or_with_paged_work() -> None:
     s2.add(oneshot("one", opened + 0.001))
     plan = s2.schedule(now=opened + 0.002)
     assert plan.batch is not None and [r.request_id for r in plan.oneshot] == ["one"]
+
+
+def test_an_unannounced_burst_is_gathered_for_a_twentieth_of_its_step() -> None:
+    g = BurstGather(max_wait_s=0.05)
+    two = [oneshot("a", 1.000), oneshot("b", 1.002)]
+    assert not g.hold(two, 1.003)  # no step timed yet: no estimate of the step to bound the hold
+    g.observe(0.4, tokens=400)  # 1 ms a token: the two 40-token prompts make an ~80 ms step
+    assert not g.hold(two[:1], 1.001)  # a lone short request never waits
+    long = [validate_request("long", [1 + i % 50 for i in range(LONE_MIN_TOKENS)],
+                             SamplingParams(temperature=0.0, max_tokens=1),
+                             RequestRules(max_model_len=4096, vocab_size=100, eos_token_ids=frozenset()),
+                             seed_source=GEN, arrival_time=1.0)]
+    assert g.hold(long, 1.004)  # a lone long one waits for company: 5% of its ~512 ms step, and the gap
+    assert not g.hold(long, 1.0 + GAP_S + 0.0001)
+    assert g.hold(two, 1.003)  # two in, the second just now: more may be on the way
+    assert not g.hold(two, 1.0045)  # 5% of the step (4 ms) after the first
+    assert not g.hold([oneshot("a", 1.0), oneshot("b", 1.0)], 1.0035 + GAP_S)  # a quiet gap ends it
+    # a step the burst announced (8 expected, 8 back) goes at once
+    g.step_ended(finished=8, waiting=0, now=2.0)
+    assert not g.hold([oneshot(str(i), 2.001) for i in range(8)], 2.002)
+
+
+def test_scheduler_gathers_an_unannounced_burst_into_one_step() -> None:
+    s = make_scheduler("fcfs", budget=1024)
+    s.gather.observe(0.4, tokens=400)
+    s.add(oneshot("a", 5.000))
+    s.add(oneshot("b", 5.001))
+    assert s.schedule(now=5.002).batch is None  # the burst is still coming
+    s.add(oneshot("c", 5.0025))
+    plan = s.schedule(now=5.0025 + GAP_S + 0.0001)  # past 5% of ~120 ms (6 ms) from the first
+    assert isinstance(plan.batch, OneShotBatch) and [r.request_id for r in plan.batch.rows] == ["a", "b", "c"]

@@ -137,24 +137,71 @@ def test_eviction_under_memory_pressure(hf_model: Any) -> None:
         assert got[f"again{i}"].new_token_ids == ref[str(i)].new_token_ids
 
 
-@pytest.mark.parametrize("deferral", [True, False])
-def test_cold_burst_computes_the_shared_prefix_once(hf_model: Any, deferral: bool) -> None:
+@pytest.mark.parametrize("mode", ["riders", "deferral", "off"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_cold_burst_computes_the_shared_prefix_once(hf_model: Any, mode: str, backend: str) -> None:
+    """riders: the leader and its peers in one forward, the peers reading the prefix blocks
+    the leader writes in it; deferral: the peers wait a step and hit the cache; off: every
+    request computes the prefix. The tokens are the cache-off engine's in every mode."""
     shared = list(range(10, 42))  # 32 tokens = 8 cold blocks
     prompts = [shared + [200 + i, 201 + i] for i in range(8)]
     reqs = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=1), None) for i, p in enumerate(prompts)]
-    engine = tiny_engine(hf_model, max_num_batched_tokens=512)
-    engine.scheduler.config = replace(engine.scheduler.config, prefix_deferral=deferral)
-    got = run(engine, reqs)
-    ref = run(tiny_engine(hf_model, prefix_caching=False), reqs)
-    for rid in ref:
-        assert got[rid].new_token_ids == ref[rid].new_token_ids
+    engine = tiny_engine(hf_model, max_num_batched_tokens=512, attention_backend=backend)
+    engine.scheduler.config = replace(engine.scheduler.config, prefix_deferral=mode != "off",
+                                      prefix_riders=mode == "riders")
+    for rid, ids, params, _ in reqs:
+        engine.add_request(rid, ids, params)
+    first = {o.request_id for o in engine.step() if o.finished}
+    got = run(engine, [])  # the rest
+    ref = run(tiny_engine(hf_model, prefix_caching=False, attention_backend=backend), reqs)
+    done = first | set(got)
+    assert done == set(ref)
+    tokens = {o.request_id: o.new_token_ids for o in ref.values()}
+    for rid, out in got.items():
+        assert out.new_token_ids == tokens[rid]
     st = engine.kv.stats
-    if deferral:
-        assert st.deferred == 7
+    if mode == "riders":
+        assert first == set(ref) and not got  # one forward
+        assert (st.riders, st.deferred) == (7, 0)
+        assert st.computed_tokens == 34 + 7 * 2 and st.reused_tokens == 7 * 32
+    elif mode == "deferral":
+        assert first == {"0"}
+        assert (st.riders, st.deferred) == (0, 7)
         assert st.computed_tokens == 34 + 7 * 2  # the leader's whole prompt, then suffixes only
         assert st.reused_tokens == 7 * 32
     else:
         assert st.computed_tokens == 8 * 34 and st.reused_tokens == 0
+    assert engine.kv.prefix is not None and engine.kv.prefix.num_cached_blocks >= 8
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
+
+
+def test_riders_share_only_the_blocks_equal_to_the_leaders(hf_model: Any) -> None:
+    """Peers that share the leader's first cold blocks only, or all of them, or that end
+    inside the leader's prefix: each rides on the blocks it has in common and computes (and
+    publishes) the rest; a peer with another first block does not ride. Tokens and logprobs
+    equal the cache-off engine's, and every hold is released."""
+    shared = list(range(10, 42))  # 8 blocks
+    prompts = {
+        "leader": shared + [200, 201, 202],
+        "all": shared + [210, 211],
+        "two": shared[:8] + list(range(150, 174)) + [220],  # the first 2 blocks in common
+        "inside": shared[:21],  # ends inside the leader's 6th block: 5 shared, 1 token its own
+        "other": [99] + shared[1:] + [230],  # another first block: its own prefix
+    }
+    reqs = [(rid, p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=3), None) for rid, p in prompts.items()]
+    engine = tiny_engine(hf_model, max_num_batched_tokens=512, attention_backend="cpu")
+    for rid, ids, params, pooling in reqs:
+        engine.add_request(rid, ids, params, pooling)
+    outs = {o.request_id: o for o in engine.step()}
+    assert set(outs) == {rid for rid, *_ in reqs} and all(o.finished for o in outs.values())
+    engine.check_integrity()
+    ref = run(tiny_engine(hf_model, prefix_caching=False, attention_backend="cpu"), reqs)
+    assert_same({k: replace(v, prompt_logprobs=None) for k, v in outs.items()},
+                {k: replace(v, prompt_logprobs=None) for k, v in ref.items()})
+    st = engine.kv.stats
+    assert st.riders == 3  # all, two, inside
+    assert st.reused_tokens == (8 + 2 + 5) * 4
+    assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
 
 
 def test_aborts_release_attached_prefixes(hf_model: Any) -> None:

@@ -521,6 +521,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": st.hit_rate,
             "prefix_published_blocks_total": st.published_blocks,
             "prefix_deferred_requests_total": st.deferred,
+            "prefix_rider_requests_total": st.riders,
             "prefix_evicted_blocks_total": self.kv.prefix.num_evicted if self.kv.prefix else 0,
             **{f"kv_handoffs_{k}_total": v for k, v in self.handoff_counts.items()},
         }

@@ -14,6 +14,17 @@ as the burst keeps coming (no arrival gap above `GAP_S` or 2% of that step once 
 and at most 5% of that step's duration (capped by `--oneshot-gather-ms`). A request that comes alone (c=1) finds the
 count met at once and waits for nothing; open-loop arrivals wait at most that fraction.
 Offline handovers (`LLM.generate`) turn it off: everything is handed over before the step.
+
+A burst that no step announced (the first wave of a judge: c=16 requests sharing a cold
+prefix, sent at once after a pause) reaches the engine one request at a time as the HTTP
+thread parses them; a step started with the first few ran the rest a step later (the
+1,024-token shared prefix's leader with 6 of its 15 peers, then the other 9). So while
+nothing is expected: while OneShot requests wait, the step holds while they keep coming
+(no gap above GAP_S) for at most 5% of the step they would make (its prompt tokens at the
+last OneShot step's time per token) and the cap. A lone request waits only with a prompt
+of LONE_MIN_TOKENS or more (a shared prefix that long is worth its peers' company: the
+engine thread took the first request of such a wave alone in about one wave of four): at
+most GAP_S and 5% of its step. A short lone request (c=1) never waits.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from prelude.engine.request import Request
 GAP_S = 0.005
 GAP_FRACTION = 0.02
 STEP_FRACTION = 0.05  # the longest hold, as a fraction of the last OneShot step's duration
+LONE_MIN_TOKENS = 512  # a lone request with no burst announced waits for peers from this prompt length on
 
 
 @dataclass
@@ -37,10 +49,14 @@ class BurstGather:
     expected: int = 0  # OneShot requests expected after the last OneShot step
     opened: float = 0.0  # when that step ended (monotonic)
     step_s: float = 0.0  # how long it took
+    s_per_token: float = 0.0  # and per token it computed (0: not told)
 
-    def observe(self, seconds: float) -> None:
-        """The duration of a step with OneShot rows (told before `step_ended`)."""
+    def observe(self, seconds: float, tokens: int = 0) -> None:
+        """The duration of a step with OneShot rows and the prompt tokens it computed (told
+        before `step_ended`)."""
         self.step_s = seconds
+        if tokens > 0:
+            self.s_per_token = seconds / tokens
 
     def step_ended(self, finished: int, waiting: int, now: float) -> None:
         self.expected = finished + waiting
@@ -48,11 +64,25 @@ class BurstGather:
 
     def hold(self, waiting: Sequence[Request], now: float) -> bool:
         """Whether a OneShot-only step with `waiting` should wait for more of its burst."""
-        if self.max_wait_s <= 0 or len(waiting) >= self.expected:
+        if self.max_wait_s <= 0:
             return False
         limit = min(self.max_wait_s, STEP_FRACTION * self.step_s)  # 0 until a step was timed
-        if limit <= 0 or not 0 <= now - self.opened < limit:
+        if self.expected > 0 and limit > 0 and 0 <= now - self.opened < limit:  # a burst announced
+            if len(waiting) >= self.expected:
+                return False
+            newest = max((r.arrival_time for r in waiting), default=self.opened)
+            # Before the first request of the burst is back, wait out the round trip (bounded above).
+            return newest <= self.opened or now - newest < max(GAP_S, GAP_FRACTION * self.step_s)
+        return self._unannounced(waiting, now)
+
+    def _unannounced(self, waiting: Sequence[Request], now: float) -> bool:
+        """A burst no step announced: the last request just in, and two or more waiting or a
+        long one."""
+        if not waiting or self.s_per_token <= 0:
             return False
-        newest = max((r.arrival_time for r in waiting), default=self.opened)
-        # Before the first request of the burst is back, wait out the round trip (bounded above).
-        return newest <= self.opened or now - newest < max(GAP_S, GAP_FRACTION * self.step_s)
+        if len(waiting) == 1 and waiting[0].num_prompt_tokens < LONE_MIN_TOKENS:
+            return False
+        step = self.s_per_token * sum(r.num_prompt_tokens for r in waiting)
+        first = min(r.arrival_time for r in waiting)
+        newest = max(r.arrival_time for r in waiting)
+        return now - first < min(self.max_wait_s, STEP_FRACTION * step) and now - newest < GAP_S

@@ -93,6 +93,29 @@ def reuses_prefix(req: Request) -> bool:
 MAX_DEFER_STEPS = 1
 
 
+@dataclass(frozen=True)
+class OneShotLeader:
+    """A OneShot row of this step that computes and publishes a cold shared prefix: its
+    shareable tokens, its cached prefix's length in blocks and the blocks it publishes.
+    A peer whose prompt starts with the same blocks rides in the same forward: it reads
+    them from the pool, where every layer writes the step's new K/V before it attends."""
+
+    tokens: list[int]
+    cached_blocks: int
+    publish_blocks: tuple[int, ...]
+
+    def shared_blocks(self, tokens: list[int], block_size: int) -> tuple[int, ...]:
+        """The leader's publish blocks that `tokens` (a peer's shareable prompt with the same
+        cached prefix) starts with, leaving the peer at least one token of its own."""
+        shared = 0
+        for i in range(len(self.publish_blocks)):
+            lo, hi = (self.cached_blocks + i) * block_size, (self.cached_blocks + i + 1) * block_size
+            if hi > len(tokens) - 1 or tokens[lo:hi] != self.tokens[lo:hi]:
+                break
+            shared += 1
+        return self.publish_blocks[:shared]
+
+
 def shareable_tokens(req: Request) -> list[int]:
     """The part of a OneShot prompt the prefix cache may look up and publish: all of it, or
     for packed items the shared part only (items' K/V sit at restarted positions)."""
@@ -333,12 +356,18 @@ class Scheduler:
         rows: list[OneShotRow] = []
         taken: list[Request] = []
         leaders: set[tuple[object, ...]] = set()
+        riders_of: dict[tuple[object, ...], OneShotLeader] = {}  # first uncached key -> its leader row
         for req in ordered:
             if oneshot_group(req) != group:
                 continue
             prompt = req.prompt_token_ids
             shareable = shareable_tokens(req)
             prefix = self._cached_prefix(req, shareable)
+            key = self.kv.first_uncached_key(shareable, len(prefix), namespace(req))
+            # a peer of a leader in this step rides: the leader's blocks join its prefix
+            leader = riders_of.get(key) if key is not None and reuses_prefix(req) else None
+            riding = leader.shared_blocks(shareable, bs) if leader is not None else ()
+            prefix = prefix + list(riding)
             publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
             n_cached = len(prefix) * bs
             n = req.num_prompt_tokens - n_cached
@@ -347,7 +376,7 @@ class Scheduler:
                 continue  # low-priority work over this step's bound waits; normal rows may still fit
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
-            if self._defer(req, self.kv.first_uncached_key(shareable, len(prefix), namespace(req)), leaders):
+            if not riding and self._defer(req, key, leaders):
                 continue
             if not self._adapter_fits(req, result):
                 continue
@@ -356,8 +385,13 @@ class Scheduler:
             # template ending mid-block. Looked up for taken rows only (a scan of cached
             # children), after the budget, which the full-block hit already bounds.
             partial = (self.kv.match_partial(shareable, prefix, namespace(req))
-                       if publish and prefix and reuses_prefix(req) else None)
+                       if publish and prefix and reuses_prefix(req) and not riding else None)
             publish_blocks, copy_from = self.kv.hold_for_step(prefix, publish, partial[0] if partial else None)
+            if riding:
+                self.kv.stats.riders += 1
+            elif (key is not None and publish_blocks and copy_from is None and self.config.prefix_riders
+                  and self.config.prefix_deferral):
+                riders_of.setdefault(key, OneShotLeader(shareable, n_cached // bs, tuple(publish_blocks)))
             if partial and copy_from is not None:
                 n_cached, n = n_cached + partial[1], n - partial[1]
             self.kv.record(n_cached, n)
@@ -662,7 +696,8 @@ class Scheduler:
         """Measured duration of a step: OneShot gathering bounds its holds by it, policies
         that model prompt work fit it."""
         if isinstance(batch, OneShotBatch) or (isinstance(batch, MixedBatch) and batch.oneshot_rows):
-            self.gather.observe(seconds)
+            rows = batch.rows if isinstance(batch, OneShotBatch) else batch.oneshot_rows
+            self.gather.observe(seconds, sum(len(r.token_ids) - r.num_cached for r in rows))
         if isinstance(batch, MixedBatch) and batch.prefill_rows:
             prompts = [(len(r.token_ids), r.start_pos) for r in batch.prefill_rows]
             prompts += [(len(r.token_ids) - r.num_cached, r.num_cached) for r in batch.oneshot_rows]  # fused

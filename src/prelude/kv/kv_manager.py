@@ -22,6 +22,7 @@ class PrefixStats:
     computed_tokens: int = 0  # prompt tokens computed (the rest of each prompt)
     published_blocks: int = 0
     deferred: int = 0  # requests that waited a step for a leader to fill their prefix
+    riders: int = 0  # OneShot requests that read a leader's prefix blocks in the leader's own step
 
     @property
     def hit_rate(self) -> float:

@@ -86,6 +86,9 @@ class _EngineGauges(Collector):
                             get("prefix_evicted_blocks_total"))
         yield self._counter("prelude:prefix_cache_deferred_requests", "Requests deferred one step for a leader.",
                             get("prefix_deferred_requests_total"))
+        yield self._counter("prelude:prefix_cache_rider_requests",
+                            "OneShot requests that read a leader's prefix blocks in the leader's own step.",
+                            get("prefix_rider_requests_total"))
         for name, value in (self._extra() if self._extra else {}).items():
             yield self._counter(f"prelude:{name}", name.replace("_", " "), value)
 
