@@ -132,3 +132,12 @@ def test_scheduler_gathers_an_unannounced_burst_into_one_step() -> None:
     s.add(oneshot("c", 5.0025))
     plan = s.schedule(now=5.0025 + GAP_S + 0.0001)  # past 5% of ~120 ms (6 ms) from the first
     assert isinstance(plan.batch, OneShotBatch) and [r.request_id for r in plan.batch.rows] == ["a", "b", "c"]
+
+
+def test_scheduler_never_holds_a_step_its_waiting_prompts_already_fill() -> None:
+    s = make_scheduler("fcfs", budget=80)  # two of the 40-token prompts fill a step
+    s.gather.observe(0.4, tokens=400)
+    s.add(oneshot("a", 5.000))
+    s.add(oneshot("b", 5.001))
+    plan = s.schedule(now=5.002)  # just in, but nothing more would fit
+    assert isinstance(plan.batch, OneShotBatch) and [r.request_id for r in plan.batch.rows] == ["a", "b"]

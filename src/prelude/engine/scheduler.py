@@ -414,6 +414,16 @@ class Scheduler:
     def _oneshot_budget(self) -> int:
         return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
 
+    def _oneshot_step_full(self) -> bool:
+        """Whether the waiting OneShot prompts already fill a step's token budget (then more
+        arrivals could not join it: gathering them would only delay it)."""
+        budget, total = self._oneshot_budget(), 0
+        for req in self.oneshot_waiting:
+            total += req.num_prompt_tokens
+            if total >= budget:
+                return True
+        return False
+
     def _schedule_oneshot(self, now: float) -> ScheduleResult:
         result = ScheduleResult(batch=None)
         rows, taken = self._take_oneshot(now, self._oneshot_budget(), self.config.oneshot_activation_bytes, True,
@@ -530,7 +540,7 @@ class Scheduler:
         decode_work = bool(self.waiting or self.running)
         fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
         if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
-            if not decode_work and self.gather.hold(self.oneshot_waiting, now):
+            if not decode_work and not self._oneshot_step_full() and self.gather.hold(self.oneshot_waiting, now):
                 return ScheduleResult(batch=None)  # the rest of the burst is on its way
             self._last_was_oneshot = True
             return self._schedule_oneshot(now)
