@@ -113,8 +113,12 @@ def test_an_unannounced_burst_is_gathered_for_a_twentieth_of_its_step() -> None:
                              SamplingParams(temperature=0.0, max_tokens=1),
                              RequestRules(max_model_len=4096, vocab_size=100, eos_token_ids=frozenset()),
                              seed_source=GEN, arrival_time=1.0)]
-    assert g.hold(long, 1.004)  # a lone long one waits for company: 5% of its ~512 ms step, and the gap
-    assert not g.hold(long, 1.0 + GAP_S + 0.0001)
+    # a lone long one waits for company: 5% of its ~512 ms step (25.6 ms), gaps up to 2% of it (10.2 ms)
+    assert g.hold(long, 1.0 + GAP_S + 0.001)
+    assert not g.hold(long, 1.0105)
+    # a step takes at most its budget's tokens: 100 of them bound the step at ~100 ms, the hold at 5 ms
+    assert g.hold(long, 1.0045, step_tokens=100)
+    assert not g.hold(long, 1.0051, step_tokens=100)
     assert g.hold(two, 1.003)  # two in, the second just now: more may be on the way
     assert not g.hold(two, 1.0045)  # 5% of the step (4 ms) after the first
     assert not g.hold([oneshot("a", 1.0), oneshot("b", 1.0)], 1.0035 + GAP_S)  # a quiet gap ends it
@@ -135,9 +139,24 @@ def test_scheduler_gathers_an_unannounced_burst_into_one_step() -> None:
 
 
 def test_scheduler_never_holds_a_step_its_waiting_prompts_already_fill() -> None:
-    s = make_scheduler("fcfs", budget=80)  # two of the 40-token prompts fill a step
+    s = make_scheduler("fcfs", budget=80)  # two 40-token prompts with nothing in common fill a step
     s.gather.observe(0.4, tokens=400)
-    s.add(oneshot("a", 5.000))
-    s.add(oneshot("b", 5.001))
+    rules = RequestRules(max_model_len=4096, vocab_size=100, eos_token_ids=frozenset())
+    for rid, token, at in (("a", 7, 5.000), ("b", 9, 5.001)):
+        s.add(validate_request(rid, [token] * 40, SamplingParams(temperature=0.0, max_tokens=1), rules,
+                               seed_source=GEN, arrival_time=at))
     plan = s.schedule(now=5.002)  # just in, but nothing more would fit
     assert isinstance(plan.batch, OneShotBatch) and [r.request_id for r in plan.batch.rows] == ["a", "b"]
+
+
+def test_peers_sharing_a_prefix_do_not_fill_a_step_with_it() -> None:
+    """Two 40-token prompts fill an 80-token step; two that share 32 of them (a cold
+    prefix the second rides on) leave room: the burst is still gathered."""
+    s = make_scheduler("fcfs", budget=80)
+    s.gather.observe(0.4, tokens=400)
+    rules = RequestRules(max_model_len=4096, vocab_size=100, eos_token_ids=frozenset())
+    shared = [1 + i % 50 for i in range(32)]
+    for rid, tail, at in (("a", [60] * 8, 5.000), ("b", [70] * 8, 5.001)):
+        s.add(validate_request(rid, shared + tail, SamplingParams(temperature=0.0, max_tokens=1), rules,
+                               seed_source=GEN, arrival_time=at))
+    assert s.schedule(now=5.002).batch is None  # 48 of 80 tokens: more may join

@@ -20,11 +20,13 @@ prefix, sent at once after a pause) reaches the engine one request at a time as 
 thread parses them; a step started with the first few ran the rest a step later (the
 1,024-token shared prefix's leader with 6 of its 15 peers, then the other 9). So while
 nothing is expected: while OneShot requests wait, the step holds while they keep coming
-(no gap above GAP_S) for at most 5% of the step they would make (its prompt tokens at the
-last OneShot step's time per token) and the cap. A lone request waits only with a prompt
-of LONE_MIN_TOKENS or more (a shared prefix that long is worth its peers' company: the
-engine thread took the first request of such a wave alone in about one wave of four): at
-most GAP_S and 5% of its step. A short lone request (c=1) never waits.
+(no gap above GAP_S or 2% of the step they would make: the front parsed a fresh server's
+first 1,088-token prompts 3.5-11 ms apart) for at most 5% of that step (its prompt tokens,
+at most a step's budget, at the last OneShot step's time per token) and the cap. A lone
+request waits only with a prompt of LONE_MIN_TOKENS or more (a shared prefix that long
+is worth its peers' company: the engine thread took the first request of such a wave
+alone in about one wave of four), within the same bounds. A short lone request (c=1)
+never waits.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class BurstGather:
         self.expected = finished + waiting
         self.opened = now
 
-    def hold(self, waiting: Sequence[Request], now: float) -> bool:
-        """Whether a OneShot-only step with `waiting` should wait for more of its burst."""
+    def hold(self, waiting: Sequence[Request], now: float, step_tokens: int | None = None) -> bool:
+        """Whether a OneShot-only step with `waiting` should wait for more of its burst;
+        `step_tokens`: the most prompt tokens a step takes (bounds its estimate)."""
         if self.max_wait_s <= 0:
             return False
         limit = min(self.max_wait_s, STEP_FRACTION * self.step_s)  # 0 until a step was timed
@@ -73,16 +76,18 @@ class BurstGather:
             newest = max((r.arrival_time for r in waiting), default=self.opened)
             # Before the first request of the burst is back, wait out the round trip (bounded above).
             return newest <= self.opened or now - newest < max(GAP_S, GAP_FRACTION * self.step_s)
-        return self._unannounced(waiting, now)
+        return self._unannounced(waiting, now, step_tokens)
 
-    def _unannounced(self, waiting: Sequence[Request], now: float) -> bool:
+    def _unannounced(self, waiting: Sequence[Request], now: float, step_tokens: int | None) -> bool:
         """A burst no step announced: the last request just in, and two or more waiting or a
         long one."""
         if not waiting or self.s_per_token <= 0:
             return False
         if len(waiting) == 1 and waiting[0].num_prompt_tokens < LONE_MIN_TOKENS:
             return False
-        step = self.s_per_token * sum(r.num_prompt_tokens for r in waiting)
+        tokens = sum(r.num_prompt_tokens for r in waiting)  # an upper bound: cached prefixes count too
+        step = self.s_per_token * (tokens if step_tokens is None else min(tokens, step_tokens))
         first = min(r.arrival_time for r in waiting)
         newest = max(r.arrival_time for r in waiting)
-        return now - first < min(self.max_wait_s, STEP_FRACTION * step) and now - newest < GAP_S
+        return (now - first < min(self.max_wait_s, STEP_FRACTION * step)
+                and now - newest < max(GAP_S, GAP_FRACTION * step))

@@ -17,6 +17,12 @@ the default): after the decode rows, OneShot prompts and paged prompts take turn
 the step's remaining token budget. With `fuse_oneshot` off, steps alternate between a
 OneShot batch and a Decode/Mixed batch. Either way neither class starves the other.
 
+A cold shared prefix is computed once. The first request that would compute and publish
+it leads; a OneShot peer in the same step rides in the leader's forward (its prefix is
+the blocks the leader publishes, which every layer writes before any row attends: a
+judge's cold wave of 16 requests ran in one step instead of two, 461 -> 385 ms in
+process); any other peer waits one step for the leader and then hits the cache.
+
 Low-priority requests (a batch job's lines on a serving engine) yield to normal ones:
 within each class normal requests go first, and low-priority prompt work gets no tokens
 while a normal prompt waits, and at most `low_priority_step_tokens` a step while normal
@@ -114,6 +120,18 @@ class OneShotLeader:
                 break
             shared += 1
         return self.publish_blocks[:shared]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of a and b (slice comparisons, a binary search)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def shareable_tokens(req: Request) -> list[int]:
@@ -416,12 +434,15 @@ class Scheduler:
 
     def _oneshot_step_full(self) -> bool:
         """Whether the waiting OneShot prompts already fill a step's token budget (then more
-        arrivals could not join it: gathering them would only delay it)."""
-        budget, total = self._oneshot_budget(), 0
+        arrivals could not join it: gathering them would only delay it). A prompt counts
+        past the prefix it shares with the one before it (a peer rides on its leader's)."""
+        budget, total, before = self._oneshot_budget(), 0, None
         for req in self.oneshot_waiting:
-            total += req.num_prompt_tokens
+            prompt = req.prompt_token_ids
+            total += len(prompt) - (_common_prefix(prompt, before) if before is not None else 0)
             if total >= budget:
                 return True
+            before = prompt
         return False
 
     def _schedule_oneshot(self, now: float) -> ScheduleResult:
@@ -540,7 +561,8 @@ class Scheduler:
         decode_work = bool(self.waiting or self.running)
         fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
         if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
-            if not decode_work and not self._oneshot_step_full() and self.gather.hold(self.oneshot_waiting, now):
+            if (not decode_work and not self._oneshot_step_full()
+                    and self.gather.hold(self.oneshot_waiting, now, self._oneshot_budget())):
                 return ScheduleResult(batch=None)  # the rest of the burst is on its way
             self._last_was_oneshot = True
             return self._schedule_oneshot(now)

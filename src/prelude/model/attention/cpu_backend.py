@@ -3,9 +3,11 @@
 One library call per layer serves every row of the forward (prefill rows over a cached
 prefix plus new tokens, OneShot or chunked, decode rows, multi-item segments), reading K/V
 through the block tables in place: no per-row Python loop, no gather of a prefix into a
-contiguous copy, no mask tensor. The KV write is part of the same call. float32 and bf16;
-the softmax and sums are float32 (on an AVX512-BF16 CPU the bf16 products run on its bf16
-dot-product instruction, P rounded to bf16 for P·V).
+contiguous copy, no mask tensor. The KV write is part of the same call, before any row
+attends: a OneShot row may read prefix blocks another row of the same forward writes (the
+scheduler's riders). float32 and bf16; the softmax and sums are float32 (on an
+AVX512-BF16 CPU the bf16 products run on its bf16 dot-product instruction, P rounded to
+bf16 for P·V; on an AMX-BF16 CPU the prefill rows' products run on the tile unit).
 
 Built on first use for this CPU (native_lib.py, -march=native, cached per ISA); `load_cpu_attention()` is
 None without a compiler or AVX2+FMA, or with PRELUDE_CPU_ATTENTION=0, and the backend
