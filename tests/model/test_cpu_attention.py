@@ -48,25 +48,23 @@ def backend(request: pytest.FixtureRequest) -> CpuAttention:
     return CpuAttention(ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, flags))))
 
 
-def test_native_build_takes_the_bf16_dot_product_where_the_cpu_has_it() -> None:
+def _native_instructions(flag: str, what: str) -> str:
+    """The native library's disassembly; skips where the CPU lacks `flag` or no objdump."""
     flags = native_lib.cpu_isa_flags()
-    if "avx512_bf16" not in flags:
-        pytest.skip(f"this CPU has no AVX512-BF16 (flags: {' '.join(sorted(f for f in flags if f.startswith('avx')))})")
+    if flag not in flags:
+        pytest.skip(f"this CPU has no {what} (flags: {' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx'))))})")
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("no objdump to read the library's instructions")
-    text = subprocess.run([objdump, "-d", str(cpu_backend.build())], capture_output=True, text=True).stdout
-    assert "vdpbf16ps" in text
+    return subprocess.run([objdump, "-d", str(cpu_backend.build())], capture_output=True, text=True).stdout
+
+
+def test_native_build_takes_the_bf16_dot_product_where_the_cpu_has_it() -> None:
+    assert "vdpbf16ps" in _native_instructions("avx512_bf16", "AVX512-BF16")
 
 
 def test_native_build_takes_amx_tiles_where_the_cpu_has_them() -> None:
-    flags = native_lib.cpu_isa_flags()
-    if "amx_bf16" not in flags:
-        pytest.skip(f"this CPU has no AMX-BF16 (flags: {' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx'))))})")
-    objdump = shutil.which("objdump")
-    if objdump is None:
-        pytest.skip("no objdump to read the library's instructions")
-    text = subprocess.run([objdump, "-d", str(cpu_backend.build())], capture_output=True, text=True).stdout
+    text = _native_instructions("amx_bf16", "AMX-BF16")
     assert "tdpbf16ps" in text and "ldtilecfg" in text
 
 

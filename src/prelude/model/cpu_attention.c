@@ -865,10 +865,12 @@ static inline void store_out_bf16(const Ctx *c, const Item *it, const Scratch *s
     }
 }
 
-static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
-    const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
-    const int64_t d = c->d, dp = c->dp, dh = (d + 1) / 2, dv = (d + 31) / 32 * 32, prefix = it->ctx - it->q_len;
-    /* Q^T in pairs; lane i is query token m0 + i / g, head kv_head * g + i % g */
+/* A bf16 wide item's start: Q^T in pairs (lane i is query token m0 + i / g, head
+ * kv_head * g + i % g), zero rows from the head_dim's pairs up to `pair_rows`; each lane's
+ * position, segment and softmax state; `acc_rows` rows of acc^T zeroed. */
+static inline void begin_wide_bf16(const Ctx *c, const Item *it, Scratch *s, int64_t nm, int64_t mp,
+                                   int64_t pair_rows, int64_t acc_rows) {
+    const int64_t g = c->group, d = c->d, dh = (d + 1) / 2, prefix = it->ctx - it->q_len;
     if (d & 1) {
         memset(s->qp, 0, (size_t)(dh * mp) * 4);
         for (int64_t i = 0; i < nm; i++) {
@@ -879,13 +881,20 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     } else { /* a row's pairs are its 32-bit words */
         pack_q_pairs(c, it, nm, dh, mp, s->qp);
     }
+    memset(s->qp + dh * mp, 0, (size_t)((pair_rows - dh) * mp) * 4);
     for (int64_t i = 0; i < mp; i++) {
         s->qpos[i] = i < nm ? (int32_t)(prefix + it->m0 + i / g) : -1; /* padding sees nothing */
         s->qseg[i] = (i < nm && c->segments) ? (int32_t)c->segments[it->q0 + it->m0 + i / g] : 0;
         s->m[i] = -INFINITY;
         s->l[i] = 0.0f;
     }
-    memset(s->acc, 0, (size_t)(dp * mp) * 4);
+    memset(s->acc, 0, (size_t)(acc_rows * mp) * 4);
+}
+
+static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
+    const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
+    const int64_t d = c->d, dp = c->dp, dh = (d + 1) / 2, dv = (d + 31) / 32 * 32, prefix = it->ctx - it->q_len;
+    begin_wide_bf16(c, it, s, nm, mp, dh, dp);
 
     const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
@@ -1012,27 +1021,9 @@ static inline void softmax_pairs_amx(const Ctx *c, Scratch *s, int64_t p0, int64
 
 static void wide_item_amx(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t g = c->group, nm = it->mq * g, nvec = (nm + VW - 1) / VW, mp = nvec * VW;
-    const int64_t d = c->d, dh = (d + 1) / 2, d32 = (d + 31) / 32 * 32, d16 = (d + 15) / 16 * 16;
+    const int64_t d = c->d, d32 = (d + 31) / 32 * 32, d16 = (d + 15) / 16 * 16;
     const int64_t ksteps = d32 / 32, prefix = it->ctx - it->q_len;
-    /* Q^T in pairs (as the dpbf16 form), zero rows up to a multiple of 16 pairs */
-    if (d & 1) {
-        for (int64_t i = 0; i < mp * dh; i++) s->qp[i] = 0;
-        for (int64_t i = 0; i < nm; i++) {
-            const uint16_t *qr = (const uint16_t *)lane_q(c, it, i);
-            for (int64_t t = 0; t < dh; t++)
-                s->qp[t * mp + i] = qr[2 * t] | (2 * t + 1 < d ? (uint32_t)qr[2 * t + 1] << 16 : 0u);
-        }
-    } else {
-        pack_q_pairs(c, it, nm, dh, mp, s->qp);
-    }
-    memset(s->qp + dh * mp, 0, (size_t)((d32 / 2 - dh) * mp) * 4);
-    for (int64_t i = 0; i < mp; i++) {
-        s->qpos[i] = i < nm ? (int32_t)(prefix + it->m0 + i / g) : -1;
-        s->qseg[i] = (i < nm && c->segments) ? (int32_t)c->segments[it->q0 + it->m0 + i / g] : 0;
-        s->m[i] = -INFINITY;
-        s->l[i] = 0.0f;
-    }
-    memset(s->acc, 0, (size_t)(d16 * mp) * 4);
+    begin_wide_bf16(c, it, s, nm, mp, d32 / 2, d16); /* Q^T pairs up to whole tiles of 32 head dims */
 
     const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
