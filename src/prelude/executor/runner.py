@@ -29,6 +29,7 @@ from prelude.executor.device import (
     resolve_dtype,
 )
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
+from prelude.executor.host_memory import keep_freed_activations
 from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, pack_int64
 from prelude.executor.kv_sizing import GRAPH_RESERVE_BYTES, DeviceMemory
 from prelude.executor.lora_slots import AdapterSlots
@@ -230,6 +231,7 @@ class ModelRunner:
         device = resolve_device(config.device)
         if device.type == "cpu":  # before any of the model's GEMMs (encoders call F.linear directly)
             bound_onednn_caches()
+            keep_freed_activations()
         dtype = resolve_dtype(config.dtype, device)
         if device.type == "cpu" and isa_capped_to_avx2():
             logger.info("%s=avx2: running as on an AVX2-only CPU (torch's ATEN_CPU_CAPABILITY=%s, oneDNN's "
