@@ -7,8 +7,12 @@ mutable state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+
+# When a CPU KV pool's pages are faulted in (model/kv_memory.py): at their first write, when the
+# pool is made, or by a thread beside the rest of start-up.
+Populate = Literal["off", "start", "background"]
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -95,10 +99,11 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides the memory budget when set (tests)
     enable_prefix_caching: bool = True
     max_cached_blocks: int | None = None  # unreferenced cached blocks kept at most (None: no cap)
-    # The CPU pool's pages faulted in when it is made (model/kv_memory.py): ~0.3 s of start-up
-    # for 1 GiB instead of ~2.5 us of a page fault on every first write of a 4 KiB page while
-    # serving. The CLI's engines (serve, run-batch) set it; the offline LLM and tests do not.
-    populate_kv: bool = False
+    # The CPU pool's pages faulted in ahead (model/kv_memory.py) instead of ~2.5 us of a page
+    # fault on every first write of a 4 KiB page while serving: "start" costs start-up ~0.3-0.6 s
+    # for 1 GiB, "background" a thread beside the rest of start-up. The CLI's engines (serve,
+    # run-batch) take "background"; the offline LLM and tests leave it "off".
+    populate_kv: Populate = "off"
 
 
 @dataclass(frozen=True)

@@ -97,3 +97,30 @@ def test_admission_error_surfaces_before_first_output(hf_model) -> None:  # noqa
     asyncio.run(run())
     assert front.is_healthy()
     front.shutdown()
+
+
+def test_while_building_runs_on_the_calling_thread_beside_the_build(hf_model) -> None:  # noqa: ANN001
+    """The server imports its modules while the engine builds: `while_building` runs on the
+    constructor's thread before the build is awaited (the factory here cannot finish until it
+    has run), and the front serves as usual after."""
+    import threading
+
+    ran_on: list[threading.Thread] = []
+    gone = threading.Event()
+
+    def factory():  # noqa: ANN202
+        assert gone.wait(timeout=30), "while_building did not run beside the build"
+        return tiny_engine(hf_model)
+
+    def beside() -> None:
+        ran_on.append(threading.current_thread())
+        gone.set()
+
+    front = AsyncEngine(factory, while_building=beside)
+    try:
+        assert ran_on == [threading.main_thread()]
+        assert front._thread is not threading.main_thread()
+        (tokens,) = streams_at_once(front, [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(tokens) == 3
+    finally:
+        front.shutdown()

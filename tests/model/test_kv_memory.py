@@ -8,7 +8,9 @@ except ImportError:  # not on Windows
 import pytest
 import torch
 
-from prelude.model.kv_memory import zeroed_kv_tensors
+from prelude.config import Populate
+from prelude.model import kv_memory
+from prelude.model.kv_memory import populate_in_background, populate_write_works, zeroed_kv_tensors
 
 
 def test_cpu_kv_tensors_read_as_zero_and_do_not_alias() -> None:
@@ -38,7 +40,7 @@ def test_a_populated_pool_takes_no_page_faults_when_first_written() -> None:
     shape = (64, 16, 8, 64)  # 2 tensors x 1 MiB of bf16 = 512 pages of 4 KiB
     pages = 2 * 64 * 16 * 8 * 64 * 2 // 4096
 
-    def faults_of_first_write(populate: bool) -> int:
+    def faults_of_first_write(populate: Populate) -> int:
         tensors = zeroed_kv_tensors(2, shape, torch.bfloat16, torch.device("cpu"), populate=populate)
         assert not any(t.any() for t in tensors)  # zeros either way (a lazy one maps the zero page)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -46,6 +48,36 @@ def test_a_populated_pool_takes_no_page_faults_when_first_written() -> None:
             t.fill_(1.0)
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-    lazy, populated = faults_of_first_write(False), faults_of_first_write(True)
+    lazy, populated = faults_of_first_write("off"), faults_of_first_write("start")
     assert lazy >= pages // 2  # one per page (fewer only with huge pages)
     assert populated <= pages // 10
+
+
+@pytest.mark.skipif(resource is None or not populate_write_works(), reason="needs Linux 5.14+'s MADV_POPULATE_WRITE")
+def test_a_pool_populated_in_the_background_keeps_its_zeros_and_what_was_written_meanwhile() -> None:
+    """The thread fills the page tables without writing: values written before or while it
+    runs stay, unwritten ones read zero, and once it is done first writes fault nothing."""
+    shape = (64, 16, 8, 64)
+    pages = 2 * 64 * 16 * 8 * 64 * 2 // 4096
+    k, v = zeroed_kv_tensors(2, shape, torch.bfloat16, torch.device("cpu"))  # lazy: nothing faulted yet
+    k[3].fill_(2.5)  # a request's K/V, written before the pages are filled
+    flat = torch.empty(0, dtype=torch.bfloat16).set_(k.untyped_storage(), 0, (2 * k.numel(),))  # the whole mapping
+    assert flat.data_ptr() == k.data_ptr() and flat.numel() == 2 * k.numel()
+    populate_in_background(flat).join()
+    assert k[3].eq(2.5).all() and k[:3].count_nonzero() == 0 and k[4:].count_nonzero() == 0
+    assert v.count_nonzero() == 0
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    k.fill_(1.0)
+    v.fill_(1.0)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before <= pages // 10
+
+
+def test_background_falls_back_to_faulting_at_start_where_the_kernel_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_memory, "populate_write_works", lambda: False)
+    started: list[object] = []
+    monkeypatch.setattr(kv_memory, "populate_in_background", started.append)
+    k, v = zeroed_kv_tensors(2, (4, 16, 2, 8), torch.float32, torch.device("cpu"), populate="background")
+    assert not started and not k.any() and not v.any()
+    monkeypatch.setattr(kv_memory, "populate_write_works", lambda: True)
+    zeroed_kv_tensors(2, (4, 16, 2, 8), torch.float32, torch.device("cpu"), populate="background")
+    assert len(started) == 1

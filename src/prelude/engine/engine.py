@@ -42,6 +42,9 @@ from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.engine")
+# The start-up line's words for CacheConfig.populate_kv (model/kv_memory.py)
+_POPULATED = {"start": "; its pages faulted in at start (no page faults while serving)",
+              "background": "; its pages faulted in by a thread beside the rest of start-up"}
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,7 @@ class LLMEngine:
             logger.info(
                 "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d; budget: %s%s",
                 num_blocks, block_size, num_blocks * info.kv_bytes_per_block / 2**30, info.device, self.max_model_len,
-                why, "; its pages faulted in at start (no page faults while serving)"
-                if config.cache.populate_kv and info.device == "cpu" else "",
+                why, _POPULATED.get(config.cache.populate_kv, "") if info.device == "cpu" else "",
             )
         runner.start_background_work()  # e.g. --compile background: off the loading path
 

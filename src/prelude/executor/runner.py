@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from prelude.config import ExecutorConfig, LoraConfig
+from prelude.config import ExecutorConfig, LoraConfig, Populate
 from prelude.executor.compiled import COMPILE_MODES, CompiledForwards, EagerForwards, ForwardProvider
 from prelude.executor.device import (
     cpu_isa_flags,
@@ -255,7 +255,7 @@ class ModelRunner:
         """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""
         self.emittable_vocab = emittable
 
-    def allocate_kv_cache(self, num_blocks: int, populate: bool = False) -> None:
+    def allocate_kv_cache(self, num_blocks: int, populate: Populate = "off") -> None:
         """`num_blocks` for the KV manager, plus one scratch block that no request owns:
         padding rows of a replayed graph write their K/V there. `populate`: CacheConfig's."""
         self.kv_caches = self.model.allocate_kv_cache(num_blocks + 1, self.block_size, populate)

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
+from prelude.config import Populate
 from prelude.model.attention.metadata import AttentionMetadata
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -53,7 +54,7 @@ class Model(Protocol):
 
     def classify(self, hidden_row: torch.Tensor) -> torch.Tensor: ...
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, populate: bool = False) -> KVCaches: ...
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, populate: Populate = "off") -> KVCaches: ...
 
     def kv_bytes_per_block(self, block_size: int) -> int: ...
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from prelude.model.attention.metadata import AttentionMetadata
+from prelude.config import Populate
 from prelude.model.base import KVCaches
 
 
@@ -181,7 +182,7 @@ class BertEncoder:
         raise RuntimeError("an encoder model has no language-model head")
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
-                          populate: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                          populate: Populate = "off") -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []
 
     def kv_bytes_per_block(self, block_size: int) -> int:

@@ -13,7 +13,7 @@ from typing import Callable, Literal, Mapping
 import torch
 import torch.nn.functional as F
 
-from prelude.config import ModelConfig
+from prelude.config import ModelConfig, Populate
 from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.base import KVCaches
@@ -280,7 +280,7 @@ class LlamaForCausalLM:
         return F.linear(hidden_row[-1], self.score).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
-                          populate: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                          populate: Populate = "off") -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
         tensors = zeroed_kv_tensors(2 * self.config.num_hidden_layers, shape, self.dtype, self.device, populate)
         return list(zip(tensors[0::2], tensors[1::2], strict=True))
