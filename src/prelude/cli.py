@@ -136,7 +136,10 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             max_cached_blocks=args.prefix_cache_max_blocks,
-            populate_kv="background",  # a serving engine: no page faults on the hot path (model/kv_memory.py)
+            # No page faults on the hot path (model/kv_memory.py): a server fills the pool beside
+            # the rest of its start-up; a batch job before its first line, so the RSS its lines
+            # add is measured from a full pool
+            populate_kv="start" if getattr(args, "command", None) == "run-batch" else "background",
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

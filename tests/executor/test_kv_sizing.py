@@ -68,3 +68,15 @@ def test_cli_defaults_size_from_the_device() -> None:
     cache = _engine_config(p.parse_args(["--model", "x", "--kv-cache-memory-gib", "3",
                                          "--gpu-memory-utilization", "0.8"])).cache
     assert cache.kv_cache_memory_gib == 3.0 and cache.gpu_memory_utilization == 0.8
+
+
+def test_a_server_fills_its_pool_beside_start_up_and_a_batch_job_before_its_first_line() -> None:
+    """`prelude serve` faults the CPU pool's pages in from a thread (ready sooner); run-batch
+    before its first line, so the RSS a job's lines add is measured from a full pool."""
+    from prelude.cli import _add_engine_args, _engine_config
+
+    p = argparse.ArgumentParser()
+    _add_engine_args(p)
+    args = p.parse_args(["--model", "x"])
+    assert _engine_config(argparse.Namespace(**vars(args), command="serve")).cache.populate_kv == "background"
+    assert _engine_config(argparse.Namespace(**vars(args), command="run-batch")).cache.populate_kv == "start"
