@@ -23,6 +23,44 @@ def _errors(s: dict[str, Any]) -> str:
     return f"{s['errors']} ({s.get('first_error', '')[:60]})" if s.get("errors") else "0"
 
 
+_METRIC_NAMES = {"req_s": "req/s", "output_tok_s": "output tok/s", "tpot_p50_ms": "TPOT p50 ms"}
+
+
+def _n_rounds(peers: dict[str, dict[str, Any]]) -> int:
+    """How many rounds a scenario's figures are the medians of (1: no --rounds)."""
+    return max((len(s.get("rounds", [])) for s in peers.values()), default=0) or 1
+
+
+def _median_of(n: int) -> str:
+    return f", median of {n} rounds" if n > 1 else ""
+
+
+def _by_round(peers: dict[str, dict[str, Any]], ratios: dict[str, Any], medians: dict[str, Any],
+              metrics: list[str], lead: tuple[str, ...] = ()) -> list[list[str]]:
+    """With --rounds, one row a peer: each metric's per-round figures, then prelude / peer
+    per round (each taken within its round) and their median: the ratio the goals read."""
+    rows: list[list[str]] = []
+    for p, s in peers.items():
+        if "rounds" not in s:
+            continue
+        row = [*lead, p]
+        for m in metrics:
+            row.append(", ".join(_f(r.get(m), 2) for r in s.get("rounds", [])))
+            rs, med = ratios.get(m, {}).get(p), medians.get(m, {}).get(p)
+            row.append(DASH if rs is None else ", ".join(DASH if x is None else _f(x, 2) + "x" for x in rs)
+                       + f" (median {DASH if med is None else _f(med, 2) + 'x'})")
+        rows.append(row)
+    return rows
+
+
+def _by_round_header(metrics: list[str], lead: tuple[str, ...] = ()) -> list[str]:
+    cols = [*lead, "peer"]
+    for m in metrics:
+        name = _METRIC_NAMES.get(m, m)
+        cols += [f"{name} by round", f"prelude / peer {name} by round (median)"]
+    return cols
+
+
 def markdown(result: dict[str, Any]) -> str:
     sc = result["scenarios"]
     lines = [f"# prelude bench serve — {result['when']}", "", f"Machine: {result['machine']}.",
@@ -53,7 +91,8 @@ def markdown(result: dict[str, Any]) -> str:
     if "b" in sc:
         points = sc["b"]["points"]
         peers = sorted({p for pt in points.values() for p in pt}, key=list(result["startup_s"]).index)
-        lines += ["## (b) 512-in/1-out sweep: req/s (E2E p50 / p95 ms)", ""]
+        n = max((_n_rounds(pt) for pt in points.values()), default=1)
+        lines += [f"## (b) 512-in/1-out sweep: req/s (E2E p50 / p95 ms){_median_of(n)}", ""]
         at_point = sc["b"].get("ceiling_req_s", {})
         rows = []
         for c, pt in points.items():
@@ -63,6 +102,13 @@ def markdown(result: dict[str, Any]) -> str:
                 for p in peers] + ([_f(at_point.get(c), 2)] if at_point else []))
         lines += _table(["concurrency", *peers] + (["Prelude eager forward (measured before the point)"]
                                                     if at_point else []), rows)
+        if n > 1:
+            ratios, medians = sc["b"].get("ratio_rounds", {}), sc["b"].get("ratio_median", {})
+            lines += ["", f"Median of {n} rounds (fresh prompts every round, the peer order alternating); "
+                      "per round:", ""]
+            lines += _table(_by_round_header(["req_s"], ("concurrency",)),
+                            [row for c, pt in points.items()
+                             for row in _by_round(pt, ratios.get(c, {}), medians.get(c, {}), ["req_s"], (c,))])
         if "roofline_long_req_s" in ceiling:
             lines += ["", f"GEMM roofline (the machine's limit): {_f(ceiling['roofline_long_req_s'], 2)} req/s "
                       f"({_f(ceiling['gemm_gflops'], 0)} GFLOP/s at the model's layer shapes, 512 rows)."]
@@ -72,10 +118,12 @@ def markdown(result: dict[str, Any]) -> str:
                       + ", ".join(f"{b}: {_f(v, 2)}" for b, v in ceiling["batched_long_req_s"].items()) + ")"]
         lines += [""]
     if "c" in sc:
-        lines += ["## (c) Decode control 128-in/32-out, c=4", ""]
+        n = _n_rounds(sc["c"]["peers"])
+        lines += [f"## (c) Decode control 128-in/32-out, c=4{_median_of(n)}", ""]
         rows = [[p, _f(s["ttft_p50_ms"]), _f(s["tpot_p50_ms"]), _f(s["output_tok_s"]), _f(s["mean_output_tokens"]),
                  _errors(s)] for p, s in sc["c"]["peers"].items()]
         lines += _table(["peer", "TTFT p50 ms", "TPOT p50 ms", "output tok/s", "tokens/request", "errors"], rows)
+        lines += _rounds_section(sc["c"], n, ["output_tok_s", "tpot_p50_ms"], " (fresh prompts every round)")
         lines += [""]
     for key, title in (("d_classify", "(d) Classify, c=16, 20 texts per request"),
                        ("d_embed", "(d) Embed, c=16, 20 texts per request")):
@@ -86,17 +134,31 @@ def markdown(result: dict[str, Any]) -> str:
             lines += _table(["peer", "items/s", "E2E p50 ms", "E2E p95 ms", "errors"], rows) + [""]
     if "e" in sc:
         e = sc["e"]
+        n = _n_rounds(e["peers"])
         lines += [f"## (e) Shared prefix: {e['prefix_tokens']}-token system prompt + {e['suffix_range'][0]}-"
-                  f"{e['suffix_range'][1]} unique tokens, {e['max_tokens']} output token(s), c={e['concurrency']}", ""]
+                  f"{e['suffix_range'][1]} unique tokens, {e['max_tokens']} output token(s), c={e['concurrency']}"
+                  f"{_median_of(n)}", ""]
         rows = [[p, _f(s["req_s"], 2), _f(s["ttft_p50_ms"], 0), _f(s["ttft_p95_ms"], 0), _f(s["e2e_p95_ms"], 0),
                  _f(s["input_tok_s"], 0), _errors(s)] for p, s in e["peers"].items()]
         lines += _table(["peer", "req/s", "TTFT p50 ms", "TTFT p95 ms", "E2E p95 ms", "input tok/s", "errors"], rows)
+        lines += _rounds_section(e, n, ["req_s"], " (a fresh shared prefix every round: each round's first wave is cold)")
         lines += [""]
     if result.get("goals"):
-        lines += ["## Goals (ratios from this run)", ""]
+        rounds = result.get("rounds", 1)
+        lines += ["## Goals (ratios from this run" + (f"; against a peer in (b), (c) and (e): the median of {rounds} "
+                                                      "per-round ratios" if rounds > 1 else "") + ")", ""]
         lines += _table(["goal", "measured", "status"],
                         [[g["goal"], g["measured"], g["status"]] for g in result["goals"]]) + [""]
     return "\n".join(lines)
+
+
+def _rounds_section(scenario: dict[str, Any], n: int, metrics: list[str], why: str = "") -> list[str]:
+    """With --rounds: the per-round figures and ratios under a scenario's table of medians."""
+    if n <= 1:
+        return []
+    rows = _by_round(scenario["peers"], scenario.get("ratio_rounds", {}), scenario.get("ratio_median", {}), metrics)
+    return ["", f"Median of {n} rounds{why}, the peer order alternating; per round:", "",
+            *_table(_by_round_header(metrics), rows)]
 
 
 def plot_sweep(result: dict[str, Any], path: Path) -> Path | None:

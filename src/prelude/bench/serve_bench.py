@@ -17,6 +17,9 @@ second bounds server overhead over Prelude's kernels, not what the machine can d
 Start-up is timed twice per peer that has caches: cold (empty caches) and warm. Peers: see
 peers/launch.py; a peer that can not start here is skipped with its reason, never faked.
 Closed loop by default; --rate switches to Poisson arrivals (capped at each scenario's concurrency).
+--rounds N runs (b), (c) and (e) N times, every peer once a round, the order alternating,
+fresh prompts each round; figures are medians of the rounds, ratios are taken within a
+round (a drifting machine moves both sides of a ratio alike) and their median reported.
 Writes JSON, a markdown report and a PNG of the sweep.
 """
 
@@ -24,15 +27,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import platform
 import random
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -92,6 +97,10 @@ class Workload:
     texts: list[list[str]]  # (d): 20 texts per request
     prefix_prompts: list[str]
     prefix_lengths: list[int]
+    # --rounds: each round's own prompts; [0] is the fields above (sweep, short[n_a:], prefix_*).
+    sweep_rounds: list[dict[int, list[str]]]
+    decode_rounds: list[list[str]]
+    prefix_rounds: list[tuple[list[str], list[int]]]
 
 
 def _sizes(scale: float) -> dict[str, int]:
@@ -114,8 +123,18 @@ def build_workload(tok: Any, sizes: dict[str, int], sweep: list[int], args: argp
     p512 = {c: [exact_prompt(512, rng, tok) for _ in range(max(sizes["b"], c))] for c in sweep}
     lo, hi = (int(x) for x in args.suffix_range.split(","))
     prefix_prompts, prefix_lengths = shared_prefix_prompts(args.prefix_tokens, (lo, hi), sizes["e"], rng, tok)
-    return Workload(short, sizes["a"], p512, exact_prompt(128, rng, tok), exact_prompt(512, rng, tok),
-                    [_ticket_texts(rng, 20) for _ in range(sizes["d"])], prefix_prompts, prefix_lengths)
+    warm_short, warm_long = exact_prompt(128, rng, tok), exact_prompt(512, rng, tok)
+    texts = [_ticket_texts(rng, 20) for _ in range(sizes["d"])]
+    # Later rounds draw after everything above, so round 0 is the same whatever --rounds is.
+    # Fresh prompts every round: no peer answers (b) or (c) from a cache an earlier round
+    # filled, and every round's first (e) wave pays for a cold prefix on every peer.
+    sweep_rounds, decode_rounds, prefix_rounds = [p512], [short[sizes["a"]:]], [(prefix_prompts, prefix_lengths)]
+    for _ in range(1, args.rounds):
+        sweep_rounds.append({c: [exact_prompt(512, rng, tok) for _ in range(max(sizes["b"], c))] for c in sweep})
+        decode_rounds.append([exact_prompt(128, rng, tok) for _ in range(sizes["c"])])
+        prefix_rounds.append(shared_prefix_prompts(args.prefix_tokens, (lo, hi), sizes["e"], rng, tok))
+    return Workload(short, sizes["a"], p512, warm_short, warm_long, texts, prefix_prompts, prefix_lengths,
+                    sweep_rounds, decode_rounds, prefix_rounds)
 
 
 def _env(pairs: tuple[tuple[str, str], ...], tmp: str | None = None) -> dict[str, str] | None:
@@ -227,6 +246,73 @@ def alone(peers: list[Peer], p: Peer | None = None) -> AbstractContextManager[No
     return frozen([o.pid for o in peers if o is not p])
 
 
+# The figures of (b), (c) and (e) whose prelude / peer ratio is taken within each round (the goals read them).
+RATIO_METRICS: dict[str, tuple[str, ...]] = {"b": ("req_s",), "c": ("output_tok_s", "tpot_p50_ms"), "e": ("req_s",)}
+_SUMMED = ("requests", "errors")  # over all rounds; every other figure is the median of the rounds'
+
+
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """Round r's peer order: as given on even rounds, reversed on odd ones, so no peer is
+    always the first on a rested machine, or always the one after the same other peer."""
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
+def in_rounds(
+    names: Sequence[str], rounds: int, run: Callable[[int, str], dict[str, Any]]
+) -> list[dict[str, dict[str, Any]]]:
+    """`run(round, peer)` for every peer in every round, in round_order; each round's
+    summaries by peer, in the given order (the report's)."""
+    out: list[dict[str, dict[str, Any]]] = []
+    for r in range(rounds):
+        got = {name: run(r, name) for name in round_order(names, r)}
+        out.append({name: got[name] for name in names})
+    return out
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    """The median of the finite values; None when there is none."""
+    finite = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(finite) if finite else None
+
+
+def _ratio(pre: float | None, other: float | None) -> float | None:
+    return pre / other if pre and other and not math.isnan(pre) and not math.isnan(other) else None
+
+
+def combine_rounds(per_round: list[dict[str, dict[str, Any]]], metrics: tuple[str, ...]) -> dict[str, Any]:
+    """{"peers": {peer: summary}} from each round's summaries by peer. One round: its
+    summaries as they are (the JSON of a run without --rounds). More: each figure the median
+    of the peer's per-round figures (requests and errors summed), the rounds' summaries
+    under "rounds"; and for each of `metrics`, prelude / peer taken within each round
+    ("ratio_rounds": {metric: {peer: [per round]}}) and the median of those ("ratio_median"):
+    a drifting machine moves both sides of a ratio within a round alike, not across rounds."""
+    if len(per_round) == 1:
+        return {"peers": per_round[0]}
+    names = list(dict.fromkeys(name for rnd in per_round for name in rnd))
+    peers: dict[str, dict[str, Any]] = {}
+    for name in names:
+        runs = [rnd[name] for rnd in per_round if name in rnd]
+        summary: dict[str, Any] = {}
+        for key in dict.fromkeys(k for run in runs for k in run):
+            values = [run[key] for run in runs if key in run]
+            if key in _SUMMED:
+                summary[key] = sum(values)
+            elif isinstance(values[0], (int, float)):
+                m = _median(values)
+                summary[key] = math.nan if m is None else m
+            else:
+                summary[key] = values[0]  # first_error: the first round's that had one
+        peers[name] = summary | {"rounds": runs}
+    out: dict[str, Any] = {"peers": peers}
+    if "prelude" in names:
+        others = [n for n in names if n != "prelude"]
+        ratios = {m: {n: [_ratio(rnd.get("prelude", {}).get(m), rnd.get(n, {}).get(m)) for rnd in per_round]
+                      for n in others} for m in metrics}
+        out["ratio_rounds"] = ratios
+        out["ratio_median"] = {m: {n: _median(rs) for n, rs in by_peer.items()} for m, by_peer in ratios.items()}
+    return out
+
+
 def run_scenarios(
     peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str], raw: RawModel, tok: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -235,6 +321,11 @@ def run_scenarios(
     out: dict[str, Any] = {}
     clients = LoadClient(args.client)
     completers = [p for p in peers if COMPLETIONS in p.spec.serves]
+    by_name = {p.spec.name: p for p in completers}
+
+    def tag(r: int) -> str:  # a progress label's round, with --rounds
+        return f" r{r}" if args.rounds > 1 else ""
+
     long_ids = [tok.encode(p, add_special_tokens=False) for p in next(iter(wl.sweep.values()))[:16]]
     with alone(peers):
         batched = raw.batched(long_ids, args.ceiling_iters)
@@ -257,34 +348,46 @@ def run_scenarios(
         print(f"[a] raw forward p50 {ceiling['forward_short_ms']:.1f} ms  [{_TAG}]", flush=True)
     if "b" in scenarios and completers:
         out["b"] = {"points": {}, "ceiling_req_s": {}}
-        for c, prompts in wl.sweep.items():
+        for c in wl.sweep:
             # The ceiling again at every point, in the same minutes as the servers' runs;
             # the goal compares against the best ceiling seen (the strictest reading).
             with alone(peers):
                 out["b"]["ceiling_req_s"][str(c)] = max(raw.batched(long_ids, max(3, args.ceiling_iters // 2)).values())
             ceiling["best_long_req_s"] = max(ceiling["best_long_req_s"], out["b"]["ceiling_req_s"][str(c)])
-            point: dict[str, Any] = {}
-            for p in completers:
-                if p.spec.name == "llama.cpp" and c > args.llama_sweep_max:
-                    continue  # one request at a time: more concurrency only queues (see --llama-sweep-max)
+            # llama.cpp runs one request at a time: more concurrency only queues (see --llama-sweep-max)
+            names = [p.spec.name for p in completers if p.spec.name != "llama.cpp" or c <= args.llama_sweep_max]
+
+            def sweep_point(r: int, name: str, c: int = c) -> dict[str, Any]:
+                p = by_name[name]
                 send, pool = _completer(clients, p, 1)
                 _settle(peers)
                 with alone(peers, p):
-                    res = asyncio.run(run_load(send, prompts, _spec(args, c, f"b c={c} {p.spec.name}"), [wl.warm_long],
-                                               client=pool))
-                point[p.spec.name] = summarize(res, 512)
-            out["b"]["points"][str(c)] = point
-            _show(f"b c={c}", point, ("req_s", "e2e_p50_ms", "e2e_p95_ms"))
+                    res = asyncio.run(run_load(send, wl.sweep_rounds[r][c], _spec(args, c, f"b c={c} {name}{tag(r)}"),
+                                               [wl.warm_long], client=pool))
+                return summarize(res, 512)
+
+            point = combine_rounds(in_rounds(names, args.rounds, sweep_point), RATIO_METRICS["b"])
+            out["b"]["points"][str(c)] = point["peers"]
+            for key in ("ratio_rounds", "ratio_median"):
+                if key in point:
+                    out["b"].setdefault(key, {})[str(c)] = point[key]
+            _show(f"b c={c}", point["peers"], ("req_s", "e2e_p50_ms", "e2e_p95_ms"))
+            _show_ratios(f"b c={c}", point)
     if "c" in scenarios and completers:
-        out["c"] = {"peers": {}}
-        for p in completers:
+        # Fresh prompts every round too (wl.decode_rounds): a prompt cached by an earlier round
+        # would spare a peer with a prefix cache its 128-token prefill, a share of (c)'s time.
+        def decode(r: int, name: str) -> dict[str, Any]:
+            p = by_name[name]
             send, pool = _completer(clients, p, 32)
             _settle(peers)
             with alone(peers, p):
-                res = asyncio.run(run_load(send, wl.short[wl.n_a:], _spec(args, 4, f"c {p.spec.name}"), [wl.warm_short],
-                                           client=pool))
-            out["c"]["peers"][p.spec.name] = summarize(res, 128)
+                res = asyncio.run(run_load(send, wl.decode_rounds[r], _spec(args, 4, f"c {name}{tag(r)}"),
+                                           [wl.warm_short], client=pool))
+            return summarize(res, 128)
+
+        out["c"] = combine_rounds(in_rounds(list(by_name), args.rounds, decode), RATIO_METRICS["c"])
         _show("c", out["c"]["peers"], ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms"))
+        _show_ratios("c", out["c"])
     if "d" in scenarios:
         for key, task, path in (("d_classify", CLASSIFY, "/classify"), ("d_embed", EMBEDDINGS, "/v1/embeddings")):
             out[key] = {"peers": {}}
@@ -309,17 +412,22 @@ def run_scenarios(
     if "e" in scenarios and completers:
         lo, hi = (int(x) for x in args.suffix_range.split(","))
         out["e"] = {"prefix_tokens": args.prefix_tokens, "suffix_range": [lo, hi], "max_tokens": args.prefix_max_tokens,
-                    "concurrency": args.prefix_concurrency, "peers": {}}
-        mean_len = sum(wl.prefix_lengths) / len(wl.prefix_lengths)
-        for p in completers:
+                    "concurrency": args.prefix_concurrency}
+
+        def judge(r: int, name: str) -> dict[str, Any]:
+            p = by_name[name]
+            prompts, lengths = wl.prefix_rounds[r]  # a fresh prefix every round: each round's first wave is cold
             send, pool = _completer(clients, p, args.prefix_max_tokens)
             # No warm-up: the first request pays for the cold prefix on every peer alike.
-            spec = replace(_spec(args, args.prefix_concurrency, f"e {p.spec.name}"), warmup=0)
+            spec = replace(_spec(args, args.prefix_concurrency, f"e {name}{tag(r)}"), warmup=0)
             _settle(peers)  # no warm-up here to absorb another peer's spin: the first wave is measured
             with alone(peers, p):
-                res = asyncio.run(run_load(send, wl.prefix_prompts, spec, client=pool))
-            out["e"]["peers"][p.spec.name] = summarize(res, mean_len)
+                res = asyncio.run(run_load(send, prompts, spec, client=pool))
+            return summarize(res, sum(lengths) / len(lengths))
+
+        out["e"] |= combine_rounds(in_rounds(list(by_name), args.rounds, judge), RATIO_METRICS["e"])
         _show("e", out["e"]["peers"], ("req_s", "ttft_p50_ms", "e2e_p95_ms"))
+        _show_ratios("e", out["e"])
     return out, ceiling
 
 
@@ -336,6 +444,23 @@ def _show(label: str, peers: dict[str, dict[str, Any]], keys: tuple[str, ...]) -
     for name, s in peers.items():
         figures = "  ".join(f"{k}={s[k]:.1f}" for k in keys)
         print(f"[{label}] {name:<22} {figures}  errors={s['errors']}  [{_TAG}]", flush=True)
+
+
+def _show_ratios(label: str, combined: dict[str, Any]) -> None:
+    """With --rounds: prelude / each peer, round by round, and the median."""
+    for metric, by_peer in combined.get("ratio_rounds", {}).items():
+        for name, rs in by_peer.items():
+            med = combined["ratio_median"][metric][name]
+            print(f"[{label}] prelude / {name} {metric} by round: "
+                  + ", ".join("-" if x is None else f"{x:.2f}" for x in rs)
+                  + f"; median {'-' if med is None else f'{med:.2f}'}  [{_TAG}]", flush=True)
+
+
+def _round_ratio(scenario: dict[str, Any], metric: str, peer: str, point: str | None = None) -> float | None:
+    """With --rounds: the median of the per-round prelude / peer ratios (robust on a
+    drifting machine, unlike the ratio of two medians); None without rounds."""
+    medians = scenario.get("ratio_median", {})
+    return (medians.get(point, {}) if point else medians).get(metric, {}).get(peer)
 
 
 def goals(result: dict[str, Any]) -> list[dict[str, str]]:
@@ -366,11 +491,10 @@ def goals(result: dict[str, Any]) -> list[dict[str, str]]:
     r = c16 / roof if c16 and roof else None
     add("issue 24: 512/1 c=16: prelude req/s >= 0.85x the GEMM roofline", r, None if r is None else r >= 0.85)
     c = sc.get("c", {}).get("peers", {})
-    if "prelude" in c and "llama.cpp" in c and c["llama.cpp"]["output_tok_s"] > 0:
+    r = _round_ratio(sc.get("c", {}), "output_tok_s", "llama.cpp")
+    if r is None and "prelude" in c and "llama.cpp" in c and c["llama.cpp"]["output_tok_s"] > 0:
         r = c["prelude"]["output_tok_s"] / c["llama.cpp"]["output_tok_s"]
-        add("decode 128/32 c=4: prelude output tok/s / llama.cpp >= 1", r, r >= 1.0)
-    else:
-        add("decode 128/32 c=4: prelude output tok/s / llama.cpp >= 1", None, None)
+    add("decode 128/32 c=4: prelude output tok/s / llama.cpp >= 1", r, None if r is None else r >= 1.0)
     _vllm_goals(sc, add)
     s = start.get("prelude")
     add("prelude startup to ready <= 3 s", s, None if s is None else s <= 3.0, "{:.2f} s")
@@ -382,6 +506,8 @@ def goals(result: dict[str, Any]) -> list[dict[str, str]]:
 def _vllm_goals(sc: dict[str, Any], add: Callable[..., None]) -> None:
     """Prelude against vLLM's CPU build: throughput >= 1.2x, latency <= 0.8x."""
     def ratio(key: str, metric: str, point: str | None = None) -> float | None:
+        if (r := _round_ratio(sc.get(key, {}), metric, "vllm", point)) is not None:
+            return r
         peers = sc.get(key, {}).get("points", {}).get(point, {}) if point else sc.get(key, {}).get("peers", {})
         pre, other = peers.get("prelude", {}).get(metric), peers.get("vllm", {}).get(metric)
         return pre / other if pre and other else None
@@ -445,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suffix-range", default="256,768")
     ap.add_argument("--prefix-concurrency", type=int, default=4)
     ap.add_argument("--prefix-max-tokens", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run (b), (c) and (e) this many times, every peer once a round, the order alternating, "
+                         "fresh prompts each round; medians of the rounds and of the per-round prelude / peer "
+                         "ratios are reported (this machine's speed drifts over tens of seconds)")
     ap.add_argument("--dtype", default="auto",
                     help="every peer's dtype; auto: what `prelude serve` picks on this machine (bf16 only on CPUs "
                          "with AVX512-BF16/AMX)")
@@ -458,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = set(args.scenarios.split(","))
     if unknown := scenarios - set(SCENARIOS):
         ap.error(f"unknown scenarios: {sorted(unknown)}")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     from prelude.model.loader import load_model_files
 
     tok = load_model_files(None).tokenizer
@@ -484,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         "scale": args.scale, "sizes": sizes, "dtype": args.dtype, "client": args.client, "rate": args.rate, "startup_s": {}, "skipped": {},
         "cpu": _TAG, "load_average": _loadavg(),
     }
+    if args.rounds > 1:
+        result["rounds"] = args.rounds
     with start_peers(names, opts, result["skipped"], cold=args.cold_start) as peers:
         result["startup_s"] = {p.spec.name: p.startup_s for p in peers}
         result["startup_cold_s"] = {p.spec.name: p.cold_startup_s for p in peers if p.cold_startup_s is not None}
