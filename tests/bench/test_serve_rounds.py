@@ -244,3 +244,38 @@ def test_run_scenarios_with_one_round_keeps_todays_shape(monkeypatch: pytest.Mon
     assert set(out["b"]) == {"points", "ceiling_req_s"} and set(out["c"]) == {"peers"}
     assert list(out["e"]) == ["prefix_tokens", "suffix_range", "max_tokens", "concurrency", "peers"]
     assert not any("rounds" in s for sc in ("c", "e") for s in out[sc]["peers"].values())
+
+
+def test_scenario_a_alternates_the_peers_order_prompt_by_prompt() -> None:
+    """(a) interleaves the peers request by request after the raw forward of each prompt:
+    the order flips every prompt, so no peer always runs right after the raw forward."""
+    import asyncio
+
+    from prelude.bench.serve_bench import Peer, interleaved_c1
+
+    calls: list[tuple[str, str]] = []
+
+    class Clients:
+        def pool(self, base: str) -> None:
+            return None
+
+        def completions(self, base: str, model: str | None, max_tokens: int):  # noqa: ANN201
+            async def send(client: object, prompt: str) -> str:
+                calls.append((base, prompt))
+                return prompt
+            return send
+
+    class Raw:
+        def forward_seconds(self, prompts: list[list[int]], *_: object) -> list[float]:
+            calls.append(("raw", ""))
+            return [0.001 for _ in prompts]
+
+    spec = argparse.Namespace(name="", model=None)
+    peers = [Peer(argparse.Namespace(**vars(spec) | {"name": n}), n, 0.0) for n in ("prelude", "vllm")]
+    prompts = ["p0", "p1", "p2"]
+    res, raw_s = asyncio.run(interleaved_c1(peers, prompts, "warm", 0, Raw(), WordTokenizer(), 0.0, Clients()))
+    measured = [c for c in calls if c[1] in prompts or c[0] == "raw"][1:]  # after the warm-up's raw forward
+    assert measured == [("raw", ""), ("prelude", "p0"), ("vllm", "p0"),
+                        ("raw", ""), ("vllm", "p1"), ("prelude", "p1"),
+                        ("raw", ""), ("prelude", "p2"), ("vllm", "p2")]
+    assert [len(r.records) for r in res.values()] == [3, 3] and len(raw_s) == 3

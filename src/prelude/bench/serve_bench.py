@@ -215,7 +215,7 @@ async def interleaved_c1(
                     await send(client, warm)
         with alone(peers):
             await asyncio.to_thread(raw.forward_seconds, [tok.encode(warm, add_special_tokens=False)], 1, warmup)
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             ids = tok.encode(prompt, add_special_tokens=False)
             with alone(peers):
                 raw_s += await asyncio.to_thread(raw.forward_seconds, [ids])
@@ -223,7 +223,10 @@ async def interleaved_c1(
             # (or the previous server's) go idle before the next one computes, as if each
             # ran alone. The pauses are outside every measurement.
             await asyncio.sleep(pause_s)
-            for name, (send, client) in senders.items():
+            # The peers' order alternates prompt by prompt (round_order), so no peer is always
+            # the one right after the raw forward, or right after the same other peer.
+            for name in round_order(list(senders), i):
+                send, client = senders[name]
                 with alone(peers, by_name[name]):
                     t0 = time.perf_counter()
                     records[name].append(await send(client, prompt))
