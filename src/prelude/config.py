@@ -14,6 +14,7 @@ from typing import Any, Literal
 # pool is made, or by a thread beside the rest of start-up.
 Populate = Literal["off", "start", "background"]
 
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / SmolLM)."""
@@ -101,8 +102,8 @@ class CacheConfig:
     max_cached_blocks: int | None = None  # unreferenced cached blocks kept at most (None: no cap)
     # The CPU pool's pages faulted in ahead (model/kv_memory.py) instead of ~2.5 us of a page
     # fault on every first write of a 4 KiB page while serving: "start" costs start-up ~0.3-0.6 s
-    # for 1 GiB, "background" a thread beside the rest of start-up. The CLI's engines (serve,
-    # run-batch) take "background"; the offline LLM and tests leave it "off".
+    # for 1 GiB, "background" a thread beside the rest of start-up. `prelude serve` takes
+    # "background", run-batch "start"; the offline LLM and tests leave it "off".
     populate_kv: Populate = "off"
 
 

@@ -53,7 +53,7 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #else
 #define HAVE_DPBF16 0
 #endif
-#if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512DQ__) /* DQ: vreduceps */
 #define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>

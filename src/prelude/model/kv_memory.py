@@ -25,6 +25,7 @@ import logging
 import math
 import mmap
 import threading
+
 import torch
 
 from prelude.config import Populate
