@@ -91,16 +91,25 @@ class Workload:
 
     short: list[str]  # 128-token prompts for (a) then (c)
     n_a: int
-    sweep: dict[int, list[str]]  # concurrency -> fresh 512-token prompts
     warm_short: str
     warm_long: str
     texts: list[list[str]]  # (d): 20 texts per request
-    prefix_prompts: list[str]
-    prefix_lengths: list[int]
-    # --rounds: each round's own prompts; [0] is the fields above (sweep, short[n_a:], prefix_*).
-    sweep_rounds: list[dict[int, list[str]]]
-    decode_rounds: list[list[str]]
-    prefix_rounds: list[tuple[list[str], list[int]]]
+    # --rounds: each round's own prompts; round 0 is what a single round runs
+    sweep_rounds: list[dict[int, list[str]]]  # concurrency -> fresh 512-token prompts
+    decode_rounds: list[list[str]]  # (c); [0] is short[n_a:]
+    prefix_rounds: list[tuple[list[str], list[int]]]  # (e): prompts and their lengths
+
+    @property
+    def sweep(self) -> dict[int, list[str]]:
+        return self.sweep_rounds[0]
+
+    @property
+    def prefix_prompts(self) -> list[str]:
+        return self.prefix_rounds[0][0]
+
+    @property
+    def prefix_lengths(self) -> list[int]:
+        return self.prefix_rounds[0][1]
 
 
 def _sizes(scale: float) -> dict[str, int]:
@@ -133,8 +142,7 @@ def build_workload(tok: Any, sizes: dict[str, int], sweep: list[int], args: argp
         sweep_rounds.append({c: [exact_prompt(512, rng, tok) for _ in range(max(sizes["b"], c))] for c in sweep})
         decode_rounds.append([exact_prompt(128, rng, tok) for _ in range(sizes["c"])])
         prefix_rounds.append(shared_prefix_prompts(args.prefix_tokens, (lo, hi), sizes["e"], rng, tok))
-    return Workload(short, sizes["a"], p512, warm_short, warm_long, texts, prefix_prompts, prefix_lengths,
-                    sweep_rounds, decode_rounds, prefix_rounds)
+    return Workload(short, sizes["a"], warm_short, warm_long, texts, sweep_rounds, decode_rounds, prefix_rounds)
 
 
 def _env(pairs: tuple[tuple[str, str], ...], tmp: str | None = None) -> dict[str, str] | None:
@@ -459,11 +467,16 @@ def _show_ratios(label: str, combined: dict[str, Any]) -> None:
                   + f"; median {'-' if med is None else f'{med:.2f}'}  [{_TAG}]", flush=True)
 
 
-def _round_ratio(scenario: dict[str, Any], metric: str, peer: str, point: str | None = None) -> float | None:
-    """With --rounds: the median of the per-round prelude / peer ratios (robust on a
-    drifting machine, unlike the ratio of two medians); None without rounds."""
+def _peer_ratio(scenario: dict[str, Any], metric: str, peer: str, point: str | None = None) -> float | None:
+    """prelude / `peer` in `metric` of a scenario (of its sweep `point`): with --rounds the
+    median of the per-round ratios (robust on a drifting machine, unlike the ratio of two
+    medians), else the ratio of the single figures; None where either is missing or 0."""
     medians = scenario.get("ratio_median", {})
-    return (medians.get(point, {}) if point else medians).get(metric, {}).get(peer)
+    if (r := (medians.get(point, {}) if point else medians).get(metric, {}).get(peer)) is not None:
+        return r
+    peers = scenario.get("points", {}).get(point, {}) if point else scenario.get("peers", {})
+    pre, other = peers.get("prelude", {}).get(metric), peers.get(peer, {}).get(metric)
+    return pre / other if pre and other else None
 
 
 def goals(result: dict[str, Any]) -> list[dict[str, str]]:
@@ -493,10 +506,7 @@ def goals(result: dict[str, Any]) -> list[dict[str, str]]:
     c16 = points.get("16", {}).get("prelude", {}).get("req_s")
     r = c16 / roof if c16 and roof else None
     add("issue 24: 512/1 c=16: prelude req/s >= 0.85x the GEMM roofline", r, None if r is None else r >= 0.85)
-    c = sc.get("c", {}).get("peers", {})
-    r = _round_ratio(sc.get("c", {}), "output_tok_s", "llama.cpp")
-    if r is None and "prelude" in c and "llama.cpp" in c and c["llama.cpp"]["output_tok_s"] > 0:
-        r = c["prelude"]["output_tok_s"] / c["llama.cpp"]["output_tok_s"]
+    r = _peer_ratio(sc.get("c", {}), "output_tok_s", "llama.cpp")
     add("decode 128/32 c=4: prelude output tok/s / llama.cpp >= 1", r, None if r is None else r >= 1.0)
     _vllm_goals(sc, add)
     s = start.get("prelude")
@@ -509,11 +519,7 @@ def goals(result: dict[str, Any]) -> list[dict[str, str]]:
 def _vllm_goals(sc: dict[str, Any], add: Callable[..., None]) -> None:
     """Prelude against vLLM's CPU build: throughput >= 1.2x, latency <= 0.8x."""
     def ratio(key: str, metric: str, point: str | None = None) -> float | None:
-        if (r := _round_ratio(sc.get(key, {}), metric, "vllm", point)) is not None:
-            return r
-        peers = sc.get(key, {}).get("points", {}).get(point, {}) if point else sc.get(key, {}).get("peers", {})
-        pre, other = peers.get("prelude", {}).get(metric), peers.get("vllm", {}).get(metric)
-        return pre / other if pre and other else None
+        return _peer_ratio(sc.get(key, {}), metric, "vllm", point)
 
     for goal, value, target, higher in (
         ("issue 24: judge (e): prelude req/s / vllm >= 1.5", ratio("e", "req_s"), 1.5, True),
