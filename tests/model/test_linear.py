@@ -22,6 +22,13 @@ def _cpu_can_prepack_bf16() -> bool:
         return False
 
 
+@pytest.fixture(autouse=True)
+def without_tile_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests pin the oneDNN and MKL routes; on an AMX CPU bf16 calls of up to 16 rows
+    take bf16_rows.c's tile form instead (its routing: test_bf16_rows.py)."""
+    monkeypatch.setattr(linear, "tile_rows_kernel", lambda weight: None)
+
+
 def test_projection_falls_back_to_plain_linear_where_prepack_is_unsupported() -> None:
     torch.manual_seed(0)
     w = torch.randn(96, 64, dtype=torch.bfloat16)

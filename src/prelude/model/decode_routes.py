@@ -1,8 +1,9 @@
 """Which decode GEMM route serves how many rows, measured on this CPU, once.
 
 A GGUF model's projections can be read two ways in decode: from their stored blocks
-(blocks_kernel.py: 4-8x fewer bytes, but work that grows with every row) or from a
-oneDNN-prepacked dense copy (linear.py: reads more bytes, amortizes them over rows). The
+(blocks_kernel.py: 4-8x fewer bytes, but work that grows with every row) or dense
+(linear.dense_linear: the oneDNN-prepacked copy, or in bf16 on an AMX CPU up to 16 rows
+the tile form of bf16_rows.c over the plain weight; more bytes, amortized over rows). The
 crossover depends on the CPU (AVX2 vs AVX-512, AVX512-BF16, memory bandwidth) and the
 dtype, so it is measured, not assumed: the model's own projections, every layer (decode
 streams the weights from memory, as a step does), at 1, 2, 4, ... 16 rows until the blocks
@@ -30,12 +31,13 @@ import torch
 from prelude.model import native_lib
 from prelude.model.blocks_kernel import BlocksKernel
 from prelude.model.ggml_blocks import GgmlBlocks
+from prelude.model.linear import dense_linear, tile_rows_kernel
 
 logger = logging.getLogger("prelude.model.decode_routes")
 
 ROW_COUNTS = (1, 2, 4, 8, 16)
 _ROUNDS = 5
-_SOURCES = ("blocks_gemm.c", "decode_routes.py")
+_SOURCES = ("blocks_gemm.c", "bf16_rows.c", "decode_routes.py")
 
 
 @dataclass(frozen=True)
@@ -83,14 +85,15 @@ def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequenc
                dtype: torch.dtype, rows: int) -> tuple[float, float]:
     """(blocks, dense) ms of CPU time for one call of every projection at `rows` rows."""
     xs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w, _ in pairs}}
+    tiles = [tile_rows_kernel(w) for w, _ in pairs]
 
     def blocks() -> None:
         for w, b in pairs:
             kernel.linear(xs[w.shape[1]], b)
 
     def dense() -> None:
-        for (w, _), p in zip(pairs, packed):
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+        for (w, _), p, t in zip(pairs, packed, tiles):
+            dense_linear(xs[w.shape[1]], w, p, t)
 
     times: dict[str, list[float]] = {"blocks": [], "dense": []}
     blocks(), dense()  # first calls: oneDNN builds its kernel for this row count

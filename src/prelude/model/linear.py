@@ -41,6 +41,11 @@ rows a blocked copy of it (made on their first call, held beside the others) 1.2
 faster than oneDNN's packed kernels; each in its own fixed sum order (equal to fp32
 rounding, as oneDNN's is to MKL's).
 
+On a CPU with AMX-BF16, bf16 calls of up to 16 rows (decode) take bf16_rows.c's tile form
+over the plain weight instead of oneDNN's packed copy: oneDNN spent ~30-40 us a call before
+any work on a KVM Xeon (model 207), and SmolLM2-135M's 120 projections of a decode step
+took 12.2-14.1 ms against oneDNN's 16.6-22.7 at 1-16 rows (alternated, two threads).
+
 A GGUF checkpoint's projections can also come in their stored block format (Q4_0, Q4_1,
 Q8_0: model/ggml_blocks.py). Few-row calls then read the blocks (model/blocks_kernel.py:
 float32 rows on any AVX2 CPU, bf16 rows on an AVX512-BF16 one): 5-8x fewer bytes, the
@@ -62,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from prelude.model import native_lib
+from prelude.model.bf16_rows import TILE_MAX_ROWS, Bf16Rows, load_bf16_rows
 from prelude.model.blocks_kernel import BlocksKernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.row_gemv import BLOCKED_MAX_ROWS, RowGemv, load_row_gemv
@@ -158,6 +164,8 @@ class Projection:
         # 25 MB a layer) would cost the trunk's size again, unmeasured there.
         self._row_gemv: RowGemv | None = (load_row_gemv() if head and prepack and blocks is None
                                           and RowGemv.takes(weight) else None)
+        # bf16 decode-sized calls on the tile unit over the plain weight (no copy)
+        self._bf16_rows: Bf16Rows | None = tile_rows_kernel(weight) if prepack else None
         self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
 
     def limit_blocks(self, max_rows: int) -> None:
@@ -197,6 +205,8 @@ class Projection:
         if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
             return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)
         n = rows.shape[0]
+        if self._bf16_rows is not None and x.dtype == torch.bfloat16 and 0 < n <= TILE_MAX_ROWS:
+            return self._bf16_rows.linear(x, self.weight, self.bias)
         if self._row_gemv is not None and x.dtype == torch.float32 and 0 < n <= ROW_GEMV_CHUNKED_MAX_ROWS:
             if n > BLOCKED_MAX_ROWS:
                 # A head's decode-sized calls past 16 rows, 16 at a time through the calls below: the
@@ -223,6 +233,24 @@ class Projection:
         rows = rows.contiguous() if take == n else F.pad(rows, (0, 0, 0, take - n))
         out = packed_linear(rows, packed, self.bias)[:n]
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def tile_rows_kernel(weight: torch.Tensor) -> Bf16Rows | None:
+    """bf16_rows.c where its tile form takes every whole block of calls through `weight`
+    (bf16, k a multiple of 32, AMX-BF16 usable here), else None."""
+    kernel = load_bf16_rows()
+    return kernel if kernel is not None and kernel.tile_form_takes(weight) else None
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, kernel: Bf16Rows | None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What a prepacked projection runs for a call that does not read GGUF blocks: the tile
+    form for bf16 calls of up to TILE_MAX_ROWS rows where `kernel` is given, else oneDNN
+    over `packed` (decode_routes.py times this against the blocks)."""
+    rows = x.shape[0] if x.dim() == 2 else x.reshape(-1, x.shape[-1]).shape[0]
+    if kernel is not None and x.dtype == torch.bfloat16 and 0 < rows <= TILE_MAX_ROWS:
+        return kernel.linear(x, weight, bias)
+    return packed_linear(x, packed, bias)
 
 
 def packed_rows(rows: int, dtype: torch.dtype) -> int:
@@ -269,6 +297,9 @@ def _float32_pads(dtype: torch.dtype) -> bool:
 def describe_routes(dtype: torch.dtype) -> str:
     """Which GEMM serves which calls of prepacked projections in `dtype`, for the start-up log."""
     if dtype == torch.bfloat16:
+        if load_bf16_rows() is not None and load_bf16_rows().tile_form_ready():  # type: ignore[union-attr]
+            return (f"bf16 projections: bf16_rows.c's tile form (AMX) over the plain weights up to {TILE_MAX_ROWS} "
+                    "rows, oneDNN packed copies above")
         return "bf16 projections: oneDNN packed copies at every row count"
     steps = (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows and at {PACKED_ROW_STEP}-row "
              f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls over weights of {PIECES_MIN_WEIGHT:,} elements and up "
