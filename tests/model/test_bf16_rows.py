@@ -35,12 +35,14 @@ def assert_close_bf16(y: torch.Tensor, ref: torch.Tensor) -> None:
 @needs_kernel
 @pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("out,k", [(1, 32), (7, 64), (16, 96), (100, 576), (130, 64), (64, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40, 64, 65, 100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float32_sums(amx: bool, out: int, k: int, rows: int, with_bias: bool) -> None:
     """Output counts off the 16-output block (the vector form's tail), k of one and many
-    32-wide chunks, 1..16 rows, with and without bias; both forms (the tile form where AMX is
-    here, else the call falls to the vector form, which is then what is checked)."""
+    32-wide chunks, rows in one to seven 16-row groups (one pass of the tile form over a
+    block holds four, so 65 and 100 take two), with and without bias; both forms (the tile
+    form where AMX is here, else the call falls to the vector form, which is then what is
+    checked)."""
     torch.manual_seed(out * 1000 + k + rows)
     w = torch.randn(out, k).to(torch.bfloat16)
     b = torch.randn(out).to(torch.bfloat16) if with_bias else None
@@ -63,18 +65,19 @@ def test_k_off_the_tile_chunk_runs_the_vector_form(k: int) -> None:
 
 
 @needs_kernel
-def test_more_rows_than_a_tile_and_strided_rows() -> None:
-    """17..64 rows run the vector form; rows with a stride past k (a view of wider rows) and
-    a leading batch dimension are read in place and answered in their shape."""
+@pytest.mark.parametrize("amx", [True, False])
+def test_strided_rows_and_a_batch_dimension(amx: bool) -> None:
+    """Rows with a stride past k (a view of wider rows) and a leading batch dimension are
+    read in place and answered in their shape."""
     torch.manual_seed(3)
     w = torch.randn(48, 64).to(torch.bfloat16)
     wide = torch.randn(40, 96).to(torch.bfloat16)
     x = wide[:, 8:72]
     assert x.stride(0) == 96
     assert KERNEL is not None
-    assert_close_bf16(KERNEL.linear(x, w, None), reference(x, w, None))
+    assert_close_bf16(KERNEL.linear(x, w, None, amx=amx), reference(x, w, None))
     x3 = torch.randn(2, 8, 64).to(torch.bfloat16)
-    y3 = KERNEL.linear(x3, w, None)
+    y3 = KERNEL.linear(x3, w, None, amx=amx)
     assert y3.shape == (2, 8, 48)
     assert_close_bf16(y3, reference(x3, w, None))
 
@@ -86,17 +89,18 @@ def test_refuses_what_it_does_not_take() -> None:
     with pytest.raises(ValueError):
         KERNEL.linear(torch.randn(2, 32), w, None)  # float32 rows
     with pytest.raises(ValueError):
-        KERNEL.linear(torch.randn(65, 32).to(torch.bfloat16), w, None)  # past the C side's bound
+        KERNEL.linear(torch.randn(257, 32).to(torch.bfloat16), w, None)  # past the C side's bound
     with pytest.raises(ValueError):
         KERNEL.linear(torch.randn(2, 32).to(torch.bfloat16), w, torch.randn(16))  # float32 bias
     assert not KERNEL.takes(torch.randn(16, 32))
 
 
 @needs_tiles
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("rows", [1, 4, 16, 40, 80])
 def test_tile_form_row_answers_do_not_depend_on_the_row_count_or_threads(rows: int) -> None:
-    """A row's sums run in a fixed order whatever else is in the call (up to a tile's 16
-    rows) and whatever the thread count: a decode row answers the same in any batch."""
+    """A row's sums run in a fixed order whatever else is in the call (whichever 16-row
+    group and pass it falls in) and whatever the thread count: a decode row answers the
+    same in any batch the tile form takes."""
     torch.manual_seed(rows)
     w = torch.randn(1000, 576).to(torch.bfloat16)
     x = torch.randn(rows, 576).to(torch.bfloat16)
@@ -113,9 +117,10 @@ def test_tile_form_row_answers_do_not_depend_on_the_row_count_or_threads(rows: i
 
 
 @needs_tiles
-def test_projection_takes_the_tile_form_up_to_a_tile_of_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prepacked bf16 projection runs the tile form for 1..16 rows and oneDNN's packed copy
-    above; float32 projections and projections that are not prepacked never take it."""
+def test_projection_takes_the_tile_form_up_to_its_row_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prepacked bf16 projection runs the tile form for 1..TILE_MAX_ROWS rows and oneDNN's
+    packed copy above; float32 projections and projections that are not prepacked never
+    take it."""
     torch.manual_seed(5)
     w = torch.randn(80, 64).to(torch.bfloat16)
     b = torch.randn(80).to(torch.bfloat16)
@@ -129,7 +134,7 @@ def test_projection_takes_the_tile_form_up_to_a_tile_of_rows(monkeypatch: pytest
         return original(self, x, weight, bias, amx)
 
     monkeypatch.setattr(bf16_rows.Bf16Rows, "linear", counted)
-    for rows in (1, 7, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, 40):
+    for rows in (1, 7, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, 3 * TILE_MAX_ROWS):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert_close_bf16(proj(x), reference(x, w, b))
     assert calls == [1, 7, TILE_MAX_ROWS]

@@ -2,22 +2,25 @@
  * row-major as loaded, x [rows, k], y [rows, out] bfloat16 (the sums in float32, rounded
  * once, to nearest even).
  *
- * Decode's projections: 1-8 rows against weights of 0.2-4 MB, read from memory once a
+ * Decode's projections: 1-32 rows against weights of 0.2-4 MB, read from memory once a
  * step. oneDNN's packed kernels stream them well but cost ~30-40 us a call before any
  * work on a KVM Xeon (a 64 x 64 weight took as long as a 576 x 576 one): 120 calls a
- * step of SmolLM2-135M. Here a call is the weight's bytes: W is read 16 output rows at a
- * time (one contiguous span, which the hardware prefetcher follows), the span stays in
- * L1 while every row of x is summed against it (vdpbf16ps: 32 products a vector), and the
- * 16 sums of a row leave as one vector.
+ * step of SmolLM2-135M. Here a call is the weight's bytes, read 16 output rows at a time.
  *
- * On a CPU with AMX-BF16 the whole 16-output blocks run on the tile unit instead, where the
- * vector unit's bf16 dot products cap a row at a few GB/s of weight (a KVM Xeon, model
- * 207: ~0.7 vdpbf16ps a ns a core, so 4 rows through a 3072 x 576 weight took as long as
- * oneDNN's call): A is 16 weight rows x 32 k straight from W (its row stride), B the rows
- * of x packed in k pairs (x^T, zero columns past the rows), C 16 outputs x 16 rows; four
- * output blocks share each B tile. The weight is read once whatever the row count.
+ * The tile form (AMX-BF16): A is 16 weight rows x 32 k straight from W (its row stride),
+ * B a group of 16 rows of x packed in k pairs (x^T, zero columns past the rows), C 16
+ * outputs x 16 rows; up to four groups (C0-C3) share each A tile, so a block's weight rows
+ * come from memory once per call (more groups pass over them again from cache). The next
+ * block's rows are prefetched meanwhile: 16 row streams are more than the hardware
+ * prefetcher follows.
+ * The vector form (AVX512-BF16): the block's span stays in L1 while every row of x is
+ * summed against it (vdpbf16ps: 32 products a vector) and a row's 16 sums leave as one
+ * vector. It sums the outputs past the tile form's last whole block; for whole weights
+ * the vector unit is too slow on that Xeon (~0.7 vdpbf16ps a ns a core: 4 rows through a
+ * 3072 x 576 weight took as long as oneDNN's call).
  *
- * The sums of a row do not depend on the thread count (threads split the outputs).
+ * A row's sums run in one order whatever the thread count (threads split the outputs) and
+ * whatever other rows share the call.
  * AVX512-BF16 only (prelude_bf16_rows_available() says whether this build has it; the
  * tile form needs AMX-BF16 in the build, the kernel's permission, and k a multiple of 32).
  * Returns 0, or 1 on arguments it does not take (nothing written).
@@ -121,8 +124,8 @@ static void blocks_span(const uint16_t *x, int64_t rows, int64_t stride_x, const
 }
 
 #if HAVE_AMX
-/* Tiles: 0-1 C (16 outputs x 16 rows, float32), 4 and 7 B (16 k pairs x 16 rows), 5-6 A
- * (16 weight rows x 32 k). Every tile 16 rows x 64 bytes. */
+/* Tiles: 0-3 C (16 outputs x 16 rows, float32: a group of 16 rows each), 4-5 A (16 weight
+ * rows x 32 k), 6-7 B (16 k pairs x 16 rows). Every tile 16 rows x 64 bytes. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -140,13 +143,43 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* c [16 outputs][16 rows] float32 (+ bias) -> y's rows 0..rows-1 at outputs o0..o0+15. */
+/* The 16 x 16 32-bit words of r transposed in place. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4q + j] now holds, per 128-bit lane l, words (4l .. 4l+3) of column j' of rows 4q..4q+3 */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+/* c [16 outputs][16 rows] float32 (+ bias, per output) -> y's rows 0..rows-1 at outputs
+ * o0..o0+15: a transpose, then a row's 16 outputs in one store. */
 static inline void store_block(const float *c, int64_t rows, int64_t o0, __m512 bv, uint16_t *y, int64_t stride_y) {
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(BLOCK));
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 s = _mm512_add_ps(_mm512_i32gather_ps(column, c + r, 4), bv);
-        _mm256_storeu_si256((__m256i *)(y + r * stride_y + o0), (__m256i)_mm512_cvtneps_pbh(s));
+    __m512i r[16];
+    for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(c + 16 * j);
+    transpose16(r);
+    for (int64_t n = 0; n < rows; n++) {
+        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[n]), bv);
+        _mm256_storeu_si256((__m256i *)(y + n * stride_y + o0), (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
 
@@ -155,64 +188,136 @@ static inline __m512 bias_block(const uint16_t *bias, int64_t o0) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + o0))), 16));
 }
 
-/* One output block from o0, its 32-k chunks alternating between two accumulators (C0, C1;
- * A 5 and 6, B 4 and 7: a load never waits for the product reading the tile before it),
- * the next block's rows fetched a chunk at a time meanwhile: a block is 16 rows of W, 16
- * streams, too many for the prefetcher to follow on its own. */
-static void amx_block(const uint16_t *w, int64_t k, int64_t o0, int64_t out, const uint32_t *xp, int64_t rows,
-                      const uint16_t *bias, uint16_t *y, int64_t stride_y, float *c) {
+/* The next block's 16 weight rows, one or two 64-byte lines of each, fetched while this
+ * block is summed: 16 row streams are more than the prefetcher follows on its own. */
+static inline void fetch_next(const uint16_t *next, int64_t k, int64_t ch, int lines) {
+    if (next == 0) return;
+    for (int r = 0; r < BLOCK; r++)
+        for (int l = 0; l < lines; l++) _mm_prefetch((const char *)(next + r * k + (ch + l) * 32), _MM_HINT_T0);
+}
+
+/* One output block from o0 for one group of up to 16 rows (xp: the group's B tiles), into
+ * C0 chunk after chunk as amx_block_groups sums each of its groups (so a row's answer does
+ * not depend on how many rows came with it); A 4 and 5, B 6 and 7 in turn, so a load never
+ * waits for the product reading the tile before it. */
+static void amx_block_one(const uint16_t *w, int64_t k, int64_t o0, const uint16_t *next, const uint32_t *xp,
+                          int64_t rows, __m512 bv, uint16_t *y, int64_t stride_y, float *c) {
     const size_t stride = (size_t)k * 2;
-    const uint16_t *w0 = w + o0 * k, *next = o0 + 2 * BLOCK <= out ? w0 + BLOCK * k : 0;
+    const uint16_t *w0 = w + o0 * k;
+    const int64_t chunks = k / 32;
+    _tile_zero(0);
+    int64_t ch = 0;
+    for (; ch + 2 <= chunks; ch += 2) {
+        fetch_next(next, k, ch, 2);
+        _tile_loadd(6, xp + ch * 256, 64);
+        _tile_loadd(4, w0 + ch * 32, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, xp + (ch + 1) * 256, 64);
+        _tile_loadd(5, w0 + (ch + 1) * 32, stride);
+        _tile_dpbf16ps(0, 5, 7);
+    }
+    if (ch < chunks) {
+        fetch_next(next, k, ch, 1);
+        _tile_loadd(6, xp + ch * 256, 64);
+        _tile_loadd(4, w0 + ch * 32, stride);
+        _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, c, 64);
+    store_block(c, rows, o0, bv, y, stride_y);
+}
+
+/* One chunk's A tile `at` against the B tiles of groups 0..ng-1 (B 6 and 7 in turn) into
+ * C0..C3. Tile numbers are immediates, hence the macro. */
+#define GROUPS_CHUNK(at, ch)                                                                   \
+    do {                                                                                       \
+        _tile_loadd(at, w0 + (ch) * 32, stride);                                               \
+        _tile_loadd(6, xp + (ch) * 256, 64);                                                   \
+        _tile_dpbf16ps(0, at, 6);                                                              \
+        _tile_loadd(7, xp + gstride + (ch) * 256, 64);                                         \
+        _tile_dpbf16ps(1, at, 7);                                                              \
+        if (ng > 2) {                                                                          \
+            _tile_loadd(6, xp + 2 * gstride + (ch) * 256, 64);                                 \
+            _tile_dpbf16ps(2, at, 6);                                                          \
+        }                                                                                      \
+        if (ng > 3) {                                                                          \
+            _tile_loadd(7, xp + 3 * gstride + (ch) * 256, 64);                                 \
+            _tile_dpbf16ps(3, at, 7);                                                          \
+        }                                                                                      \
+    } while (0)
+
+/* One output block from o0 for 2..4 groups of rows (rows: all of them, from the first
+ * group's; xp: the first group's B tiles, gstride apart), each group in its own C tile. */
+static void amx_block_groups(const uint16_t *w, int64_t k, int64_t o0, const uint16_t *next, const uint32_t *xp,
+                             int64_t gstride, int ng, int64_t rows, __m512 bv, uint16_t *y, int64_t stride_y,
+                             float *c) {
+    const size_t stride = (size_t)k * 2;
+    const uint16_t *w0 = w + o0 * k;
     const int64_t chunks = k / 32;
     _tile_zero(0);
     _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     int64_t ch = 0;
     for (; ch + 2 <= chunks; ch += 2) {
-        if (next)
-            for (int r = 0; r < BLOCK; r++) {
-                _mm_prefetch((const char *)(next + r * k + ch * 32), _MM_HINT_T0);
-                _mm_prefetch((const char *)(next + r * k + ch * 32 + 32), _MM_HINT_T0);
-            }
-        _tile_loadd(4, xp + ch * 256, 64);
-        _tile_loadd(5, w0 + ch * 32, stride);
-        _tile_dpbf16ps(0, 5, 4);
-        _tile_loadd(7, xp + (ch + 1) * 256, 64);
-        _tile_loadd(6, w0 + (ch + 1) * 32, stride);
-        _tile_dpbf16ps(1, 6, 7);
+        fetch_next(next, k, ch, 2);
+        GROUPS_CHUNK(4, ch);
+        GROUPS_CHUNK(5, ch + 1);
     }
     if (ch < chunks) {
-        if (next)
-            for (int r = 0; r < BLOCK; r++) _mm_prefetch((const char *)(next + r * k + ch * 32), _MM_HINT_T0);
-        _tile_loadd(4, xp + ch * 256, 64);
-        _tile_loadd(5, w0 + ch * 32, stride);
-        _tile_dpbf16ps(0, 5, 4);
+        fetch_next(next, k, ch, 1);
+        GROUPS_CHUNK(4, ch);
     }
     _tile_stored(0, c, 64);
     _tile_stored(1, c + 256, 64);
-    for (int i = 0; i < 256; i += 16)
-        _mm512_store_ps(c + i, _mm512_add_ps(_mm512_load_ps(c + i), _mm512_load_ps(c + 256 + i)));
-    store_block(c, rows, o0, bias_block(bias, o0), y, stride_y);
+    if (ng > 2) _tile_stored(2, c + 512, 64);
+    if (ng > 3) _tile_stored(3, c + 768, 64);
+    for (int g = 0; g < ng; g++) {
+        const int64_t left = rows - 16 * g;
+        store_block(c + 256 * g, left < 16 ? left : 16, o0, bv, y + 16 * g * stride_y, stride_y);
+    }
 }
 
-/* Whole output blocks [b0, b1). */
+/* Whole output blocks [b0, b1): every group of 16 rows of each block while its weight rows
+ * are in cache (they are read from memory once), four groups to a pass over them. */
 static void amx_span(const uint16_t *w, int64_t k, int64_t out, int64_t b0, int64_t b1, const uint32_t *xp,
                      int64_t rows, const uint16_t *bias, uint16_t *y, int64_t stride_y) {
     if (b0 >= b1) return;
-    float c[2 * 256] __attribute__((aligned(64)));
+    float c[4 * 256] __attribute__((aligned(64)));
+    const int64_t groups = (rows + 15) / 16, gstride = k / 2 * 16;
     amx_configure();
-    for (int64_t b = b0; b < b1; b++) amx_block(w, k, b * BLOCK, out, xp, rows, bias, y, stride_y, c);
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t o0 = b * BLOCK;
+        const uint16_t *next = b + 1 < b1 ? w + (o0 + BLOCK) * k : 0;
+        const __m512 bv = bias_block(bias, o0);
+        for (int64_t g = 0; g < groups; g += 4) {
+            const int ng = groups - g < 4 ? (int)(groups - g) : 4;
+            const int64_t left = rows - 16 * g;
+            if (ng == 1)
+                amx_block_one(w, k, o0, next, xp + g * gstride, left, bv, y + 16 * g * stride_y, stride_y, c);
+            else
+                amx_block_groups(w, k, o0, g == 0 ? next : 0, xp + g * gstride, gstride, ng, left, bv,
+                                 y + 16 * g * stride_y, stride_y, c);
+        }
+    }
     _tile_release();
 }
 
-/* x's rows as B tiles: xp[kp][n] = (x[n][2kp], x[n][2kp+1]) for n < rows, 0 for n up to 16. */
+/* x's rows as B tiles, 16 rows a group: xp[g][kp][n] = (x[16g+n][2kp], x[16g+n][2kp+1]), 0
+ * for rows past the last. 16 pairs of 16 rows a transpose. */
 static uint32_t *pack_x(const uint16_t *x, int64_t rows, int64_t stride_x, int64_t k) {
-    uint32_t *xp = aligned_alloc(64, (size_t)k / 2 * 64);
+    const int64_t groups = (rows + 15) / 16, kp_n = k / 2;
+    uint32_t *xp = aligned_alloc(64, (size_t)(groups * kp_n) * 64);
     if (xp == 0) return 0;
-    memset(xp, 0, (size_t)k / 2 * 64);
-    for (int64_t r = 0; r < rows; r++) {
-        const uint32_t *pairs = (const uint32_t *)(x + r * stride_x);
-        for (int64_t kp = 0; kp < k / 2; kp++) xp[kp * 16 + r] = pairs[kp];
-    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t kp0 = 0; kp0 < kp_n; kp0 += 16) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++) {
+                const int64_t row = 16 * g + n;
+                r[n] = row < rows ? _mm512_loadu_si512(x + row * stride_x + 2 * kp0) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_store_si512(xp + (g * kp_n + kp0 + j) * 16, r[j]);
+        }
     return xp;
 }
 #endif
@@ -243,13 +348,13 @@ int prelude_bf16_rows_available(void) {
 #define PAR_MIN_WEIGHT 65536
 
 /* y [rows, out] = x [rows, k] (row stride stride_x) W^T (+ bias [out]), all bfloat16;
- * 1 <= rows <= 64. use_amx: take the tile form where it can run (up to 16 rows). */
+ * 1 <= rows <= 256. use_amx: take the tile form where it can run. */
 int prelude_bf16_rows(const uint16_t *x, int64_t rows, int64_t stride_x, const uint16_t *w, int64_t out, int64_t k,
                       const uint16_t *bias, uint16_t *y, int threads, int use_amx) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if (rows < 1 || rows > 64 || out <= 0 || k <= 0 || stride_x < k) return 1;
+    if (rows < 1 || rows > 256 || out <= 0 || k <= 0 || stride_x < k) return 1;
 #if HAVE_AMX
-    if (use_amx && rows <= 16 && k % 32 == 0 && (stride_x % 2) == 0 && prelude_bf16_rows_amx_ready()) {
+    if (use_amx && k % 32 == 0 && (stride_x % 2) == 0 && prelude_bf16_rows_amx_ready()) {
         uint32_t *xp = pack_x(x, rows, stride_x, k);
         if (xp == 0) return 1;
         const int64_t whole = out / BLOCK; /* the tile form's blocks; the rest on the vector unit */

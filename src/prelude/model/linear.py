@@ -41,10 +41,11 @@ rows a blocked copy of it (made on their first call, held beside the others) 1.2
 faster than oneDNN's packed kernels; each in its own fixed sum order (equal to fp32
 rounding, as oneDNN's is to MKL's).
 
-On a CPU with AMX-BF16, bf16 calls of up to 16 rows (decode) take bf16_rows.c's tile form
+On a CPU with AMX-BF16, bf16 calls of up to 32 rows (decode) take bf16_rows.c's tile form
 over the plain weight instead of oneDNN's packed copy: oneDNN spent ~30-40 us a call before
 any work on a KVM Xeon (model 207), and SmolLM2-135M's 120 projections of a decode step
-took 12.2-14.1 ms against oneDNN's 16.6-22.7 at 1-16 rows (alternated, two threads).
+took 12.2-14.1 ms against oneDNN's 16.6-22.7 at 1-16 rows, 23.5-26.2 vs 31.0-34.5 at 32
+(alternated, two threads; at 48 rows oneDNN was ahead).
 
 A GGUF checkpoint's projections can also come in their stored block format (Q4_0, Q4_1,
 Q8_0: model/ggml_blocks.py). Few-row calls then read the blocks (model/blocks_kernel.py:
