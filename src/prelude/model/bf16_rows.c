@@ -354,7 +354,7 @@ int prelude_bf16_rows(const uint16_t *x, int64_t rows, int64_t stride_x, const u
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (rows < 1 || rows > 256 || out <= 0 || k <= 0 || stride_x < k) return 1;
 #if HAVE_AMX
-    if (use_amx && k % 32 == 0 && (stride_x % 2) == 0 && prelude_bf16_rows_amx_ready()) {
+    if (use_amx && k % 32 == 0 && prelude_bf16_rows_amx_ready()) {
         uint32_t *xp = pack_x(x, rows, stride_x, k);
         if (xp == 0) return 1;
         const int64_t whole = out / BLOCK; /* the tile form's blocks; the rest on the vector unit */

@@ -2,7 +2,7 @@
 
 A GGUF model's projections can be read two ways in decode: from their stored blocks
 (blocks_kernel.py: 4-8x fewer bytes, but work that grows with every row) or dense
-(linear.dense_linear: the oneDNN-prepacked copy, or in bf16 on an AMX CPU up to 16 rows
+(linear.dense_linear: the oneDNN-prepacked copy, or in bf16 on an AMX CPU up to 32 rows
 the tile form of bf16_rows.c over the plain weight; more bytes, amortized over rows). The
 crossover depends on the CPU (AVX2 vs AVX-512, AVX512-BF16, memory bandwidth) and the
 dtype, so it is measured, not assumed: the model's own projections, every layer (decode

@@ -206,8 +206,8 @@ class Projection:
         if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
             return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)
         n = rows.shape[0]
-        if self._bf16_rows is not None and x.dtype == torch.bfloat16 and 0 < n <= TILE_MAX_ROWS:
-            return self._bf16_rows.linear(x, self.weight, self.bias)
+        if tile_rows_take(self._bf16_rows, x, n):
+            return self._bf16_rows.linear(x, self.weight, self.bias)  # type: ignore[union-attr]
         if self._row_gemv is not None and x.dtype == torch.float32 and 0 < n <= ROW_GEMV_CHUNKED_MAX_ROWS:
             if n > BLOCKED_MAX_ROWS:
                 # A head's decode-sized calls past 16 rows, 16 at a time through the calls below: the
@@ -243,14 +243,18 @@ def tile_rows_kernel(weight: torch.Tensor) -> Bf16Rows | None:
     return kernel if kernel is not None and kernel.tile_form_takes(weight) else None
 
 
+def tile_rows_take(kernel: Bf16Rows | None, x: torch.Tensor, rows: int) -> bool:
+    """Whether a call of `rows` rows of x runs the tile form (`kernel`: the projection's)."""
+    return kernel is not None and x.dtype == torch.bfloat16 and 0 < rows <= TILE_MAX_ROWS
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, kernel: Bf16Rows | None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """What a prepacked projection runs for a call that does not read GGUF blocks: the tile
-    form for bf16 calls of up to TILE_MAX_ROWS rows where `kernel` is given, else oneDNN
-    over `packed` (decode_routes.py times this against the blocks)."""
-    rows = x.shape[0] if x.dim() == 2 else x.reshape(-1, x.shape[-1]).shape[0]
-    if kernel is not None and x.dtype == torch.bfloat16 and 0 < rows <= TILE_MAX_ROWS:
-        return kernel.linear(x, weight, bias)
+    form where tile_rows_take says so, else oneDNN over `packed` (decode_routes.py times
+    this against the blocks)."""
+    if tile_rows_take(kernel, x, x.reshape(-1, x.shape[-1]).shape[0]):
+        return kernel.linear(x, weight, bias)  # type: ignore[union-attr]
     return packed_linear(x, packed, bias)
 
 
@@ -298,7 +302,8 @@ def _float32_pads(dtype: torch.dtype) -> bool:
 def describe_routes(dtype: torch.dtype) -> str:
     """Which GEMM serves which calls of prepacked projections in `dtype`, for the start-up log."""
     if dtype == torch.bfloat16:
-        if load_bf16_rows() is not None and load_bf16_rows().tile_form_ready():  # type: ignore[union-attr]
+        kernel = load_bf16_rows()
+        if kernel is not None and kernel.tile_form_ready():
             return (f"bf16 projections: bf16_rows.c's tile form (AMX) over the plain weights up to {TILE_MAX_ROWS} "
                     "rows, oneDNN packed copies above")
         return "bf16 projections: oneDNN packed copies at every row count"
