@@ -17,6 +17,7 @@
  *   vectors whose queries all come before its first key (a fresh 128-token prompt: a quarter
  *   to a third of its float32 tiles' work).
  * - narrow (decode, tiny chunks): head_dim on the lanes, one dot product per (query, key).
+ * With AMX-BF16, bf16 items of either kind take the AMX form of the wide one (below).
  *
  * Built with -march=native (native_lib.py keys the cached library by this CPU's ISA flags);
  * GCC's vector extensions compile to whatever width the host has (AVX-512: 16 lanes, else 8).
@@ -1265,7 +1266,9 @@ int prelude_paged_attention(
              sqt, sqh, skt, skh, svt, svh, scb, scs, sch, (char *)out, sot, soh, segments,
              block_size, heads, kv_heads, heads / kv_heads, d, (d + 3) / 4 * 4,
              scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4};
-    /* amx: bf16 prefill items take the AMX form where it can run */
+    /* amx: bf16 items take the AMX form where it can run (prefill, and decode rows: a decode
+     * step of 16 rows over 1,000-token contexts 80.3 -> 70.4 ms, 16 x 128 38.8 -> 37.7, 4 x
+     * 128 even, alternated step by step on a KVM Xeon, model 207) */
     const int use_amx = HAVE_AMX && bf16 && amx && prelude_attention_amx_ready();
     const int64_t g = c.group, max_m = use_amx ? MAX_M_AMX : HAVE_DPBF16 && bf16 ? MAX_M_BF16 : MAX_M;
     const int64_t tile = g >= max_m ? 1 : max_m / g; /* most query tokens per wide item */
@@ -1353,7 +1356,7 @@ int prelude_paged_attention(
             if (!ok) continue;
             const int wide = items[i].mq * g >= WIDE_MIN;
 #if HAVE_AMX
-            if (use_amx && wide) {
+            if (use_amx) { /* decode rows too: 3 of 16 lanes used, still ahead of the dot product */
                 wide_item_amx(&c, &items[i], &s);
                 continue;
             }

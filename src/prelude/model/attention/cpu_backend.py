@@ -150,8 +150,8 @@ class CpuAttention:
         if dtype == torch.bfloat16:
             if not self.bf16_dot_product:
                 return "C paged kernel, float32 math (no AVX512-BF16 in this build)"
-            return ("C paged kernel, bf16 prefill products on AMX tiles, decode on the AVX512-BF16 dot product, "
-                    "float32 softmax" if self.amx else
+            return ("C paged kernel, bf16 products on AMX tiles, prefill and decode (the AVX512-BF16 dot product "
+                    "with PRELUDE_CPU_AMX=0), float32 softmax" if self.amx else
                     "C paged kernel, bf16 products on the AVX512-BF16 dot product, float32 softmax")
         if dtype == torch.float32:
             return "C paged kernel, float32"
