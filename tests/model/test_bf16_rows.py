@@ -4,6 +4,7 @@ outputs past the last whole block and without AMX) and the projections that take
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +178,22 @@ def test_avx2_build_has_neither_form() -> None:
     y = torch.full((1, 16), 7.0, dtype=torch.bfloat16)
     assert fn(x.data_ptr(), 1, 32, w.data_ptr(), 16, 32, None, y.data_ptr(), 1, 1) == 1
     assert torch.equal(y, torch.full((1, 16), 7.0, dtype=torch.bfloat16))
+
+
+def test_a_local_header_is_part_of_the_librarys_key(tmp_path) -> None:  # noqa: ANN001
+    """The C files share native_shared.h: an edit to a header they include must build them
+    anew, not load a library built from the old header."""
+    cc = native_lib.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "shared.h").write_text("static inline int answer(void) { return 1; }\n")
+    source = tmp_path / "user.c"
+    source.write_text('#include "shared.h"\nint value(void) { return answer(); }\n')
+    first = native_lib.library_path(source, cc)
+    assert "return 1" in native_lib.source_text(source)
+    (tmp_path / "shared.h").write_text("static inline int answer(void) { return 2; }\n")
+    assert native_lib.library_path(source, cc) != first
+    # the real sources: each includer's text carries the header
+    header = (Path(bf16_rows.__file__).parent / "native_shared.h").read_text()
+    for name in ("bf16_rows.c", "row_gemv.c", "cpu_attention.c"):
+        assert header in native_lib.source_text(Path(bf16_rows.__file__).parent / name)

@@ -29,8 +29,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "native_shared.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -101,19 +101,6 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *x, 
     }
 }
 
-/* The calling OpenMP thread's contiguous share [*u0, *u1) of `units`. */
-static void this_threads_share(int64_t units, int64_t *u0, int64_t *u1) {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void);
-    extern int omp_get_num_threads(void);
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-    const int64_t t = 0, n = 1;
-#endif
-    *u0 = units * t / n;
-    *u1 = units * (t + 1) / n;
-}
-
 static void blocks_span(const uint16_t *x, int64_t rows, int64_t stride_x, const uint16_t *w, int64_t b0, int64_t b1,
                         int64_t out, int64_t k, const uint16_t *bias, uint16_t *y) {
     for (int64_t blk = b0; blk < b1; blk++) {
@@ -126,23 +113,6 @@ static void blocks_span(const uint16_t *x, int64_t rows, int64_t stride_x, const
 #if HAVE_AMX
 /* Tiles: 0-3 C (16 outputs x 16 rows, float32: a group of 16 rows each), 4-5 A (16 weight
  * rows x 32 k), 6-7 B (16 k pairs x 16 rows). Every tile 16 rows x 64 bytes. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* The 16 x 16 32-bit words of r transposed in place. */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16];
@@ -328,7 +298,7 @@ static uint32_t *pack_x(const uint16_t *x, int64_t rows, int64_t stride_x, int64
 int prelude_bf16_rows_amx_ready(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && HAVE_AMX
     static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (ready < 0) ready = amx_permitted();
     return ready;
 #else
     return 0;

@@ -29,6 +29,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "native_shared.h"
+
 #if defined(__AVX512F__)
 #define VW 16
 #else
@@ -56,8 +58,6 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #endif
 #if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512DQ__) /* DQ: vreduceps */
 #define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #else
 #define HAVE_AMX 0
 #endif
@@ -927,23 +927,6 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
  *   tile), B the pair-packed P^T that softmax_pairs_bf16 writes (pp [key pairs][mp]).
  * Every tile is 16 rows x 64 bytes. Tiles are per thread: each OpenMP thread loads the
  * configuration before its first item and releases it after its last. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* V^T in key pairs for keys 0 .. np16*2-1 of the tile (zero past n): vtt[x][jp] holds
  * (V[2jp][x], V[2jp+1][x]) for x < d16 (zero past d); rows of NKB/2 words. 16 pairs x 16
  * dims a transpose. */
@@ -1213,7 +1196,7 @@ int prelude_attention_bf16_forms(void) { return HAVE_DPBF16; }
 int prelude_attention_amx_ready(void) {
 #if HAVE_AMX
     static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (ready < 0) ready = amx_permitted();
     return ready;
 #else
     return 0;

@@ -76,7 +76,7 @@ def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.d
     key = [str(dtype), torch.__version__, ",".join(sorted(native_lib.cpu_isa_flags())),
            str(torch.get_num_threads())]
     key += [f"{tuple(w.shape)}:{b.kind}" for w, b in pairs]
-    key += [(here / s).read_text() for s in _SOURCES]
+    key += [native_lib.source_text(here / s) for s in _SOURCES]
     digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"decode-routes-{digest}.json"
 

@@ -1,4 +1,4 @@
-"""Build and load the model's small C libraries (blocks_gemm.c, cpu_fused.c).
+"""Build and load the model's small C libraries (blocks_gemm.c, cpu_fused.c, ...).
 
 Each C file is compiled with the system C compiler on first use (~1 s) into the user's
 cache dir, for the CPU it runs on (`-march=native`: the compiler vectorizes for the host's
@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -100,10 +101,18 @@ def build_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f for f in flags if f != "-march=native") if isa_capped_to_avx2() else flags
 
 
+def source_text(source: Path) -> str:
+    """`source` with the text of the local headers it includes (`#include "x.h"`, beside it):
+    what its library is built from."""
+    text = source.read_text()
+    headers = re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE)
+    return "\n".join([text, *((source.parent / h).read_text() for h in headers)])
+
+
 def library_path(source: Path, cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     isa = ",".join(sorted(cpu_isa_flags()))
-    h = hashlib.sha256("\n".join([source.read_text(), version, " ".join(flags), isa]).encode()).hexdigest()[:16]
+    h = hashlib.sha256("\n".join([source_text(source), version, " ".join(flags), isa]).encode()).hexdigest()[:16]
     return _cache_dir() / f"{source.stem}-{h}.so"
 
 

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stddef.h>
 
+#include "native_shared.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -116,21 +118,6 @@ static void blocks_span(const float *x, int64_t rows, const float *wb, int64_t b
 #undef ROWS_CASE
     default: blocks_rows(x, wb, b0, b1, nb, out, k, bias, y, 16); return;
     }
-}
-#endif
-
-#if defined(__AVX512F__)
-/* [*u0, *u1): the calling OpenMP thread's contiguous share of `units` work units. */
-static void this_threads_share(int64_t units, int64_t *u0, int64_t *u1) {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void);
-    extern int omp_get_num_threads(void);
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-    const int64_t t = 0, n = 1;
-#endif
-    *u0 = units * t / n;
-    *u1 = units * (t + 1) / n;
 }
 #endif
 
