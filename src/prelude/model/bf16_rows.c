@@ -297,9 +297,7 @@ static uint32_t *pack_x(const uint16_t *x, int64_t rows, int64_t stride_x, int64
  * tile registers (asked once; the answer is cached). */
 int prelude_bf16_rows_amx_ready(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && HAVE_AMX
-    static int ready = -1;
-    if (ready < 0) ready = amx_permitted();
-    return ready;
+    return amx_permitted();
 #else
     return 0;
 #endif

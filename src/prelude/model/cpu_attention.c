@@ -1195,9 +1195,7 @@ int prelude_attention_bf16_forms(void) { return HAVE_DPBF16; }
  * tile registers (Linux asks each process to request them once; the answer is cached). */
 int prelude_attention_amx_ready(void) {
 #if HAVE_AMX
-    static int ready = -1;
-    if (ready < 0) ready = amx_permitted();
-    return ready;
+    return amx_permitted();
 #else
     return 0;
 #endif

@@ -22,10 +22,12 @@ static inline void this_threads_share(int64_t units, int64_t *u0, int64_t *u1) {
     *u1 = units * (t + 1) / n;
 }
 
-/* Whether Linux lets this process use the AMX tile registers (each process asks once;
- * callers cache the answer). */
+/* Whether Linux lets this process use the AMX tile registers (each process asks once; the
+ * answer is cached, per library). */
 static inline int amx_permitted(void) {
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
 }
 
 #if defined(__AMX_TILE__)
