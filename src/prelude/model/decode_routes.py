@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from prelude.model import native_lib
+from prelude.model.bf16_rows import Bf16Rows
 from prelude.model.blocks_kernel import BlocksKernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.linear import dense_linear, tile_rows_kernel
@@ -81,11 +82,11 @@ def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.d
     return cache_root() / "kernels" / f"decode-routes-{digest}.json"
 
 
-def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequence[torch.Tensor], kernel: BlocksKernel,
+def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequence[torch.Tensor],
+               tiles: Sequence[Bf16Rows | None], kernel: BlocksKernel,
                dtype: torch.dtype, rows: int) -> tuple[float, float]:
     """(blocks, dense) ms of CPU time for one call of every projection at `rows` rows."""
     xs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w, _ in pairs}}
-    tiles = [tile_rows_kernel(w) for w, _ in pairs]
 
     def blocks() -> None:
         for w, b in pairs:
@@ -108,13 +109,14 @@ def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequenc
 def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel,
              dtype: torch.dtype) -> dict[int, tuple[float, float]]:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w, _ in pairs]
+    tiles = [tile_rows_kernel(w) for w, _ in pairs]  # what each projection's dense calls take
     ms: dict[int, tuple[float, float]] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
             for rows in ROW_COUNTS:
-                ms[rows] = _time_rows(pairs, packed, kernel, dtype, rows)
+                ms[rows] = _time_rows(pairs, packed, tiles, kernel, dtype, rows)
                 if ms[rows][0] >= ms[rows][1]:
                     break  # more rows only add to the blocks' work
     finally:

@@ -140,8 +140,9 @@ class BlocksPath:
 
 class Projection:
     """A frozen linear layer over `weight` [out, in]. Calls of at most BLOCKS_MAX_ROWS rows
-    read `blocks` where given; prepacked, a oneDNN copy serves the rest of the calls whose
-    row count packed_rows takes (float32 pads some up)."""
+    read `blocks` where given; prepacked, bf16 calls of up to TILE_MAX_ROWS rows take the
+    tile form on an AMX CPU (tile_rows_take), and a oneDNN copy serves the rest of the calls
+    whose row count packed_rows takes (float32 pads some up)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False,
                  blocks: BlocksPath | None = None, head: bool = False) -> None:
