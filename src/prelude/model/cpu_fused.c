@@ -342,7 +342,7 @@ INLINE void silu_mul_rows(const int bf, const void *gate_up, int64_t stride_in, 
         int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
         /* Two vectors an iteration: each is one long dependent chain (exp's polynomial, the
-         * division), and the pair keeps the units busy (20-25% faster at 16-2,048 rows). */
+         * division), and the pair keeps the units busy (14-19% faster at 16-2,048 rows). */
         for (; i + 32 <= n; i += 32) {
             /* every load before the first store: o may alias the inputs for all the compiler knows */
             const __m512 sa = silu16(ld16(bf, g, i)), sb = silu16(ld16(bf, g, i + 16));
