@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -118,6 +119,16 @@ def _baseline_kernel(checkout: Path) -> Any:
     return kernel
 
 
+def judge_shape(spec: str) -> tuple[int, int, int] | None:
+    """(rows, prefix, new) of a ROWSxPREFIX+NEW spec; None when it is not one (rows and new
+    at least 1, prefix at least 0)."""
+    m = re.fullmatch(r"\s*(\d+)x(\d+)\+(\d+)\s*", spec)
+    if m is None:
+        return None
+    rows, prefix, new = (int(g) for g in m.groups())
+    return (rows, prefix, new) if rows > 0 and new > 0 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prelude bench attention")
     ap.add_argument("--dtypes", default="bfloat16,float32")
@@ -125,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--judge", default="16x1024+64", help="ROWSxPREFIX+NEW ('' to skip)")
+    ap.add_argument("--judge", default="16x1024+64",
+                    help="ROWSxPREFIX+NEW, several comma-separated ('' to skip)")
     ap.add_argument("--decode", default="4,16,64", help="decode concurrencies ('' to skip)")
     ap.add_argument("--decode-ctx", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=20)
@@ -140,6 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         ap.error("--clock cpu times the calling thread only: use it with --threads 1")
+    cases: list[tuple[str, int, int, int]] = []
+    for spec in filter(None, args.judge.split(",")):
+        shape = judge_shape(spec)
+        if shape is None:
+            ap.error(f"--judge {spec!r}: expected ROWSxPREFIX+NEW, e.g. 16x1024+64")
+        cases.append((f"judge {spec}", *shape))
+    for c in filter(None, args.decode.split(",")):
+        if not c.strip().isdigit() or int(c) < 1 or args.decode_ctx < 1:
+            ap.error(f"--decode {c!r} with --decode-ctx {args.decode_ctx}: rows and context must be positive integers")
+        cases.append((f"decode c={c.strip()} ctx={args.decode_ctx}", int(c), args.decode_ctx - 1, 1))
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     from prelude.model.attention.cpu_backend import load_cpu_attention
@@ -152,13 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     backends: dict[str, Any] = {"torch": TorchAttention(), "cpu": kernel}
     if args.baseline:
         backends["baseline"] = _baseline_kernel(Path(args.baseline))
-    cases: list[tuple[str, int, int, int]] = []
-    if args.judge:
-        rows, rest = args.judge.split("x")
-        prefix, new = rest.split("+")
-        cases.append((f"judge {args.judge}", int(rows), int(prefix), int(new)))
-    for c in filter(None, args.decode.split(",")):
-        cases.append((f"decode c={c} ctx={args.decode_ctx}", int(c), args.decode_ctx - 1, 1))
     results = []
     print(f"clock {args.clock}, threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"heads {args.heads}/{args.kv_heads}x{args.head_dim}, block {args.block_size}")
