@@ -211,3 +211,17 @@ def test_verdict_is_keyed_on_versions_and_a_corrupt_one_is_rechecked(
         assert fast is not None and reason == "equal"  # checked again, not crashed
         assert json.loads(path.read_text())["equal"] is True  # and the verdict rewritten
     assert check(smol_json)[1] == "equal (cached verdict)"
+
+
+@pytest.mark.parametrize("token,expected", [
+    ("Ġhello", b" hello"),  # byte-level: each character one byte
+    ("Ã©", "é".encode("utf-8")),  # a byte-level spelling of a two-byte character
+    ("Ā", b"\x00"),  # the alphabet's stand-in for byte 0
+    ("<|im_start|>", b"<|im_start|>"),  # plain ASCII reads the same either way
+    ("héllo wörld", "héllo wörld".encode("utf-8")),  # not byte-level (a space): its UTF-8
+    ("\x85x", "\x85x".encode("utf-8")),  # a character below 256 outside the alphabet: UTF-8, two bytes
+])
+def test_token_bytes_reads_byte_level_and_plain_tokens(token: str, expected: bytes) -> None:
+    from prelude.tokenizer.fasttoken.core import _TokenBytes, _byte_decoder
+
+    assert _TokenBytes(_byte_decoder())(token) == expected

@@ -48,10 +48,19 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars)}
 
 
-def _token_bytes(token: str, byte_decoder: dict[str, int]) -> bytes:
-    if all(ch in byte_decoder for ch in token):
-        return bytes(byte_decoder[ch] for ch in token)
-    return token.encode("utf-8")
+class _TokenBytes:
+    """A vocabulary entry's bytes: a byte-level token's characters each stand for one byte;
+    any other entry (an added token's plain text) is its UTF-8. Whole strings at C speed
+    (a subset test, `str.translate` to Latin-1): a 49k vocabulary in 0.07 s, not 0.14."""
+
+    def __init__(self, byte_decoder: dict[str, int]) -> None:
+        self._alphabet = frozenset(byte_decoder)
+        self._to_latin1 = str.maketrans({ch: chr(b) for ch, b in byte_decoder.items()})
+
+    def __call__(self, token: str) -> bytes:
+        if self._alphabet.issuperset(token):
+            return token.translate(self._to_latin1).encode("latin-1")
+        return token.encode("utf-8")
 
 
 class FastTokenizer:
@@ -67,6 +76,7 @@ class FastTokenizer:
         self._spec = spec
         self._delegate = delegate
         decoder = _byte_decoder()
+        token_bytes = _TokenBytes(decoder)
         merged_ids = [spec.vocab.get(a + b) for a, b in spec.merges]
         if any(i is None for i in merged_ids) or any(x >= y for x, y in zip(merged_ids, merged_ids[1:])):  # type: ignore[operator]
             raise Unsupported("merges do not create tokens in id order (ranks would differ from HF)")
@@ -79,7 +89,7 @@ class FastTokenizer:
         size = max([*spec.vocab.values(), *(t.id for t in spec.added)]) + 1
         table: list[bytes] = [b""] * size
         for tok, i in spec.vocab.items():
-            table[i] = _token_bytes(tok, decoder)
+            table[i] = token_bytes(tok)
         ranks = {table[i]: i for i in spec.vocab.values() if i not in added_ids}
         if len(ranks) != len(spec.vocab) - len(added_ids & set(spec.vocab.values())):
             raise Unsupported("two vocabulary entries share the same bytes")
@@ -91,7 +101,7 @@ class FastTokenizer:
             raise Unsupported("bytes without a token of their own and an unk token (HF would emit unk)")
         self._gaps = ByteGapEncoder(missing, spec.pre_tokenizer, self._enc._core_bpe, decoder) if missing else None
         for t in spec.added:
-            table[t.id] = _token_bytes(t.content, decoder)
+            table[t.id] = token_bytes(t.content)
         self._bytes: tuple[bytes, ...] = tuple(table)
         self._special_ids = frozenset(t.id for t in spec.added if t.special)
         # The same table with special tokens empty: skip_special_tokens costs nothing.
