@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from prelude.config import ModelConfig
 from prelude.model import loader
+from prelude.model.ggml_blocks import BLOCKS_FILE, load_blocks
 from prelude.model.loader import load_model_files
 
 transformers = pytest.importorskip("transformers")
@@ -63,6 +66,34 @@ def test_second_load_reads_the_cache(default_loaded: loader.LoadedModel, monkeyp
     assert again.model_dir == default_loaded.model_dir
     assert (again.model_dir / "model.safetensors").exists()
 
+
+
+@needs_default
+def test_a_warm_load_leaves_the_gguf_converter_unimported(default_loaded: loader.LoadedModel) -> None:
+    """The cached copy is read without importing the converter (the gguf package: ~0.1 s of
+    a warm start)."""
+    code = ("import sys; from prelude.model.loader import load_model_files; load_model_files(None); "
+            "print(sorted(m for m in ('gguf', 'prelude.model.gguf_convert') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@needs_default
+def test_a_cached_copy_without_blocks_gets_them(default_loaded: loader.LoadedModel, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy converted before blocks were kept gains its blocks file on the next load."""
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / "models" / default_loaded.model_dir.name
+    target.mkdir(parents=True)
+    for f in default_loaded.model_dir.iterdir():
+        if f.name != BLOCKS_FILE:
+            (target / f.name).symlink_to(f)
+    assert loader.converted_gguf_dir(loader.default_model_path()) == target
+    got, want = load_blocks(target / BLOCKS_FILE), load_blocks(default_loaded.model_dir / BLOCKS_FILE)
+    assert got.keys() == want.keys() and got
+    for name, blocks in want.items():
+        assert got[name].kind == blocks.kind
+        assert torch.equal(got[name].qs, blocks.qs) and torch.equal(got[name].d, blocks.d)
 
 def test_conversion_is_atomic_and_keyed_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path / "cache"))

@@ -98,13 +98,17 @@ def _fingerprint(path: Path) -> str:
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached HF-style directory of a GGUF, converting it (atomically) on first use."""
-    from prelude.model.gguf_convert import convert_gguf, write_gguf_blocks
-
+    # imported only where a conversion runs: the gguf package (with numpy) is ~0.1 s of a
+    # warm start that reads the cached copy
     target = cache_root() / "models" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
     if (target / "config.json").exists():
         if not (target / BLOCKS_FILE).exists():  # converted before blocks were kept
+            from prelude.model.gguf_convert import write_gguf_blocks
+
             write_gguf_blocks(gguf_path, target)
         return target
+    from prelude.model.gguf_convert import convert_gguf
+
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     logger.info("converting %s into %s (once)", gguf_path.name, target)
