@@ -109,8 +109,15 @@ def source_text(source: Path) -> str:
     return "\n".join([text, *((source.parent / h).read_text() for h in headers)])
 
 
+@functools.cache
+def compiler_version(cc: str) -> str:
+    """`cc --version`, asked once a process: every library's cache key holds it, and a
+    start-up loads several libraries (a process spawn each, otherwise)."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
 def library_path(source: Path, cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = compiler_version(cc)
     isa = ",".join(sorted(cpu_isa_flags()))
     h = hashlib.sha256("\n".join([source_text(source), version, " ".join(flags), isa]).encode()).hexdigest()[:16]
     return _cache_dir() / f"{source.stem}-{h}.so"
