@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -292,8 +293,12 @@ def _serve_multiproc(args: argparse.Namespace) -> int:
 
 def _import_server() -> None:
     """The HTTP server's modules (FastAPI, pydantic, the routes: ~0.4-0.8 s), imported while
-    the engine builds (`_front`'s while_building)."""
+    the engine builds (`_front`'s while_building); then every module's objects frozen, so
+    the collection at ready walks only what loading built."""
     import prelude.entrypoints.openai.api_server  # noqa: F401
+    from prelude.heap import freeze_imports
+
+    freeze_imports()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -460,19 +465,24 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    from prelude.heap import collection_paused_for_startup
     from prelude.log_format import configure_logging
     from prelude.startup import StartupError, check_serve_args
 
     configure_logging(args.log_level, args.log_format)
-    if args.command == "run-batch":
-        return _run_batch(args)
-    try:
-        check_serve_args(args)
-        return _serve(args)
-    except StartupError as exc:
-        # One line, no stack: the message names the problem and its fix.
-        print(f"prelude serve: error: {exc}", file=sys.stderr)
-        return 2
+    # Until the model and the routes are loaded (freeze_startup_heap resumes it); not in
+    # --api-server-count's supervisor, which loads nothing and never freezes.
+    paused = collection_paused_for_startup() if args.api_server_count is None else contextlib.nullcontext()
+    with paused:
+        if args.command == "run-batch":
+            return _run_batch(args)
+        try:
+            check_serve_args(args)
+            return _serve(args)
+        except StartupError as exc:
+            # One line, no stack: the message names the problem and its fix.
+            print(f"prelude serve: error: {exc}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":
