@@ -53,6 +53,41 @@ def test_gate_passes_caches_and_wraps(smol_json: Path, tmp_path: Path, monkeypat
     assert 2 in hf.eos_token_ids
 
 
+def test_tables_kept_by_the_gate_serve_later_starts_without_reading_tokenizer_json(
+    smol_json: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))
+    built, reason = check(smol_json)
+    assert built is not None and reason == "equal"
+    (tables_file,) = (tmp_path / "fasttoken").glob("*.tables")
+    assert tables_file.with_suffix(".json").is_file()  # named like its verdict: same content hash and versions
+    # A path with no tokenizer.json behind it: everything comes from the kept tables.
+    kept = FastTokenizer(tmp_path / "gone.json", tables_file=tables_file)
+    hf = RustTokenizer.from_file(str(smol_json))
+    assert compare(kept, hf, CORPUS + tuple(EXTRA)) is None
+    assert kept._bytes == built._bytes and kept._texts == built._texts and kept.vocab_size == built.vocab_size
+    changed = json.loads(smol_json.read_text())
+    changed["added_tokens"] = changed["added_tokens"][:-1]  # other content: its own verdict and tables
+    (tmp_path / "changed.json").write_text(json.dumps(changed))
+    check(tmp_path / "changed.json")
+    assert len(list((tmp_path / "fasttoken").glob("*.tables"))) == 2
+
+
+def test_unreadable_tables_are_built_again_and_rewritten(
+    smol_json: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tables_file = tmp_path / "t.tables"
+    reference = FastTokenizer(smol_json)
+    for junk in (b"", b"not marshal", b"\xe9"):  # empty, garbage, a truncated marshal stream
+        tables_file.write_bytes(junk)
+        with caplog.at_level("WARNING", logger="prelude.fasttoken"):
+            fast = FastTokenizer(smol_json, tables_file=tables_file)
+        assert "unreadable fasttoken tables" in caplog.text
+        caplog.clear()
+        assert fast._bytes == reference._bytes and fast.encode("Hello world 123") == reference.encode("Hello world 123")
+        assert FastTokenizer(tmp_path / "gone.json", tables_file=tables_file)._bytes == reference._bytes  # rewritten
+
+
 def _write(tok: RustTokenizer, path: Path) -> Path:
     tok.save(str(path))
     return path

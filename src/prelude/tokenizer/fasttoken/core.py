@@ -25,6 +25,7 @@ from tokenizers import normalizers
 
 from prelude.tokenizer.fasttoken.byte_gaps import ByteGapEncoder, missing_single_bytes
 from prelude.tokenizer.fasttoken.spec import Unsupported, read_spec
+from prelude.tokenizer.fasttoken.tables_cache import VocabTables, load_tables, save_tables
 
 logger = logging.getLogger("prelude.fasttoken")
 
@@ -63,6 +64,20 @@ class _TokenBytes:
         return token.encode("utf-8")
 
 
+def _vocab_tables(path: Path, token_bytes: _TokenBytes) -> VocabTables:
+    """tokenizer.json's spec and each vocabulary entry's bytes, computed once (start-up
+    time): the id -> bytes table serves decoding, and the BPE ranks are its inverse
+    without the added tokens."""
+    spec = read_spec(path)
+    merged_ids = [spec.vocab.get(a + b) for a, b in spec.merges]
+    if any(i is None for i in merged_ids) or any(x >= y for x, y in zip(merged_ids, merged_ids[1:])):  # type: ignore[operator]
+        raise Unsupported("merges do not create tokens in id order (ranks would differ from HF)")
+    vocab_bytes: list[bytes] = [b""] * (max(spec.vocab.values(), default=-1) + 1)
+    for tok, i in spec.vocab.items():
+        vocab_bytes[i] = token_bytes(tok)
+    return VocabTables(spec, vocab_bytes)
+
+
 class FastTokenizer:
     """Inference-only tokenizer for byte-level BPE `tokenizer.json` files.
 
@@ -70,26 +85,27 @@ class FastTokenizer:
     delegate (the model's HFTokenizer), as they are model metadata, not tokenization.
     """
 
-    def __init__(self, path: Path, delegate: Any | None = None, prefix_cache_size: int = 64) -> None:
-        spec = read_spec(path)
+    def __init__(self, path: Path, delegate: Any | None = None, prefix_cache_size: int = 64,
+                 tables_file: Path | None = None) -> None:
+        """`tables_file`: where the vocabulary tables are kept between starts (tables_cache.py);
+        None reads tokenizer.json every time."""
         self._path = Path(path)
-        self._spec = spec
         self._delegate = delegate
         decoder = _byte_decoder()
         token_bytes = _TokenBytes(decoder)
-        merged_ids = [spec.vocab.get(a + b) for a, b in spec.merges]
-        if any(i is None for i in merged_ids) or any(x >= y for x, y in zip(merged_ids, merged_ids[1:])):  # type: ignore[operator]
-            raise Unsupported("merges do not create tokens in id order (ranks would differ from HF)")
+        tables = load_tables(tables_file) if tables_file is not None else None
+        if tables is None:
+            tables = _vocab_tables(self._path, token_bytes)
+            if tables_file is not None:
+                save_tables(tables_file, tables)
+        spec = tables.spec
+        self._spec = spec
         # Added tokens are matched as whole strings before BPE (as HF does), so they leave
         # the merge table even when the vocabulary also lists them.
         specials = {t.content: t.id for t in spec.added}
         added_ids = set(specials.values())
-        # Each entry's bytes are computed once (start-up time): the id -> bytes table
-        # serves decoding, and the BPE ranks are its inverse without the added tokens.
-        size = max([*spec.vocab.values(), *(t.id for t in spec.added)]) + 1
-        table: list[bytes] = [b""] * size
-        for tok, i in spec.vocab.items():
-            table[i] = token_bytes(tok)
+        size = max([len(tables.vocab_bytes), *(t.id + 1 for t in spec.added)])
+        table = tables.vocab_bytes + [b""] * (size - len(tables.vocab_bytes))
         ranks = {table[i]: i for i in spec.vocab.values() if i not in added_ids}
         if len(ranks) != len(spec.vocab) - len(added_ids & set(spec.vocab.values())):
             raise Unsupported("two vocabulary entries share the same bytes")

@@ -121,7 +121,9 @@ def check(tokenizer_json: Path, delegate: Any | None = None, use_cache: bool = T
         if not cached["equal"]:
             return None, f"cached verdict: {cached.get('reason')}"
     try:
-        fast = FastTokenizer(tokenizer_json, delegate)
+        # The tables are kept only where verdicts are (use_cache), named like this one.
+        tables_file = verdict_path.with_suffix(".tables") if use_cache else None
+        fast = FastTokenizer(tokenizer_json, delegate, tables_file=tables_file)
     except (Unsupported, ValueError) as exc:
         return None, f"unsupported: {exc}"
     if cached is not None:
