@@ -295,8 +295,19 @@ def _import_server() -> None:
     """The HTTP server's modules (FastAPI, pydantic, the routes: ~0.4-0.8 s), imported while
     the engine builds (`_front`'s while_building); then every module's objects frozen, so
     the collection at ready walks only what loading built."""
+    import warnings
+
     import prelude.entrypoints.openai.api_server  # noqa: F401
     from prelude.heap import freeze_imports
+
+    # FastAPI imports pydantic.v1 when it analyzes the first route's parameters (its check
+    # for v1 models): 55-90 ms that would follow the engine's build, now beside it.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            import pydantic.v1  # noqa: F401
+    except ImportError:  # a pydantic without v1: FastAPI then skips it too
+        pass
 
     freeze_imports()
 

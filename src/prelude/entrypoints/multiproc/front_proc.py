@@ -156,7 +156,7 @@ def front_main(index: int, listener: socket.socket, settings: FrontSettings) -> 
                                   settings.engine_pid)
     app = build_app(client, api_key=settings.api_key, limits=settings.limits,
                     metrics_require_key=settings.metrics_require_key)
-    config = uvicorn.Config(app, timeout_keep_alive=30, access_log=False, log_config=None)
+    config = uvicorn.Config(app, timeout_keep_alive=30, access_log=False, log_config=None, ws="none")  # no WebSocket route
     server = FrontServer(config, client, settings.limits, app.state.gate)
     logger.info("api server %d of %d ready", index, settings.count)
     freeze_startup_heap()

@@ -256,7 +256,9 @@ def _engine_routes_first(app: FastAPI) -> None:
 
 def run_server(app: FastAPI, host: str, port: int, engine: Any = None) -> int:
     """Serve `app` until SIGTERM / SIGINT, then drain gracefully (blocking); the exit code."""
-    config = uvicorn.Config(app, host=host, port=port, timeout_keep_alive=30, access_log=False, log_config=None)
+    # ws="none": no route is a WebSocket, so uvicorn need not import a WebSocket library at start.
+    config = uvicorn.Config(app, host=host, port=port, timeout_keep_alive=30, access_log=False, log_config=None,
+                            ws="none")
     server = DrainingServer(config, app.state.gate, app.state.limits.shutdown_timeout_s, engine)
     freeze_startup_heap()  # loaded: what exists now lives as long as the process
     server.run()
