@@ -122,3 +122,24 @@ def test_port_in_use_is_one_line() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         _assert_one_line(_serve(["--port", str(port)]), f"port {port}", "already in use", "another --port")
+
+
+def test_a_gguf_converted_before_is_checked_from_its_copy_without_reading_its_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prelude.model.loader import _converted_target, cached_gguf_dir
+    from prelude.startup import StartupError, check_model
+
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = _gguf(tmp_path / "m.gguf", "gpt2")  # an unsupported architecture, were its header read
+    with pytest.raises(StartupError, match="architecture 'gpt2' is not supported"):
+        check_model(str(gguf), None)
+    assert cached_gguf_dir(gguf) is None
+    copy = _converted_target(gguf)
+    copy.mkdir(parents=True)
+    (copy / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 512}))
+    (copy / "model.safetensors").write_bytes(b"")
+    assert cached_gguf_dir(gguf) == copy
+    check_model(str(gguf), 512)  # the copy answers: its context, no architecture check of the header
+    with pytest.raises(StartupError, match="over the model's context of 512"):
+        check_model(str(gguf), 513)

@@ -131,11 +131,19 @@ def check_model(model: str | None, max_model_len: int | None) -> None:
 
 
 def _gguf_context(path: Path, model: str | None) -> int | None:
-    from prelude.model.gguf_file import GgufFile
+    from prelude.model.loader import cached_gguf_dir
 
     if path.suffix != ".gguf":
         raise StartupError(f"--model {model}: {path.name} is a file but not a .gguf; pass a .gguf file "
                            "or a HF model directory (config.json + *.safetensors)")
+    # A GGUF an earlier start converted was readable and supported then: its copy's
+    # config.json says the context without reading the GGUF's header (~0.1 s for SmolLM2's
+    # vocabulary, and 40 ms importing the gguf package).
+    converted = cached_gguf_dir(path)
+    if converted is not None:
+        return _hf_dir_context(converted)
+    from prelude.model.gguf_file import GgufFile
+
     try:
         gguf = GgufFile(path)
     except Exception as exc:  # noqa: BLE001 - any parse failure means the same: not a GGUF we can read

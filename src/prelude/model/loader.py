@@ -96,11 +96,22 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _converted_target(gguf_path: Path) -> Path:
+    return cache_root() / "models" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+
+
+def cached_gguf_dir(gguf_path: Path) -> Path | None:
+    """The GGUF's converted HF-style directory if a start already made it, else None
+    (never converts)."""
+    target = _converted_target(gguf_path)
+    return target if (target / "config.json").exists() else None
+
+
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached HF-style directory of a GGUF, converting it (atomically) on first use."""
     # imported only where a conversion runs: the gguf package is 36-98 ms here of a
     # warm start that reads the cached copy
-    target = cache_root() / "models" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+    target = _converted_target(gguf_path)
     if (target / "config.json").exists():
         if not (target / BLOCKS_FILE).exists():  # converted before blocks were kept
             from prelude.model.gguf_convert import write_gguf_blocks
