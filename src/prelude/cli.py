@@ -361,7 +361,9 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
 
 def _run_batch(args: argparse.Namespace) -> int:
     from prelude.entrypoints.batch.cli import run_batch
+    from prelude.heap import freeze_imports
 
+    freeze_imports()  # the modules: the collection once loaded walks only what loading built
     front = _front(args)
     try:
         return run_batch(args, front, _server_limits(args))

@@ -28,3 +28,23 @@ def test_run_batch_freezes_the_heap_before_the_job(tmp_path: Path, monkeypatch: 
                               resume=False)
     assert cli.run_batch(args, object(), ServerLimits()) == 0
     assert events == ["freeze", "job"]
+
+
+def test_run_batch_freezes_its_modules_before_the_engine_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """So the collection once loaded walks only what loading built (heap.freeze_imports)."""
+    from prelude import cli as prelude_cli
+    from prelude import heap
+
+    events: list[str] = []
+
+    class Front:
+        def shutdown(self) -> None:
+            events.append("shutdown")
+
+    monkeypatch.setattr(heap, "freeze_imports", lambda: events.append("freeze imports"))
+    monkeypatch.setattr(prelude_cli, "_front", lambda args: events.append("front") or Front())
+    monkeypatch.setattr(cli, "run_batch", lambda args, front, limits: events.append("job") or 0)
+    args = argparse.Namespace()
+    monkeypatch.setattr(prelude_cli, "_server_limits", lambda a: ServerLimits())
+    assert prelude_cli._run_batch(args) == 0
+    assert events == ["freeze imports", "front", "job", "shutdown"]
