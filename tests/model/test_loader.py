@@ -200,39 +200,3 @@ def test_gguf_file_refuses_what_is_not_gguf(tmp_path: Path) -> None:
     bad.write_bytes(b"GGML" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF"):
         GgufFile(bad)
-
-
-def test_a_converted_ggufs_narrower_copy_is_kept_read_back_and_remade_when_unreadable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    from safetensors.torch import save_file
-
-    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))
-    model_dir = tmp_path / "models" / "m-0123"
-    model_dir.mkdir(parents=True)
-    stored = {"w": torch.randn(8, 5) * 3, "ids": torch.arange(4)}
-    save_file(stored, str(model_dir / "model.safetensors"))
-    first = loader._converted_weights(model_dir, torch.bfloat16)
-    copy = model_dir / "bfloat16" / "model.safetensors"
-    assert copy.is_file()
-    assert first["w"].dtype == torch.bfloat16 and torch.equal(first["w"], stored["w"].to(torch.bfloat16))
-    assert torch.equal(first["ids"], stored["ids"])  # integer tensors as stored
-    # Later loads read the copy, not the float32 file (changed here to tell them apart).
-    save_file({"w": torch.zeros(8, 5), "ids": torch.arange(4)}, str(model_dir / "model.safetensors"))
-    assert torch.equal(loader._converted_weights(model_dir, torch.bfloat16)["w"], first["w"])
-    assert loader.load_weights(model_dir)["w"].dtype == torch.float32  # the float32 glob never sees the copy
-    copy.write_bytes(b"not safetensors")
-    with caplog.at_level("WARNING", logger="prelude.loader"):
-        remade = loader._converted_weights(model_dir, torch.bfloat16)
-    assert "unreadable" in caplog.text and torch.equal(remade["w"], torch.zeros(8, 5, dtype=torch.bfloat16))
-    assert torch.equal(loader._converted_weights(model_dir, torch.bfloat16)["w"], remade["w"])  # rewritten
-
-
-@needs_default
-def test_the_default_model_in_bf16_loads_its_kept_copy_equal_to_the_cast(default_loaded: loader.LoadedModel) -> None:
-    narrow = load_model_files(None, torch.bfloat16)
-    assert (narrow.model_dir / "bfloat16" / "model.safetensors").is_file()
-    assert narrow.weights.keys() == default_loaded.weights.keys()
-    for name, tensor in default_loaded.weights.items():
-        assert torch.equal(narrow.weights[name], tensor.to(torch.bfloat16)), name
-    assert load_model_files(None, torch.float32).weights["model.norm.weight"].dtype == torch.float32

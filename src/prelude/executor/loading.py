@@ -9,7 +9,7 @@ from typing import Callable
 
 from prelude.config import EngineConfig
 from prelude.executor import row_argmax
-from prelude.executor.device import resolve_device, resolve_dtype
+from prelude.executor.device import resolve_device
 from prelude.executor.runner import ModelRunner
 from prelude.model import blocks_kernel, cpu_fused_kernels, head_argmax, lora_cpu
 from prelude.model.loader import load_model_files
@@ -43,9 +43,8 @@ def _build_cpu_kernels(lora: bool) -> list[threading.Thread]:
 
 
 def load_runner(config: EngineConfig) -> LoadedRunner:
-    device = resolve_device(config.executor.device)
-    builds = _build_cpu_kernels(config.lora is not None) if device.type == "cpu" else []
-    loaded = load_model_files(config.model, resolve_dtype(config.executor.dtype, device))
+    builds = _build_cpu_kernels(config.lora is not None) if resolve_device(config.executor.device).type == "cpu" else []
+    loaded = load_model_files(config.model)
     for t in builds:
         t.join()
     max_pos = getattr(loaded.config, "max_position_embeddings", None)

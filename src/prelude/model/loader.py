@@ -162,42 +162,14 @@ def resolve_model_dir(model: str | None) -> tuple[Path, str]:
     raise FileNotFoundError(f"--model {model!r} is neither a HF model directory nor a .gguf file")
 
 
-def _converted_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A converted GGUF's weights (float32 on disk) in `dtype`: from a copy in that dtype kept
-    in a subfolder (so `*.safetensors` globs never see it) once the first start has cast
-    them. Later starts read it memory-mapped, skipping the cast (0.15 s of the engine's
-    build for SmolLM2 in bf16) and half the bytes. A copy that cannot be read is made again."""
-    copy = model_dir / str(dtype).removeprefix("torch.") / "model.safetensors"
-    if copy.is_file():
-        try:
-            return load_file(str(copy))
-        except Exception as exc:  # noqa: BLE001 - safetensors' own error type: any failure means remake it
-            logger.warning("ignoring the unreadable %s copy %s (%s); casting again", dtype, copy, exc)
-    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_weights(model_dir).items()}
-    from safetensors.torch import save_file
-
-    try:
-        copy.parent.mkdir(exist_ok=True)
-        tmp = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
-        save_file(weights, str(tmp))
-        tmp.replace(copy)
-    except OSError as exc:
-        logger.warning("could not keep a %s copy of the weights in %s (%s)", dtype, copy.parent, exc)
-    return weights
-
-
-def load_model_files(model: str | None, dtype: torch.dtype | None = None) -> LoadedModel:
-    """`dtype`: the one the weights will be served in, when known (a converted GGUF then
-    loads from its copy in that dtype, see _converted_weights); None loads them as stored."""
+def load_model_files(model: str | None) -> LoadedModel:
     model_dir, name = resolve_model_dir(model)
     with open(model_dir / "config.json", encoding="utf-8") as f:
         raw = json.load(f)
     config = EncoderConfig.from_dir(model_dir, raw) if is_encoder_config(raw) else ModelConfig.from_hf_dict(raw)
-    converted = model_dir.parent == cache_root() / "models"
-    narrower = dtype is not None and dtype != torch.float32
     return LoadedModel(
         config=config,
-        weights=_converted_weights(model_dir, dtype) if converted and narrower else load_weights(model_dir),
+        weights=load_weights(model_dir),
         tokenizer=load_tokenizer(model_dir),
         model_dir=model_dir,
         name=name,
