@@ -105,7 +105,7 @@ def test_freeze_imports_freezes_without_a_pass_and_the_ready_pass_walks_only_wha
 def test_serve_pauses_collection_until_ready_but_not_in_the_api_server_supervisor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from prelude import cli, startup
+    from prelude import cli, log_format, startup
 
     seen: dict[str, bool] = {}
 
@@ -116,6 +116,7 @@ def test_serve_pauses_collection_until_ready_but_not_in_the_api_server_superviso
         return record
 
     monkeypatch.setattr(startup, "check_serve_args", lambda args: None)
+    monkeypatch.setattr(log_format, "configure_logging", lambda *a, **k: None)  # the test process's handlers stay
     monkeypatch.setattr(cli, "_serve", recorder("serve"))
     monkeypatch.setattr(cli, "_serve_multiproc", recorder("supervisor"))
     assert cli.main(["serve"]) == 0
