@@ -8,6 +8,7 @@ cache dir; later loads read that directory, which keeps starts fast.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -85,9 +86,15 @@ def embedded_model_path(name: str) -> Path | None:
 
 
 def _fingerprint(path: Path) -> str:
-    """Identifies the file's content cheaply: size plus the first and last MiB."""
+    """Identifies the file's content cheaply: size plus the first and last MiB. Read once a
+    process per (file, size, mtime): a start asks twice (serve's check, then the loader)."""
+    st = path.stat()
+    return _fingerprint_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _fingerprint_of(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256(_CACHE_FORMAT.encode())
-    size = path.stat().st_size
     h.update(str(size).encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))

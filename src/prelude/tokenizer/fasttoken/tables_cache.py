@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import marshal
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from prelude.tokenizer.fasttoken.spec import AddedToken, TokenizerSpec
@@ -51,7 +51,7 @@ def load_tables(path: Path) -> VocabTables | None:
 
 def save_tables(path: Path, tables: VocabTables) -> None:
     """Write atomically (a reader never sees half a file); a failure only costs later starts."""
-    spec = replace(tables.spec, merges=[])
+    spec = tables.spec  # its merges are not kept: they were checked when the tables were built
     data = {
         "format": _FORMAT, "vocab": spec.vocab, "added": [(t.id, t.content, t.special) for t in spec.added],
         "pattern": spec.pattern, "nfc": spec.nfc, "prefix_ids": list(spec.prefix_ids),
