@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from prelude.model import linear, native_lib
-from prelude.model.linear import ONEDNN_CACHE_BOUNDS, PACKED_MAX_ROWS, Projection, prepack_enabled
+from prelude.model.linear import ONEDNN_CACHE_BOUNDS, PACKED_MAX_ROWS, BlocksPath, Projection, prepack_enabled
 
 
 def _cpu_can_prepack_bf16() -> bool:
@@ -53,6 +53,54 @@ def test_prepacked_bf16_projection_matches_plain_linear(rows: int) -> None:
     # A 1-D input (one hidden row) agrees too.
     one = torch.randn(64, dtype=torch.bfloat16)
     torch.testing.assert_close(proj(one), F.linear(one, w, b))
+
+
+@pytest.mark.skipif(not _cpu_can_prepack_bf16(), reason="this CPU cannot prepack bf16 weights (needs AVX-512)")
+def test_bf16_calls_past_the_few_row_routes_run_the_packed_copy_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls up to the few-row routes' bound (GGUF blocks here, allowed 40 rows) keep them;
+    longer bf16 calls run the packed copy on the caller's rows. Every shape of input agrees
+    with F.linear: 2-D, rows at a stride, and a batch dimension."""
+    torch.manual_seed(3)
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    b = torch.randn(96, dtype=torch.bfloat16)
+    to_blocks: list[int] = []
+    to_packed: list[int] = []
+
+    class Blocks:
+        out_features, in_features = 96, 64
+
+    class Kernel:
+        def takes(self, dtype: torch.dtype) -> bool:
+            return dtype == torch.bfloat16
+
+        def linear(self, x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None) -> torch.Tensor:
+            to_blocks.append(x.shape[0])
+            return F.linear(x, w, bias)
+
+    real = linear.packed_linear
+
+    def recording(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        to_packed.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(linear, "packed_linear", recording)
+    proj = Projection(w, b, prepack=True, blocks=BlocksPath(Blocks(), Kernel()))  # type: ignore[arg-type]
+    proj.limit_blocks(40)
+    assert proj.make_packed_copy()
+    x = torch.randn(100, 64, dtype=torch.bfloat16)
+    for rows in (1, 40, 41, 100):
+        torch.testing.assert_close(proj(x[:rows]), F.linear(x[:rows], w, b), rtol=0, atol=0)
+    assert to_blocks == [1, 40] and to_packed == [41, 100]
+    strided = torch.randn(50, 128, dtype=torch.bfloat16)[:, :64]
+    torch.testing.assert_close(proj(strided), F.linear(strided, w, b), rtol=0, atol=0)
+    batched = torch.randn(2, 25, 64, dtype=torch.bfloat16)
+    out = proj(batched)
+    assert out.shape == (2, 25, 96)
+    torch.testing.assert_close(out, F.linear(batched, w, b), rtol=0, atol=0)
+    proj.limit_blocks(0)  # no blocks: every call past the (absent) tile form's bound is direct
+    to_packed.clear()
+    proj(x[:3])
+    assert to_packed == [3]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
