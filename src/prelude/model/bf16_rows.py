@@ -48,6 +48,11 @@ class Bf16Rows:
         ready.restype = ctypes.c_int
         self._amx_ready = bool(ready())
 
+    @property
+    def entry_point(self) -> int:
+        """The address of prelude_bf16_rows (decode_layers.c calls it)."""
+        return native_lib.address(self._fn)
+
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
         """Whether calls through `weight` [out, k] can run here."""

@@ -38,6 +38,11 @@ class BlocksKernel:
             self._fn_bf16.restype = ctypes.c_int
             self._fn_bf16.argtypes = fn.argtypes
 
+    @property
+    def bf16_entry_point(self) -> int | None:
+        """The address of the bf16-activation GEMM (decode_layers.c calls it); None without one."""
+        return None if self._fn_bf16 is None else native_lib.address(self._fn_bf16)
+
     def takes(self, dtype: torch.dtype) -> bool:
         """Whether activations of `dtype` can read the blocks here."""
         return dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16)

@@ -69,6 +69,10 @@ class CpuFusedKernels:
         for fn in (self._norm, self._rope, self._silu):
             fn.restype = c_int
 
+    def entry_points(self) -> tuple[int, int, int]:
+        """The addresses of add_rms_norm, qk_norm_rope and silu_mul (decode_layers.c calls them)."""
+        return native_lib.address(self._norm), native_lib.address(self._rope), native_lib.address(self._silu)
+
     @staticmethod
     def _check(rc: int, what: str) -> None:
         if rc != 0:

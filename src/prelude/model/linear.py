@@ -171,6 +171,11 @@ class Projection:
         self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
         self._few_rows_max = self._few_rows_routes()
 
+    @property
+    def tile_form(self) -> Bf16Rows | None:
+        """bf16_rows.c where this projection's bf16 calls of 1..TILE_MAX_ROWS rows run its tile form."""
+        return self._bf16_rows
+
     def _few_rows_routes(self) -> int:
         """The most rows a bf16 call may have for a route of its own (blocks, the tile form)
         to take it: every longer bf16 call runs the packed copy as it is (the direct call)."""

@@ -147,6 +147,11 @@ def cpu_has_avx2_fma() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 
 
+def address(fn: object) -> int:
+    """A loaded library function's address, for C code that calls it (decode_layers.c)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
 def load(source: Path, switch: str, what: str, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     """`source`'s library, built on first use on this machine; None (with a log line naming
     `what` is off) when the environment variable `switch` is "0", without AVX2+FMA, or when

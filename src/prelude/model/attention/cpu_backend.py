@@ -145,6 +145,17 @@ class CpuAttention:
         self._prepared = (meta, rows)
         return rows
 
+    @property
+    def entry_point(self) -> int:
+        """The address of prelude_paged_attention (decode_layers.c calls it)."""
+        return native_lib.address(self._attend)
+
+    def row_arguments(self, meta: AttentionMetadata) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+        """The call's row arguments for `meta` (its prefill rows; its decode rows, segments
+        and slots), made once per forward and kept alive here until the next forward's."""
+        rows = self._rows(meta)
+        return rows.pre_args, rows.rest_args
+
     def describe(self, dtype: torch.dtype) -> str:
         """What serves `dtype` here, for the start-up log."""
         if dtype == torch.bfloat16:

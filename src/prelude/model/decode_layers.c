@@ -1,0 +1,142 @@
+/* A decoder's layer loop for one decode step on the CPU, in one call.
+ *
+ * A decode step of SmolLM2-135M makes ~270 kernel calls (four projections, three
+ * elementwise kernels and attention per layer), each through ctypes with its Python
+ * around it: ~4.5 of a 17-25 ms step ran outside the kernels on a KVM Xeon. Here the same
+ * kernels run in the same order on the same buffers, called through the entry points of
+ * the libraries that hold them (cpu_fused.c, bf16_rows.c, blocks_gemm.c, cpu_attention.c;
+ * decode_layers.py passes their addresses), so a step's answers are bit for bit those of
+ * the Python loop (fused_segments.py), which every other step still runs.
+ *
+ * bfloat16 activations; every projection of up to 32 rows has a C route: the GGUF blocks
+ * up to its bound of rows, else bf16_rows.c's tile form. Returns 0, or the first failing
+ * kernel's code plus 100 times its stage (nothing is undone: the caller raises).
+ */
+#include <stdint.h>
+
+typedef int (*norm_fn)(const void *x, int64_t stride_x, const void *r, int64_t stride_r, const void *w, void *h,
+                       void *out, int64_t rows, int64_t n, float eps, int threads, int bf);
+typedef int (*rope_fn)(const void *qkv, int64_t stride_qkv, int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                       const void *cos, const void *sin, const void *q_norm, const void *k_norm, float eps, void *q,
+                       void *k, void *v, int threads, int bf);
+typedef int (*silu_fn)(const void *gate_up, int64_t stride_in, void *out, int64_t rows, int64_t n, int threads,
+                       int bf);
+typedef int (*rows_fn)(const void *x, int64_t rows, int64_t stride_x, const void *w, int64_t out, int64_t k,
+                       const void *bias, void *y, int threads, int use_amx);
+typedef int (*blocks_fn)(int kind, const void *x, int64_t m, int64_t k, const void *qs, const void *d, const void *mins,
+                         int64_t n, const void *bias, void *y, int threads, float *xsum);
+typedef int (*attend_fn)(const void *q, int64_t sqt, int64_t sqh, const void *k, int64_t skt, int64_t skh,
+                         const void *v, int64_t svt, int64_t svh, const void *kc, const void *vc, int64_t scb,
+                         int64_t scs, int64_t sch, int64_t block_size, int64_t n_pre, const int64_t *pre_start,
+                         const int64_t *pre_len, const int64_t *pre_ctx, const int64_t *pre_own,
+                         const int64_t *pre_tables, int64_t pre_tstride, const int64_t *pre_tail, int64_t n_dec,
+                         const int64_t *dec_index, const int64_t *dec_ctx, const int64_t *dec_tables,
+                         int64_t dec_tstride, const int64_t *segments, const int64_t *slots, int64_t n_slots,
+                         void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads, int64_t d, float scale,
+                         int bf16, int threads, int amx);
+
+/* One projection y [rows, out] = x [rows, k] W^T (+ bias): its plain bf16 weight, and its
+ * GGUF blocks where it has them (kind < 0: none). */
+typedef struct {
+    const void *weight, *bias;
+    int64_t out, k;
+    int32_t kind; /* blocks_gemm.c's kind, or -1 */
+    const void *qs, *d, *mins;
+    int64_t blocks_max_rows; /* calls of up to this many rows read the blocks */
+} Proj;
+
+typedef struct {
+    const void *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms: both or neither (NULL) */
+    Proj qkv, o, gate_up, down;
+    const void *k_cache, *v_cache;
+} Layer;
+
+typedef struct {
+    norm_fn norm;
+    rope_fn rope;
+    silu_fn silu;
+    rows_fn rows;
+    blocks_fn blocks;
+    attend_fn attend;
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    const Layer *layers;
+    const void *final_norm;
+    int64_t scb, scs, sch, block_size; /* every layer's K/V pool: strides (elements) and block size */
+    int32_t attend_amx;                /* the attention backend's choice of the AMX form */
+} Model;
+
+/* One step: its rows' hidden states in and out, their rotary tables and decode rows, and
+ * the buffers the kernels write (bf16, [rows, width] each; xsum float32 [rows * inter / 32]). */
+typedef struct {
+    int64_t rows;
+    const void *h_in, *cos, *sin;
+    int64_t n_dec;
+    const int64_t *dec_index, *dec_ctx, *dec_tables;
+    int64_t dec_tstride;
+    const int64_t *slots;
+    int64_t n_slots;
+    void *h_a, *h_b, *normed, *qkv, *q, *k, *v, *attn, *proj, *gate_up, *act;
+    float *xsum;
+    void *out;
+    int32_t threads;
+} Step;
+
+static int project(const Model *m, const Step *s, const Proj *p, const void *x, void *y) {
+    if (p->kind >= 0 && s->rows <= p->blocks_max_rows)
+        return m->blocks(p->kind, x, s->rows, p->k, p->qs, p->d, p->mins, p->out, p->bias, y, s->threads, s->xsum);
+    return m->rows(x, s->rows, p->k, p->weight, p->out, p->k, p->bias, y, s->threads, 1);
+}
+
+/* normed -> q, k, v of layer l (fused_segments.qkv_of) */
+static int qkv_of(const Model *m, const Step *s, const Layer *l) {
+    const int64_t width = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    int rc = project(m, s, &l->qkv, s->normed, s->qkv);
+    if (rc) return 100 + rc;
+    rc = m->rope(s->qkv, width, s->rows, m->heads, m->kv_heads, m->head_dim, s->cos, s->sin, l->q_norm, l->k_norm,
+                 m->eps, s->q, s->k, s->v, s->threads, 1);
+    return rc ? 200 + rc : 0;
+}
+
+int prelude_decode_layers(const Model *m, const Step *s) {
+    const int64_t rows = s->rows, hd = m->head_dim, hidden = m->hidden;
+    const int64_t q_width = m->heads * hd, kv_width = m->kv_heads * hd;
+    if (rows < 1 || m->n_layers < 1) return 1;
+    /* first: RMSNorm of the embeddings (no residual yet) */
+    int rc = m->norm(s->h_in, hidden, 0, 0, m->layers[0].input_norm, 0, s->normed, rows, hidden, m->eps, s->threads, 1);
+    if (rc) return 300 + rc;
+    if ((rc = qkv_of(m, s, &m->layers[0]))) return rc;
+    const void *h = s->h_in; /* the residual stream, written to h_a and h_b in turn */
+    void *spare = s->h_a;
+    for (int64_t i = 0; i < m->n_layers; i++) {
+        const Layer *l = &m->layers[i];
+        rc = m->attend(s->q, q_width, hd, s->k, kv_width, hd, s->v, kv_width, hd, l->k_cache, l->v_cache, m->scb,
+                       m->scs, m->sch, m->block_size, 0, 0, 0, 0, 0, 0, 0, 0, s->n_dec, s->dec_index, s->dec_ctx,
+                       s->dec_tables, s->dec_tstride, 0, s->slots, s->n_slots, s->attn, q_width, hd, m->heads,
+                       m->kv_heads, hd, m->scale, 1, s->threads, m->attend_amx);
+        if (rc) return 400 + rc;
+        /* fused_segments.tail: h, normed = add_rms_norm(h, o_proj(attn)); mlp = down(silu_mul(gate_up(normed))) */
+        if ((rc = project(m, s, &l->o, s->attn, s->proj))) return 500 + rc;
+        if ((rc = m->norm(h, hidden, s->proj, hidden, l->post_norm, spare, s->normed, rows, hidden, m->eps,
+                          s->threads, 1)))
+            return 600 + rc;
+        h = spare;
+        spare = spare == s->h_a ? s->h_b : s->h_a;
+        if ((rc = project(m, s, &l->gate_up, s->normed, s->gate_up))) return 700 + rc;
+        if ((rc = m->silu(s->gate_up, 2 * m->inter, s->act, rows, m->inter, s->threads, 1))) return 800 + rc;
+        if ((rc = project(m, s, &l->down, s->act, s->proj))) return 900 + rc;
+        if (i + 1 == m->n_layers) /* last: the final norm of h + mlp */
+            return (rc = m->norm(h, hidden, s->proj, hidden, m->final_norm, spare, s->out, rows, hidden, m->eps,
+                                 s->threads, 1))
+                       ? 1000 + rc
+                       : 0;
+        /* between: h, normed = add_rms_norm(h, mlp, next input_norm); the next layer's q, k, v */
+        if ((rc = m->norm(h, hidden, s->proj, hidden, m->layers[i + 1].input_norm, spare, s->normed, rows, hidden,
+                          m->eps, s->threads, 1)))
+            return 1100 + rc;
+        h = spare;
+        spare = spare == s->h_a ? s->h_b : s->h_a;
+        if ((rc = qkv_of(m, s, &m->layers[i + 1]))) return rc;
+    }
+    return 0;
+}

@@ -1,0 +1,199 @@
+"""A bf16 decoder's layer loop for decode steps of up to 32 rows in one C call (decode_layers.c).
+
+The loop over fused_segments.py's first/between/last makes ~270 kernel calls a SmolLM2-135M
+decode step, each through ctypes with its Python around it: ~4.5 ms of a 17-25 ms step ran
+outside the kernels (a KVM Xeon with AMX, 1-4 rows). decode_layers.c calls the same
+kernels in the same order on the same kind of buffers, through the entry points of the
+libraries that hold them, so its hidden states are bit for bit the Python loop's.
+
+It takes a step when the model runs bf16 on the CPU fused kernels and the C attention
+backend, every projection has a C route for the step's rows (its GGUF blocks up to their
+bound, else bf16_rows.c's tile form, which needs AMX: up to TILE_MAX_ROWS rows), and the
+step is decode rows only, without LoRA adapters or multi-item segments. Every other step
+runs the Python loop. PRELUDE_DECODE_LAYERS=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from prelude.config import ModelConfig
+from prelude.model import native_lib
+from prelude.model.attention.cpu_backend import CpuAttention
+from prelude.model.attention.metadata import AttentionMetadata
+from prelude.model.bf16_rows import TILE_MAX_ROWS
+from prelude.model.cpu_fused_kernels import CpuFusedKernels, load_cpu_kernels
+from prelude.model.ggml_blocks import KINDS
+from prelude.model.linear import Projection
+
+logger = logging.getLogger("prelude.model.decode_layers")
+
+_SOURCE = Path(__file__).resolve().parent / "decode_layers.c"
+SWITCH = "PRELUDE_DECODE_LAYERS"
+
+_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("weight", _ptr), ("bias", _ptr), ("out", _i64), ("k", _i64), ("kind", _i32), ("qs", _ptr),
+                ("d", _ptr), ("mins", _ptr), ("blocks_max_rows", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", _Proj),
+                ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("norm", _ptr), ("rope", _ptr), ("silu", _ptr), ("rows", _ptr), ("blocks", _ptr), ("attend", _ptr),
+                ("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("inter", _i64), ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)),
+                ("final_norm", _ptr), ("scb", _i64), ("scs", _i64), ("sch", _i64), ("block_size", _i64),
+                ("attend_amx", _i32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("h_in", _ptr), ("cos", _ptr), ("sin", _ptr), ("n_dec", _i64), ("dec_index", _ptr),
+                ("dec_ctx", _ptr), ("dec_tables", _ptr), ("dec_tstride", _i64), ("slots", _ptr), ("n_slots", _i64),
+                ("h_a", _ptr), ("h_b", _ptr), ("normed", _ptr), ("qkv", _ptr), ("q", _ptr), ("k", _ptr), ("v", _ptr),
+                ("attn", _ptr), ("proj", _ptr), ("gate_up", _ptr), ("act", _ptr), ("xsum", _ptr), ("out", _ptr),
+                ("threads", _i32)]
+
+
+def _tensor_ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeLayers:
+    """The loaded library bound to one model's weights (see the module docstring)."""
+
+    def __init__(self, lib: ctypes.CDLL, kernels: CpuFusedKernels, attention: CpuAttention, layers: Sequence,
+                 final_norm: torch.Tensor, config: ModelConfig, scale: float) -> None:
+        self._fn = lib.prelude_decode_layers
+        self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+        self._fn.restype = ctypes.c_int
+        self._layers = list(layers)  # the weights the C structs point at stay alive with these
+        self._attention = attention
+        self._final_norm = final_norm
+        self.hidden, self.heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.kv_heads, self.inter = config.num_key_value_heads, config.intermediate_size
+        projections = _projections(self._layers)
+        tile = projections[0].tile_form
+        blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
+        norm, rope, silu = kernels.entry_points()
+        self._model = _Model(
+            norm=norm, rope=rope, silu=silu, rows=None if tile is None else tile.entry_point,
+            blocks=None if blocks is None else blocks.bf16_entry_point, attend=attention.entry_point,
+            n_layers=len(self._layers), hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, inter=self.inter, eps=config.rms_norm_eps, scale=scale,
+            final_norm=final_norm.data_ptr(), attend_amx=int(attention.amx))
+        self._table = (_Layer * len(self._layers))()
+        self._bound: tuple[int, ...] = ()  # the K/V pools the table points at (list, first and last pool)
+
+    def takes(self, rows: int, meta: AttentionMetadata) -> bool:
+        """Whether a step of `rows` tokens with `meta` runs here: decode rows only (every token
+        one, each with its K/V slot), up to TILE_MAX_ROWS of them, no segments."""
+        return (0 < rows <= TILE_MAX_ROWS and not meta.prefills and meta.prefill_tensors is None
+                and meta.decodes is not None and meta.decodes.query_index.numel() == rows
+                and meta.segment_ids is None and meta.slot_mapping is not None and meta.slot_mapping.numel() == rows)
+
+    def _bind(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point the layer table at the weights and at `kv_caches` (once per pool)."""
+        k0 = kv_caches[0][0]
+        for k_cache, v_cache in kv_caches:
+            if k_cache.stride() != k0.stride() or v_cache.stride() != k0.stride() or k_cache.stride(-1) != 1:
+                raise ValueError("the K/V pools of every layer must share one layout with a contiguous head_dim")
+        for entry, layer, (k_cache, v_cache) in zip(self._table, self._layers, kv_caches, strict=True):
+            entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            entry.q_norm, entry.k_norm = _tensor_ptr(layer.q_norm), _tensor_ptr(layer.k_norm)
+            entry.qkv, entry.o, entry.gate_up, entry.down = (
+                _proj(p) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._model.layers = self._table
+        self._model.scb, self._model.scs, self._model.sch = k0.stride(0), k0.stride(1), k0.stride(2)
+        self._model.block_size = k0.shape[1]
+        self._bound = _pools_key(kv_caches)
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+            kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The final-normed hidden states [rows, hidden] of a step `takes` accepts, from the
+        embeddings `h` and the gathered rotary tables."""
+        if self._bound != _pools_key(kv_caches):
+            self._bind(kv_caches)
+        rows = h.shape[0]
+        _pre, rest = self._attention.row_arguments(meta)
+        n_dec, dec_index, dec_ctx, dec_tables, dec_tstride, _segments, slots, n_slots = rest
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        widths = {"h_a": self.hidden, "h_b": self.hidden, "normed": self.hidden, "qkv": q_width + 2 * kv_width,
+                  "q": q_width, "k": kv_width, "v": kv_width, "attn": q_width, "proj": self.hidden,
+                  "gate_up": 2 * self.inter, "act": self.inter}
+        scratch = torch.empty(rows * sum(widths.values()), dtype=torch.bfloat16)
+        ptrs, at = {}, scratch.data_ptr()
+        for name, width in widths.items():
+            ptrs[name] = at
+            at += rows * width * scratch.element_size()
+        xsum = torch.empty(rows * max(self.hidden, self.inter, q_width) // 32 + 1, dtype=torch.float32)
+        out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
+        h = h if h.is_contiguous() else h.contiguous()
+        cos = cos if cos.is_contiguous() else cos.contiguous()
+        sin = sin if sin.is_contiguous() else sin.contiguous()
+        step = _Step(rows=rows, h_in=h.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), n_dec=n_dec,
+                     dec_index=dec_index, dec_ctx=dec_ctx, dec_tables=dec_tables, dec_tstride=dec_tstride, slots=slots,
+                     n_slots=n_slots, xsum=xsum.data_ptr(), out=out.data_ptr(), threads=torch.get_num_threads(),
+                     **ptrs)
+        rc = self._fn(ctypes.byref(self._model), ctypes.byref(step))
+        if rc != 0:
+            raise RuntimeError(f"decode_layers.c: a kernel refused its arguments (code {rc})")
+        return out
+
+
+def _projections(layers: Sequence) -> list[Projection]:
+    return [p for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
+
+def _pools_key(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
+    """What identifies the pools a layer table points at: the list, and its first and last
+    pools' memory (a runner keeps one list for its life)."""
+    return id(kv_caches), len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr()
+
+
+def _proj(p: Projection) -> _Proj:
+    blocks = p.blocks
+    bias = _tensor_ptr(p.bias)
+    if blocks is None:
+        return _Proj(weight=p.weight.data_ptr(), bias=bias, out=p.out_features, k=p.weight.shape[1], kind=-1)
+    b = blocks.blocks
+    return _Proj(weight=p.weight.data_ptr(), bias=bias, out=p.out_features, k=p.weight.shape[1],
+                 kind=KINDS.index(b.kind), qs=b.qs.data_ptr(), d=b.d.data_ptr(), mins=_tensor_ptr(b.m),
+                 blocks_max_rows=blocks.max_rows)
+
+
+def decode_layers_for(layers: Sequence, final_norm: torch.Tensor, attention: object, dtype: torch.dtype,
+                      config: ModelConfig, scale: float) -> DecodeLayers | None:
+    """The driver for a model's `layers` (DecoderLayer), or None where a decode step would
+    not run wholly in C here (see the module docstring)."""
+    if dtype != torch.bfloat16 or not isinstance(attention, CpuAttention) or os.environ.get(SWITCH, "1") == "0":
+        return None
+    projections = _projections(layers)
+    # every call of up to TILE_MAX_ROWS rows needs a C route: the tile form (AMX) for each
+    # projection, and the bf16 blocks GEMM where a projection reads blocks
+    if not all(p.tile_form is not None for p in projections):
+        return None
+    if any(p.blocks is not None and p.blocks.kernel.bf16_entry_point is None for p in projections):
+        return None
+    kernels = load_cpu_kernels()
+    lib = native_lib.load(_SOURCE, SWITCH, "the decode steps' layer loop in C (the Python loop runs them)")
+    if kernels is None or lib is None:
+        return None
+    return DecodeLayers(lib, kernels, attention, layers, final_norm, config, scale)
+
+
+def build() -> Path:
+    """Compile the library into the cache unless it is there (`make install` calls this)."""
+    return native_lib.build(_SOURCE)

@@ -1,0 +1,195 @@
+"""decode_layers.c: a decode step's layer loop in one C call gives the Python loop's hidden
+states and K/V bit for bit (the same kernels in the same order), over plain bf16 weights
+and over GGUF blocks, and takes only the steps it can run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prelude.config import ModelConfig
+from prelude.model import decode_layers, linear
+from prelude.model.attention import get_attention_backend
+from prelude.model.attention.cpu_backend import load_cpu_attention
+from prelude.model.attention.metadata import AttentionMetadata, DecodeRows
+from prelude.model.bf16_rows import TILE_MAX_ROWS, load_bf16_rows
+from prelude.model.blocks_kernel import load_kernel
+from prelude.model.cpu_fused_kernels import load_cpu_kernels
+from prelude.model.decode_layers import DecodeLayers
+from prelude.model.decoder_segments import EAGER_SEGMENTS
+from prelude.model.fused_segments import fused_segments
+from prelude.model.ggml_blocks import GgmlBlocks
+from prelude.model.llama import LlamaForCausalLM
+from tests.model.test_cpu_attention import Row, make_batch
+
+
+def _tile_form_runs() -> bool:
+    kernel = load_bf16_rows()
+    return kernel is not None and kernel.tile_form_ready()
+
+
+pytestmark = pytest.mark.skipif(
+    not _tile_form_runs() or load_cpu_attention() is None or load_cpu_kernels() is None,
+    reason="the C layer loop needs AMX-BF16 (bf16_rows.c's tile form), the C attention and the fused C kernels")
+
+LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 3, 64, 160, 4, 2, 16, 101
+CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                  num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                  head_dim=HEAD_DIM, max_position_embeddings=256)
+PROJECTIONS = (("self_attn.q_proj", (HEADS * HEAD_DIM, HIDDEN)), ("self_attn.k_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
+               ("self_attn.v_proj", (KV_HEADS * HEAD_DIM, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HEADS * HEAD_DIM)),
+               ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)), ("mlp.down_proj", (HIDDEN, INTER)))
+
+
+def _weights(seed: int = 5) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g) * 0.5,
+               "model.norm.weight": 1 + torch.randn(HIDDEN, generator=g) * 0.1}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for name, shape in PROJECTIONS:
+            weights[f"{p}{name}.weight"] = torch.randn(*shape, generator=g) * shape[1] ** -0.5
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weights[f"{p}{norm}.weight"] = 1 + torch.randn(HIDDEN, generator=g) * 0.1
+    return weights
+
+
+def _blocks(weights: dict[str, torch.Tensor]) -> dict[str, GgmlBlocks]:
+    """Each projection quantized (Q4_1, and Q8_0 for the MLP's down), and its weight made the
+    blocks' dequantization, as a converted GGUF holds both."""
+    gguf = pytest.importorskip("gguf")
+    blocks = {}
+    for i in range(LAYERS):
+        for name, _shape in PROJECTIONS:
+            key = f"model.layers.{i}.{name}.weight"
+            kind = "Q8_0" if name == "mlp.down_proj" else "Q4_1"
+            w = weights[key].numpy()
+            raw = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
+            b = GgmlBlocks.from_gguf(kind, raw, w.shape[0])
+            assert b is not None
+            blocks[key] = b
+            weights[key] = b.dequantize()
+    return blocks
+
+
+def _model(dtype: torch.dtype = torch.bfloat16, with_blocks: bool = False, attention: str = "cpu") -> LlamaForCausalLM:
+    weights = _weights()
+    blocks = _blocks(weights) if with_blocks else None
+    return LlamaForCausalLM(CFG, weights, dtype, attention=get_attention_backend(attention), prepack=True,
+                            blocks=blocks)
+
+
+def _projections(model: LlamaForCausalLM) -> list[linear.Projection]:
+    return [p for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
+
+def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segments=None):  # noqa: ANN001, ANN202
+    """Hidden states and the K/V pools after one forward of `rows` (seeded inputs)."""
+    b = make_batch(rows, HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.bfloat16, seed=len(rows))
+    ids = torch.randint(0, VOCAB, (sum(r.new for r in rows),), generator=torch.Generator().manual_seed(6))
+    positions = torch.cat([torch.arange(r.prefix, r.prefix + r.new) for r in rows])
+    caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(LAYERS)]
+    driver = model._decode_layers
+    if not with_driver:
+        model._decode_layers = None
+    try:
+        hidden = model.forward(ids, positions, b.meta, caches,
+                               segments=segments or fused_segments(load_cpu_kernels(), "cpu"))
+    finally:
+        model._decode_layers = driver
+    return hidden, caches
+
+
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of the steps the C loop ran."""
+    seen: list[int] = []
+    real = DecodeLayers.run
+
+    def counted(self, h, cos, sin, meta, kv_caches):  # noqa: ANN001, ANN202
+        seen.append(h.shape[0])
+        return real(self, h, cos, sin, meta, kv_caches)
+
+    monkeypatch.setattr(DecodeLayers, "run", counted)
+    return seen
+
+
+@pytest.mark.parametrize("with_blocks", [False, True])
+@pytest.mark.parametrize("count", [1, 2, 3, 17, TILE_MAX_ROWS])
+def test_a_decode_step_equals_the_python_loop_bit_for_bit(runs: list[int], with_blocks: bool, count: int) -> None:
+    """Decode rows over contexts across block boundaries; with blocks allowed up to 2 rows,
+    1-2 rows read them and 3+ take the tile form (each projection as Projection routes it)."""
+    if with_blocks and load_kernel() is None:
+        pytest.skip("the GGUF blocks kernel cannot run here")
+    model = _model(with_blocks=with_blocks)
+    assert model._decode_layers is not None
+    if with_blocks:
+        assert all(p.blocks is not None for p in _projections(model))
+        for p in _projections(model):
+            p.limit_blocks(2)
+    rows = [Row(3 + 5 * i, 1) for i in range(count)]
+    got, got_kv = _forward(model, rows, with_driver=True)
+    assert runs == [count]
+    want, want_kv = _forward(model, rows, with_driver=False)
+    assert runs == [count]
+    assert got.dtype == torch.bfloat16 and got.shape == (count, HIDDEN)
+    assert torch.equal(got, want)
+    for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
+        assert torch.equal(kg, kw) and torch.equal(vg, vw)
+
+
+def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None:
+    """Six decode steps of two rows, each writing the K/V the next reads: the same greedy
+    tokens and pools."""
+    model = _model()
+    steps, starts = 6, (6, 9)
+    b = make_batch([Row(s + steps, 1) for s in starts], HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.bfloat16)
+    assert b.meta.decodes is not None
+    tables = b.meta.decodes.block_tables
+    results = []
+    for with_driver in (True, False):
+        caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(LAYERS)]
+        ids, out = torch.tensor([3, 7]), []
+        for step in range(steps):
+            positions = torch.tensor([s + step for s in starts])
+            slots = torch.stack([tables[r, p // 4] * 4 + p % 4 for r, p in enumerate(positions.tolist())])
+            meta = AttentionMetadata(slots, (), DecodeRows(torch.arange(2), tables, positions + 1,
+                                                           int(positions.max()) + 1), 4)
+            driver = model._decode_layers
+            model._decode_layers = driver if with_driver else None
+            try:
+                hidden = model.forward(ids, positions, meta, caches, segments=fused_segments(load_cpu_kernels(), "cpu"))
+            finally:
+                model._decode_layers = driver
+            ids = model.compute_logits(hidden).argmax(-1)
+            out.append(ids.tolist())
+        results.append((out, caches))
+    assert runs == [2] * steps
+    assert results[0][0] == results[1][0]
+    for (kg, vg), (kw, vw) in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(kg, kw) and torch.equal(vg, vw)
+
+
+def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
+    model = _model()
+    driver = model._decode_layers
+    assert driver is not None
+    _forward(model, [Row(4, 1)] * (TILE_MAX_ROWS + 1), with_driver=True)  # more rows than the tile form takes
+    _forward(model, [Row(0, 5), Row(4, 1)], with_driver=True)  # a prefill row beside a decode row
+    _forward(model, [Row(4, 1)], with_driver=True, segments=EAGER_SEGMENTS)  # not the fused C kernels
+    assert runs == []
+    with pytest.raises(RuntimeError, match="decode_layers.c"):
+        b = make_batch([Row(4, 1)], HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.bfloat16)
+        empty = torch.empty(0, HIDDEN, dtype=torch.bfloat16)
+        driver.run(empty, empty, empty, b.meta, [(b.k_cache, b.v_cache)] * LAYERS)
+
+
+def test_built_only_where_every_kernel_has_a_c_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _model()._decode_layers is not None
+    assert _model(dtype=torch.float32)._decode_layers is None
+    assert _model(attention="torch")._decode_layers is None
+    monkeypatch.setenv(decode_layers.SWITCH, "0")
+    assert _model()._decode_layers is None
+    monkeypatch.delenv(decode_layers.SWITCH)
+    monkeypatch.setattr(linear, "tile_rows_kernel", lambda weight: None)  # no AMX: few rows go to oneDNN
+    assert _model()._decode_layers is None
