@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prelude.bench.profile_bench import CATEGORIES, _ab_last_layer, labelled, profile_steps
+from prelude.bench.profile_bench import CATEGORIES, _ab_decode_loop, _ab_last_layer, labelled, profile_steps
 from prelude.model.cpu_fused_kernels import CpuFusedKernels
 from prelude.model.linear import Projection
 
@@ -70,3 +70,14 @@ def test_last_layer_ab_alternates_the_runners_choice_and_restores_it() -> None:
     assert seen == [(i % 2 == 1, i) for i in range(6)]
     assert engine.runner.prune_last_layer is True
     assert len(res["off"]["ms"]) == len(res["on"]["ms"]) == 3 and res["on"]["median_ms"] >= 0
+
+
+def test_decode_loop_ab_alternates_the_c_and_the_python_layer_loop() -> None:
+    class Model:
+        decode_layers: object = None
+
+    model, c_loop = Model(), object()
+    seen: list[object] = []
+    res = _ab_decode_loop(model, c_loop, lambda: seen.append(model.decode_layers), 3)
+    assert seen == [c_loop, None] * 3
+    assert res["c_median_ms"] >= 0 and res["python_median_ms"] >= 0

@@ -89,14 +89,14 @@ def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segmen
     ids = torch.randint(0, VOCAB, (sum(r.new for r in rows),), generator=torch.Generator().manual_seed(6))
     positions = torch.cat([torch.arange(r.prefix, r.prefix + r.new) for r in rows])
     caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(LAYERS)]
-    driver = model._decode_layers
+    driver = model.decode_layers
     if not with_driver:
-        model._decode_layers = None
+        model.decode_layers = None
     try:
         hidden = model.forward(ids, positions, b.meta, caches,
                                segments=segments or fused_segments(load_cpu_kernels(), "cpu"))
     finally:
-        model._decode_layers = driver
+        model.decode_layers = driver
     return hidden, caches
 
 
@@ -122,7 +122,7 @@ def test_a_decode_step_equals_the_python_loop_bit_for_bit(runs: list[int], with_
     if with_blocks and load_kernel() is None:
         pytest.skip("the GGUF blocks kernel cannot run here")
     model = _model(with_blocks=with_blocks)
-    assert model._decode_layers is not None
+    assert model.decode_layers is not None
     if with_blocks:
         assert all(p.blocks is not None for p in _projections(model))
         for p in _projections(model):
@@ -155,12 +155,12 @@ def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None
             slots = torch.stack([tables[r, p // 4] * 4 + p % 4 for r, p in enumerate(positions.tolist())])
             meta = AttentionMetadata(slots, (), DecodeRows(torch.arange(2), tables, positions + 1,
                                                            int(positions.max()) + 1), 4)
-            driver = model._decode_layers
-            model._decode_layers = driver if with_driver else None
+            driver = model.decode_layers
+            model.decode_layers = driver if with_driver else None
             try:
                 hidden = model.forward(ids, positions, meta, caches, segments=fused_segments(load_cpu_kernels(), "cpu"))
             finally:
-                model._decode_layers = driver
+                model.decode_layers = driver
             ids = model.compute_logits(hidden).argmax(-1)
             out.append(ids.tolist())
         results.append((out, caches))
@@ -172,7 +172,7 @@ def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None
 
 def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
     model = _model()
-    driver = model._decode_layers
+    driver = model.decode_layers
     assert driver is not None
     _forward(model, [Row(4, 1)] * (TILE_MAX_ROWS + 1), with_driver=True)  # more rows than the tile form takes
     _forward(model, [Row(0, 5), Row(4, 1)], with_driver=True)  # a prefill row beside a decode row
@@ -185,11 +185,11 @@ def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
 
 
 def test_built_only_where_every_kernel_has_a_c_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _model()._decode_layers is not None
-    assert _model(dtype=torch.float32)._decode_layers is None
-    assert _model(attention="torch")._decode_layers is None
+    assert _model().decode_layers is not None
+    assert _model(dtype=torch.float32).decode_layers is None
+    assert _model(attention="torch").decode_layers is None
     monkeypatch.setenv(decode_layers.SWITCH, "0")
-    assert _model()._decode_layers is None
+    assert _model().decode_layers is None
     monkeypatch.delenv(decode_layers.SWITCH)
     monkeypatch.setattr(linear, "tile_rows_kernel", lambda weight: None)  # no AMX: few rows go to oneDNN
-    assert _model()._decode_layers is None
+    assert _model().decode_layers is None

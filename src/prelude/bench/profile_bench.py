@@ -4,7 +4,9 @@ profiler script.
 In process (no HTTP), one engine per dtype on the default model (or --model), torch's
 profiler around engine steps of two workloads:
 - prefill: `--prefills` prompts of `--prompt-tokens` fresh tokens, one at a time, 1 output;
-- decode: `--decode-rows` requests decoding together, `--decode-steps` steps.
+- decode: `--decode-rows` requests decoding together, `--decode-steps` steps, split over the
+  Python layer loop; where decode steps take the C layer loop (model/decode_layers.py), that
+  loop is timed against the Python one after, unprofiled (a step is one call there).
 Each step's time is split into
 - gemm: the projections (model/linear.py's Projection, whatever route it takes: oneDNN,
   GGUF blocks, F.linear) and any aten GEMM;
@@ -162,7 +164,7 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
     model = engine.runner.model
     vocab = int(model.config.vocab_size)
     one = SamplingParams(temperature=0.0, max_tokens=1)
-    long = SamplingParams(temperature=0.0, max_tokens=decode_steps + 8, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=2 * decode_steps + 8, ignore_eos=True)
     counter = iter(range(10**9))
 
     def prefill_run(prompts: list[list[int]]) -> Callable[[], int]:
@@ -194,7 +196,18 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
               "prune_last_layer": engine.runner.prune_last_layer,
               "prefill": profile_steps(prefill_run(_prompts(prefills, prompt_tokens, vocab, seed + 2)), model)}
     start_decode(decode_rows)
-    result["decode"] = profile_steps(decode_run(decode_steps), model)
+    # The split needs the Python layer loop's calls: a decode step that runs the C layer loop
+    # (model/decode_layers.py) is one call. That loop is timed against it after, unprofiled.
+    c_loop, model.decode_layers = getattr(model, "decode_layers", None), None
+    try:
+        result["decode"] = profile_steps(decode_run(decode_steps), model)
+        if c_loop is not None:  # fresh rows: the A/B's 2 x decode_steps steps
+            engine.abort_all()
+            _drain(engine)
+            start_decode(decode_rows)
+            result["decode_c_loop"] = _ab_decode_loop(model, c_loop, engine.step, decode_steps)
+    finally:
+        model.decode_layers = c_loop
     engine.abort_all()
     _drain(engine)
     if ab_last_layer > 0:
@@ -204,6 +217,21 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
         prefill_run(prompts[:1])()  # publishes the shared prefix
         result["last_layer_ab"] = _ab_last_layer(engine, prefill_run, prompts[1:])
     return result
+
+
+def _ab_decode_loop(model: Any, c_loop: Any, step: Callable[[], object], steps: int) -> dict[str, float]:
+    """Decode steps alternating the C layer loop (`c_loop`) and the Python one, no profiler:
+    median wall ms a step of each."""
+    import statistics
+
+    times: dict[str, list[float]] = {"c": [], "python": []}
+    for i in range(2 * steps):
+        mode = ("c", "python")[i % 2]
+        model.decode_layers = c_loop if mode == "c" else None
+        t0 = time.perf_counter()
+        step()
+        times[mode].append((time.perf_counter() - t0) * 1000)
+    return {f"{m}_median_ms": statistics.median(t) for m, t in times.items()}
 
 
 def _ab_last_layer(engine: Any, prefill_run: Callable[[list[list[int]]], Callable[[], int]],
@@ -241,6 +269,10 @@ def print_result(res: dict[str, Any], prompt_tokens: int, decode_rows: int) -> N
         for c in CATEGORIES[:3]:
             top = ", ".join(f"{n} {t:.2f}" for n, t in r["top_ops_ms"][c][:4])
             print(f"{'':>12}{c:<12} {top}")
+        if work == "decode" and "decode_c_loop" in res:
+            ab = res["decode_c_loop"]
+            print(f"{'':>12}(split over the Python layer loop; with the C layer loop, decode_layers.c, a step "
+                  f"took {ab['c_median_ms']:.2f} ms against {ab['python_median_ms']:.2f}, alternated, unprofiled)")
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> Path:

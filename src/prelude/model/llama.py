@@ -31,7 +31,7 @@ from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.bf16_rows import TILE_MAX_ROWS
-from prelude.model.decode_layers import decode_layers_for
+from prelude.model.decode_layers import DecodeLayers, decode_layers_for
 from prelude.model.linear import BlocksPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora import LoraStep
 from prelude.model.rope import RotaryEmbedding
@@ -138,9 +138,10 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.shape = LayerShape(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                 config.rms_norm_eps)
-        # Decode steps of up to 32 rows: the layer loop in one C call where every kernel has a C route
-        self._decode_layers = decode_layers_for(self.layers, self.norm, self.attention, dtype, config, self.scale)
-        if self._decode_layers is not None:
+        # Decode steps of up to 32 rows: the layer loop in one C call where every kernel has a C
+        # route (None: the Python loop runs every step; `bench profile` sets it so to split a step)
+        self.decode_layers: DecodeLayers | None = decode_layers_for(self.layers, self.norm, self.attention, dtype, config, self.scale)
+        if self.decode_layers is not None:
             logger.info("decode steps of 1-%d rows: the layer loop in one C call (decode_layers.c)", TILE_MAX_ROWS)
 
     def _projections(self) -> list[Projection]:
@@ -198,7 +199,7 @@ class LlamaForCausalLM:
         with `lora`, the last layer's o_proj and MLP take `reads.lora`, the read rows' index."""
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)  # gathered once, shared by every layer
-        driver = self._decode_layers
+        driver = self.decode_layers
         if (driver is not None and lora is None and reads is None and segments.label == "cpu"
                 and driver.takes(h.shape[0], meta)):
             return driver.run(h, cos, sin, meta, kv_caches)
