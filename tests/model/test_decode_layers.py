@@ -1,6 +1,7 @@
-"""decode_layers.c: a decode step's layer loop in one C call gives the Python loop's hidden
-states and K/V bit for bit (the same kernels in the same order), over plain bf16 weights
-and over GGUF blocks, and takes only the steps it can run."""
+"""decode_layers.c: a small step's layer loop in one C call gives the Python loop's hidden
+states and K/V bit for bit (the same kernels in the same order): decode rows, prompts' rows
+with the last layer for the read positions only, over plain bf16 weights and over GGUF
+blocks; and it takes only the steps it can run."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from prelude.model.decoder_segments import EAGER_SEGMENTS
 from prelude.model.fused_segments import fused_segments
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.llama import LlamaForCausalLM
+from prelude.model.read_positions import ReadPositions
 from tests.model.test_cpu_attention import Row, make_batch
 
 
@@ -83,7 +85,15 @@ def _projections(model: LlamaForCausalLM) -> list[linear.Projection]:
     return [p for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
 
 
-def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segments=None):  # noqa: ANN001, ANN202
+def _reads(rows: list[Row]) -> ReadPositions:
+    """The last position of every row (a prompt's next token, a decode row's)."""
+    ends = torch.tensor([r.new for r in rows]).cumsum(0) - 1
+    prompts = [r for r in rows if not (r.new == 1 and r.own_in_cache and r.segments is None)]
+    return ReadPositions(ends, torch.ones(len(prompts), dtype=torch.int64))
+
+
+def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segments=None,  # noqa: ANN001, ANN202
+             reads: ReadPositions | None = None):
     """Hidden states and the K/V pools after one forward of `rows` (seeded inputs)."""
     b = make_batch(rows, HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.bfloat16, seed=len(rows))
     ids = torch.randint(0, VOCAB, (sum(r.new for r in rows),), generator=torch.Generator().manual_seed(6))
@@ -94,7 +104,7 @@ def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segmen
         model.decode_layers = None
     try:
         hidden = model.forward(ids, positions, b.meta, caches,
-                               segments=segments or fused_segments(load_cpu_kernels(), "cpu"))
+                               segments=segments or fused_segments(load_cpu_kernels(), "cpu"), reads=reads)
     finally:
         model.decode_layers = driver
     return hidden, caches
@@ -106,9 +116,9 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     real = DecodeLayers.run
 
-    def counted(self, h, cos, sin, meta, kv_caches):  # noqa: ANN001, ANN202
+    def counted(self, h, cos, sin, meta, kv_caches, reads=None):  # noqa: ANN001, ANN202
         seen.append(h.shape[0])
-        return real(self, h, cos, sin, meta, kv_caches)
+        return real(self, h, cos, sin, meta, kv_caches, reads)
 
     monkeypatch.setattr(DecodeLayers, "run", counted)
     return seen
@@ -136,6 +146,35 @@ def test_a_decode_step_equals_the_python_loop_bit_for_bit(runs: list[int], with_
     assert torch.equal(got, want)
     for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
         assert torch.equal(kg, kw) and torch.equal(vg, vw)
+
+
+@pytest.mark.parametrize("with_blocks", [False, True])
+@pytest.mark.parametrize("rows", [
+    [Row(0, 5, own_in_cache=False)],  # a short prompt, OneShot (its K/V not kept)
+    [Row(0, 7), Row(9, 3)],  # prompts whose K/V are kept: a fresh one and a chunk over a cached prefix
+    [Row(0, 11), Row(4, 1), Row(13, 6), Row(20, 1)],  # prompts' rows beside decode rows
+    [Row(2, 30), Row(7, 1), Row(1, 1)],  # 32 tokens
+])
+def test_prompt_rows_with_read_positions_equal_the_python_loop(runs: list[int], with_blocks: bool,
+                                                              rows: list[Row]) -> None:
+    """Steps with prompts' rows, the last layer computed for each row's last position only
+    (the reads the runner passes), and every position read: bit for bit the Python loop's,
+    K/V included; with blocks allowed up to 2 rows, the last layer's few read rows take them."""
+    if with_blocks and load_kernel() is None:
+        pytest.skip("the GGUF blocks kernel cannot run here")
+    model = _model(with_blocks=with_blocks)
+    if with_blocks:
+        for p in _projections(model):
+            p.limit_blocks(2)
+    tokens = sum(r.new for r in rows)
+    for reads in (_reads(rows), None):
+        got, got_kv = _forward(model, rows, with_driver=True, reads=reads)
+        want, want_kv = _forward(model, rows, with_driver=False, reads=reads)
+        assert got.shape == (tokens if reads is None else len(rows), HIDDEN)
+        assert torch.equal(got, want)
+        for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
+            assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    assert runs == [tokens, tokens]
 
 
 def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None:
@@ -175,8 +214,12 @@ def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
     driver = model.decode_layers
     assert driver is not None
     _forward(model, [Row(4, 1)] * (TILE_MAX_ROWS + 1), with_driver=True)  # more rows than the tile form takes
-    _forward(model, [Row(0, 5), Row(4, 1)], with_driver=True)  # a prefill row beside a decode row
+    _forward(model, [Row(0, TILE_MAX_ROWS + 1)], with_driver=True)  # a prompt of as many tokens
     _forward(model, [Row(4, 1)], with_driver=True, segments=EAGER_SEGMENTS)  # not the fused C kernels
+    _forward(model, [Row(0, 6, segments=(0, 0, 1, 1, 2, 2))], with_driver=True)  # multi-item segments
+    nothing_read = ReadPositions(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    hidden, _ = _forward(model, [Row(0, 4)], with_driver=True, reads=nothing_read)
+    assert hidden.shape == (0, HIDDEN)
     assert runs == []
     with pytest.raises(RuntimeError, match="decode_layers.c"):
         b = make_batch([Row(4, 1)], HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.bfloat16)

@@ -4,9 +4,10 @@ profiler script.
 In process (no HTTP), one engine per dtype on the default model (or --model), torch's
 profiler around engine steps of two workloads:
 - prefill: `--prefills` prompts of `--prompt-tokens` fresh tokens, one at a time, 1 output;
-- decode: `--decode-rows` requests decoding together, `--decode-steps` steps, split over the
-  Python layer loop; where decode steps take the C layer loop (model/decode_layers.py), that
-  loop is timed against the Python one after, unprofiled (a step is one call there).
+- decode: `--decode-rows` requests decoding together, `--decode-steps` steps.
+Both split over the Python layer loop; where small steps take the C layer loop
+(model/decode_layers.py: a step is one call there), that loop is timed against the Python
+one after, on decode steps, unprofiled.
 Each step's time is split into
 - gemm: the projections (model/linear.py's Projection, whatever route it takes: oneDNN,
   GGUF blocks, F.linear) and any aten GEMM;
@@ -192,14 +193,16 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
     decode_run(3)()
     engine.abort_all()
     _drain(engine)
-    result = {"dtype": str(model.dtype).removeprefix("torch."), "segments": engine.runner.forwards.__class__.__name__,
-              "prune_last_layer": engine.runner.prune_last_layer,
-              "prefill": profile_steps(prefill_run(_prompts(prefills, prompt_tokens, vocab, seed + 2)), model)}
-    start_decode(decode_rows)
-    # The split needs the Python layer loop's calls: a decode step that runs the C layer loop
-    # (model/decode_layers.py) is one call. That loop is timed against it after, unprofiled.
+    # The split needs the Python layer loop's calls: a step that runs the C layer loop
+    # (model/decode_layers.py: decode steps, prompts of up to 32 tokens) is one call. That
+    # loop is timed against the Python one after, on decode steps, unprofiled.
     c_loop, model.decode_layers = getattr(model, "decode_layers", None), None
     try:
+        result = {"dtype": str(model.dtype).removeprefix("torch."),
+                  "segments": engine.runner.forwards.__class__.__name__,
+                  "prune_last_layer": engine.runner.prune_last_layer,
+                  "prefill": profile_steps(prefill_run(_prompts(prefills, prompt_tokens, vocab, seed + 2)), model)}
+        start_decode(decode_rows)
         result["decode"] = profile_steps(decode_run(decode_steps), model)
         if c_loop is not None:  # fresh rows: the A/B's 2 x decode_steps steps
             engine.abort_all()

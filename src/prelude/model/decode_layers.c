@@ -1,18 +1,21 @@
-/* A decoder's layer loop for one decode step on the CPU, in one call.
+/* A decoder's layer loop for one small step on the CPU, in one call.
  *
- * A decode step of SmolLM2-135M makes ~270 kernel calls (four projections, three
- * elementwise kernels and attention per layer), each through ctypes with its Python
- * around it: ~4.5 of a 17-25 ms step ran outside the kernels on a KVM Xeon. Here the same
- * kernels run in the same order on the same buffers, called through the entry points of
- * the libraries that hold them (cpu_fused.c, bf16_rows.c, blocks_gemm.c, cpu_attention.c;
+ * A step of SmolLM2-135M makes ~270 kernel calls (four projections, three elementwise
+ * kernels and attention per layer), each through ctypes with its Python around it: ~4.5 of
+ * a 17-25 ms decode step ran outside the kernels on a KVM Xeon. Here the same kernels run
+ * in the same order on the same buffers, called through the entry points of the libraries
+ * that hold them (cpu_fused.c, bf16_rows.c, blocks_gemm.c, cpu_attention.c;
  * decode_layers.py passes their addresses), so a step's answers are bit for bit those of
- * the Python loop (fused_segments.py), which every other step still runs.
+ * the Python loop (fused_segments.py and LlamaForCausalLM's last layer for the read
+ * positions), which every other step still runs.
  *
- * bfloat16 activations; every projection of up to 32 rows has a C route: the GGUF blocks
- * up to its bound of rows, else bf16_rows.c's tile form. Returns 0, or the first failing
- * kernel's code plus 100 times its stage (nothing is undone: the caller raises).
+ * bfloat16 activations; steps of up to 32 tokens (decode rows, and prompts' rows), where
+ * every projection has a C route: the GGUF blocks up to their bound of rows, else
+ * bf16_rows.c's tile form. Returns 0, or the first failing kernel's code plus 100 times its
+ * stage (nothing is undone: the caller raises).
  */
 #include <stdint.h>
+#include <string.h>
 
 typedef int (*norm_fn)(const void *x, int64_t stride_x, const void *r, int64_t stride_r, const void *w, void *h,
                        void *out, int64_t rows, int64_t n, float eps, int threads, int bf);
@@ -66,32 +69,46 @@ typedef struct {
     int32_t attend_amx;                /* the attention backend's choice of the AMX form */
 } Model;
 
-/* One step: its rows' hidden states in and out, their rotary tables and decode rows, and
- * the buffers the kernels write (bf16, [rows, width] each; xsum float32 [rows * inter / 32]). */
+/* One step: its tokens' hidden states in and out, their rotary tables, the attention's rows
+ * (cpu_attention.c's arguments: prompts' rows, decode rows, the K/V slots), the positions
+ * read (read_index [n_read] and each prompt row's attended tail, or NULL: every position),
+ * and the buffers the kernels write (bf16, [rows, width] each; xsum float32 [rows * inter / 32]). */
 typedef struct {
     int64_t rows;
     const void *h_in, *cos, *sin;
+    int64_t n_pre;
+    const int64_t *pre_start, *pre_len, *pre_ctx, *pre_own, *pre_tables;
+    int64_t pre_tstride;
     int64_t n_dec;
     const int64_t *dec_index, *dec_ctx, *dec_tables;
     int64_t dec_tstride;
     const int64_t *slots;
     int64_t n_slots;
+    int64_t n_read;
+    const int64_t *read_index, *pre_tail;
     void *h_a, *h_b, *normed, *qkv, *q, *k, *v, *attn, *proj, *gate_up, *act;
     float *xsum;
     void *out;
     int32_t threads;
 } Step;
 
-static int project(const Model *m, const Step *s, const Proj *p, const void *x, void *y) {
-    if (p->kind >= 0 && s->rows <= p->blocks_max_rows)
-        return m->blocks(p->kind, x, s->rows, p->k, p->qs, p->d, p->mins, p->out, p->bias, y, s->threads, s->xsum);
-    return m->rows(x, s->rows, p->k, p->weight, p->out, p->k, p->bias, y, s->threads, 1);
+/* y [rows, out] = x W^T through the route Projection takes for `rows` rows */
+static int project(const Model *m, const Step *s, const Proj *p, int64_t rows, const void *x, void *y) {
+    if (p->kind >= 0 && rows <= p->blocks_max_rows)
+        return m->blocks(p->kind, x, rows, p->k, p->qs, p->d, p->mins, p->out, p->bias, y, s->threads, s->xsum);
+    return m->rows(x, rows, p->k, p->weight, p->out, p->k, p->bias, y, s->threads, 1);
+}
+
+/* rows index[0..n-1] of x [*, width] (bf16) packed at the front of dst */
+static void gather_rows(const void *x, int64_t width, const int64_t *index, int64_t n, void *dst) {
+    for (int64_t j = 0; j < n; j++)
+        memcpy((char *)dst + j * width * 2, (const char *)x + index[j] * width * 2, (size_t)width * 2);
 }
 
 /* normed -> q, k, v of layer l (fused_segments.qkv_of) */
 static int qkv_of(const Model *m, const Step *s, const Layer *l) {
     const int64_t width = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    int rc = project(m, s, &l->qkv, s->normed, s->qkv);
+    int rc = project(m, s, &l->qkv, s->rows, s->normed, s->qkv);
     if (rc) return 100 + rc;
     rc = m->rope(s->qkv, width, s->rows, m->heads, m->kv_heads, m->head_dim, s->cos, s->sin, l->q_norm, l->k_norm,
                  m->eps, s->q, s->k, s->v, s->threads, 1);
@@ -99,33 +116,46 @@ static int qkv_of(const Model *m, const Step *s, const Layer *l) {
 }
 
 int prelude_decode_layers(const Model *m, const Step *s) {
-    const int64_t rows = s->rows, hd = m->head_dim, hidden = m->hidden;
+    const int64_t hd = m->head_dim, hidden = m->hidden;
     const int64_t q_width = m->heads * hd, kv_width = m->kv_heads * hd;
-    if (rows < 1 || m->n_layers < 1) return 1;
+    if (s->rows < 1 || m->n_layers < 1 || s->n_read < 1) return 1;
     /* first: RMSNorm of the embeddings (no residual yet) */
-    int rc = m->norm(s->h_in, hidden, 0, 0, m->layers[0].input_norm, 0, s->normed, rows, hidden, m->eps, s->threads, 1);
+    int rc = m->norm(s->h_in, hidden, 0, 0, m->layers[0].input_norm, 0, s->normed, s->rows, hidden, m->eps,
+                     s->threads, 1);
     if (rc) return 300 + rc;
     if ((rc = qkv_of(m, s, &m->layers[0]))) return rc;
     const void *h = s->h_in; /* the residual stream, written to h_a and h_b in turn */
     void *spare = s->h_a;
+    int64_t rows = s->rows;
     for (int64_t i = 0; i < m->n_layers; i++) {
         const Layer *l = &m->layers[i];
+        const int last = i + 1 == m->n_layers;
         rc = m->attend(s->q, q_width, hd, s->k, kv_width, hd, s->v, kv_width, hd, l->k_cache, l->v_cache, m->scb,
-                       m->scs, m->sch, m->block_size, 0, 0, 0, 0, 0, 0, 0, 0, s->n_dec, s->dec_index, s->dec_ctx,
+                       m->scs, m->sch, m->block_size, s->n_pre, s->pre_start, s->pre_len, s->pre_ctx, s->pre_own,
+                       s->pre_tables, s->pre_tstride, last ? s->pre_tail : 0, s->n_dec, s->dec_index, s->dec_ctx,
                        s->dec_tables, s->dec_tstride, 0, s->slots, s->n_slots, s->attn, q_width, hd, m->heads,
                        m->kv_heads, hd, m->scale, 1, s->threads, m->attend_amx);
         if (rc) return 400 + rc;
+        const void *attn = s->attn;
+        if (last && s->read_index) { /* the last layer for the read positions only, in their order */
+            gather_rows(h, hidden, s->read_index, s->n_read, spare);
+            gather_rows(s->attn, q_width, s->read_index, s->n_read, s->q); /* q is read no more */
+            h = spare;
+            spare = spare == s->h_a ? s->h_b : s->h_a;
+            attn = s->q;
+            rows = s->n_read;
+        }
         /* fused_segments.tail: h, normed = add_rms_norm(h, o_proj(attn)); mlp = down(silu_mul(gate_up(normed))) */
-        if ((rc = project(m, s, &l->o, s->attn, s->proj))) return 500 + rc;
+        if ((rc = project(m, s, &l->o, rows, attn, s->proj))) return 500 + rc;
         if ((rc = m->norm(h, hidden, s->proj, hidden, l->post_norm, spare, s->normed, rows, hidden, m->eps,
                           s->threads, 1)))
             return 600 + rc;
         h = spare;
         spare = spare == s->h_a ? s->h_b : s->h_a;
-        if ((rc = project(m, s, &l->gate_up, s->normed, s->gate_up))) return 700 + rc;
+        if ((rc = project(m, s, &l->gate_up, rows, s->normed, s->gate_up))) return 700 + rc;
         if ((rc = m->silu(s->gate_up, 2 * m->inter, s->act, rows, m->inter, s->threads, 1))) return 800 + rc;
-        if ((rc = project(m, s, &l->down, s->act, s->proj))) return 900 + rc;
-        if (i + 1 == m->n_layers) /* last: the final norm of h + mlp */
+        if ((rc = project(m, s, &l->down, rows, s->act, s->proj))) return 900 + rc;
+        if (last) /* the final norm of h + mlp */
             return (rc = m->norm(h, hidden, s->proj, hidden, m->final_norm, spare, s->out, rows, hidden, m->eps,
                                  s->threads, 1))
                        ? 1000 + rc

@@ -1,16 +1,18 @@
-"""A bf16 decoder's layer loop for decode steps of up to 32 rows in one C call (decode_layers.c).
+"""A bf16 decoder's layer loop for steps of up to 32 tokens in one C call (decode_layers.c).
 
 The loop over fused_segments.py's first/between/last makes ~270 kernel calls a SmolLM2-135M
-decode step, each through ctypes with its Python around it: ~4.5 ms of a 17-25 ms step ran
-outside the kernels (a KVM Xeon with AMX, 1-4 rows). decode_layers.c calls the same
-kernels in the same order on the same kind of buffers, through the entry points of the
-libraries that hold them, so its hidden states are bit for bit the Python loop's.
+step, each through ctypes with its Python around it: ~4.5 ms of a 17-25 ms decode step ran
+outside the kernels (a KVM Xeon with AMX, 1-4 rows). decode_layers.c calls the same kernels
+in the same order on the same kind of buffers, through the entry points of the libraries
+that hold them, so its hidden states (and the K/V it writes) are bit for bit the Python
+loop's, the last layer for the read positions only included.
 
 It takes a step when the model runs bf16 on the CPU fused kernels and the C attention
 backend, every projection has a C route for the step's rows (its GGUF blocks up to their
 bound, else bf16_rows.c's tile form, which needs AMX: up to TILE_MAX_ROWS rows), and the
-step is decode rows only, without LoRA adapters or multi-item segments. Every other step
-runs the Python loop. PRELUDE_DECODE_LAYERS=0 turns it off.
+step has at most TILE_MAX_ROWS tokens (decode rows, short prompts or both), no LoRA
+adapters and no multi-item segments. Every other step runs the Python loop.
+PRELUDE_DECODE_LAYERS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from prelude.model.bf16_rows import TILE_MAX_ROWS
 from prelude.model.cpu_fused_kernels import CpuFusedKernels, load_cpu_kernels
 from prelude.model.ggml_blocks import KINDS
 from prelude.model.linear import Projection
+from prelude.model.read_positions import ReadPositions
 
 logger = logging.getLogger("prelude.model.decode_layers")
 
@@ -59,8 +62,10 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("h_in", _ptr), ("cos", _ptr), ("sin", _ptr), ("n_dec", _i64), ("dec_index", _ptr),
-                ("dec_ctx", _ptr), ("dec_tables", _ptr), ("dec_tstride", _i64), ("slots", _ptr), ("n_slots", _i64),
+    _fields_ = [("rows", _i64), ("h_in", _ptr), ("cos", _ptr), ("sin", _ptr), ("n_pre", _i64), ("pre_start", _ptr),
+                ("pre_len", _ptr), ("pre_ctx", _ptr), ("pre_own", _ptr), ("pre_tables", _ptr), ("pre_tstride", _i64),
+                ("n_dec", _i64), ("dec_index", _ptr), ("dec_ctx", _ptr), ("dec_tables", _ptr), ("dec_tstride", _i64),
+                ("slots", _ptr), ("n_slots", _i64), ("n_read", _i64), ("read_index", _ptr), ("pre_tail", _ptr),
                 ("h_a", _ptr), ("h_b", _ptr), ("normed", _ptr), ("qkv", _ptr), ("q", _ptr), ("k", _ptr), ("v", _ptr),
                 ("attn", _ptr), ("proj", _ptr), ("gate_up", _ptr), ("act", _ptr), ("xsum", _ptr), ("out", _ptr),
                 ("threads", _i32)]
@@ -96,12 +101,14 @@ class DecodeLayers:
         self._table = (_Layer * len(self._layers))()
         self._bound: tuple[int, ...] = ()  # the K/V pools the table points at (list, first and last pool)
 
-    def takes(self, rows: int, meta: AttentionMetadata) -> bool:
-        """Whether a step of `rows` tokens with `meta` runs here: decode rows only (every token
-        one, each with its K/V slot), up to TILE_MAX_ROWS of them, no segments."""
-        return (0 < rows <= TILE_MAX_ROWS and not meta.prefills and meta.prefill_tensors is None
-                and meta.decodes is not None and meta.decodes.query_index.numel() == rows
-                and meta.segment_ids is None and meta.slot_mapping is not None and meta.slot_mapping.numel() == rows)
+    @staticmethod
+    def takes(rows: int, meta: AttentionMetadata, reads: ReadPositions | None) -> bool:
+        """Whether a step of `rows` tokens runs here: up to TILE_MAX_ROWS of them (decode rows
+        and prompts' rows alike), no multi-item segments, no adapters on the read rows, and
+        some position read."""
+        return (0 < rows <= TILE_MAX_ROWS and meta.segment_ids is None
+                and (meta.slot_mapping is None or meta.slot_mapping.numel() == rows)
+                and (reads is None or (reads.lora is None and reads.index.numel() > 0)))
 
     def _bind(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point the layer table at the weights and at `kv_caches` (once per pool)."""
@@ -121,14 +128,22 @@ class DecodeLayers:
         self._bound = _pools_key(kv_caches)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-            kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """The final-normed hidden states [rows, hidden] of a step `takes` accepts, from the
-        embeddings `h` and the gathered rotary tables."""
+            kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], reads: ReadPositions | None = None) -> torch.Tensor:
+        """The final-normed hidden states of a step `takes` accepts, from the embeddings `h` and
+        the gathered rotary tables: [rows, hidden], or with `reads` those of the read positions
+        only, in their order (the last layer computed for them alone, as the model's own)."""
         if self._bound != _pools_key(kv_caches):
             self._bind(kv_caches)
         rows = h.shape[0]
-        _pre, rest = self._attention.row_arguments(meta)
+        pre, rest = self._attention.row_arguments(meta)
+        n_pre, pre_start, pre_len, pre_ctx, pre_own, pre_tables, pre_tstride = pre
         n_dec, dec_index, dec_ctx, dec_tables, dec_tstride, _segments, slots, n_slots = rest
+        read_index = pre_tail = None
+        if reads is not None:
+            read_index = reads.index if reads.index.dtype == torch.int64 else reads.index.long()
+            pre_tail = reads.tail_queries if reads.tail_queries.dtype == torch.int64 else reads.tail_queries.long()
+            read_index, pre_tail = read_index.contiguous(), pre_tail.contiguous()
+        n_read = rows if read_index is None else read_index.numel()
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         widths = {"h_a": self.hidden, "h_b": self.hidden, "normed": self.hidden, "qkv": q_width + 2 * kv_width,
                   "q": q_width, "k": kv_width, "v": kv_width, "attn": q_width, "proj": self.hidden,
@@ -139,14 +154,16 @@ class DecodeLayers:
             ptrs[name] = at
             at += rows * width * scratch.element_size()
         xsum = torch.empty(rows * max(self.hidden, self.inter, q_width) // 32 + 1, dtype=torch.float32)
-        out = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
+        out = torch.empty(n_read, self.hidden, dtype=torch.bfloat16)
         h = h if h.is_contiguous() else h.contiguous()
         cos = cos if cos.is_contiguous() else cos.contiguous()
         sin = sin if sin.is_contiguous() else sin.contiguous()
-        step = _Step(rows=rows, h_in=h.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), n_dec=n_dec,
-                     dec_index=dec_index, dec_ctx=dec_ctx, dec_tables=dec_tables, dec_tstride=dec_tstride, slots=slots,
-                     n_slots=n_slots, xsum=xsum.data_ptr(), out=out.data_ptr(), threads=torch.get_num_threads(),
-                     **ptrs)
+        step = _Step(rows=rows, h_in=h.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), n_pre=n_pre,
+                     pre_start=pre_start, pre_len=pre_len, pre_ctx=pre_ctx, pre_own=pre_own, pre_tables=pre_tables,
+                     pre_tstride=pre_tstride, n_dec=n_dec, dec_index=dec_index, dec_ctx=dec_ctx, dec_tables=dec_tables,
+                     dec_tstride=dec_tstride, slots=slots, n_slots=n_slots, n_read=n_read,
+                     read_index=_tensor_ptr(read_index), pre_tail=_tensor_ptr(pre_tail), xsum=xsum.data_ptr(),
+                     out=out.data_ptr(), threads=torch.get_num_threads(), **ptrs)
         rc = self._fn(ctypes.byref(self._model), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"decode_layers.c: a kernel refused its arguments (code {rc})")

@@ -138,11 +138,11 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.shape = LayerShape(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                 config.rms_norm_eps)
-        # Decode steps of up to 32 rows: the layer loop in one C call where every kernel has a C
-        # route (None: the Python loop runs every step; `bench profile` sets it so to split a step)
+        # Steps of up to 32 tokens: the layer loop in one C call where every kernel has a C route
+        # (None: the Python loop runs every step; `bench profile` sets it so to split a step)
         self.decode_layers: DecodeLayers | None = decode_layers_for(self.layers, self.norm, self.attention, dtype, config, self.scale)
         if self.decode_layers is not None:
-            logger.info("decode steps of 1-%d rows: the layer loop in one C call (decode_layers.c)", TILE_MAX_ROWS)
+            logger.info("steps of 1-%d tokens: the layer loop in one C call (decode_layers.c)", TILE_MAX_ROWS)
 
     def _projections(self) -> list[Projection]:
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
@@ -200,9 +200,8 @@ class LlamaForCausalLM:
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)  # gathered once, shared by every layer
         driver = self.decode_layers
-        if (driver is not None and lora is None and reads is None and segments.label == "cpu"
-                and driver.takes(h.shape[0], meta)):
-            return driver.run(h, cos, sin, meta, kv_caches)
+        if driver is not None and lora is None and segments.label == "cpu" and driver.takes(h.shape[0], meta, reads):
+            return driver.run(h, cos, sin, meta, kv_caches, reads)
         if lora is None:
             heads, tails = self._heads, self._tails
         else:
