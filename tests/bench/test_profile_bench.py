@@ -74,10 +74,10 @@ def test_last_layer_ab_alternates_the_runners_choice_and_restores_it() -> None:
 
 def test_decode_loop_ab_alternates_the_c_and_the_python_layer_loop() -> None:
     class Model:
-        decode_layers: object = None
+        layer_loop: object = None
 
     model, c_loop = Model(), object()
     seen: list[object] = []
-    res = _ab_decode_loop(model, c_loop, lambda: seen.append(model.decode_layers), 3)
+    res = _ab_decode_loop(model, c_loop, lambda: seen.append(model.layer_loop), 3)
     assert seen == [c_loop, None] * 3
     assert res["c_median_ms"] >= 0 and res["python_median_ms"] >= 0

@@ -6,7 +6,7 @@ profiler around engine steps of two workloads:
 - prefill: `--prefills` prompts of `--prompt-tokens` fresh tokens, one at a time, 1 output;
 - decode: `--decode-rows` requests decoding together, `--decode-steps` steps.
 Both split over the Python layer loop; where small steps take the C layer loop
-(model/decode_layers.py: a step is one call there), that loop is timed against the Python
+(model/layer_loop.py: a step is one call there), that loop is timed against the Python
 one after, on decode steps, unprofiled.
 Each step's time is split into
 - gemm: the projections (model/linear.py's Projection, whatever route it takes: oneDNN,
@@ -194,9 +194,9 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
     engine.abort_all()
     _drain(engine)
     # The split needs the Python layer loop's calls: a step that runs the C layer loop
-    # (model/decode_layers.py: decode steps, prompts of up to 32 tokens) is one call. That
+    # (model/layer_loop.py: decode steps, prompts of up to 32 tokens) is one call. That
     # loop is timed against the Python one after, on decode steps, unprofiled.
-    c_loop, model.decode_layers = getattr(model, "decode_layers", None), None
+    c_loop, model.layer_loop = getattr(model, "layer_loop", None), None
     try:
         result = {"dtype": str(model.dtype).removeprefix("torch."),
                   "segments": engine.runner.forwards.__class__.__name__,
@@ -210,7 +210,7 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
             start_decode(decode_rows)
             result["decode_c_loop"] = _ab_decode_loop(model, c_loop, engine.step, decode_steps)
     finally:
-        model.decode_layers = c_loop
+        model.layer_loop = c_loop
     engine.abort_all()
     _drain(engine)
     if ab_last_layer > 0:
@@ -230,7 +230,7 @@ def _ab_decode_loop(model: Any, c_loop: Any, step: Callable[[], object], steps: 
     times: dict[str, list[float]] = {"c": [], "python": []}
     for i in range(2 * steps):
         mode = ("c", "python")[i % 2]
-        model.decode_layers = c_loop if mode == "c" else None
+        model.layer_loop = c_loop if mode == "c" else None
         t0 = time.perf_counter()
         step()
         times[mode].append((time.perf_counter() - t0) * 1000)
@@ -274,7 +274,7 @@ def print_result(res: dict[str, Any], prompt_tokens: int, decode_rows: int) -> N
             print(f"{'':>12}{c:<12} {top}")
         if work == "decode" and "decode_c_loop" in res:
             ab = res["decode_c_loop"]
-            print(f"{'':>12}(split over the Python layer loop; with the C layer loop, decode_layers.c, a step "
+            print(f"{'':>12}(split over the Python layer loop; with the C layer loop, layer_loop.c, a step "
                   f"took {ab['c_median_ms']:.2f} ms against {ab['python_median_ms']:.2f}, alternated, unprofiled)")
 
 

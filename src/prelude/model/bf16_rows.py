@@ -50,7 +50,7 @@ class Bf16Rows:
 
     @property
     def entry_point(self) -> int:
-        """The address of prelude_bf16_rows (decode_layers.c calls it)."""
+        """The address of prelude_bf16_rows (layer_loop.c calls it)."""
         return native_lib.address(self._fn)
 
     @staticmethod

@@ -40,7 +40,7 @@ class BlocksKernel:
 
     @property
     def bf16_entry_point(self) -> int | None:
-        """The address of the bf16-activation GEMM (decode_layers.c calls it); None without one."""
+        """The address of the bf16-activation GEMM (layer_loop.c calls it); None without one."""
         return None if self._fn_bf16 is None else native_lib.address(self._fn_bf16)
 
     def takes(self, dtype: torch.dtype) -> bool:

@@ -70,7 +70,7 @@ class CpuFusedKernels:
             fn.restype = c_int
 
     def entry_points(self) -> tuple[int, int, int]:
-        """The addresses of add_rms_norm, qk_norm_rope and silu_mul (decode_layers.c calls them)."""
+        """The addresses of add_rms_norm, qk_norm_rope and silu_mul (layer_loop.c calls them)."""
         return native_lib.address(self._norm), native_lib.address(self._rope), native_lib.address(self._silu)
 
     @staticmethod

@@ -31,7 +31,7 @@ from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.bf16_rows import TILE_MAX_ROWS
-from prelude.model.decode_layers import DecodeLayers, decode_layers_for
+from prelude.model.layer_loop import LayerLoop, layer_loop_for
 from prelude.model.linear import BlocksPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora import LoraStep
 from prelude.model.rope import RotaryEmbedding
@@ -140,9 +140,10 @@ class LlamaForCausalLM:
                                 config.rms_norm_eps)
         # Steps of up to 32 tokens: the layer loop in one C call where every kernel has a C route
         # (None: the Python loop runs every step; `bench profile` sets it so to split a step)
-        self.decode_layers: DecodeLayers | None = decode_layers_for(self.layers, self.norm, self.attention, dtype, config, self.scale)
-        if self.decode_layers is not None:
-            logger.info("steps of 1-%d tokens: the layer loop in one C call (decode_layers.c)", TILE_MAX_ROWS)
+        self.layer_loop: LayerLoop | None = layer_loop_for(self.layers, self.norm, self.attention, dtype, config,
+                                                           self.scale)
+        if self.layer_loop is not None:
+            logger.info("steps of 1-%d tokens: the layer loop in one C call (layer_loop.c)", TILE_MAX_ROWS)
 
     def _projections(self) -> list[Projection]:
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
@@ -199,7 +200,7 @@ class LlamaForCausalLM:
         with `lora`, the last layer's o_proj and MLP take `reads.lora`, the read rows' index."""
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)  # gathered once, shared by every layer
-        driver = self.decode_layers
+        driver = self.layer_loop
         if driver is not None and lora is None and segments.label == "cpu" and driver.takes(h.shape[0], meta, reads):
             return driver.run(h, cos, sin, meta, kv_caches, reads)
         if lora is None:

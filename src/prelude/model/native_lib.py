@@ -148,7 +148,7 @@ def cpu_has_avx2_fma() -> bool:
 
 
 def address(fn: object) -> int:
-    """A loaded library function's address, for C code that calls it (decode_layers.c)."""
+    """A loaded library function's address, for C code that calls it (layer_loop.c)."""
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 

@@ -147,7 +147,7 @@ class CpuAttention:
 
     @property
     def entry_point(self) -> int:
-        """The address of prelude_paged_attention (decode_layers.c calls it)."""
+        """The address of prelude_paged_attention (layer_loop.c calls it)."""
         return native_lib.address(self._attend)
 
     def row_arguments(self, meta: AttentionMetadata) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:

@@ -5,7 +5,7 @@
  * a 17-25 ms decode step ran outside the kernels on a KVM Xeon. Here the same kernels run
  * in the same order on the same buffers, called through the entry points of the libraries
  * that hold them (cpu_fused.c, bf16_rows.c, blocks_gemm.c, cpu_attention.c;
- * decode_layers.py passes their addresses), so a step's answers are bit for bit those of
+ * layer_loop.py passes their addresses), so a step's answers are bit for bit those of
  * the Python loop (fused_segments.py and LlamaForCausalLM's last layer for the read
  * positions), which every other step still runs.
  *
@@ -115,7 +115,7 @@ static int qkv_of(const Model *m, const Step *s, const Layer *l) {
     return rc ? 200 + rc : 0;
 }
 
-int prelude_decode_layers(const Model *m, const Step *s) {
+int prelude_layer_loop(const Model *m, const Step *s) {
     const int64_t hd = m->head_dim, hidden = m->hidden;
     const int64_t q_width = m->heads * hd, kv_width = m->kv_heads * hd;
     if (s->rows < 1 || m->n_layers < 1 || s->n_read < 1) return 1;

@@ -1,8 +1,8 @@
-"""A bf16 decoder's layer loop for steps of up to 32 tokens in one C call (decode_layers.c).
+"""A bf16 decoder's layer loop for steps of up to 32 tokens in one C call (layer_loop.c).
 
 The loop over fused_segments.py's first/between/last makes ~270 kernel calls a SmolLM2-135M
 step, each through ctypes with its Python around it: ~4.5 ms of a 17-25 ms decode step ran
-outside the kernels (a KVM Xeon with AMX, 1-4 rows). decode_layers.c calls the same kernels
+outside the kernels (a KVM Xeon with AMX, 1-4 rows). layer_loop.c calls the same kernels
 in the same order on the same kind of buffers, through the entry points of the libraries
 that hold them, so its hidden states (and the K/V it writes) are bit for bit the Python
 loop's, the last layer for the read positions only included.
@@ -12,7 +12,7 @@ backend, every projection has a C route for the step's rows (its GGUF blocks up 
 bound, else bf16_rows.c's tile form, which needs AMX: up to TILE_MAX_ROWS rows), and the
 step has at most TILE_MAX_ROWS tokens (decode rows, short prompts or both), no LoRA
 adapters and no multi-item segments. Every other step runs the Python loop.
-PRELUDE_DECODE_LAYERS=0 turns it off.
+PRELUDE_LAYER_LOOP=0 turns it off.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from prelude.model.ggml_blocks import KINDS
 from prelude.model.linear import Projection
 from prelude.model.read_positions import ReadPositions
 
-logger = logging.getLogger("prelude.model.decode_layers")
+logger = logging.getLogger("prelude.model.layer_loop")
 
-_SOURCE = Path(__file__).resolve().parent / "decode_layers.c"
-SWITCH = "PRELUDE_DECODE_LAYERS"
+_SOURCE = Path(__file__).resolve().parent / "layer_loop.c"
+SWITCH = "PRELUDE_LAYER_LOOP"
 
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -75,12 +75,12 @@ def _tensor_ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class DecodeLayers:
+class LayerLoop:
     """The loaded library bound to one model's weights (see the module docstring)."""
 
     def __init__(self, lib: ctypes.CDLL, kernels: CpuFusedKernels, attention: CpuAttention, layers: Sequence,
                  final_norm: torch.Tensor, config: ModelConfig, scale: float) -> None:
-        self._fn = lib.prelude_decode_layers
+        self._fn = lib.prelude_layer_loop
         self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
         self._fn.restype = ctypes.c_int
         self._layers = list(layers)  # the weights the C structs point at stay alive with these
@@ -139,10 +139,12 @@ class DecodeLayers:
         n_pre, pre_start, pre_len, pre_ctx, pre_own, pre_tables, pre_tstride = pre
         n_dec, dec_index, dec_ctx, dec_tables, dec_tstride, _segments, slots, n_slots = rest
         read_index = pre_tail = None
-        if reads is not None:
-            read_index = reads.index if reads.index.dtype == torch.int64 else reads.index.long()
-            pre_tail = reads.tail_queries if reads.tail_queries.dtype == torch.int64 else reads.tail_queries.long()
-            read_index, pre_tail = read_index.contiguous(), pre_tail.contiguous()
+        if reads is not None:  # the C side indexes with them unchecked: what index_select would refuse, refused here
+            read_index = reads.index.to(torch.int64).contiguous()
+            pre_tail = reads.tail_queries.to(torch.int64).contiguous()
+            if pre_tail.numel() != n_pre or int(read_index.min()) < 0 or int(read_index.max()) >= rows:
+                raise ValueError(f"read positions {reads.index.tolist()} with {pre_tail.numel()} tails for "
+                                 f"{rows} tokens in {n_pre} prompt rows")
         n_read = rows if read_index is None else read_index.numel()
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         widths = {"h_a": self.hidden, "h_b": self.hidden, "normed": self.hidden, "qkv": q_width + 2 * kv_width,
@@ -166,7 +168,7 @@ class DecodeLayers:
                      out=out.data_ptr(), threads=torch.get_num_threads(), **ptrs)
         rc = self._fn(ctypes.byref(self._model), ctypes.byref(step))
         if rc != 0:
-            raise RuntimeError(f"decode_layers.c: a kernel refused its arguments (code {rc})")
+            raise RuntimeError(f"layer_loop.c: a kernel refused its arguments (code {rc})")
         return out
 
 
@@ -191,9 +193,9 @@ def _proj(p: Projection) -> _Proj:
                  blocks_max_rows=blocks.max_rows)
 
 
-def decode_layers_for(layers: Sequence, final_norm: torch.Tensor, attention: object, dtype: torch.dtype,
-                      config: ModelConfig, scale: float) -> DecodeLayers | None:
-    """The driver for a model's `layers` (DecoderLayer), or None where a decode step would
+def layer_loop_for(layers: Sequence, final_norm: torch.Tensor, attention: object, dtype: torch.dtype,
+                   config: ModelConfig, scale: float) -> LayerLoop | None:
+    """The C loop for a model's `layers` (DecoderLayer), or None where a small step would
     not run wholly in C here (see the module docstring)."""
     if dtype != torch.bfloat16 or not isinstance(attention, CpuAttention) or os.environ.get(SWITCH, "1") == "0":
         return None
@@ -205,10 +207,10 @@ def decode_layers_for(layers: Sequence, final_norm: torch.Tensor, attention: obj
     if any(p.blocks is not None and p.blocks.kernel.bf16_entry_point is None for p in projections):
         return None
     kernels = load_cpu_kernels()
-    lib = native_lib.load(_SOURCE, SWITCH, "the decode steps' layer loop in C (the Python loop runs them)")
+    lib = native_lib.load(_SOURCE, SWITCH, "the small steps' layer loop in C (the Python loop runs them)")
     if kernels is None or lib is None:
         return None
-    return DecodeLayers(lib, kernels, attention, layers, final_norm, config, scale)
+    return LayerLoop(lib, kernels, attention, layers, final_norm, config, scale)
 
 
 def build() -> Path:

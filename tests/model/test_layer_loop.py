@@ -1,4 +1,4 @@
-"""decode_layers.c: a small step's layer loop in one C call gives the Python loop's hidden
+"""layer_loop.c: a small step's layer loop in one C call gives the Python loop's hidden
 states and K/V bit for bit (the same kernels in the same order): decode rows, prompts' rows
 with the last layer for the read positions only, over plain bf16 weights and over GGUF
 blocks; and it takes only the steps it can run."""
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model import decode_layers, linear
+from prelude.model import layer_loop, linear
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.cpu_backend import load_cpu_attention
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows
 from prelude.model.bf16_rows import TILE_MAX_ROWS, load_bf16_rows
 from prelude.model.blocks_kernel import load_kernel
 from prelude.model.cpu_fused_kernels import load_cpu_kernels
-from prelude.model.decode_layers import DecodeLayers
+from prelude.model.layer_loop import LayerLoop
 from prelude.model.decoder_segments import EAGER_SEGMENTS
 from prelude.model.fused_segments import fused_segments
 from prelude.model.ggml_blocks import GgmlBlocks
@@ -99,14 +99,14 @@ def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segmen
     ids = torch.randint(0, VOCAB, (sum(r.new for r in rows),), generator=torch.Generator().manual_seed(6))
     positions = torch.cat([torch.arange(r.prefix, r.prefix + r.new) for r in rows])
     caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(LAYERS)]
-    driver = model.decode_layers
+    driver = model.layer_loop
     if not with_driver:
-        model.decode_layers = None
+        model.layer_loop = None
     try:
         hidden = model.forward(ids, positions, b.meta, caches,
                                segments=segments or fused_segments(load_cpu_kernels(), "cpu"), reads=reads)
     finally:
-        model.decode_layers = driver
+        model.layer_loop = driver
     return hidden, caches
 
 
@@ -114,13 +114,13 @@ def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segmen
 def runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The row counts of the steps the C loop ran."""
     seen: list[int] = []
-    real = DecodeLayers.run
+    real = LayerLoop.run
 
     def counted(self, h, cos, sin, meta, kv_caches, reads=None):  # noqa: ANN001, ANN202
         seen.append(h.shape[0])
         return real(self, h, cos, sin, meta, kv_caches, reads)
 
-    monkeypatch.setattr(DecodeLayers, "run", counted)
+    monkeypatch.setattr(LayerLoop, "run", counted)
     return seen
 
 
@@ -132,7 +132,7 @@ def test_a_decode_step_equals_the_python_loop_bit_for_bit(runs: list[int], with_
     if with_blocks and load_kernel() is None:
         pytest.skip("the GGUF blocks kernel cannot run here")
     model = _model(with_blocks=with_blocks)
-    assert model.decode_layers is not None
+    assert model.layer_loop is not None
     if with_blocks:
         assert all(p.blocks is not None for p in _projections(model))
         for p in _projections(model):
@@ -194,12 +194,12 @@ def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None
             slots = torch.stack([tables[r, p // 4] * 4 + p % 4 for r, p in enumerate(positions.tolist())])
             meta = AttentionMetadata(slots, (), DecodeRows(torch.arange(2), tables, positions + 1,
                                                            int(positions.max()) + 1), 4)
-            driver = model.decode_layers
-            model.decode_layers = driver if with_driver else None
+            driver = model.layer_loop
+            model.layer_loop = driver if with_driver else None
             try:
                 hidden = model.forward(ids, positions, meta, caches, segments=fused_segments(load_cpu_kernels(), "cpu"))
             finally:
-                model.decode_layers = driver
+                model.layer_loop = driver
             ids = model.compute_logits(hidden).argmax(-1)
             out.append(ids.tolist())
         results.append((out, caches))
@@ -211,7 +211,7 @@ def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None
 
 def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
     model = _model()
-    driver = model.decode_layers
+    driver = model.layer_loop
     assert driver is not None
     _forward(model, [Row(4, 1)] * (TILE_MAX_ROWS + 1), with_driver=True)  # more rows than the tile form takes
     _forward(model, [Row(0, TILE_MAX_ROWS + 1)], with_driver=True)  # a prompt of as many tokens
@@ -221,18 +221,25 @@ def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
     hidden, _ = _forward(model, [Row(0, 4)], with_driver=True, reads=nothing_read)
     assert hidden.shape == (0, HIDDEN)
     assert runs == []
-    with pytest.raises(RuntimeError, match="decode_layers.c"):
+    b = make_batch([Row(0, 3)], HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.bfloat16)
+    h = torch.zeros(3, HIDDEN, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(3, HEAD_DIM, dtype=torch.bfloat16)
+    for index, tails in (([3], [1]), ([-1], [1]), ([2], [1, 1])):  # past the step, negative, a tail too many
+        with pytest.raises(ValueError, match="read positions"):
+            driver.run(h, cos, sin, b.meta, [(b.k_cache, b.v_cache)] * LAYERS,
+                       ReadPositions(torch.tensor(index), torch.tensor(tails)))
+    with pytest.raises(RuntimeError, match="layer_loop.c"):
         b = make_batch([Row(4, 1)], HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.bfloat16)
         empty = torch.empty(0, HIDDEN, dtype=torch.bfloat16)
         driver.run(empty, empty, empty, b.meta, [(b.k_cache, b.v_cache)] * LAYERS)
 
 
 def test_built_only_where_every_kernel_has_a_c_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _model().decode_layers is not None
-    assert _model(dtype=torch.float32).decode_layers is None
-    assert _model(attention="torch").decode_layers is None
-    monkeypatch.setenv(decode_layers.SWITCH, "0")
-    assert _model().decode_layers is None
-    monkeypatch.delenv(decode_layers.SWITCH)
+    assert _model().layer_loop is not None
+    assert _model(dtype=torch.float32).layer_loop is None
+    assert _model(attention="torch").layer_loop is None
+    monkeypatch.setenv(layer_loop.SWITCH, "0")
+    assert _model().layer_loop is None
+    monkeypatch.delenv(layer_loop.SWITCH)
     monkeypatch.setattr(linear, "tile_rows_kernel", lambda weight: None)  # no AMX: few rows go to oneDNN
-    assert _model().decode_layers is None
+    assert _model().layer_loop is None
