@@ -43,7 +43,8 @@ PROJECTIONS = (("self_attn.q_proj", (HEADS * HEAD_DIM, HIDDEN)), ("self_attn.k_p
                ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)), ("mlp.down_proj", (HIDDEN, INTER)))
 
 
-def _weights(seed: int = 5) -> dict[str, torch.Tensor]:
+def _weights(seed: int = 5, qwen: bool = False) -> dict[str, torch.Tensor]:
+    """Random weights; `qwen`: with q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) too."""
     g = torch.Generator().manual_seed(seed)
     weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g) * 0.5,
                "model.norm.weight": 1 + torch.randn(HIDDEN, generator=g) * 0.1}
@@ -51,8 +52,13 @@ def _weights(seed: int = 5) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         for name, shape in PROJECTIONS:
             weights[f"{p}{name}.weight"] = torch.randn(*shape, generator=g) * shape[1] ** -0.5
+            if qwen and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                weights[f"{p}{name}.bias"] = torch.randn(shape[0], generator=g) * 0.1
         for norm in ("input_layernorm", "post_attention_layernorm"):
             weights[f"{p}{norm}.weight"] = 1 + torch.randn(HIDDEN, generator=g) * 0.1
+        if qwen:
+            for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+                weights[f"{p}{norm}.weight"] = 1 + torch.randn(HEAD_DIM, generator=g) * 0.1
     return weights
 
 
@@ -74,8 +80,9 @@ def _blocks(weights: dict[str, torch.Tensor]) -> dict[str, GgmlBlocks]:
     return blocks
 
 
-def _model(dtype: torch.dtype = torch.bfloat16, with_blocks: bool = False, attention: str = "cpu") -> LlamaForCausalLM:
-    weights = _weights()
+def _model(dtype: torch.dtype = torch.bfloat16, with_blocks: bool = False, attention: str = "cpu",
+           qwen: bool = False) -> LlamaForCausalLM:
+    weights = _weights(qwen=qwen)
     blocks = _blocks(weights) if with_blocks else None
     return LlamaForCausalLM(CFG, weights, dtype, attention=get_attention_backend(attention), prepack=True,
                             blocks=blocks)
@@ -175,6 +182,20 @@ def test_prompt_rows_with_read_positions_equal_the_python_loop(runs: list[int], 
         for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
             assert torch.equal(kg, kw) and torch.equal(vg, vw)
     assert runs == [tokens, tokens]
+
+
+def test_biases_and_qk_norms_equal_the_python_loop(runs: list[int]) -> None:
+    """q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) ride along: a decode step and a
+    prompt's step bit for bit."""
+    model = _model(qwen=True)
+    assert model.layers[0].qkv.bias is not None and model.layers[0].q_norm is not None
+    for rows, reads in (([Row(3, 1), Row(8, 1), Row(12, 1)], None), ([Row(0, 9)], _reads([Row(0, 9)]))):
+        got, got_kv = _forward(model, rows, with_driver=True, reads=reads)
+        want, want_kv = _forward(model, rows, with_driver=False, reads=reads)
+        assert torch.equal(got, want)
+        for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
+            assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    assert runs == [3, 9]
 
 
 def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None:
