@@ -11,7 +11,7 @@ from prelude.config import EngineConfig
 from prelude.executor import row_argmax
 from prelude.executor.device import resolve_device
 from prelude.executor.runner import ModelRunner
-from prelude.model import blocks_kernel, cpu_fused_kernels, layer_loop, head_argmax, lora_cpu
+from prelude.model import blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu
 from prelude.model.loader import load_model_files
 from prelude.tokenizer.base import Tokenizer
 
