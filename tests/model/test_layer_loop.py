@@ -30,9 +30,10 @@ def _tile_form_runs() -> bool:
     return kernel is not None and kernel.tile_form_ready()
 
 
-pytestmark = pytest.mark.skipif(
-    not _tile_form_runs() or load_cpu_attention() is None or load_cpu_kernels() is None,
-    reason="the C layer loop needs AMX-BF16 (bf16_rows.c's tile form), the C attention and the fused C kernels")
+pytestmark = pytest.mark.skipif(load_cpu_attention() is None or load_cpu_kernels() is None,
+                                reason="the C layer loop calls the C attention and the fused C kernels")
+# bf16 steps' projections take bf16_rows.c's tile form past the blocks' bound: AMX-BF16
+needs_tiles = pytest.mark.skipif(not _tile_form_runs(), reason="bf16 steps in C need AMX-BF16 (the tile form)")
 
 LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 3, 64, 160, 4, 2, 16, 101
 CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
@@ -131,6 +132,7 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
+@needs_tiles
 @pytest.mark.parametrize("with_blocks", [False, True])
 @pytest.mark.parametrize("count", [1, 2, 3, 17, TILE_MAX_ROWS])
 def test_a_decode_step_equals_the_python_loop_bit_for_bit(runs: list[int], with_blocks: bool, count: int) -> None:
@@ -155,6 +157,7 @@ def test_a_decode_step_equals_the_python_loop_bit_for_bit(runs: list[int], with_
         assert torch.equal(kg, kw) and torch.equal(vg, vw)
 
 
+@needs_tiles
 @pytest.mark.parametrize("with_blocks", [False, True])
 @pytest.mark.parametrize("rows", [
     [Row(0, 5, own_in_cache=False)],  # a short prompt, OneShot (its K/V not kept)
@@ -184,6 +187,7 @@ def test_prompt_rows_with_read_positions_equal_the_python_loop(runs: list[int], 
     assert runs == [tokens, tokens]
 
 
+@needs_tiles
 def test_biases_and_qk_norms_equal_the_python_loop(runs: list[int]) -> None:
     """q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) ride along: a decode step and a
     prompt's step bit for bit."""
@@ -198,6 +202,41 @@ def test_biases_and_qk_norms_equal_the_python_loop(runs: list[int]) -> None:
     assert runs == [3, 9]
 
 
+def test_float32_steps_the_blocks_take_equal_the_python_loop(runs: list[int]) -> None:
+    """float32: the blocks are the only C route of a few-row call, so the loop takes steps of
+    up to their bound (here 3 rows): decode rows and a short prompt bit for bit; a step past
+    the bound runs the Python loop (oneDNN's few-row calls)."""
+    if load_kernel() is None:
+        pytest.skip("the GGUF blocks kernel cannot run here")
+    model = _model(dtype=torch.float32, with_blocks=True)
+    assert model.layer_loop is not None
+    for p in _projections(model):
+        p.limit_blocks(3)
+    assert model.layer_loop.max_rows == 3
+    cases = (([Row(4, 1)], None), ([Row(3, 1), Row(8, 1), Row(12, 1)], None), ([Row(0, 3)], _reads([Row(0, 3)])),
+             ([Row(5, 1)] * 4, None))
+    for rows, reads in cases:
+        b = make_batch(rows, HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.float32, seed=len(rows))
+        ids = torch.randint(0, VOCAB, (sum(r.new for r in rows),), generator=torch.Generator().manual_seed(6))
+        positions = torch.cat([torch.arange(r.prefix, r.prefix + r.new) for r in rows])
+        outs = []
+        for with_loop in (True, False):
+            caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(LAYERS)]
+            loop = model.layer_loop
+            model.layer_loop = loop if with_loop else None
+            try:
+                hidden = model.forward(ids, positions, b.meta, caches,
+                                       segments=fused_segments(load_cpu_kernels(), "cpu"), reads=reads)
+            finally:
+                model.layer_loop = loop
+            outs.append((hidden, caches))
+        assert outs[0][0].dtype == torch.float32 and torch.equal(outs[0][0], outs[1][0])
+        for (kg, vg), (kw, vw) in zip(outs[0][1], outs[1][1], strict=True):
+            assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    assert runs == [1, 3, 3]
+
+
+@needs_tiles
 def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None:
     """Six decode steps of two rows, each writing the K/V the next reads: the same greedy
     tokens and pools."""
@@ -230,6 +269,7 @@ def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None
         assert torch.equal(kg, kw) and torch.equal(vg, vw)
 
 
+@needs_tiles
 def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
     model = _model()
     driver = model.layer_loop
@@ -255,6 +295,7 @@ def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
         driver.run(empty, empty, empty, b.meta, [(b.k_cache, b.v_cache)] * LAYERS)
 
 
+@needs_tiles
 def test_built_only_where_every_kernel_has_a_c_route(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _model().layer_loop is not None
     assert _model(dtype=torch.float32).layer_loop is None

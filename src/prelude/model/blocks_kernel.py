@@ -38,10 +38,14 @@ class BlocksKernel:
             self._fn_bf16.restype = ctypes.c_int
             self._fn_bf16.argtypes = fn.argtypes
 
-    @property
-    def bf16_entry_point(self) -> int | None:
-        """The address of the bf16-activation GEMM (layer_loop.c calls it); None without one."""
-        return None if self._fn_bf16 is None else native_lib.address(self._fn_bf16)
+    def entry_point(self, dtype: torch.dtype) -> int | None:
+        """The address of the GEMM for `dtype` activations (layer_loop.c calls it); None where
+        there is none (bf16 without AVX512-BF16, any other dtype)."""
+        if dtype == torch.float32:
+            return native_lib.address(self._fn)
+        if dtype == torch.bfloat16 and self._fn_bf16 is not None:
+            return native_lib.address(self._fn_bf16)
+        return None
 
     def takes(self, dtype: torch.dtype) -> bool:
         """Whether activations of `dtype` can read the blocks here."""

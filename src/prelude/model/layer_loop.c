@@ -9,10 +9,10 @@
  * the Python loop (fused_segments.py and LlamaForCausalLM's last layer for the read
  * positions), which every other step still runs.
  *
- * bfloat16 activations; steps of up to 32 tokens (decode rows, and prompts' rows), where
- * every projection has a C route: the GGUF blocks up to their bound of rows, else
- * bf16_rows.c's tile form. Returns 0, or the first failing kernel's code plus 100 times its
- * stage (nothing is undone: the caller raises).
+ * bfloat16 or float32 activations (the model's dtype, `bf`); steps of up to 32 tokens
+ * (decode rows, and prompts' rows) where every projection has a C route: the GGUF blocks up
+ * to their bound of rows, else (bf16) bf16_rows.c's tile form. Returns 0, or the first
+ * failing kernel's code plus 100 times its stage (nothing is undone: the caller raises).
  */
 #include <stdint.h>
 #include <string.h>
@@ -67,12 +67,14 @@ typedef struct {
     const void *final_norm;
     int64_t scb, scs, sch, block_size; /* every layer's K/V pool: strides (elements) and block size */
     int32_t attend_amx;                /* the attention backend's choice of the AMX form */
+    int32_t bf;                        /* 1: bfloat16 activations and weights, 0: float32 */
 } Model;
 
 /* One step: its tokens' hidden states in and out, their rotary tables, the attention's rows
  * (cpu_attention.c's arguments: prompts' rows, decode rows, the K/V slots), the positions
  * read (read_index [n_read] and each prompt row's attended tail, or NULL: every position),
- * and the buffers the kernels write (bf16, [rows, width] each; xsum float32 [rows * inter / 32]). */
+ * and the buffers the kernels write (the model's dtype, [rows, width] each; xsum float32
+ * [rows * inter / 32]). */
 typedef struct {
     int64_t rows;
     const void *h_in, *cos, *sin;
@@ -92,17 +94,19 @@ typedef struct {
     int32_t threads;
 } Step;
 
-/* y [rows, out] = x W^T through the route Projection takes for `rows` rows */
+/* y [rows, out] = x W^T through the route Projection takes for `rows` rows (the caller
+ * takes only steps every projection has a route for) */
 static int project(const Model *m, const Step *s, const Proj *p, int64_t rows, const void *x, void *y) {
     if (p->kind >= 0 && rows <= p->blocks_max_rows)
         return m->blocks(p->kind, x, rows, p->k, p->qs, p->d, p->mins, p->out, p->bias, y, s->threads, s->xsum);
+    if (!m->rows) return 50;
     return m->rows(x, rows, p->k, p->weight, p->out, p->k, p->bias, y, s->threads, 1);
 }
 
-/* rows index[0..n-1] of x [*, width] (bf16) packed at the front of dst */
-static void gather_rows(const void *x, int64_t width, const int64_t *index, int64_t n, void *dst) {
-    for (int64_t j = 0; j < n; j++)
-        memcpy((char *)dst + j * width * 2, (const char *)x + index[j] * width * 2, (size_t)width * 2);
+/* rows index[0..n-1] of x [*, width] (elements of esize bytes) packed at the front of dst */
+static void gather_rows(const void *x, int64_t width, int64_t esize, const int64_t *index, int64_t n, void *dst) {
+    const size_t row = (size_t)(width * esize);
+    for (int64_t j = 0; j < n; j++) memcpy((char *)dst + j * row, (const char *)x + index[j] * row, row);
 }
 
 /* normed -> q, k, v of layer l (fused_segments.qkv_of) */
@@ -111,17 +115,17 @@ static int qkv_of(const Model *m, const Step *s, const Layer *l) {
     int rc = project(m, s, &l->qkv, s->rows, s->normed, s->qkv);
     if (rc) return 100 + rc;
     rc = m->rope(s->qkv, width, s->rows, m->heads, m->kv_heads, m->head_dim, s->cos, s->sin, l->q_norm, l->k_norm,
-                 m->eps, s->q, s->k, s->v, s->threads, 1);
+                 m->eps, s->q, s->k, s->v, s->threads, m->bf);
     return rc ? 200 + rc : 0;
 }
 
 int prelude_layer_loop(const Model *m, const Step *s) {
     const int64_t hd = m->head_dim, hidden = m->hidden;
-    const int64_t q_width = m->heads * hd, kv_width = m->kv_heads * hd;
+    const int64_t q_width = m->heads * hd, kv_width = m->kv_heads * hd, esize = m->bf ? 2 : 4;
     if (s->rows < 1 || m->n_layers < 1 || s->n_read < 1) return 1;
     /* first: RMSNorm of the embeddings (no residual yet) */
     int rc = m->norm(s->h_in, hidden, 0, 0, m->layers[0].input_norm, 0, s->normed, s->rows, hidden, m->eps,
-                     s->threads, 1);
+                     s->threads, m->bf);
     if (rc) return 300 + rc;
     if ((rc = qkv_of(m, s, &m->layers[0]))) return rc;
     const void *h = s->h_in; /* the residual stream, written to h_a and h_b in turn */
@@ -134,12 +138,12 @@ int prelude_layer_loop(const Model *m, const Step *s) {
                        m->scs, m->sch, m->block_size, s->n_pre, s->pre_start, s->pre_len, s->pre_ctx, s->pre_own,
                        s->pre_tables, s->pre_tstride, last ? s->pre_tail : 0, s->n_dec, s->dec_index, s->dec_ctx,
                        s->dec_tables, s->dec_tstride, 0, s->slots, s->n_slots, s->attn, q_width, hd, m->heads,
-                       m->kv_heads, hd, m->scale, 1, s->threads, m->attend_amx);
+                       m->kv_heads, hd, m->scale, m->bf, s->threads, m->attend_amx);
         if (rc) return 400 + rc;
         const void *attn = s->attn;
         if (last && s->read_index) { /* the last layer for the read positions only, in their order */
-            gather_rows(h, hidden, s->read_index, s->n_read, spare);
-            gather_rows(s->attn, q_width, s->read_index, s->n_read, s->q); /* q is read no more */
+            gather_rows(h, hidden, esize, s->read_index, s->n_read, spare);
+            gather_rows(s->attn, q_width, esize, s->read_index, s->n_read, s->q); /* q is read no more */
             h = spare;
             spare = spare == s->h_a ? s->h_b : s->h_a;
             attn = s->q;
@@ -148,21 +152,21 @@ int prelude_layer_loop(const Model *m, const Step *s) {
         /* fused_segments.tail: h, normed = add_rms_norm(h, o_proj(attn)); mlp = down(silu_mul(gate_up(normed))) */
         if ((rc = project(m, s, &l->o, rows, attn, s->proj))) return 500 + rc;
         if ((rc = m->norm(h, hidden, s->proj, hidden, l->post_norm, spare, s->normed, rows, hidden, m->eps,
-                          s->threads, 1)))
+                          s->threads, m->bf)))
             return 600 + rc;
         h = spare;
         spare = spare == s->h_a ? s->h_b : s->h_a;
         if ((rc = project(m, s, &l->gate_up, rows, s->normed, s->gate_up))) return 700 + rc;
-        if ((rc = m->silu(s->gate_up, 2 * m->inter, s->act, rows, m->inter, s->threads, 1))) return 800 + rc;
+        if ((rc = m->silu(s->gate_up, 2 * m->inter, s->act, rows, m->inter, s->threads, m->bf))) return 800 + rc;
         if ((rc = project(m, s, &l->down, rows, s->act, s->proj))) return 900 + rc;
         if (last) /* the final norm of h + mlp */
             return (rc = m->norm(h, hidden, s->proj, hidden, m->final_norm, spare, s->out, rows, hidden, m->eps,
-                                 s->threads, 1))
+                                 s->threads, m->bf))
                        ? 1000 + rc
                        : 0;
         /* between: h, normed = add_rms_norm(h, mlp, next input_norm); the next layer's q, k, v */
         if ((rc = m->norm(h, hidden, s->proj, hidden, m->layers[i + 1].input_norm, spare, s->normed, rows, hidden,
-                          m->eps, s->threads, 1)))
+                          m->eps, s->threads, m->bf)))
             return 1100 + rc;
         h = spare;
         spare = spare == s->h_a ? s->h_b : s->h_a;

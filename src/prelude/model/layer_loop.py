@@ -1,4 +1,4 @@
-"""A bf16 decoder's layer loop for steps of up to 32 tokens in one C call (layer_loop.c).
+"""A decoder's layer loop for small CPU steps in one C call (layer_loop.c).
 
 The loop over fused_segments.py's first/between/last makes ~270 kernel calls a SmolLM2-135M
 step, each through ctypes with its Python around it: ~4.5 ms of a 17-25 ms decode step ran
@@ -7,11 +7,13 @@ in the same order on the same kind of buffers, through the entry points of the l
 that hold them, so its hidden states (and the K/V it writes) are bit for bit the Python
 loop's, the last layer for the read positions only included.
 
-It takes a step when the model runs bf16 on the CPU fused kernels and the C attention
-backend, every projection has a C route for the step's rows (its GGUF blocks up to their
-bound, else bf16_rows.c's tile form, which needs AMX: up to TILE_MAX_ROWS rows), and the
-step has at most TILE_MAX_ROWS tokens (decode rows, short prompts or both), no LoRA
-adapters and no multi-item segments. Every other step runs the Python loop.
+It takes a step when the model runs on the CPU fused kernels and the C attention backend,
+every projection has a C route for the step's rows, and the step has no LoRA adapters and
+no multi-item segments: in bf16, steps of up to TILE_MAX_ROWS tokens (decode rows, short
+prompts or both) through the GGUF blocks up to their bound, else bf16_rows.c's tile form
+(which needs AMX); in float32, steps of as many tokens as every projection's GGUF blocks
+take (decode_routes.py's measured bound: 4 rows on the KVM Xeon), the few-row calls oneDNN
+would otherwise serve being out of C's reach. Every other step runs the Python loop.
 PRELUDE_LAYER_LOOP=0 turns it off.
 """
 
@@ -58,7 +60,7 @@ class _Model(ctypes.Structure):
                 ("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)),
                 ("final_norm", _ptr), ("scb", _i64), ("scs", _i64), ("sch", _i64), ("block_size", _i64),
-                ("attend_amx", _i32)]
+                ("attend_amx", _i32), ("bf", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -79,34 +81,43 @@ class LayerLoop:
     """The loaded library bound to one model's weights (see the module docstring)."""
 
     def __init__(self, lib: ctypes.CDLL, kernels: CpuFusedKernels, attention: CpuAttention, layers: Sequence,
-                 final_norm: torch.Tensor, config: ModelConfig, scale: float) -> None:
+                 final_norm: torch.Tensor, config: ModelConfig, scale: float, dtype: torch.dtype) -> None:
         self._fn = lib.prelude_layer_loop
         self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
         self._fn.restype = ctypes.c_int
         self._layers = list(layers)  # the weights the C structs point at stay alive with these
         self._attention = attention
         self._final_norm = final_norm
+        self.dtype = dtype
         self.hidden, self.heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
         self.kv_heads, self.inter = config.num_key_value_heads, config.intermediate_size
         projections = _projections(self._layers)
-        tile = projections[0].tile_form
+        tile = projections[0].tile_form if all(p.tile_form is not None for p in projections) else None
         blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
         norm, rope, silu = kernels.entry_points()
         self._model = _Model(
             norm=norm, rope=rope, silu=silu, rows=None if tile is None else tile.entry_point,
-            blocks=None if blocks is None else blocks.bf16_entry_point, attend=attention.entry_point,
+            blocks=None if blocks is None else blocks.entry_point(dtype), attend=attention.entry_point,
             n_layers=len(self._layers), hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, inter=self.inter, eps=config.rms_norm_eps, scale=scale,
-            final_norm=final_norm.data_ptr(), attend_amx=int(attention.amx))
+            final_norm=final_norm.data_ptr(), attend_amx=int(attention.amx), bf=int(dtype == torch.bfloat16))
         self._table = (_Layer * len(self._layers))()
         self._bound: tuple[int, ...] = ()  # the K/V pools the table points at (list, first and last pool)
+        self._max_rows = 0  # the routes' bound the table was bound with (see max_rows)
 
-    @staticmethod
-    def takes(rows: int, meta: AttentionMetadata, reads: ReadPositions | None) -> bool:
-        """Whether a step of `rows` tokens runs here: up to TILE_MAX_ROWS of them (decode rows
-        and prompts' rows alike), no multi-item segments, no adapters on the read rows, and
-        some position read."""
-        return (0 < rows <= TILE_MAX_ROWS and meta.segment_ids is None
+    @property
+    def max_rows(self) -> int:
+        """The most tokens a step may have for every projection call to have a C route: the
+        tile form's bound (bf16 on AMX), or the fewest rows any projection's blocks take
+        (float32: the blocks alone). Read from the projections until the first step binds
+        the table; from then on, what the table holds."""
+        return self._max_rows if self._bound else min(_c_rows(p) for p in _projections(self._layers))
+
+    def takes(self, rows: int, meta: AttentionMetadata, reads: ReadPositions | None) -> bool:
+        """Whether a step of `rows` tokens runs here: up to max_rows of them (decode rows and
+        prompts' rows alike), no multi-item segments, no adapters on the read rows, and some
+        position read."""
+        return (0 < rows <= self.max_rows and meta.segment_ids is None
                 and (meta.slot_mapping is None or meta.slot_mapping.numel() == rows)
                 and (reads is None or (reads.lora is None and reads.index.numel() > 0)))
 
@@ -125,6 +136,7 @@ class LayerLoop:
         self._model.layers = self._table
         self._model.scb, self._model.scs, self._model.sch = k0.stride(0), k0.stride(1), k0.stride(2)
         self._model.block_size = k0.shape[1]
+        self._max_rows = min(_c_rows(p) for p in _projections(self._layers))
         self._bound = _pools_key(kv_caches)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -150,13 +162,13 @@ class LayerLoop:
         widths = {"h_a": self.hidden, "h_b": self.hidden, "normed": self.hidden, "qkv": q_width + 2 * kv_width,
                   "q": q_width, "k": kv_width, "v": kv_width, "attn": q_width, "proj": self.hidden,
                   "gate_up": 2 * self.inter, "act": self.inter}
-        scratch = torch.empty(rows * sum(widths.values()), dtype=torch.bfloat16)
+        scratch = torch.empty(rows * sum(widths.values()), dtype=self.dtype)
         ptrs, at = {}, scratch.data_ptr()
         for name, width in widths.items():
             ptrs[name] = at
             at += rows * width * scratch.element_size()
         xsum = torch.empty(rows * max(self.hidden, self.inter, q_width) // 32 + 1, dtype=torch.float32)
-        out = torch.empty(n_read, self.hidden, dtype=torch.bfloat16)
+        out = torch.empty(n_read, self.hidden, dtype=self.dtype)
         h = h if h.is_contiguous() else h.contiguous()
         cos = cos if cos.is_contiguous() else cos.contiguous()
         sin = sin if sin.is_contiguous() else sin.contiguous()
@@ -193,24 +205,33 @@ def _proj(p: Projection) -> _Proj:
                  blocks_max_rows=blocks.max_rows)
 
 
+def _c_rows(p: Projection) -> int:
+    """The most rows every call of `p` has a C route for (0: none)."""
+    tile = TILE_MAX_ROWS if p.tile_form is not None else 0
+    return max(tile, p.blocks.max_rows if p.blocks is not None else 0)
+
+
 def layer_loop_for(layers: Sequence, final_norm: torch.Tensor, attention: object, dtype: torch.dtype,
                    config: ModelConfig, scale: float) -> LayerLoop | None:
-    """The C loop for a model's `layers` (DecoderLayer), or None where a small step would
-    not run wholly in C here (see the module docstring)."""
-    if dtype != torch.bfloat16 or not isinstance(attention, CpuAttention) or os.environ.get(SWITCH, "1") == "0":
+    """The C loop for a model's `layers` (DecoderLayer), or None where no step would run
+    wholly in C here (see the module docstring)."""
+    if (dtype not in (torch.bfloat16, torch.float32) or not isinstance(attention, CpuAttention)
+            or os.environ.get(SWITCH, "1") == "0"):
         return None
     projections = _projections(layers)
-    # every call of up to TILE_MAX_ROWS rows needs a C route: the tile form (AMX) for each
-    # projection, and the bf16 blocks GEMM where a projection reads blocks
-    if not all(p.tile_form is not None for p in projections):
+    # every call of a step's rows needs a C route: in bf16 the tile form (AMX) of every
+    # projection, in float32 the blocks of every one; and the blocks' GEMM for this dtype
+    if dtype == torch.bfloat16 and not all(p.tile_form is not None for p in projections):
         return None
-    if any(p.blocks is not None and p.blocks.kernel.bf16_entry_point is None for p in projections):
+    if dtype == torch.float32 and not all(p.blocks is not None for p in projections):
+        return None
+    if any(p.blocks is not None and p.blocks.kernel.entry_point(dtype) is None for p in projections):
         return None
     kernels = load_cpu_kernels()
     lib = native_lib.load(_SOURCE, SWITCH, "the small steps' layer loop in C (the Python loop runs them)")
     if kernels is None or lib is None:
         return None
-    return LayerLoop(lib, kernels, attention, layers, final_norm, config, scale)
+    return LayerLoop(lib, kernels, attention, layers, final_norm, config, scale, dtype)
 
 
 def build() -> Path:

@@ -30,7 +30,6 @@ from prelude.model import decode_routes, head_argmax
 from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
-from prelude.model.bf16_rows import TILE_MAX_ROWS
 from prelude.model.layer_loop import LayerLoop, layer_loop_for
 from prelude.model.linear import BlocksPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora import LoraStep
@@ -143,7 +142,7 @@ class LlamaForCausalLM:
         self.layer_loop: LayerLoop | None = layer_loop_for(self.layers, self.norm, self.attention, dtype, config,
                                                            self.scale)
         if self.layer_loop is not None:
-            logger.info("steps of 1-%d tokens: the layer loop in one C call (layer_loop.c)", TILE_MAX_ROWS)
+            logger.info("steps of 1-%d tokens: the layer loop in one C call (layer_loop.c)", self.layer_loop.max_rows)
 
     def _projections(self) -> list[Projection]:
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
