@@ -9,9 +9,10 @@
  * the Python loop (fused_segments.py and LlamaForCausalLM's last layer for the read
  * positions), which every other step still runs.
  *
- * bfloat16 or float32 activations (the model's dtype, `bf`); steps of up to 32 tokens
- * (decode rows, and prompts' rows) where every projection has a C route: the GGUF blocks up
- * to their bound of rows, else (bf16) bf16_rows.c's tile form. Returns 0, or the first
+ * bfloat16 or float32 activations (the model's dtype, `bf`); small steps (decode rows and
+ * prompts' rows: up to 32 tokens in bf16, up to the blocks' bound in float32) where every
+ * projection has a C route: the GGUF blocks up to their bound of rows, else (bf16)
+ * bf16_rows.c's tile form. Returns 0, or the first
  * failing kernel's code plus 100 times its stage (nothing is undone: the caller raises).
  */
 #include <stdint.h>
@@ -38,8 +39,8 @@ typedef int (*attend_fn)(const void *q, int64_t sqt, int64_t sqh, const void *k,
                          void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads, int64_t d, float scale,
                          int bf16, int threads, int amx);
 
-/* One projection y [rows, out] = x [rows, k] W^T (+ bias): its plain bf16 weight, and its
- * GGUF blocks where it has them (kind < 0: none). */
+/* One projection y [rows, out] = x [rows, k] W^T (+ bias): its plain weight (the model's
+ * dtype; the tile form reads it in bf16), and its GGUF blocks where it has them (kind < 0: none). */
 typedef struct {
     const void *weight, *bias;
     int64_t out, k;
