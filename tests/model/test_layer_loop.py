@@ -90,7 +90,7 @@ def _model(dtype: torch.dtype = torch.bfloat16, with_blocks: bool = False, atten
 
 
 def _projections(model: LlamaForCausalLM) -> list[linear.Projection]:
-    return [p for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    return [p for layer in model.layers for p in layer.projections]
 
 
 def _reads(rows: list[Row]) -> ReadPositions:
@@ -100,22 +100,26 @@ def _reads(rows: list[Row]) -> ReadPositions:
     return ReadPositions(ends, torch.ones(len(prompts), dtype=torch.int64))
 
 
+def _run(model: LlamaForCausalLM, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+         caches: list, with_loop: bool, reads: ReadPositions | None = None, segments=None) -> torch.Tensor:  # noqa: ANN001
+    """One forward on the fused C kernels' segments (or `segments`), the C loop on or off."""
+    loop = model.layer_loop
+    model.layer_loop = loop if with_loop else None
+    try:
+        return model.forward(ids, positions, meta, caches,
+                             segments=segments or fused_segments(load_cpu_kernels(), "cpu"), reads=reads)
+    finally:
+        model.layer_loop = loop
+
+
 def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segments=None,  # noqa: ANN001, ANN202
-             reads: ReadPositions | None = None):
+             reads: ReadPositions | None = None, dtype: torch.dtype = torch.bfloat16):
     """Hidden states and the K/V pools after one forward of `rows` (seeded inputs)."""
-    b = make_batch(rows, HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.bfloat16, seed=len(rows))
+    b = make_batch(rows, HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=dtype, seed=len(rows))
     ids = torch.randint(0, VOCAB, (sum(r.new for r in rows),), generator=torch.Generator().manual_seed(6))
     positions = torch.cat([torch.arange(r.prefix, r.prefix + r.new) for r in rows])
     caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(LAYERS)]
-    driver = model.layer_loop
-    if not with_driver:
-        model.layer_loop = None
-    try:
-        hidden = model.forward(ids, positions, b.meta, caches,
-                               segments=segments or fused_segments(load_cpu_kernels(), "cpu"), reads=reads)
-    finally:
-        model.layer_loop = driver
-    return hidden, caches
+    return _run(model, ids, positions, b.meta, caches, with_driver, reads, segments), caches
 
 
 @pytest.fixture
@@ -216,22 +220,10 @@ def test_float32_steps_the_blocks_take_equal_the_python_loop(runs: list[int]) ->
     cases = (([Row(4, 1)], None), ([Row(3, 1), Row(8, 1), Row(12, 1)], None), ([Row(0, 3)], _reads([Row(0, 3)])),
              ([Row(5, 1)] * 4, None))
     for rows, reads in cases:
-        b = make_batch(rows, HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=torch.float32, seed=len(rows))
-        ids = torch.randint(0, VOCAB, (sum(r.new for r in rows),), generator=torch.Generator().manual_seed(6))
-        positions = torch.cat([torch.arange(r.prefix, r.prefix + r.new) for r in rows])
-        outs = []
-        for with_loop in (True, False):
-            caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(LAYERS)]
-            loop = model.layer_loop
-            model.layer_loop = loop if with_loop else None
-            try:
-                hidden = model.forward(ids, positions, b.meta, caches,
-                                       segments=fused_segments(load_cpu_kernels(), "cpu"), reads=reads)
-            finally:
-                model.layer_loop = loop
-            outs.append((hidden, caches))
-        assert outs[0][0].dtype == torch.float32 and torch.equal(outs[0][0], outs[1][0])
-        for (kg, vg), (kw, vw) in zip(outs[0][1], outs[1][1], strict=True):
+        got, got_kv = _forward(model, rows, with_driver=True, reads=reads, dtype=torch.float32)
+        want, want_kv = _forward(model, rows, with_driver=False, reads=reads, dtype=torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
             assert torch.equal(kg, kw) and torch.equal(vg, vw)
     assert runs == [1, 3, 3]
 
@@ -254,13 +246,7 @@ def test_greedy_tokens_over_steps_equal_the_python_loop(runs: list[int]) -> None
             slots = torch.stack([tables[r, p // 4] * 4 + p % 4 for r, p in enumerate(positions.tolist())])
             meta = AttentionMetadata(slots, (), DecodeRows(torch.arange(2), tables, positions + 1,
                                                            int(positions.max()) + 1), 4)
-            driver = model.layer_loop
-            model.layer_loop = driver if with_driver else None
-            try:
-                hidden = model.forward(ids, positions, meta, caches, segments=fused_segments(load_cpu_kernels(), "cpu"))
-            finally:
-                model.layer_loop = driver
-            ids = model.compute_logits(hidden).argmax(-1)
+            ids = model.compute_logits(_run(model, ids, positions, meta, caches, with_driver)).argmax(-1)
             out.append(ids.tolist())
         results.append((out, caches))
     assert runs == [2] * steps

@@ -91,6 +91,12 @@ class LayerLoop:
         self.dtype = dtype
         self.hidden, self.heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
         self.kv_heads, self.inter = config.num_key_value_heads, config.intermediate_size
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # the step's buffers (the C Step's names), each [rows, width] in one allocation a step
+        self._widths = {"h_a": self.hidden, "h_b": self.hidden, "normed": self.hidden,
+                        "qkv": q_width + 2 * kv_width, "q": q_width, "k": kv_width, "v": kv_width, "attn": q_width,
+                        "proj": self.hidden, "gate_up": 2 * self.inter, "act": self.inter}
+        self._xsum_width = max(self.hidden, self.inter, q_width) // 32  # the blocks' per-block input sums
         projections = _projections(self._layers)
         tile = projections[0].tile_form if all(p.tile_form is not None for p in projections) else None
         blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
@@ -130,8 +136,7 @@ class LayerLoop:
         for entry, layer, (k_cache, v_cache) in zip(self._table, self._layers, kv_caches, strict=True):
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.q_norm, entry.k_norm = _tensor_ptr(layer.q_norm), _tensor_ptr(layer.k_norm)
-            entry.qkv, entry.o, entry.gate_up, entry.down = (
-                _proj(p) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+            entry.qkv, entry.o, entry.gate_up, entry.down = (_proj(p) for p in layer.projections)
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self._model.layers = self._table
         self._model.scb, self._model.scs, self._model.sch = k0.stride(0), k0.stride(1), k0.stride(2)
@@ -158,16 +163,12 @@ class LayerLoop:
                 raise ValueError(f"read positions {reads.index.tolist()} with {pre_tail.numel()} tails for "
                                  f"{rows} tokens in {n_pre} prompt rows")
         n_read = rows if read_index is None else read_index.numel()
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        widths = {"h_a": self.hidden, "h_b": self.hidden, "normed": self.hidden, "qkv": q_width + 2 * kv_width,
-                  "q": q_width, "k": kv_width, "v": kv_width, "attn": q_width, "proj": self.hidden,
-                  "gate_up": 2 * self.inter, "act": self.inter}
-        scratch = torch.empty(rows * sum(widths.values()), dtype=self.dtype)
+        scratch = torch.empty(rows * sum(self._widths.values()), dtype=self.dtype)
         ptrs, at = {}, scratch.data_ptr()
-        for name, width in widths.items():
+        for name, width in self._widths.items():
             ptrs[name] = at
             at += rows * width * scratch.element_size()
-        xsum = torch.empty(rows * max(self.hidden, self.inter, q_width) // 32 + 1, dtype=torch.float32)
+        xsum = torch.empty(rows * self._xsum_width + 1, dtype=torch.float32)
         out = torch.empty(n_read, self.hidden, dtype=self.dtype)
         h = h if h.is_contiguous() else h.contiguous()
         cos = cos if cos.is_contiguous() else cos.contiguous()
@@ -185,7 +186,7 @@ class LayerLoop:
 
 
 def _projections(layers: Sequence) -> list[Projection]:
-    return [p for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    return [p for layer in layers for p in layer.projections]
 
 
 def _pools_key(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:

@@ -74,6 +74,11 @@ class DecoderLayer:
                                 self.q_norm, self.k_norm)
         self.tail = TailWeights(_operand(self.o_proj), self.post_norm, _operand(self.gate_up), _operand(self.down))
 
+    @property
+    def projections(self) -> tuple[Projection, Projection, Projection, Projection]:
+        """qkv, o_proj, gate_up and down, in the order a layer runs them."""
+        return self.qkv, self.o_proj, self.gate_up, self.down
+
 
 class LlamaForCausalLM:
     """Inference-only decoder: weights are plain tensors, no autograd."""
@@ -145,7 +150,7 @@ class LlamaForCausalLM:
             logger.info("steps of 1-%d tokens: the layer loop in one C call (layer_loop.c)", self.layer_loop.max_rows)
 
     def _projections(self) -> list[Projection]:
-        projections = [p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        projections = [p for layer in self.layers for p in layer.projections]
         return projections + ([self._lm_head_proj] if self._lm_head_proj is not None else [])
 
     def make_packed_copies(self) -> int:
