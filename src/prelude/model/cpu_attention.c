@@ -410,32 +410,7 @@ static inline int64_t first_seeing(const Scratch *s, int64_t from, int64_t nvec,
 }
 
 /* ---- in-register transposes of VW x VW blocks of 32-bit elements: r[k][j] becomes r[j][k] ---- */
-#if defined(__AVX512F__)
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
-        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
-        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
-        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
-        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
-        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
-        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
-    }
-}
+#if defined(__AVX512F__) /* transpose16: native_shared.h */
 static inline void transpose_vw(vf r[VW]) { transpose16((__m512i *)r); }
 #else
 static inline void transpose_vw(vf r[VW]) { /* 8 x 8: pairs, quads, then 128-bit halves */

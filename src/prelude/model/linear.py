@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from prelude.model import native_lib
+from prelude.model.amx_gemm import AmxGemm, load_amx_gemm
 from prelude.model.bf16_rows import TILE_MAX_ROWS, Bf16Rows, load_bf16_rows
 from prelude.model.blocks_kernel import BlocksKernel
 from prelude.model.ggml_blocks import GgmlBlocks
@@ -98,6 +99,13 @@ PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the
 # cost more than the steps save (130 rows, two threads, its four shapes: MKL 0.215 ms, cut
 # 0.274), over SmolLM2's (576 x 576 and up) the cut halves the time (5.14 -> 2.78 ms).
 PIECES_MIN_WEIGHT = 1 << 18
+# bf16 calls past the tile form's rows up to this many take amx_gemm.c on an AMX CPU (its
+# own packed copy, held beside oneDNN's: the projections' bytes once more). SmolLM2-135M
+# prefills in process, alternated, against oneDNN (KVM Xeon, model 207, two threads): 64
+# tokens 0.77-0.82x, 128 tokens 0.84-0.94x the whole forward's time; at 256, 512 and 2,048
+# rows its forwards ran 1.06-1.19x slower (its gate/up GEMM the loser), though the same
+# projections timed alone were 0.4-0.9x oneDNN's there: left to oneDNN.
+AMX_MAX_ROWS = 128
 BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 entries each). Every bf16
 # GEMM goes through oneDNN, packed or not (F.linear too), and each row count is a new
@@ -169,6 +177,10 @@ class Projection:
         # bf16 decode-sized calls on the tile unit over the plain weight (no copy)
         self._bf16_rows: Bf16Rows | None = tile_rows_kernel(weight) if prepack else None
         self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
+        # bf16 calls past the few-row routes up to AMX_MAX_ROWS on the AMX tile unit
+        # (amx_gemm.c), over a copy of its own beside oneDNN's (see amx_gemm_kernel)
+        self._amx: AmxGemm | None = amx_gemm_kernel(weight) if prepack else None
+        self._amx_packed: torch.Tensor | None = None
         self._few_rows_max = self._few_rows_routes()
 
     @property
@@ -195,6 +207,11 @@ class Projection:
         copy made on first use): then the projection itself is the operand, not its weight."""
         return self._want_packed or self.blocks is not None
 
+    def _amx_weight(self) -> torch.Tensor:
+        if self._amx_packed is None:
+            self._amx_packed = self._amx.pack(self.weight)  # type: ignore[union-attr]
+        return self._amx_packed
+
     def _packed_weight(self) -> torch.Tensor | None:
         if self._packed is None and self._want_packed:
             bound_onednn_caches()
@@ -205,7 +222,9 @@ class Projection:
         return self._packed
 
     def make_packed_copy(self) -> bool:
-        """Make the packed copy now (see ExecutorConfig.pack_at_start); whether there is one."""
+        """Make the packed copies now (see ExecutorConfig.pack_at_start); whether there is one."""
+        if self._amx is not None:
+            self._amx_weight()
         return self._packed_weight() is not None
 
     def runs_row_gemv(self, rows: int, dtype: torch.dtype) -> bool:
@@ -219,10 +238,16 @@ class Projection:
         # A bf16 prefill's calls ([tokens, features], past the few-row routes) straight to the
         # packed copy: the general path's reshapes, slice and checks cost ~20 us a call, ~2
         # ms of a 128-token SmolLM2-135M prefill's 121 calls (the same op on the same rows).
-        if (x.dtype == torch.bfloat16 and self._packed is not None and x.dim() == 2
-                and x.shape[0] > self._few_rows_max and x.is_contiguous()):
-            return packed_linear(x, self._packed, self.bias)
+        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > self._few_rows_max
+                and x.is_contiguous()):
+            if self._amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+                return self._amx.linear(x, self._amx_weight(), self.out_features, self.bias)
+            if self._packed is not None:
+                return packed_linear(x, self._packed, self.bias)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self._amx is not None and x.dtype == torch.bfloat16 and self._few_rows_max < rows.shape[0] <= AMX_MAX_ROWS:
+            return self._amx.linear(rows.contiguous(), self._amx_weight(), self.out_features,
+                                    self.bias).reshape(*x.shape[:-1], self.out_features)
         if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
             return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)
         n = rows.shape[0]
@@ -261,6 +286,13 @@ def tile_rows_kernel(weight: torch.Tensor) -> Bf16Rows | None:
     (bf16, k a multiple of 32, AMX-BF16 usable here), else None."""
     kernel = load_bf16_rows()
     return kernel if kernel is not None and kernel.tile_form_takes(weight) else None
+
+
+def amx_gemm_kernel(weight: torch.Tensor) -> AmxGemm | None:
+    """amx_gemm.c where it serves `weight`'s bf16 calls past the few-row routes up to
+    AMX_MAX_ROWS rows (AMX-BF16 usable here, both widths multiples of 32), else None."""
+    kernel = load_amx_gemm()
+    return kernel if kernel is not None and kernel.takes(weight) else None
 
 
 def tile_rows_take(kernel: Bf16Rows | None, x: torch.Tensor, rows: int) -> bool:

@@ -30,6 +30,38 @@ static inline int amx_permitted(void) {
     return permitted;
 }
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* The 16 x 16 32-bit words of r transposed in place: r[i][j] becomes r[j][i]. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+#endif
+
 #if defined(__AMX_TILE__)
 #include <immintrin.h>
 

@@ -1,0 +1,191 @@
+/* Many bfloat16 rows through a bfloat16 weight on the AMX tile unit: y = x W^T (+ b),
+ * x [m, k] (row stride ldx), y [m, n] (row stride ldy), the sums in float32, rounded once
+ * to nearest even; W comes packed (prelude_amx_gemm_pack) in k pairs, 16 outputs a block:
+ * wp[block][k/2][16] 32-bit words (two bf16 each), so a B tile (16 k pairs x 16 outputs)
+ * is 1 KB in a row.
+ *
+ * Prefill's projections: 33..2,048 rows against weights of 0.2-4 MB. oneDNN's packed
+ * kernels reached 0.5-1.5 TFLOP/s on SmolLM2's shapes (k 576 or 1,536) on a 2-core KVM
+ * Xeon (model 207), whose tile unit does ~2.3 TFLOP/s a core from L1. Here A is 16 rows
+ * of x straight from x (its row stride), B the packed weight, and a 32 x 32 block of y
+ * sits in four C tiles (2 A x 2 B: every tile loaded feeds two products). The k loop runs
+ * in slabs of KC_CHUNKS x 32 so one slab of a 32-output pair's weight (18 KB) and of a
+ * 32-row block of x fit L1 together while the slab passes over ROW_CHUNK rows; the four C
+ * tiles wait in a per-thread buffer between slabs (float32 stores and loads: exact).
+ * Threads split the outputs (pairs of blocks), so a row's sums run in one order whatever
+ * the thread count and whatever other rows share the call: k in 32-wide chunks, in order.
+ * Rows past the last whole 32 go through a zero-padded copy.
+ *
+ * AMX-BF16 builds only (prelude_amx_gemm_ready() says whether the tile form can run here:
+ * the build has it and the kernel lets this process use the tile registers). Returns 0, or
+ * 1 on arguments it does not take (nothing written).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_shared.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#else
+#define HAVE_AMX 0
+#endif
+
+#define KC_CHUNKS 9   /* k chunks of 32 a slab: 288 k, 18 KB of a block pair's weight */
+#define ROW_CHUNK 128 /* rows a slab passes over before the next pair (x's share stays in L2) */
+#define PAR_MIN_WORK (1 << 22) /* m * n * k below this runs on the calling thread */
+
+int prelude_amx_gemm_ready(void) {
+#if HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+#if HAVE_AMX
+/* y's rows [0, rows) at outputs n0..n0+15 from c [16 rows][16 outputs] float32, + bias. */
+static inline void store_rows(const float *c, int rows, int64_t n0, const uint16_t *bias, uint16_t *y, int64_t ldy) {
+    __m512 bv = _mm512_setzero_ps();
+    if (bias != 0)
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
+    for (int r = 0; r < rows; r++) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), bv);
+        _mm256_storeu_si256((__m256i *)(y + r * ldy + n0), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* One slab [c0, c1) of k chunks for the 32 x 32 block at x rows xa (row stride lda bytes)
+ * and the packed pair b0 / b1, into C0-C3 (C0: rows 0-15 x outputs 0-15, C1: rows 0-15 x
+ * 16-31, C2 / C3: rows 16-31). A 4 and 5, B 6 and 7. */
+static inline void slab(const uint16_t *xa, int64_t lda, const uint32_t *b0, const uint32_t *b1, int64_t c0,
+                        int64_t c1, const char **pf, const char *pf_end, int64_t pf_lines) {
+    const uint16_t *xb = xa + 16 * (lda / 2);
+    for (int64_t ch = c0; ch < c1; ch++) {
+        for (int64_t l = 0; l < pf_lines && *pf < pf_end; l++, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T1);
+        _tile_loadd(4, xa + ch * 32, lda);
+        _tile_loadd(6, b0 + ch * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b1 + ch * 256, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, xb + ch * 32, lda);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+/* The calling thread's pairs [p0, p1) for every row: ROW_CHUNK rows at a time, each pair's
+ * slabs over the chunk's 32-row blocks. `tail`: rows past the last whole 32, zero-padded to
+ * 32 (row stride k), or 0. */
+static void pairs_span(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t *wp, int64_t k,
+                       const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t p0, int64_t p1, const uint16_t *tail) {
+    float cbuf[ROW_CHUNK / 32][1024] __attribute__((aligned(64)));
+    const int64_t chunks = k / 32, kp_n = k / 2, blocks = (m + 31) / 32;
+    amx_configure();
+    for (int64_t mb0 = 0; mb0 < blocks; mb0 += ROW_CHUNK / 32) {
+        const int64_t mb1 = mb0 + ROW_CHUNK / 32 < blocks ? mb0 + ROW_CHUNK / 32 : blocks;
+        /* the next pair's weight (the pairs lie in a row) fetched while this one is summed: its
+         * lines spread evenly over this pair's chunk passes */
+        const int64_t pair_lines = kp_n * 2, passes = (mb1 - mb0) * chunks;
+        const int64_t pf_lines = (pair_lines + passes - 1) / passes;
+        for (int64_t p = p0; p < p1; p++) {
+            const uint32_t *b0 = wp + 2 * p * kp_n * 16, *b1 = b0 + kp_n * 16;
+            const char *pf = (const char *)(b1 + kp_n * 16);
+            const char *pf_end = p + 1 < p1 ? pf + pair_lines * 64 : pf;
+            for (int64_t c0 = 0; c0 < chunks; c0 += KC_CHUNKS) {
+                const int64_t c1 = c0 + KC_CHUNKS < chunks ? c0 + KC_CHUNKS : chunks;
+                for (int64_t mb = mb0; mb < mb1; mb++) {
+                    const int64_t m0 = mb * 32;
+                    const int whole = m0 + 32 <= m;
+                    const uint16_t *xa = whole ? x + m0 * ldx : tail;
+                    float *c = cbuf[mb - mb0];
+                    if (c0 == 0) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                    } else {
+                        _tile_loadd(0, c, 64);
+                        _tile_loadd(1, c + 256, 64);
+                        _tile_loadd(2, c + 512, 64);
+                        _tile_loadd(3, c + 768, 64);
+                    }
+                    slab(xa, (whole ? ldx : k) * 2, b0, b1, c0, c1, &pf, pf_end, pf_lines);
+                    _tile_stored(0, c, 64);
+                    _tile_stored(1, c + 256, 64);
+                    _tile_stored(2, c + 512, 64);
+                    _tile_stored(3, c + 768, 64);
+                    if (c1 < chunks) continue;
+                    const int rows = whole ? 32 : (int)(m - m0);
+                    const int r0 = rows < 16 ? rows : 16, r1 = rows - r0;
+                    uint16_t *yb = y + m0 * ldy;
+                    store_rows(c, r0, 32 * p, bias, yb, ldy);
+                    store_rows(c + 256, r0, 32 * p + 16, bias, yb, ldy);
+                    if (r1 > 0) {
+                        store_rows(c + 512, r1, 32 * p, bias, yb + 16 * ldy, ldy);
+                        store_rows(c + 768, r1, 32 * p + 16, bias, yb + 16 * ldy, ldy);
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+/* w [n, k] bfloat16 row-major -> wp [n/16][k/2][16] 32-bit words: word (b, p, j) holds
+ * w[16b + j][2p] and w[16b + j][2p + 1]. n a multiple of 32, k of 32. */
+int prelude_amx_gemm_pack(const uint16_t *w, int64_t n, int64_t k, uint32_t *wp, int threads) {
+#if HAVE_AMX
+    if (n <= 0 || k <= 0 || n % 32 != 0 || k % 32 != 0) return 1;
+    const int64_t kp_n = k / 2, blocks = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t p0 = 0; p0 < kp_n; p0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(w + (16 * b + j) * k + 2 * p0);
+            transpose16(r);
+            for (int q = 0; q < 16; q++) _mm512_store_si512(wp + (b * kp_n + p0 + q) * 16, r[q]);
+        }
+    return 0;
+#else
+    (void)w; (void)n; (void)k; (void)wp; (void)threads;
+    return 1;
+#endif
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T (+ bias [n]), all bfloat16,
+ * W packed by prelude_amx_gemm_pack (64-byte aligned). */
+int prelude_amx_gemm(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t *wp, int64_t n, int64_t k,
+                     const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
+#if HAVE_AMX
+    if (m <= 0 || n <= 0 || k <= 0 || n % 32 != 0 || k % 32 != 0 || ldx < k || ldy < n || ((uintptr_t)wp & 63) != 0 ||
+        !amx_permitted())
+        return 1;
+    const int64_t whole = m / 32 * 32;
+    uint16_t *tail = 0;
+    if (whole < m) {
+        tail = aligned_alloc(64, (size_t)(32 * k) * 2);
+        if (tail == 0) return 1;
+        memset(tail, 0, (size_t)(32 * k) * 2);
+        for (int64_t r = whole; r < m; r++) memcpy(tail + (r - whole) * k, x + r * ldx, (size_t)k * 2);
+    }
+    const int64_t pairs = n / 32;
+    const int par = threads > 1 && pairs >= 2 && m * n * k >= PAR_MIN_WORK;
+#pragma omp parallel num_threads(threads) if (par)
+    {
+        int64_t p0, p1;
+        this_threads_share(pairs, &p0, &p1);
+        if (p0 < p1) pairs_span(x, m, ldx, wp, k, bias, y, ldy, p0, p1, tail);
+    }
+    free(tail);
+    return 0;
+#else
+    (void)x; (void)m; (void)ldx; (void)wp; (void)n; (void)k; (void)bias; (void)y; (void)ldy; (void)threads;
+    return 1;
+#endif
+}
