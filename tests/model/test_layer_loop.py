@@ -12,11 +12,13 @@ from prelude.config import ModelConfig
 from prelude.model import layer_loop, linear
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.cpu_backend import load_cpu_attention
+from prelude.model.amx_gemm import load_amx_gemm
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows
 from prelude.model.bf16_rows import TILE_MAX_ROWS, load_bf16_rows
 from prelude.model.blocks_kernel import load_kernel
 from prelude.model.cpu_fused_kernels import load_cpu_kernels
 from prelude.model.layer_loop import LayerLoop
+from prelude.model.linear import AMX_MAX_ROWS
 from prelude.model.decoder_segments import EAGER_SEGMENTS
 from prelude.model.fused_segments import fused_segments
 from prelude.model.ggml_blocks import GgmlBlocks
@@ -192,6 +194,31 @@ def test_prompt_rows_with_read_positions_equal_the_python_loop(runs: list[int], 
 
 
 @needs_tiles
+@pytest.mark.skipif(load_amx_gemm() is None, reason="steps past the tile form's rows run in C through amx_gemm.c (AMX)")
+@pytest.mark.parametrize("rows", [
+    [Row(0, TILE_MAX_ROWS + 1)],  # one past the tile form: the first amx_gemm.c step
+    [Row(0, 70, own_in_cache=False), Row(5, 1)],  # a OneShot prompt beside a decode row
+    [Row(3, 60), Row(0, 50), Row(9, 1), Row(2, 1), Row(4, 16)],  # chunks over cached prefixes, decode rows
+    [Row(0, AMX_MAX_ROWS)],  # a 128-token prompt
+])
+def test_steps_past_the_tile_form_equal_the_python_loop(runs: list[int], rows: list[Row]) -> None:
+    """33..AMX_MAX_ROWS tokens: the step's projections through amx_gemm.c, the last layer's
+    read rows (a few) through the tile form, as Projection routes each call; bit for bit the
+    Python loop's, K/V included, with and without read positions."""
+    model = _model()
+    tokens = sum(r.new for r in rows)
+    assert model.layer_loop is not None and model.layer_loop.max_rows == AMX_MAX_ROWS
+    for reads in (_reads(rows), None):
+        got, got_kv = _forward(model, rows, with_driver=True, reads=reads)
+        want, want_kv = _forward(model, rows, with_driver=False, reads=reads)
+        assert got.shape == (tokens if reads is None else len(rows), HIDDEN)
+        assert torch.equal(got, want)
+        for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
+            assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    assert runs == [tokens, tokens]
+
+
+@needs_tiles
 def test_biases_and_qk_norms_equal_the_python_loop(runs: list[int]) -> None:
     """q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) ride along: a decode step and a
     prompt's step bit for bit."""
@@ -260,8 +287,10 @@ def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
     model = _model()
     driver = model.layer_loop
     assert driver is not None
-    _forward(model, [Row(4, 1)] * (TILE_MAX_ROWS + 1), with_driver=True)  # more rows than the tile form takes
-    _forward(model, [Row(0, TILE_MAX_ROWS + 1)], with_driver=True)  # a prompt of as many tokens
+    bound = driver.max_rows  # the tile form's, or amx_gemm.c's where it serves past it
+    assert bound == (AMX_MAX_ROWS if load_amx_gemm() is not None else TILE_MAX_ROWS)
+    _forward(model, [Row(4, 1)] * (bound + 1), with_driver=True)  # more rows than the C routes take
+    _forward(model, [Row(0, bound + 1)], with_driver=True)  # a prompt of as many tokens
     _forward(model, [Row(4, 1)], with_driver=True, segments=EAGER_SEGMENTS)  # not the fused C kernels
     _forward(model, [Row(0, 6, segments=(0, 0, 1, 1, 2, 2))], with_driver=True)  # multi-item segments
     nothing_read = ReadPositions(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
@@ -289,5 +318,7 @@ def test_built_only_where_every_kernel_has_a_c_route(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(layer_loop.SWITCH, "0")
     assert _model().layer_loop is None
     monkeypatch.delenv(layer_loop.SWITCH)
+    monkeypatch.setattr(linear, "amx_gemm_kernel", lambda weight: None)  # steps past the tile form: oneDNN's
+    assert _model().layer_loop.max_rows == TILE_MAX_ROWS
     monkeypatch.setattr(linear, "tile_rows_kernel", lambda weight: None)  # no AMX: few rows go to oneDNN
     assert _model().layer_loop is None

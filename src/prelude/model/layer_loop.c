@@ -4,15 +4,16 @@
  * kernels and attention per layer), each through ctypes with its Python around it: ~4.5 of
  * a 17-25 ms decode step ran outside the kernels on a KVM Xeon. Here the same kernels run
  * in the same order on the same buffers, called through the entry points of the libraries
- * that hold them (cpu_fused.c, bf16_rows.c, blocks_gemm.c, cpu_attention.c;
+ * that hold them (cpu_fused.c, bf16_rows.c, amx_gemm.c, blocks_gemm.c, cpu_attention.c;
  * layer_loop.py passes their addresses), so a step's answers are bit for bit those of
  * the Python loop (fused_segments.py and LlamaForCausalLM's last layer for the read
  * positions), which every other step still runs.
  *
  * bfloat16 or float32 activations (the model's dtype, `bf`); small steps (decode rows and
- * prompts' rows: up to 32 tokens in bf16, up to the blocks' bound in float32) where every
- * projection has a C route: the GGUF blocks up to their bound of rows, else (bf16)
- * bf16_rows.c's tile form. Returns 0, or the first
+ * prompts' rows: up to 32 tokens in bf16, 128 where amx_gemm.c serves every projection,
+ * up to the blocks' bound in float32) where every projection has a C route: the GGUF
+ * blocks up to their bound of rows, else (bf16) bf16_rows.c's tile form up to its bound,
+ * amx_gemm.c past it. Returns 0, or the first
  * failing kernel's code plus 100 times its stage (nothing is undone: the caller raises).
  */
 #include <stdint.h>
@@ -27,6 +28,8 @@ typedef int (*silu_fn)(const void *gate_up, int64_t stride_in, void *out, int64_
                        int bf);
 typedef int (*rows_fn)(const void *x, int64_t rows, int64_t stride_x, const void *w, int64_t out, int64_t k,
                        const void *bias, void *y, int threads, int use_amx);
+typedef int (*gemm_fn)(const void *x, int64_t m, int64_t ldx, const void *wp, int64_t n, int64_t k, const void *bias,
+                       void *y, int64_t ldy, int threads);
 typedef int (*blocks_fn)(int kind, const void *x, int64_t m, int64_t k, const void *qs, const void *d, const void *mins,
                          int64_t n, const void *bias, void *y, int threads, float *xsum);
 typedef int (*attend_fn)(const void *q, int64_t sqt, int64_t sqh, const void *k, int64_t skt, int64_t skh,
@@ -40,13 +43,15 @@ typedef int (*attend_fn)(const void *q, int64_t sqt, int64_t sqh, const void *k,
                          int bf16, int threads, int amx);
 
 /* One projection y [rows, out] = x [rows, k] W^T (+ bias): its plain weight (the model's
- * dtype; the tile form reads it in bf16), and its GGUF blocks where it has them (kind < 0: none). */
+ * dtype; the tile form reads it in bf16), its GGUF blocks where it has them (kind < 0: none),
+ * and amx_gemm.c's packed copy where it has one (NULL: none). */
 typedef struct {
     const void *weight, *bias;
     int64_t out, k;
     int32_t kind; /* blocks_gemm.c's kind, or -1 */
     const void *qs, *d, *mins;
     int64_t blocks_max_rows; /* calls of up to this many rows read the blocks */
+    const void *packed;      /* amx_gemm.c's copy: calls past tile_max_rows, up to gemm_max_rows */
 } Proj;
 
 typedef struct {
@@ -60,6 +65,7 @@ typedef struct {
     rope_fn rope;
     silu_fn silu;
     rows_fn rows;
+    gemm_fn gemm;
     blocks_fn blocks;
     attend_fn attend;
     int64_t n_layers, hidden, heads, kv_heads, head_dim, inter;
@@ -69,6 +75,7 @@ typedef struct {
     int64_t scb, scs, sch, block_size; /* every layer's K/V pool: strides (elements) and block size */
     int32_t attend_amx;                /* the attention backend's choice of the AMX form */
     int32_t bf;                        /* 1: bfloat16 activations and weights, 0: float32 */
+    int64_t tile_max_rows, gemm_max_rows; /* the tile form's and amx_gemm.c's row bounds */
 } Model;
 
 /* One step: its tokens' hidden states in and out, their rotary tables, the attention's rows
@@ -100,6 +107,10 @@ typedef struct {
 static int project(const Model *m, const Step *s, const Proj *p, int64_t rows, const void *x, void *y) {
     if (p->kind >= 0 && rows <= p->blocks_max_rows)
         return m->blocks(p->kind, x, rows, p->k, p->qs, p->d, p->mins, p->out, p->bias, y, s->threads, s->xsum);
+    if (rows > m->tile_max_rows) {
+        if (!m->gemm || !p->packed || rows > m->gemm_max_rows) return 51;
+        return m->gemm(x, rows, p->k, p->packed, p->out, p->k, p->bias, y, p->out, s->threads);
+    }
     if (!m->rows) return 50;
     return m->rows(x, rows, p->k, p->weight, p->out, p->k, p->bias, y, s->threads, 1);
 }

@@ -11,7 +11,8 @@ It takes a step when the model runs on the CPU fused kernels and the C attention
 every projection has a C route for the step's rows, and the step has no LoRA adapters and
 no multi-item segments: in bf16, steps of up to TILE_MAX_ROWS tokens (decode rows, short
 prompts or both) through the GGUF blocks up to their bound, else bf16_rows.c's tile form
-(which needs AMX); in float32, steps of as many tokens as every projection's GGUF blocks
+(which needs AMX), and of up to AMX_MAX_ROWS where amx_gemm.c serves every projection's
+calls past the tile form's bound (a 128-token prompt); in float32, steps of as many tokens as every projection's GGUF blocks
 take (decode_routes.py's measured bound: 4 rows on the KVM Xeon), the few-row calls oneDNN
 would otherwise serve being out of C's reach. Every other step runs the Python loop.
 PRELUDE_LAYER_LOOP=0 turns it off.
@@ -34,7 +35,7 @@ from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.bf16_rows import TILE_MAX_ROWS
 from prelude.model.cpu_fused_kernels import CpuFusedKernels, load_cpu_kernels
 from prelude.model.ggml_blocks import KINDS
-from prelude.model.linear import Projection
+from prelude.model.linear import AMX_MAX_ROWS, Projection
 from prelude.model.read_positions import ReadPositions
 
 logger = logging.getLogger("prelude.model.layer_loop")
@@ -47,7 +48,7 @@ _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes
 
 class _Proj(ctypes.Structure):
     _fields_ = [("weight", _ptr), ("bias", _ptr), ("out", _i64), ("k", _i64), ("kind", _i32), ("qs", _ptr),
-                ("d", _ptr), ("mins", _ptr), ("blocks_max_rows", _i64)]
+                ("d", _ptr), ("mins", _ptr), ("blocks_max_rows", _i64), ("packed", _ptr)]
 
 
 class _Layer(ctypes.Structure):
@@ -56,11 +57,12 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("norm", _ptr), ("rope", _ptr), ("silu", _ptr), ("rows", _ptr), ("blocks", _ptr), ("attend", _ptr),
+    _fields_ = [("norm", _ptr), ("rope", _ptr), ("silu", _ptr), ("rows", _ptr), ("gemm", _ptr), ("blocks", _ptr),
+                ("attend", _ptr),
                 ("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)),
                 ("final_norm", _ptr), ("scb", _i64), ("scs", _i64), ("sch", _i64), ("block_size", _i64),
-                ("attend_amx", _i32), ("bf", _i32)]
+                ("attend_amx", _i32), ("bf", _i32), ("tile_max_rows", _i64), ("gemm_max_rows", _i64)]
 
 
 class _Step(ctypes.Structure):
@@ -99,10 +101,12 @@ class LayerLoop:
         self._xsum_width = max(self.hidden, self.inter, q_width) // 32  # the blocks' per-block input sums
         projections = _projections(self._layers)
         tile = projections[0].tile_form if all(p.tile_form is not None for p in projections) else None
+        gemm = next((p.amx_gemm for p in projections if p.amx_gemm is not None), None)
         blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
         norm, rope, silu = kernels.entry_points()
         self._model = _Model(
             norm=norm, rope=rope, silu=silu, rows=None if tile is None else tile.entry_point,
+            gemm=None if gemm is None else gemm.entry_point, tile_max_rows=TILE_MAX_ROWS, gemm_max_rows=AMX_MAX_ROWS,
             blocks=None if blocks is None else blocks.entry_point(dtype), attend=attention.entry_point,
             n_layers=len(self._layers), hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, inter=self.inter, eps=config.rms_norm_eps, scale=scale,
@@ -198,17 +202,22 @@ def _pools_key(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
 def _proj(p: Projection) -> _Proj:
     blocks = p.blocks
     bias = _tensor_ptr(p.bias)
+    packed = _tensor_ptr(p.amx_copy())
     if blocks is None:
-        return _Proj(weight=p.weight.data_ptr(), bias=bias, out=p.out_features, k=p.weight.shape[1], kind=-1)
+        return _Proj(weight=p.weight.data_ptr(), bias=bias, out=p.out_features, k=p.weight.shape[1], kind=-1,
+                     packed=packed)
     b = blocks.blocks
     return _Proj(weight=p.weight.data_ptr(), bias=bias, out=p.out_features, k=p.weight.shape[1],
                  kind=KINDS.index(b.kind), qs=b.qs.data_ptr(), d=b.d.data_ptr(), mins=_tensor_ptr(b.m),
-                 blocks_max_rows=blocks.max_rows)
+                 blocks_max_rows=blocks.max_rows, packed=packed)
 
 
 def _c_rows(p: Projection) -> int:
-    """The most rows every call of `p` has a C route for (0: none)."""
+    """The most rows every call of `p` has a C route for (0: none): the tile form's bound,
+    amx_gemm.c's past it (it takes the calls the tile form leaves), or the blocks'."""
     tile = TILE_MAX_ROWS if p.tile_form is not None else 0
+    if tile and p.amx_gemm is not None:
+        tile = AMX_MAX_ROWS
     return max(tile, p.blocks.max_rows if p.blocks is not None else 0)
 
 

@@ -207,6 +207,16 @@ class Projection:
         copy made on first use): then the projection itself is the operand, not its weight."""
         return self._want_packed or self.blocks is not None
 
+    @property
+    def amx_gemm(self) -> AmxGemm | None:
+        """amx_gemm.c where this projection's bf16 calls past the few-row routes up to
+        AMX_MAX_ROWS rows run it."""
+        return self._amx
+
+    def amx_copy(self) -> torch.Tensor | None:
+        """amx_gemm.c's packed copy (made now if it is not yet), or None where it does not serve."""
+        return None if self._amx is None else self._amx_weight()
+
     def _amx_weight(self) -> torch.Tensor:
         if self._amx_packed is None:
             self._amx_packed = self._amx.pack(self.weight)  # type: ignore[union-attr]
