@@ -31,7 +31,8 @@ from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.layer_loop import LayerLoop, layer_loop_for
-from prelude.model.linear import BlocksPath, Projection, describe_routes, prepack_enabled
+from prelude.model.bf16_rows import TILE_MAX_ROWS
+from prelude.model.linear import AMX_MAX_ROWS, BlocksPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora import LoraStep
 from prelude.model.rope import RotaryEmbedding
 
@@ -160,7 +161,13 @@ class LlamaForCausalLM:
         them, and the first call that does makes them)."""
         if self.dtype != torch.bfloat16:
             return 0
-        return sum(p.make_packed_copy() for p in self._projections())
+        projections = self._projections()
+        made = sum(p.make_packed_copy() for p in projections)
+        if tiled := sum(p.amx_gemm is not None for p in projections):
+            logger.info("bf16 calls of %d-%d rows: amx_gemm.c on the tile unit for %d of %d projections (its own "
+                        "packed copy each, beside oneDNN's for longer calls)", TILE_MAX_ROWS + 1, AMX_MAX_ROWS, tiled,
+                        len(projections))
+        return made
 
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:
         """Blocks or oneDNN per decode row count, as measured on this CPU (decode_routes.py)."""
