@@ -182,9 +182,10 @@ class ExecutorConfig:
     # CPU decoders: off | background (serve eagerly, compile off the request path, swap each
     # compiled shape in when ready) | ahead (compile, or load from the disk cache, before ready)
     compile: str = "off"
-    # CPU decoders in bf16: make the projections' oneDNN packed copies while loading, not on
-    # their first calls (every bf16 call takes them, so any prompt makes them all): a serving
-    # engine's first prompt then does not pay ~0.16 s of reorders (SmolLM2, a started server).
+    # CPU decoders in bf16: make the projections' packed copies while loading, not on their
+    # first calls (every bf16 call past the few-row routes takes one, so any prompt makes
+    # them all): amx_gemm.c's before ready, oneDNN's on a thread (model.make_packed_copies);
+    # a serving engine's first prompt then does not pay ~0.16 s of reorders (SmolLM2).
     pack_at_start: bool = False
 
 

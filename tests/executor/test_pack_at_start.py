@@ -1,7 +1,10 @@
-"""ExecutorConfig.pack_at_start: a bf16 decoder's prepacked projections get their oneDNN
-copies while the runner is built, so that its first prompt makes none."""
+"""ExecutorConfig.pack_at_start: a bf16 decoder's prepacked projections get their packed
+copies at start (amx_gemm.c's while the runner is built, oneDNN's by a thread it starts), so
+that its first prompt makes none."""
 
 from __future__ import annotations
+
+import threading
 
 from prelude.config import ExecutorConfig, ModelConfig
 from prelude.executor.runner import ModelRunner
@@ -17,12 +20,20 @@ def _runner(dtype: str, pack_at_start: bool) -> ModelRunner:
 
 
 def _packed(runner: ModelRunner) -> list[bool]:
-    """Per projection (each layer's qkv, o_proj, gate_up, down, then the LM head): whether it holds its packed copy."""
+    """Per projection (each layer's qkv, o_proj, gate_up, down, then the LM head): whether it
+    holds its oneDNN copy, once the thread making them is done."""
+    for thread in threading.enumerate():
+        if thread.name == "prelude-onednn-copies":
+            thread.join()
     return [p._packed is not None for p in runner.model._projections()]  # type: ignore[attr-defined]
 
 
 def test_a_bf16_runner_makes_every_packed_copy_at_start_where_the_cpu_can() -> None:
-    packed = _packed(_runner("bfloat16", pack_at_start=True))
+    runner = _runner("bfloat16", pack_at_start=True)
+    projections = runner.model._projections()  # type: ignore[attr-defined]
+    # amx_gemm.c's before the runner is returned, where it serves a projection (AMX-BF16 here)
+    assert all((p.amx_gemm is None) == (p._amx_packed is None) for p in projections)
+    packed = _packed(runner)
     assert len(packed) == 2 * 4 + 1
     # a CPU without oneDNN's bf16 reorder (AVX2-only) makes none, and its calls run F.linear
     assert packed == [_cpu_can_prepack_bf16()] * len(packed)

@@ -101,12 +101,12 @@ def test_refuses_what_it_does_not_take() -> None:
 def test_projection_takes_it_between_the_tile_form_and_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prepacked bf16 projection runs the tile form up to TILE_MAX_ROWS rows, this kernel
     above up to AMX_MAX_ROWS (2-D or with a batch dimension), oneDNN's packed copy past it;
-    the copies are made at start; float32 and unpacked projections never take it."""
+    the copies are made at start; float32 and unpacked projections and an LM head never take it."""
     torch.manual_seed(5)
     w = torch.randn(96, 64).to(torch.bfloat16)
     b = torch.randn(96).to(torch.bfloat16)
     proj = Projection(w, b, prepack=True)
-    assert proj.make_packed_copy()
+    assert proj.make_packed_copy() and proj.amx_copy() is not None
     assert proj._amx_packed is not None and proj._packed is not None
     calls: list[tuple[str, int]] = []
     gemm, rows_kernel = amx_gemm.AmxGemm.linear, bf16_rows.Bf16Rows.linear
@@ -128,6 +128,7 @@ def test_projection_takes_it_between_the_tile_form_and_onednn(monkeypatch: pytes
     assert_close_bf16(proj(x3), reference(x3, w, b))
     assert calls == [("tile", TILE_MAX_ROWS), ("amx", TILE_MAX_ROWS + 1), ("amx", AMX_MAX_ROWS), ("amx", 60)]
     assert Projection(w, b, prepack=False)._amx is None
+    assert Projection(w, b, prepack=True, head=True)._amx is None
     assert Projection(w.float(), b.float(), prepack=True)._amx is None
     assert Projection(torch.randn(80, 64).to(torch.bfloat16), None, prepack=True)._amx is None  # 80 outputs
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass, replace
 
 import torch
@@ -117,6 +118,11 @@ BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless me
 # prefill steps between two of its steps): the job grows by tens of MiB. A row count
 # evicted and seen again pays its kernels' creation, ~0.5 ms a shape.
 ONEDNN_CACHE_BOUNDS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
+
+
+# A packed copy is made once, by whichever thread asks first: the model's start makes oneDNN's
+# on a thread of its own (LlamaForCausalLM.make_packed_copies) while a call may need one.
+_COPIES_LOCK = threading.Lock()
 
 
 def bound_onednn_caches() -> None:
@@ -179,7 +185,8 @@ class Projection:
         self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
         # bf16 calls past the few-row routes up to AMX_MAX_ROWS on the AMX tile unit
         # (amx_gemm.c), over a copy of its own beside oneDNN's (see amx_gemm_kernel)
-        self._amx: AmxGemm | None = amx_gemm_kernel(weight) if prepack else None
+        # (not a head: its calls of that many rows, prompt logprobs, are rare, and its copy large)
+        self._amx: AmxGemm | None = amx_gemm_kernel(weight) if prepack and not head else None
         self._amx_packed: torch.Tensor | None = None
         self._few_rows_max = self._few_rows_routes()
 
@@ -219,22 +226,24 @@ class Projection:
 
     def _amx_weight(self) -> torch.Tensor:
         if self._amx_packed is None:
-            self._amx_packed = self._amx.pack(self.weight)  # type: ignore[union-attr]
+            with _COPIES_LOCK:
+                if self._amx_packed is None:
+                    self._amx_packed = self._amx.pack(self.weight)  # type: ignore[union-attr]
         return self._amx_packed
 
     def _packed_weight(self) -> torch.Tensor | None:
         if self._packed is None and self._want_packed:
-            bound_onednn_caches()
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
-            except (RuntimeError, AttributeError):  # op missing, or no bf16 reorder on this CPU
-                self._want_packed = False
+            with _COPIES_LOCK:
+                if self._packed is None and self._want_packed:
+                    bound_onednn_caches()
+                    try:
+                        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+                    except (RuntimeError, AttributeError):  # op missing, or no bf16 reorder on this CPU
+                        self._want_packed = False
         return self._packed
 
     def make_packed_copy(self) -> bool:
-        """Make the packed copies now (see ExecutorConfig.pack_at_start); whether there is one."""
-        if self._amx is not None:
-            self._amx_weight()
+        """Make oneDNN's packed copy now (see ExecutorConfig.pack_at_start); whether there is one."""
         return self._packed_weight() is not None
 
     def runs_row_gemv(self, rows: int, dtype: torch.dtype) -> bool:
@@ -366,8 +375,10 @@ def describe_routes(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16:
         kernel = load_bf16_rows()
         if kernel is not None and kernel.tile_form_ready():
+            gemm = (f", amx_gemm.c (AMX) over packed copies of its own up to {AMX_MAX_ROWS} rows"
+                    if load_amx_gemm() is not None else "")
             return (f"bf16 projections: bf16_rows.c's tile form (AMX) over the plain weights up to {TILE_MAX_ROWS} "
-                    "rows, oneDNN packed copies above")
+                    f"rows{gemm}, oneDNN packed copies above")
         return "bf16 projections: oneDNN packed copies at every row count"
     steps = (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows and at {PACKED_ROW_STEP}-row "
              f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls over weights of {PIECES_MIN_WEIGHT:,} elements and up "

@@ -8,7 +8,9 @@ trunk returns hidden states, `compute_logits` projects only the rows asked for.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Literal, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +33,7 @@ from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.layer_loop import LayerLoop, layer_loop_for
-from prelude.model.bf16_rows import TILE_MAX_ROWS
-from prelude.model.linear import AMX_MAX_ROWS, BlocksPath, Projection, describe_routes, prepack_enabled
+from prelude.model.linear import BlocksPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora import LoraStep
 from prelude.model.rope import RotaryEmbedding
 
@@ -48,27 +49,66 @@ def _operand(p: Projection) -> Linear:
     return p if p.packed else p.weight
 
 
+class CastWeights(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors in the model's dtype and on its device, each converted at its
+    first read; `stacked` converts pieces straight into one fused tensor. A bf16 start of
+    SmolLM2-135M had cast every float32 tensor and then copied q/k/v and gate/up again into
+    their fused weights (`torch.cat`, ~0.1 s of its start-up); the values are the same (one
+    rounding of each float32 value either way)."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self._source, self._dtype, self._device = source, dtype, device
+        self._cast: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        found = self._cast.get(name)
+        if found is None:
+            found = self._cast[name] = self._source[name].to(dtype=self._dtype, device=self._device)
+        return found
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._source)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def stacked(self, names: Sequence[str]) -> torch.Tensor:
+        """The tensors `names` stacked along their first dimension, in the model's dtype."""
+        parts = [self._source[n] for n in names]
+        out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=self._dtype,
+                          device=self._device)
+        at = 0
+        for part in parts:
+            out[at:at + part.shape[0]].copy_(part)
+            at += part.shape[0]
+        return out
+
+
 class DecoderLayer:
     """Weights of one layer; q/k/v and gate/up are fused into single matmuls."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, prepack: bool,
+    def __init__(self, weights: CastWeights, prefix: str, config: ModelConfig, prepack: bool,
                  blocks_for: BlocksFor) -> None:
         w = lambda name: weights[prefix + name]  # noqa: E731
+        stacked = lambda *names: weights.stacked([prefix + n for n in names])  # noqa: E731
         blk = lambda *names: blocks_for(*(prefix + n for n in names))  # noqa: E731
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         qkv_bias = (
-            torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+            stacked("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
             if prefix + "self_attn.q_proj.bias" in weights
             else None
         )
         self.qkv = Projection(
-            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+            stacked("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
             qkv_bias, prepack, blk("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
         self.o_proj = Projection(w("self_attn.o_proj.weight"), None, prepack, blk("self_attn.o_proj.weight"))
         self.q_norm = weights.get(prefix + "self_attn.q_norm.weight")
         self.k_norm = weights.get(prefix + "self_attn.k_norm.weight")
-        self.gate_up = Projection(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, prepack,
+        self.gate_up = Projection(stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"), None, prepack,
                                   blk("mlp.gate_proj.weight", "mlp.up_proj.weight"))
         self.down = Projection(w("mlp.down_proj.weight"), None, prepack, blk("mlp.down_proj.weight"))
         self.head = HeadWeights(self.input_norm, _operand(self.qkv), None if self.qkv.packed else self.qkv.bias,
@@ -98,7 +138,7 @@ class LlamaForCausalLM:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        cast = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
+        cast = CastWeights(weights, dtype, self.device)
         self.embed = cast["model.embed_tokens.weight"]
         prepack = prepack and prepack_enabled(dtype, self.device)
         if prepack:
@@ -155,19 +195,22 @@ class LlamaForCausalLM:
         return projections + ([self._lm_head_proj] if self._lm_head_proj is not None else [])
 
     def make_packed_copies(self) -> int:
-        """In bf16, where every call of a prepacked projection takes its packed copy, make
-        them all now; how many were made (0 in float32: there only decode sizes and calls
-        from a 128-row step up take them, so a server that scores short texts never needs
-        them, and the first call that does makes them)."""
+        """In bf16, where every call of a prepacked projection past the few-row routes takes
+        a packed copy, make them now: amx_gemm.c's here (calls of 33-128 rows, a short
+        prompt's, and the C layer loop read them), oneDNN's on a daemon thread (longer calls:
+        ~0.15-0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; a
+        call that needs one first makes it under the same lock). How many projections have
+        them (0 in float32: there only decode sizes and calls from a 128-row step up take
+        oneDNN's copies, so a server that scores short texts never needs them, and the
+        first call that does makes them)."""
         if self.dtype != torch.bfloat16:
             return 0
-        projections = self._projections()
-        made = sum(p.make_packed_copy() for p in projections)
-        if tiled := sum(p.amx_gemm is not None for p in projections):
-            logger.info("bf16 calls of %d-%d rows: amx_gemm.c on the tile unit for %d of %d projections (its own "
-                        "packed copy each, beside oneDNN's for longer calls)", TILE_MAX_ROWS + 1, AMX_MAX_ROWS, tiled,
-                        len(projections))
-        return made
+        projections = [p for p in self._projections() if p.packed]
+        for p in projections:
+            p.amx_copy()
+        threading.Thread(target=lambda: [p.make_packed_copy() for p in projections], name="prelude-onednn-copies",
+                         daemon=True).start()
+        return len(projections)
 
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:
         """Blocks or oneDNN per decode row count, as measured on this CPU (decode_routes.py)."""
