@@ -4,14 +4,17 @@
  * wp[block][k/2][16] 32-bit words (two bf16 each), so a B tile (16 k pairs x 16 outputs)
  * is 1 KB in a row.
  *
- * Prefill's projections: 33..2,048 rows against weights of 0.2-4 MB. oneDNN's packed
- * kernels reached 0.5-1.5 TFLOP/s on SmolLM2's shapes (k 576 or 1,536) on a 2-core KVM
- * Xeon (model 207), whose tile unit does ~2.3 TFLOP/s a core from L1. Here A is 16 rows
- * of x straight from x (its row stride), B the packed weight, and a 32 x 32 block of y
- * sits in four C tiles (2 A x 2 B: every tile loaded feeds two products). The k loop runs
- * in slabs of KC_CHUNKS x 32 so one slab of a 32-output pair's weight (18 KB) and of a
- * 32-row block of x fit L1 together while the slab passes over ROW_CHUNK rows; the four C
- * tiles wait in a per-thread buffer between slabs (float32 stores and loads: exact).
+ * Short prompts' projections (linear.py sends calls of 33..128 rows here): weights of
+ * 0.2-4 MB streamed from memory once a call. oneDNN's packed kernels ran SmolLM2's 120 of
+ * them at ~0.6-0.7 TFLOP/s on a 2-core KVM Xeon (model 207), whose tile unit does
+ * ~2.3 TFLOP/s a core from L1. Here A is 16 rows of x straight from x (its row stride),
+ * B the packed weight, and a 32 x 32 block of y sits in four C tiles (2 A x 2 B: every
+ * tile loaded feeds two products). The k loop runs in slabs of KC_CHUNKS x 32 so one slab
+ * of a 32-output pair's weight (18 KB) and of a 32-row block of x fit L1 together while
+ * the slab passes over ROW_CHUNK rows; the four C tiles wait in a per-thread buffer
+ * between slabs (float32 stores and loads: exact). The next pair's weight is prefetched
+ * into L2 meanwhile, spread over the pair's passes: without it the same loop lost to
+ * oneDNN over weights streamed from memory.
  * Threads split the outputs (pairs of blocks), so a row's sums run in one order whatever
  * the thread count and whatever other rows share the call: k in 32-wide chunks, in order.
  * Rows past the last whole 32 go through a zero-padded copy.
@@ -52,7 +55,8 @@ int prelude_amx_gemm_ready(void) {
 static inline void store_rows(const float *c, int rows, int64_t n0, const uint16_t *bias, uint16_t *y, int64_t ldy) {
     __m512 bv = _mm512_setzero_ps();
     if (bias != 0)
-        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
+        bv = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
     for (int r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), bv);
         _mm256_storeu_si256((__m256i *)(y + r * ldy + n0), (__m256i)_mm512_cvtneps_pbh(v));

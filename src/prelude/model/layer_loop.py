@@ -12,9 +12,9 @@ every projection has a C route for the step's rows, and the step has no LoRA ada
 no multi-item segments: in bf16, steps of up to TILE_MAX_ROWS tokens (decode rows, short
 prompts or both) through the GGUF blocks up to their bound, else bf16_rows.c's tile form
 (which needs AMX), and of up to AMX_MAX_ROWS where amx_gemm.c serves every projection's
-calls past the tile form's bound (a 128-token prompt); in float32, steps of as many tokens as every projection's GGUF blocks
-take (decode_routes.py's measured bound: 4 rows on the KVM Xeon), the few-row calls oneDNN
-would otherwise serve being out of C's reach. Every other step runs the Python loop.
+calls past the tile form's bound (a 128-token prompt); in float32, steps of as many tokens
+as every projection's GGUF blocks take (decode_routes.py's measured bound: 4 rows on the
+KVM Xeon), the few-row calls oneDNN would otherwise serve being out of C's reach. Every other step runs the Python loop.
 PRELUDE_LAYER_LOOP=0 turns it off.
 """
 
@@ -58,9 +58,8 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("norm", _ptr), ("rope", _ptr), ("silu", _ptr), ("rows", _ptr), ("gemm", _ptr), ("blocks", _ptr),
-                ("attend", _ptr),
-                ("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-                ("inter", _i64), ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)),
+                ("attend", _ptr), ("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
+                ("head_dim", _i64), ("inter", _i64), ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)),
                 ("final_norm", _ptr), ("scb", _i64), ("scs", _i64), ("sch", _i64), ("block_size", _i64),
                 ("attend_amx", _i32), ("bf", _i32), ("tile_max_rows", _i64), ("gemm_max_rows", _i64)]
 
