@@ -124,6 +124,19 @@ def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segmen
     return _run(model, ids, positions, b.meta, caches, with_driver, reads, segments), caches
 
 
+def _read_both_ways_equal(model: LlamaForCausalLM, rows: list[Row]) -> None:
+    """The step with each row's last position read, then with every position read: the C
+    loop's hidden states and K/V equal the Python loop's bit for bit."""
+    tokens = sum(r.new for r in rows)
+    for reads in (_reads(rows), None):
+        got, got_kv = _forward(model, rows, with_driver=True, reads=reads)
+        want, want_kv = _forward(model, rows, with_driver=False, reads=reads)
+        assert got.shape == (tokens if reads is None else len(rows), HIDDEN)
+        assert torch.equal(got, want)
+        for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
+            assert torch.equal(kg, kw) and torch.equal(vg, vw)
+
+
 @pytest.fixture
 def runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The row counts of the steps the C loop ran."""
@@ -183,13 +196,7 @@ def test_prompt_rows_with_read_positions_equal_the_python_loop(runs: list[int], 
         for p in _projections(model):
             p.limit_blocks(2)
     tokens = sum(r.new for r in rows)
-    for reads in (_reads(rows), None):
-        got, got_kv = _forward(model, rows, with_driver=True, reads=reads)
-        want, want_kv = _forward(model, rows, with_driver=False, reads=reads)
-        assert got.shape == (tokens if reads is None else len(rows), HIDDEN)
-        assert torch.equal(got, want)
-        for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
-            assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    _read_both_ways_equal(model, rows)
     assert runs == [tokens, tokens]
 
 
@@ -208,13 +215,7 @@ def test_steps_past_the_tile_form_equal_the_python_loop(runs: list[int], rows: l
     model = _model()
     tokens = sum(r.new for r in rows)
     assert model.layer_loop is not None and model.layer_loop.max_rows == AMX_MAX_ROWS
-    for reads in (_reads(rows), None):
-        got, got_kv = _forward(model, rows, with_driver=True, reads=reads)
-        want, want_kv = _forward(model, rows, with_driver=False, reads=reads)
-        assert got.shape == (tokens if reads is None else len(rows), HIDDEN)
-        assert torch.equal(got, want)
-        for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
-            assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    _read_both_ways_equal(model, rows)
     assert runs == [tokens, tokens]
 
 
