@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+import torch
+
 from prelude.config import ExecutorConfig, ModelConfig
 from prelude.executor.runner import ModelRunner
+from prelude.forward_batch import OneShotRow
+from prelude.model.linear import Projection
 from tests.engine.tiny import hf_tiny_llama
 from tests.model.test_linear import _cpu_can_prepack_bf16
 
@@ -22,10 +27,35 @@ def _runner(dtype: str, pack_at_start: bool) -> ModelRunner:
 def _packed(runner: ModelRunner) -> list[bool]:
     """Per projection (each layer's qkv, o_proj, gate_up, down, then the LM head): whether it
     holds its oneDNN copy, once the thread making them is done."""
-    for thread in threading.enumerate():
-        if thread.name == "prelude-onednn-copies":
-            thread.join()
+    thread = runner.model._copies_thread  # type: ignore[attr-defined]
+    if thread is not None:
+        thread.join()
     return [p._packed is not None for p in runner.model._projections()]  # type: ignore[attr-defined]
+
+
+def test_the_first_forward_waits_for_the_copies_made_by_the_thread(monkeypatch) -> None:  # noqa: ANN001
+    """oneDNN's copies come from a thread so that start-up does not wait for them; the first
+    forward does, so that a process holds them all from its first answer on."""
+    if not _cpu_can_prepack_bf16():
+        pytest.skip("this CPU cannot prepack bf16 weights (needs AVX-512): no copies to make")
+    release = threading.Event()
+    real = Projection.make_packed_copy
+
+    def held(self):  # noqa: ANN001, ANN202
+        release.wait(10)
+        return real(self)
+
+    monkeypatch.setattr(Projection, "make_packed_copy", held)
+    runner = _runner("bfloat16", pack_at_start=True)
+    thread = runner.model._copies_thread  # type: ignore[attr-defined]
+    assert thread is not None and thread.is_alive()  # start-up returned before the copies
+    threading.Timer(0.2, release.set).start()
+    runner.allocate_kv_cache(8)
+    with torch.inference_mode():
+        hidden, _ = runner.forward_oneshot([OneShotRow("x", [5, 6, 7], None, None)])
+    assert hidden.shape[0] >= 1
+    assert not thread.is_alive() and runner.model._copies_thread is None  # type: ignore[attr-defined]
+    assert all(p._packed is not None for p in runner.model._projections())  # type: ignore[attr-defined]
 
 
 def test_a_bf16_runner_makes_every_packed_copy_at_start_where_the_cpu_can() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal
 
@@ -172,6 +173,7 @@ class LlamaForCausalLM:
         self._lm_head_proj = (Projection(self.lm_head, None, prepack, blocks_for(head_name), head=True)
                               if self.lm_head is not None else None)
         self._head_argmax: head_argmax.HeadArgmax | None | Literal[False] = None  # False: not on this CPU
+        self._copies_thread: threading.Thread | None = None  # making oneDNN's copies (make_packed_copies)
         # Where decode reads GGUF blocks instead of oneDNN (None: no blocks in this model/CPU/dtype)
         self.decode_route: decode_routes.RouteChoice | None = None
         if kernel is not None:
@@ -198,8 +200,9 @@ class LlamaForCausalLM:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
         a packed copy, make them now: amx_gemm.c's here (calls of 33-128 rows, a short
         prompt's, and the C layer loop read them), oneDNN's on a daemon thread (longer calls:
-        ~0.15-0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; a
-        call that needs one first makes it under the same lock). How many projections have
+        ~0.15-0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; the
+        first forward waits for the rest, so a process's memory holds them all from its
+        first answer on). How many projections have
         them (0 in float32: there only decode sizes and calls from a 128-row step up take
         oneDNN's copies, so a server that scores short texts never needs them, and the
         first call that does makes them)."""
@@ -208,8 +211,15 @@ class LlamaForCausalLM:
         projections = [p for p in self._projections() if p.packed]
         for p in projections:
             p.amx_copy()
-        threading.Thread(target=lambda: [p.make_packed_copy() for p in projections], name="prelude-onednn-copies",
-                         daemon=True).start()
+
+        def onednn_copies() -> None:
+            start = time.perf_counter()
+            made = sum(p.make_packed_copy() for p in projections)
+            logger.info("%d projections' oneDNN packed copies made by a thread (%.2f s)", made,
+                        time.perf_counter() - start)
+
+        self._copies_thread = threading.Thread(target=onednn_copies, name="prelude-onednn-copies", daemon=True)
+        self._copies_thread.start()
         return len(projections)
 
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:
@@ -252,6 +262,9 @@ class LlamaForCausalLM:
         hidden states are read; the last layer computes only those after its K/V (written
         for every token) and the result is [K, hidden] in their order (None: every position);
         with `lora`, the last layer's o_proj and MLP take `reads.lora`, the read rows' index."""
+        if self._copies_thread is not None:  # the first forward waits for oneDNN's copies (make_packed_copies)
+            self._copies_thread.join()
+            self._copies_thread = None
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)  # gathered once, shared by every layer
         driver = self.layer_loop
