@@ -5,11 +5,13 @@ blocks; and it takes only the steps it can run."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model import layer_loop, linear
+from prelude.model import decode_routes, layer_loop, linear
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.cpu_backend import load_cpu_attention
 from prelude.model.amx_gemm import load_amx_gemm
@@ -17,6 +19,7 @@ from prelude.model.attention.metadata import AttentionMetadata, DecodeRows
 from prelude.model.bf16_rows import TILE_MAX_ROWS, load_bf16_rows
 from prelude.model.blocks_kernel import load_kernel
 from prelude.model.cpu_fused_kernels import load_cpu_kernels
+from prelude.model.decode_routes import RouteChoice
 from prelude.model.layer_loop import LayerLoop
 from prelude.model.linear import AMX_MAX_ROWS
 from prelude.model.decoder_segments import EAGER_SEGMENTS
@@ -87,8 +90,11 @@ def _model(dtype: torch.dtype = torch.bfloat16, with_blocks: bool = False, atten
            qwen: bool = False) -> LlamaForCausalLM:
     weights = _weights(qwen=qwen)
     blocks = _blocks(weights) if with_blocks else None
-    return LlamaForCausalLM(CFG, weights, dtype, attention=get_attention_backend(attention), prepack=True,
-                            blocks=blocks)
+    # The blocks' row bound is the tests' to set (limit_blocks), not this CPU's measurement of
+    # these tiny shapes (decode_routes.choose), which may drop the blocks altogether.
+    with mock.patch.object(decode_routes, "choose", lambda pairs, kernel, dtype: RouteChoice(8, {}, "pinned")):
+        return LlamaForCausalLM(CFG, weights, dtype, attention=get_attention_backend(attention), prepack=True,
+                                blocks=blocks)
 
 
 def _projections(model: LlamaForCausalLM) -> list[linear.Projection]:

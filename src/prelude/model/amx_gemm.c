@@ -53,10 +53,7 @@ int prelude_amx_gemm_ready(void) {
 #if HAVE_AMX
 /* y's rows [0, rows) at outputs n0..n0+15 from c [16 rows][16 outputs] float32, + bias. */
 static inline void store_rows(const float *c, int rows, int64_t n0, const uint16_t *bias, uint16_t *y, int64_t ldy) {
-    __m512 bv = _mm512_setzero_ps();
-    if (bias != 0)
-        bv = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
+    const __m512 bv = bias_block(bias, n0);
     for (int r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), bv);
         _mm256_storeu_si256((__m256i *)(y + r * ldy + n0), (__m256i)_mm512_cvtneps_pbh(v));

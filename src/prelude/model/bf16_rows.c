@@ -125,11 +125,6 @@ static inline void store_block(const float *c, int64_t rows, int64_t o0, __m512 
     }
 }
 
-static inline __m512 bias_block(const uint16_t *bias, int64_t o0) {
-    if (bias == 0) return _mm512_setzero_ps();
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + o0))), 16));
-}
-
 /* The next block's 16 weight rows, one or two 64-byte lines of each, fetched while this
  * block is summed: 16 row streams are more than the prefetcher follows on its own. */
 static inline void fetch_next(const uint16_t *next, int64_t k, int64_t ch, int lines) {

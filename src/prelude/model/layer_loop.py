@@ -14,8 +14,8 @@ prompts or both) through the GGUF blocks up to their bound, else bf16_rows.c's t
 (which needs AMX), and of up to AMX_MAX_ROWS where amx_gemm.c serves every projection's
 calls past the tile form's bound (a 128-token prompt); in float32, steps of as many tokens
 as every projection's GGUF blocks take (decode_routes.py's measured bound: 4 rows on the
-KVM Xeon), the few-row calls oneDNN would otherwise serve being out of C's reach. Every other step runs the Python loop.
-PRELUDE_LAYER_LOOP=0 turns it off.
+KVM Xeon), the few-row calls oneDNN would otherwise serve being out of C's reach. Every
+other step runs the Python loop. PRELUDE_LAYER_LOOP=0 turns it off.
 """
 
 from __future__ import annotations

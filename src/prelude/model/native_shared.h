@@ -60,6 +60,13 @@ static inline void transpose16(__m512i r[16]) {
         r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
     }
 }
+
+/* bias[o0 .. o0+15] (bfloat16) widened to float32 (exact), or zeros without a bias. */
+static inline __m512 bias_block(const uint16_t *bias, int64_t o0) {
+    if (bias == 0) return _mm512_setzero_ps();
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + o0))), 16));
+}
 #endif
 
 #if defined(__AMX_TILE__)
