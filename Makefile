@@ -17,12 +17,16 @@ $(STAMP): pyproject.toml
 	# The GGUF-block decode GEMM, the fused CPU kernels, the C layer loop and the row argmax (small C files, ~1 s each); without
 	# a compiler decode reads float32 and the elementwise ops run unfused.
 	-$(PY) -c 'from prelude.model import amx_gemm, bf16_rows, blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu, row_gemv; from prelude.model.attention import cpu_backend; from prelude.executor import row_argmax; amx_gemm.build(); bf16_rows.build(); blocks_kernel.build(); cpu_fused_kernels.build(); layer_loop.build(); lora_cpu.build(); row_gemv.build(); head_argmax.build(); cpu_backend.build(); row_argmax.build()'
+	# Bytecode for the project's own modules, as a non-editable install would have: where
+	# PYTHONDONTWRITEBYTECODE is set, each start compiled them again (~0.35 s of start-up).
+	$(PY) -m compileall -q src
 	touch $(STAMP)
 
 .PHONY: install serve test test-all
 install: $(STAMP)
 
 serve: $(STAMP)
+	@$(PY) -m compileall -q src  # refreshes what changed since install (~0.1 s when nothing did)
 	$(VENV)/bin/prelude serve $(ARGS)
 
 test: $(STAMP)

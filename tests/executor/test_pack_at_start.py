@@ -4,7 +4,10 @@ that its first prompt makes none."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +79,38 @@ def test_without_pack_at_start_the_copies_wait_for_the_first_calls() -> None:
 def test_float32_makes_none_at_start() -> None:
     # there only some row counts take the packed copy: a server that never calls with them never needs it
     assert not any(_packed(_runner("float32", pack_at_start=True)))
+
+
+_EXIT_WHILE_COPYING = """
+import time
+from prelude.model.linear import Projection
+from tests.executor.test_pack_at_start import _runner
+
+real = Projection.make_packed_copy
+
+def slow(self):
+    time.sleep(0.05)
+    made = real(self)
+    print("copied", flush=True)
+    return made
+
+Projection.make_packed_copy = slow
+_runner("bfloat16", pack_at_start=True)
+print("main done", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_the_thread_copies_waits_for_it_and_exits_cleanly() -> None:
+    """A server stopped right after ready ends while oneDNN's copies are being made: the
+    process waits for them, where a daemon thread killed inside a torch op at interpreter
+    exit aborted it (SIGABRT, "terminate called without an active exception")."""
+    if not _cpu_can_prepack_bf16():
+        pytest.skip("this CPU cannot prepack bf16 weights (needs AVX-512): no thread to wait for")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_COPYING], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.split()
+    assert lines.index("main") < len(lines) - 2  # the main thread ended before the copies
+    assert lines.count("copied") == 2 * 4 + 1  # every projection's, after it
+    assert "terminate called" not in done.stderr

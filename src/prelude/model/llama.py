@@ -199,7 +199,7 @@ class LlamaForCausalLM:
     def make_packed_copies(self) -> int:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
         a packed copy, make them now: amx_gemm.c's here (calls of 33-128 rows, a short
-        prompt's, and the C layer loop read them), oneDNN's on a daemon thread (longer calls:
+        prompt's, and the C layer loop read them), oneDNN's on a thread (longer calls:
         ~0.15-0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; the
         first forward waits for the rest, so a process's memory holds them all from its
         first answer on). How many projections have
@@ -218,7 +218,10 @@ class LlamaForCausalLM:
             logger.info("%d projections' oneDNN packed copies made by a thread (%.2f s)", made,
                         time.perf_counter() - start)
 
-        self._copies_thread = threading.Thread(target=onednn_copies, name="prelude-onednn-copies", daemon=True)
+        # Not a daemon: a process that exits meanwhile (a server stopped right after ready)
+        # waits for the copies, since a daemon thread inside a torch op at interpreter exit
+        # aborts it ("terminate called without an active exception", SIGABRT).
+        self._copies_thread = threading.Thread(target=onednn_copies, name="prelude-onednn-copies")
         self._copies_thread.start()
         return len(projections)
 
