@@ -82,6 +82,7 @@ def test_float32_makes_none_at_start() -> None:
 
 
 _EXIT_WHILE_COPYING = """
+import threading
 import time
 from prelude.model.linear import Projection
 from tests.executor.test_pack_at_start import _runner
@@ -95,7 +96,10 @@ def slow(self):
     return made
 
 Projection.make_packed_copy = slow
-_runner("bfloat16", pack_at_start=True)
+# built on a daemon thread, as a server's engine thread builds its model
+builder = threading.Thread(target=_runner, args=("bfloat16", True), daemon=True)
+builder.start()
+builder.join()
 print("main done", flush=True)
 """
 

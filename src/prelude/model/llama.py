@@ -218,10 +218,11 @@ class LlamaForCausalLM:
             logger.info("%d projections' oneDNN packed copies made by a thread (%.2f s)", made,
                         time.perf_counter() - start)
 
-        # Not a daemon: a process that exits meanwhile (a server stopped right after ready)
-        # waits for the copies, since a daemon thread inside a torch op at interpreter exit
-        # aborts it ("terminate called without an active exception", SIGABRT).
-        self._copies_thread = threading.Thread(target=onednn_copies, name="prelude-onednn-copies")
+        # Not a daemon (said outright: a server builds its model on its daemon engine thread,
+        # whose threads inherit that): a process that exits meanwhile (a server stopped right
+        # after ready) waits for the copies, since a daemon thread inside a torch op at
+        # interpreter exit aborts it ("terminate called without an active exception", SIGABRT).
+        self._copies_thread = threading.Thread(target=onednn_copies, name="prelude-onednn-copies", daemon=False)
         self._copies_thread.start()
         return len(projections)
 
