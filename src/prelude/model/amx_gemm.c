@@ -4,11 +4,11 @@
  * wp[block][k/2][16] 32-bit words (two bf16 each), so a B tile (16 k pairs x 16 outputs)
  * is 1 KB in a row.
  *
- * Short prompts' projections (linear.py sends calls of 33..128 rows here, 33..1,024 for a
- * decoder's q/k/v, o and down projections): weights of 0.2-4 MB streamed from memory once
- * a call. oneDNN's packed kernels ran SmolLM2's 120 of them at ~0.6-0.7 TFLOP/s on a 2-core
- * KVM Xeon (model 207), whose tile unit does ~2.3 TFLOP/s a core from L1. Here A is 16 rows
- * of x from the thread's packed copy of them (below), B the packed weight, and a 32 x 32 block of y sits in four C tiles (2 A x 2 B: every
+ * Short prompts' projections (linear.py sends calls of 33..128 rows here): weights of
+ * 0.2-4 MB streamed from memory once a call. oneDNN's packed kernels ran SmolLM2's 120 of
+ * them at ~0.6-0.7 TFLOP/s on a 2-core KVM Xeon (model 207), whose tile unit does
+ * ~2.3 TFLOP/s a core from L1. Here A is 16 rows of x straight from x (its row stride),
+ * B the packed weight, and a 32 x 32 block of y sits in four C tiles (2 A x 2 B: every
  * tile loaded feeds two products). The k loop runs in slabs of KC_CHUNKS x 32 so one slab
  * of a 32-output pair's weight (18 KB) and of a 32-row block of x fit L1 together while
  * the slab passes over ROW_CHUNK rows; the four C tiles wait in a per-thread buffer

@@ -224,7 +224,7 @@ class Projection:
     @property
     def amx_gemm(self) -> AmxGemm | None:
         """amx_gemm.c where this projection's bf16 calls past the few-row routes up to
-        amx_max_rows rows run it."""
+        AMX_MAX_ROWS rows run it."""
         return self._amx
 
     def amx_copy(self) -> torch.Tensor | None:
@@ -315,8 +315,8 @@ def tile_rows_kernel(weight: torch.Tensor) -> Bf16Rows | None:
 
 
 def amx_gemm_kernel(weight: torch.Tensor) -> AmxGemm | None:
-    """amx_gemm.c where it serves `weight`'s bf16 calls past the few-row routes up to the
-    projection's amx_max_rows (AMX-BF16 usable here, both widths multiples of 32), else None."""
+    """amx_gemm.c where it serves `weight`'s bf16 calls past the few-row routes up to
+    AMX_MAX_ROWS rows (AMX-BF16 usable here, both widths multiples of 32), else None."""
     kernel = load_amx_gemm()
     return kernel if kernel is not None and kernel.takes(weight) else None
 

@@ -201,8 +201,8 @@ class LlamaForCausalLM:
 
     def make_packed_copies(self) -> int:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
-        a packed copy, make them now: amx_gemm.c's here (calls of 33-128 rows, 33-1,024 for
-        q/k/v, o and down, and the C layer loop read them), oneDNN's on a thread (longer calls:
+        a packed copy, make them now: amx_gemm.c's here (calls of 33-128 rows, a short
+        prompt's, and the C layer loop read them), oneDNN's on a thread (longer calls:
         ~0.15-0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; the
         first forward waits for the rest, so a process's memory holds them all from its
         first answer on). How many projections have
