@@ -11,10 +11,7 @@ import torch.nn.functional as F
 from prelude.model import amx_gemm, bf16_rows, native_lib
 from prelude.model.amx_gemm import load_amx_gemm
 from prelude.model.bf16_rows import TILE_MAX_ROWS
-from prelude.config import ModelConfig
-from prelude.model.linear import AMX_MAX_ROWS, AMX_WIDE_MAX_ROWS, Projection
-from prelude.model.llama import LlamaForCausalLM
-from tests.engine.tiny import hf_tiny_llama
+from prelude.model.linear import AMX_MAX_ROWS, Projection
 
 KERNEL = load_amx_gemm()
 needs_amx = pytest.mark.skipif(KERNEL is None, reason="no AMX-BF16 here (or no C compiler, or the OS refused the "
@@ -134,38 +131,6 @@ def test_projection_takes_it_between_the_tile_form_and_onednn(monkeypatch: pytes
     assert Projection(w, b, prepack=True, head=True)._amx is None
     assert Projection(w.float(), b.float(), prepack=True)._amx is None
     assert Projection(torch.randn(80, 64).to(torch.bfloat16), None, prepack=True)._amx is None  # 80 outputs
-
-
-@needs_amx
-def test_a_wider_bound_keeps_longer_calls_and_a_decoder_sets_it_per_projection(monkeypatch: pytest.MonkeyPatch) -> None:
-    """amx_max_rows: a projection built with AMX_WIDE_MAX_ROWS takes calls up to it (oneDNN's
-    packed copy past it); a decoder layer gives it to q/k/v, o and down, and gate/up keeps
-    AMX_MAX_ROWS (oneDNN's route for its longer calls)."""
-    torch.manual_seed(6)
-    w = torch.randn(64, 96).to(torch.bfloat16)
-    proj = Projection(w, None, prepack=True, amx_max_rows=AMX_WIDE_MAX_ROWS)
-    assert proj.make_packed_copy()
-    calls: list[int] = []
-    gemm = amx_gemm.AmxGemm.linear
-
-    def counted_gemm(self, x, packed, out_features, bias):  # noqa: ANN001, ANN202
-        calls.append(x.shape[0])
-        return gemm(self, x, packed, out_features, bias)
-
-    monkeypatch.setattr(amx_gemm.AmxGemm, "linear", counted_gemm)
-    for rows in (AMX_MAX_ROWS + 1, AMX_WIDE_MAX_ROWS, AMX_WIDE_MAX_ROWS + 1):
-        x = torch.randn(rows, 96).to(torch.bfloat16)
-        assert_close_bf16(proj(x), reference(x, w, None))
-    x3 = torch.randn(3, 300, 96).to(torch.bfloat16)  # 900 rows with a batch dimension
-    assert_close_bf16(proj(x3), reference(x3, w, None))
-    assert calls == [AMX_MAX_ROWS + 1, AMX_WIDE_MAX_ROWS, 900]
-
-    hf = hf_tiny_llama()
-    model = LlamaForCausalLM(ModelConfig.from_hf_dict(hf.config.to_dict()),
-                             {k: v.detach().clone() for k, v in hf.state_dict().items()}, torch.bfloat16)
-    for layer in model.layers:  # q/k/v, o, gate/up, down
-        assert [p.amx_max_rows for p in layer.projections] == [AMX_WIDE_MAX_ROWS, AMX_WIDE_MAX_ROWS, AMX_MAX_ROWS,
-                                                                AMX_WIDE_MAX_ROWS]
 
 
 @needs_amx

@@ -14,12 +14,10 @@
  * the slab passes over ROW_CHUNK rows; the four C tiles wait in a per-thread buffer
  * between slabs (float32 stores and loads: exact). The next pair's weight is prefetched
  * into L2 meanwhile, spread over the pair's passes: without it the same loop lost to
- * oneDNN over weights streamed from memory. Each thread first copies a pass's rows of x
- * into whole tiles (32 rows x 32 k, 2 KB a chunk; rows past m zero): an A tile then loads
- * 1 KB in a row, not 16 rows ldx apart (the kernel 0.90-0.93x the time at 512-2,048 rows,
- * 10-20% off it inside forwards), and the last rows need no padded copy of their own.
+ * oneDNN over weights streamed from memory.
  * Threads split the outputs (pairs of blocks), so a row's sums run in one order whatever
  * the thread count and whatever other rows share the call: k in 32-wide chunks, in order.
+ * Rows past the last whole 32 go through a zero-padded copy.
  *
  * AMX-BF16 builds only (prelude_amx_gemm_ready() says whether the tile form can run here:
  * the build has it and the kernel lets this process use the tile registers). Returns 0, or
@@ -28,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "native_shared.h"
 
@@ -42,16 +41,6 @@
 #define KC_CHUNKS 9   /* k chunks of 32 a slab: 288 k, 18 KB of a block pair's weight */
 #define ROW_CHUNK 128 /* rows a slab passes over before the next pair (x's share stays in L2) */
 #define PAR_MIN_WORK (1 << 22) /* m * n * k below this runs on the calling thread */
-
-/* The calling thread's number in its OpenMP team (0 outside one). */
-static inline int64_t this_thread(void) {
-#ifdef _OPENMP
-    extern int omp_get_thread_num(void);
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
 
 int prelude_amx_gemm_ready(void) {
 #if HAVE_AMX
@@ -71,50 +60,35 @@ static inline void store_rows(const float *c, int rows, int64_t n0, const uint16
     }
 }
 
-/* A pass's rows [r0, r0 + rows) of x as whole tiles in xp: block b (32 rows), chunk ch (32 k)
- * at xp + (b * chunks + ch) * 1024, row-major 32 x 32 (rows 16-31 at +512); rows past m zero. */
-static inline void pack_rows(const uint16_t *x, int64_t m, int64_t ldx, int64_t k, int64_t r0, int64_t rows,
-                             uint16_t *xp) {
-    const int64_t chunks = k / 32;
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *dst = xp + (r / 32) * chunks * 1024 + (r % 32) * 32;
-        if (r0 + r < m) {
-            const uint16_t *src = x + (r0 + r) * ldx;
-            for (int64_t ch = 0; ch < chunks; ch++) _mm512_store_si512(dst + ch * 1024, _mm512_loadu_si512(src + ch * 32));
-        } else {
-            for (int64_t ch = 0; ch < chunks; ch++) _mm512_store_si512(dst + ch * 1024, _mm512_setzero_si512());
-        }
-    }
-}
-
-/* One slab [c0, c1) of k chunks for a 32 x 32 block: x's 32 rows packed at xb (pack_rows),
- * the packed pair b0 / b1, into C0-C3 (C0: rows 0-15 x outputs 0-15, C1: rows 0-15 x 16-31,
- * C2 / C3: rows 16-31). A 4 and 5, B 6 and 7. */
-static inline void slab(const uint16_t *xb, const uint32_t *b0, const uint32_t *b1, int64_t c0, int64_t c1,
-                        const char **pf, const char *pf_end, int64_t pf_lines) {
+/* One slab [c0, c1) of k chunks for the 32 x 32 block at x rows xa (row stride lda bytes)
+ * and the packed pair b0 / b1, into C0-C3 (C0: rows 0-15 x outputs 0-15, C1: rows 0-15 x
+ * 16-31, C2 / C3: rows 16-31). A 4 and 5, B 6 and 7. */
+static inline void slab(const uint16_t *xa, int64_t lda, const uint32_t *b0, const uint32_t *b1, int64_t c0,
+                        int64_t c1, const char **pf, const char *pf_end, int64_t pf_lines) {
+    const uint16_t *xb = xa + 16 * (lda / 2);
     for (int64_t ch = c0; ch < c1; ch++) {
         for (int64_t l = 0; l < pf_lines && *pf < pf_end; l++, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T1);
-        _tile_loadd(4, xb + ch * 1024, 64);
+        _tile_loadd(4, xa + ch * 32, lda);
         _tile_loadd(6, b0 + ch * 256, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_loadd(7, b1 + ch * 256, 64);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, xb + ch * 1024 + 512, 64);
+        _tile_loadd(5, xb + ch * 32, lda);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
 }
 
-/* The calling thread's pairs [p0, p1) for every row: ROW_CHUNK rows at a time, packed into
- * xp (ROW_CHUNK x k, the thread's own), each pair's slabs over the chunk's 32-row blocks. */
+/* The calling thread's pairs [p0, p1) for every row: ROW_CHUNK rows at a time, each pair's
+ * slabs over the chunk's 32-row blocks. `tail`: rows past the last whole 32, zero-padded to
+ * 32 (row stride k), or 0. */
 static void pairs_span(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t *wp, int64_t k,
-                       const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t p0, int64_t p1, uint16_t *xp) {
+                       const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t p0, int64_t p1, const uint16_t *tail) {
     float cbuf[ROW_CHUNK / 32][1024] __attribute__((aligned(64)));
     const int64_t chunks = k / 32, kp_n = k / 2, blocks = (m + 31) / 32;
     amx_configure();
     for (int64_t mb0 = 0; mb0 < blocks; mb0 += ROW_CHUNK / 32) {
         const int64_t mb1 = mb0 + ROW_CHUNK / 32 < blocks ? mb0 + ROW_CHUNK / 32 : blocks;
-        pack_rows(x, m, ldx, k, mb0 * 32, (mb1 - mb0) * 32, xp);
         /* the next pair's weight (the pairs lie in a row) fetched while this one is summed: its
          * lines spread evenly over this pair's chunk passes */
         const int64_t pair_lines = kp_n * 2, passes = (mb1 - mb0) * chunks;
@@ -127,6 +101,8 @@ static void pairs_span(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t
                 const int64_t c1 = c0 + KC_CHUNKS < chunks ? c0 + KC_CHUNKS : chunks;
                 for (int64_t mb = mb0; mb < mb1; mb++) {
                     const int64_t m0 = mb * 32;
+                    const int whole = m0 + 32 <= m;
+                    const uint16_t *xa = whole ? x + m0 * ldx : tail;
                     float *c = cbuf[mb - mb0];
                     if (c0 == 0) {
                         _tile_zero(0);
@@ -139,13 +115,13 @@ static void pairs_span(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t
                         _tile_loadd(2, c + 512, 64);
                         _tile_loadd(3, c + 768, 64);
                     }
-                    slab(xp + (mb - mb0) * chunks * 1024, b0, b1, c0, c1, &pf, pf_end, pf_lines);
+                    slab(xa, (whole ? ldx : k) * 2, b0, b1, c0, c1, &pf, pf_end, pf_lines);
                     _tile_stored(0, c, 64);
                     _tile_stored(1, c + 256, 64);
                     _tile_stored(2, c + 512, 64);
                     _tile_stored(3, c + 768, 64);
                     if (c1 < chunks) continue;
-                    const int rows = m0 + 32 <= m ? 32 : (int)(m - m0);
+                    const int rows = whole ? 32 : (int)(m - m0);
                     const int r0 = rows < 16 ? rows : 16, r1 = rows - r0;
                     uint16_t *yb = y + m0 * ldy;
                     store_rows(c, r0, 32 * p, bias, yb, ldy);
@@ -191,18 +167,23 @@ int prelude_amx_gemm(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t *
     if (m <= 0 || n <= 0 || k <= 0 || n % 32 != 0 || k % 32 != 0 || ldx < k || ldy < n || ((uintptr_t)wp & 63) != 0 ||
         !amx_permitted())
         return 1;
+    const int64_t whole = m / 32 * 32;
+    uint16_t *tail = 0;
+    if (whole < m) {
+        tail = aligned_alloc(64, (size_t)(32 * k) * 2);
+        if (tail == 0) return 1;
+        memset(tail, 0, (size_t)(32 * k) * 2);
+        for (int64_t r = whole; r < m; r++) memcpy(tail + (r - whole) * k, x + r * ldx, (size_t)k * 2);
+    }
     const int64_t pairs = n / 32;
     const int par = threads > 1 && pairs >= 2 && m * n * k >= PAR_MIN_WORK;
-    const int64_t team = par ? threads : 1, pass_elems = (int64_t)ROW_CHUNK * k;
-    uint16_t *packed_rows = aligned_alloc(64, (size_t)(team * pass_elems) * 2); /* each thread's pass of x */
-    if (packed_rows == 0) return 1;
 #pragma omp parallel num_threads(threads) if (par)
     {
         int64_t p0, p1;
         this_threads_share(pairs, &p0, &p1);
-        if (p0 < p1) pairs_span(x, m, ldx, wp, k, bias, y, ldy, p0, p1, packed_rows + this_thread() * pass_elems);
+        if (p0 < p1) pairs_span(x, m, ldx, wp, k, bias, y, ldy, p0, p1, tail);
     }
-    free(packed_rows);
+    free(tail);
     return 0;
 #else
     (void)x; (void)m; (void)ldx; (void)wp; (void)n; (void)k; (void)bias; (void)y; (void)ldy; (void)threads;

@@ -101,18 +101,12 @@ PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the
 # 0.274), over SmolLM2's (576 x 576 and up) the cut halves the time (5.14 -> 2.78 ms).
 PIECES_MIN_WEIGHT = 1 << 18
 # bf16 calls past the tile form's rows up to this many take amx_gemm.c on an AMX CPU (its
-# own packed copy, held beside oneDNN's: the projections' bytes once more), a projection's
-# default bound. SmolLM2-135M prefills in process, alternated, against oneDNN (KVM Xeon,
-# model 207, two threads): 64 tokens 0.77-0.82x, 128 tokens 0.84-0.94x the whole forward's
-# time. Its gate/up GEMM lost to oneDNN past 128 rows in every forward timed (1 x 384 to
-# 4 x 512), though timed alone it ran 0.4-0.9x oneDNN's: gate/up keeps this bound.
+# own packed copy, held beside oneDNN's: the projections' bytes once more). SmolLM2-135M
+# prefills in process, alternated, against oneDNN (KVM Xeon, model 207, two threads): 64
+# tokens 0.77-0.82x, 128 tokens 0.84-0.94x the whole forward's time; at 256, 512 and 2,048
+# rows its forwards ran 1.06-1.19x slower (its gate/up GEMM the loser), though the same
+# projections timed alone were 0.4-0.9x oneDNN's there: left to oneDNN.
 AMX_MAX_ROWS = 128
-# A decoder's q/k/v, o and down projections take amx_gemm.c up to this many rows (gate/up,
-# the one oneDNN keeps, stays at AMX_MAX_ROWS): with x packed into whole tiles, SmolLM2-135M
-# forwards alternated against oneDNN past 128 rows (KVM Xeon, model 207, two threads, two
-# runs): 1 x 384 0.80x, 1 x 512 0.71-0.82x, 1 x 1,024 0.93-0.95x, 16 x 64 0.87-0.93x, a warm
-# judge step (16 x 64 over a cached 1,024) 0.91x; at 2,048 rows (4 x 512) 1.07x: left there.
-AMX_WIDE_MAX_ROWS = 1024
 BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 entries each). Every bf16
 # GEMM goes through oneDNN, packed or not (F.linear too), and each row count is a new
@@ -165,7 +159,7 @@ class Projection:
     whose row count packed_rows takes (float32 pads some up)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False,
-                 blocks: BlocksPath | None = None, head: bool = False, amx_max_rows: int = AMX_MAX_ROWS) -> None:
+                 blocks: BlocksPath | None = None, head: bool = False) -> None:
         if blocks is not None and (blocks.blocks.out_features, blocks.blocks.in_features) != tuple(weight.shape):
             raise ValueError(f"blocks of {blocks.blocks.out_features}x{blocks.blocks.in_features} for a weight "
                              f"of {tuple(weight.shape)}")
@@ -189,12 +183,11 @@ class Projection:
         # bf16 decode-sized calls on the tile unit over the plain weight (no copy)
         self._bf16_rows: Bf16Rows | None = tile_rows_kernel(weight) if prepack else None
         self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
-        # bf16 calls past the few-row routes up to amx_max_rows on the AMX tile unit
+        # bf16 calls past the few-row routes up to AMX_MAX_ROWS on the AMX tile unit
         # (amx_gemm.c), over a copy of its own beside oneDNN's (see amx_gemm_kernel)
         # (not a head: its calls of that many rows, prompt logprobs, are rare, and its copy large)
         self._amx: AmxGemm | None = amx_gemm_kernel(weight) if prepack and not head else None
         self._amx_packed: torch.Tensor | None = None
-        self.amx_max_rows = amx_max_rows
         self._few_rows_max = self._few_rows_routes()
 
     @property
@@ -266,12 +259,12 @@ class Projection:
         # ms of a 128-token SmolLM2-135M prefill's 121 calls (the same op on the same rows).
         if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > self._few_rows_max
                 and x.is_contiguous()):
-            if self._amx is not None and x.shape[0] <= self.amx_max_rows:
+            if self._amx is not None and x.shape[0] <= AMX_MAX_ROWS:
                 return self._amx.linear(x, self._amx_weight(), self.out_features, self.bias)
             if self._packed is not None:
                 return packed_linear(x, self._packed, self.bias)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if self._amx is not None and x.dtype == torch.bfloat16 and self._few_rows_max < rows.shape[0] <= self.amx_max_rows:
+        if self._amx is not None and x.dtype == torch.bfloat16 and self._few_rows_max < rows.shape[0] <= AMX_MAX_ROWS:
             return self._amx.linear(rows.contiguous(), self._amx_weight(), self.out_features,
                                     self.bias).reshape(*x.shape[:-1], self.out_features)
         if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
@@ -382,8 +375,7 @@ def describe_routes(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16:
         kernel = load_bf16_rows()
         if kernel is not None and kernel.tile_form_ready():
-            gemm = (f", amx_gemm.c (AMX) over packed copies of its own up to {AMX_MAX_ROWS} rows (a decoder's "
-                    f"q/k/v, o and down up to {AMX_WIDE_MAX_ROWS})"
+            gemm = (f", amx_gemm.c (AMX) over packed copies of its own up to {AMX_MAX_ROWS} rows"
                     if load_amx_gemm() is not None else "")
             return (f"bf16 projections: bf16_rows.c's tile form (AMX) over the plain weights up to {TILE_MAX_ROWS} "
                     f"rows{gemm}, oneDNN packed copies above")

@@ -34,7 +34,7 @@ from prelude.model.blocks_kernel import BlocksKernel, load_kernel
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.layer_loop import LayerLoop, layer_loop_for
-from prelude.model.linear import AMX_WIDE_MAX_ROWS, BlocksPath, Projection, describe_routes, prepack_enabled
+from prelude.model.linear import BlocksPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora import LoraStep
 from prelude.model.rope import RotaryEmbedding
 
@@ -105,16 +105,13 @@ class DecoderLayer:
         )
         self.qkv = Projection(
             stacked("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-            qkv_bias, prepack, blk("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-            amx_max_rows=AMX_WIDE_MAX_ROWS)
-        self.o_proj = Projection(w("self_attn.o_proj.weight"), None, prepack, blk("self_attn.o_proj.weight"),
-                                 amx_max_rows=AMX_WIDE_MAX_ROWS)
+            qkv_bias, prepack, blk("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
+        self.o_proj = Projection(w("self_attn.o_proj.weight"), None, prepack, blk("self_attn.o_proj.weight"))
         self.q_norm = weights.get(prefix + "self_attn.q_norm.weight")
         self.k_norm = weights.get(prefix + "self_attn.k_norm.weight")
         self.gate_up = Projection(stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"), None, prepack,
                                   blk("mlp.gate_proj.weight", "mlp.up_proj.weight"))
-        self.down = Projection(w("mlp.down_proj.weight"), None, prepack, blk("mlp.down_proj.weight"),
-                               amx_max_rows=AMX_WIDE_MAX_ROWS)
+        self.down = Projection(w("mlp.down_proj.weight"), None, prepack, blk("mlp.down_proj.weight"))
         self.head = HeadWeights(self.input_norm, _operand(self.qkv), None if self.qkv.packed else self.qkv.bias,
                                 self.q_norm, self.k_norm)
         self.tail = TailWeights(_operand(self.o_proj), self.post_norm, _operand(self.gate_up), _operand(self.down))
