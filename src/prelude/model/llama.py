@@ -199,16 +199,17 @@ class LlamaForCausalLM:
     def make_packed_copies(self) -> int:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
         a packed copy, make them now: amx_gemm.c's here (calls of 33-128 rows, a short
-        prompt's, and the C layer loop read them), oneDNN's on a thread (longer calls:
-        ~0.15-0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; the
-        first forward waits for the rest, so a process's memory holds them all from its
-        first answer on). How many projections have
-        them (0 in float32: there only decode sizes and calls from a 128-row step up take
-        oneDNN's copies, so a server that scores short texts never needs them, and the
-        first call that does makes them)."""
+        prompt's, and the C layer loop read them), oneDNN's on a thread (longer calls: ~0.15-
+        0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; the first
+        forward waits for the rest, so a process's memory holds them all from its first
+        answer on). Returns how many projections have them (0 in float32: there only decode
+        sizes and calls from a 128-row step up take oneDNN's copies, so a server that scores
+        short texts never needs them, and the first call that does makes them)."""
         if self.dtype != torch.bfloat16:
             return 0
         projections = [p for p in self._projections() if p.packed]
+        if not projections:
+            return 0
         for p in projections:
             p.amx_copy()
 
