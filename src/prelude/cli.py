@@ -439,9 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_cluster_args(run_batch)
     run_batch.set_defaults(router="prefix")  # a job's shared prefixes stay on one replica
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
-                                         "decisions | profile | overhead | attention | batch | lora")
-    bench.add_argument("which", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
+    # add_help=False: `prelude bench profile --help` reaches the benchmark's own parser.
+    bench = sub.add_parser("bench", add_help=False,
+                           help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
+                                "decisions | profile | overhead | attention | batch | lora")
+    bench.add_argument("which", nargs="?", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
                                          "decisions", "profile", "overhead", "attention", "batch", "lora"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
@@ -449,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return tokenizer_bench(rest)
     if args.command == "bench":
+        if args.which is None:  # `prelude bench`, `prelude bench --help`
+            bench.print_help()
+            return 0 if rest in (["-h"], ["--help"]) else 2
         if args.which == "prefix":
             from prelude.bench.prefix_bench import main as bench_main
         elif args.which == "serve":
