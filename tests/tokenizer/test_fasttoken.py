@@ -112,9 +112,10 @@ def test_unsupported_or_different_tokenizers_fall_back_with_a_reason(
     hf_lower = RustTokenizer.from_file(str(smol_json))
     hf_lower.normalizer = normalizers.Lowercase()
     assert compare(FastTokenizer(smol_json), hf_lower) is not None
-    sentinel = object()
+    sentinel, asked = object(), []
     with caplog.at_level("WARNING", logger="prelude.fasttoken"):
-        assert wrap_if_equal(sentinel, tmp_path / "lower.json") is sentinel
+        assert wrap_if_equal(tmp_path / "lower.json", lambda lookup: asked.append(lookup) or sentinel) is sentinel
+    assert asked == [None]  # the fallback HF tokenizer resolves its own ids
     assert "falls back" in caplog.text
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,33 +44,48 @@ class HFTokenizer:
 
     def __init__(
         self,
-        tokenizer: RustTokenizer,
+        tokenizer: RustTokenizer | Path,
         *,
         bos_token: str | None = None,
         eos_token: str | None = None,
         extra_eos_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        token_to_id: Callable[[str], int | None] | None = None,
     ) -> None:
+        """`tokenizer`: loaded, or its tokenizer.json, read at first use. fasttoken's delegate
+        (chat template, BOS/EOS) takes the path and its `token_to_id`, and so never reads the
+        file unless a panic in fasttoken's core falls back to it: ~0.15 s of every start."""
+        self._path = tokenizer if isinstance(tokenizer, Path) else None
+        self._tok = None if isinstance(tokenizer, Path) else self._serving(tokenizer)
+        self._tok_lock = threading.Lock()
+        lookup = token_to_id if token_to_id is not None else (lambda token: self.backend.token_to_id(token))
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._bos_id = lookup(bos_token) if bos_token else None
+        eos = set(extra_eos_ids)
+        eos_id = lookup(eos_token) if eos_token else None
+        if eos_id is not None:
+            eos.add(eos_id)
+        self._eos_ids = frozenset(eos)
+        self._chat_template = chat_template
+        self._compiled = _compile_template(chat_template) if chat_template else None
+
+    @staticmethod
+    def _serving(tokenizer: RustTokenizer) -> RustTokenizer:
         # tokenizer.json may carry padding/truncation settings (BERT exports do);
         # serving encodes one sequence at a time, exactly as given.
         tokenizer.no_padding()
         tokenizer.no_truncation()
-        self._tok = tokenizer
-        self._bos_token = bos_token
-        self._eos_token = eos_token
-        self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
-        eos = set(extra_eos_ids)
-        if eos_token and tokenizer.token_to_id(eos_token) is not None:
-            eos.add(tokenizer.token_to_id(eos_token))
-        self._eos_ids = frozenset(eos)
-        self._chat_template = chat_template
-        self._compiled = _compile_template(chat_template) if chat_template else None
-        self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        return tokenizer
 
     @classmethod
-    def from_dir(cls, path: Path) -> "HFTokenizer":
+    def from_dir(cls, path: Path, token_to_id: Callable[[str], int | None] | None = None) -> "HFTokenizer":
+        """The model directory's tokenizer; with `token_to_id`, tokenizer.json is read at
+        first use (see __init__)."""
         path = Path(path)
-        tok = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        tok: RustTokenizer | Path = path / "tokenizer.json"
+        if token_to_id is None:
+            tok = RustTokenizer.from_file(str(tok))
         cfg = _read_json(path / "tokenizer_config.json")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
@@ -86,15 +104,20 @@ class HFTokenizer:
             eos_token=_token_content(cfg.get("eos_token")),
             extra_eos_ids=extra,
             chat_template=template,
+            token_to_id=token_to_id,
         )
 
     @property
     def backend(self) -> RustTokenizer:
+        if self._tok is None:
+            with self._tok_lock:
+                if self._tok is None:
+                    self._tok = self._serving(RustTokenizer.from_file(str(self._path)))
         return self._tok
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        return self._vocab_size
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def bos_token_id(self) -> int | None:
@@ -109,18 +132,18 @@ class HFTokenizer:
         return self._chat_template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
         """Token ids and token-type ids of a sentence pair (cross-encoders)."""
-        enc = self._tok.encode(first, second, add_special_tokens=True)
+        enc = self.backend.encode(first, second, add_special_tokens=True)
         return enc.ids, enc.type_ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        return self.backend.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

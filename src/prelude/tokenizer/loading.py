@@ -11,9 +11,9 @@ from prelude.tokenizer.hf import HFTokenizer
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
-    hf = HFTokenizer.from_dir(model_dir)
     if os.environ.get("PRELUDE_TOKENIZER", "fasttoken") == "hf":
-        return hf
+        return HFTokenizer.from_dir(model_dir)
     from prelude.tokenizer.fasttoken.equality import wrap_if_equal
 
-    return wrap_if_equal(hf, Path(model_dir) / "tokenizer.json")
+    return wrap_if_equal(Path(model_dir) / "tokenizer.json",
+                         lambda token_to_id: HFTokenizer.from_dir(model_dir, token_to_id=token_to_id))

@@ -150,6 +150,16 @@ class FastTokenizer:
     def vocab_size(self) -> int:
         return len(self._bytes)
 
+    def token_to_id(self, token: str) -> int | None:
+        """A vocabulary entry's or an added token's id (HF's `token_to_id`), None if neither."""
+        added = self._added_ids.get(token)
+        return added if added is not None else self._spec.vocab.get(token)
+
+    def delegate_to(self, delegate: Any) -> None:
+        """Set the delegate after construction: one built from this tokenizer's `token_to_id`
+        (loading.py) cannot exist before it. Before the tokenizer is shared."""
+        self._delegate = delegate
+
     @property
     def bos_token_id(self) -> int | None:
         return self._delegate.bos_token_id if self._delegate is not None else None

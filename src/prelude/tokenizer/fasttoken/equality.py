@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,12 +142,14 @@ def check(tokenizer_json: Path, delegate: Any | None = None, use_cache: bool = T
     return (fast, "equal") if reason is None else (None, reason)
 
 
-def wrap_if_equal(hf_tokenizer: Any, tokenizer_json: Path) -> Any:
-    """fasttoken (delegating chat templates and BOS/EOS to `hf_tokenizer`) when it is
-    proven equal to HF, else `hf_tokenizer` itself with the reason logged."""
-    fast, reason = check(tokenizer_json, hf_tokenizer)
+def wrap_if_equal(tokenizer_json: Path, hf_tokenizer: Callable[[Callable[[str], int | None] | None], Any]) -> Any:
+    """fasttoken when it is proven equal to HF, delegating chat templates and BOS/EOS to
+    `hf_tokenizer(fast.token_to_id)` (ids from fasttoken's vocabulary: that delegate need
+    not load HF's own); else `hf_tokenizer(None)`, with the reason logged."""
+    fast, reason = check(tokenizer_json)
     if fast is None:
         logger.warning("fasttoken falls back to HF tokenizers for %s: %s", tokenizer_json, reason)
-        return hf_tokenizer
+        return hf_tokenizer(None)
+    fast.delegate_to(hf_tokenizer(fast.token_to_id))
     logger.info("fasttoken serves %s (%s)", tokenizer_json, reason)
     return fast
