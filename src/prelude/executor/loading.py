@@ -12,7 +12,7 @@ from prelude.executor import row_argmax
 from prelude.executor.device import resolve_device
 from prelude.executor.runner import ModelRunner
 from prelude.model import amx_gemm, blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu
-from prelude.model.loader import load_model_files
+from prelude.model.loader import load_model_files, weight_files
 from prelude.tokenizer.base import Tokenizer
 
 
@@ -52,7 +52,7 @@ def load_runner(config: EngineConfig) -> LoadedRunner:
     if config.scheduler.max_model_len and max_pos is not None:
         max_pos = max(max_pos, config.scheduler.max_model_len)
     runner = ModelRunner.create(loaded.config, loaded.weights, config.executor, config.cache.block_size, max_pos,
-                                blocks=loaded.blocks, lora=config.lora)
+                                blocks=loaded.blocks, lora=config.lora, checkpoint_files=weight_files(loaded.model_dir))
     loaded.weights.clear()  # the runner holds the device copy; drop the host one
     loaded.blocks.clear()
     return LoadedRunner(runner, loaded.tokenizer, loaded.name)

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -48,9 +49,10 @@ from prelude.model.base import KVCaches, Model
 from prelude.model.cpu_fused_kernels import DTYPES as CPU_FUSED_DTYPES, load_cpu_kernels
 from prelude.model.decoder_segments import DecoderSegments
 from prelude.model.fused_segments import fused_segments, triton_segments
-from prelude.model.loader import cache_root
+from prelude.model.loader import cache_root, prepared_dir
 from prelude.model.native_lib import ISA_CAP_ENV, isa_capped_to_avx2
 from prelude.model.lora import LoraBatch, LoraStep
+from prelude.model.prepared import PreparedTensors
 from prelude.params import LoraRequest
 
 logger = logging.getLogger("prelude.executor")
@@ -224,10 +226,13 @@ class ModelRunner:
         max_positions: int | None = None,
         blocks: Mapping[str, GgmlBlocks] | None = None,
         lora: LoraConfig | None = None,
+        checkpoint_files: Sequence[Path] = (),
     ) -> "ModelRunner":
         """Build the model on the configured device from host weights (which the caller
         drops afterwards: no host copy of a GPU model is kept). `blocks`: a GGUF's
-        block-format projections, which CPU decode reads where it can."""
+        block-format projections, which CPU decode reads where it can. `checkpoint_files`:
+        the files `weights` and `blocks` were read from; on a CPU what the build derives from
+        them is kept on disk for the next start (model/prepared.py); () keeps nothing."""
         device = resolve_device(config.device)
         if device.type == "cpu":  # before any of the model's GEMMs (encoders call F.linear directly)
             bound_onednn_caches()
@@ -241,9 +246,16 @@ class ModelRunner:
         attention = get_attention_backend(resolve_attention_backend(config.attention_backend, device), device)
         describe = getattr(attention, "describe", None)
         logger.info("attention: %s", describe(dtype) if describe is not None else f"backend {attention.name}")
+        prepared = (PreparedTensors.for_checkpoint(checkpoint_files, dtype, prepared_dir())
+                    if device.type == "cpu" and checkpoint_files else None)
         # Compiled segments take plain weights; eager CPU forwards run faster on prepacked ones.
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
-                            prepack=config.compile == "off", blocks=blocks)
+                            prepack=config.compile == "off", blocks=blocks, prepared=prepared)
+        if prepared is not None and prepared.read and not prepared.made:
+            logger.info("prepared weights (casts, stacks): read from %s", prepared.path)
+        elif prepared is not None and prepared.save():
+            logger.info("prepared weights (casts, stacks): %d derived at this start, kept in %s for the next",
+                        prepared.made, prepared.path)
         if config.pack_at_start:
             start = time.perf_counter()
             if made := model.make_packed_copies():

@@ -36,6 +36,7 @@ from prelude.model.kv_memory import zeroed_kv_tensors
 from prelude.model.layer_loop import LayerLoop, layer_loop_for
 from prelude.model.linear import BlocksPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora import LoraStep
+from prelude.model.prepared import PreparedTensors
 from prelude.model.rope import RotaryEmbedding
 
 
@@ -55,16 +56,22 @@ class CastWeights(Mapping[str, torch.Tensor]):
     first read; `stacked` converts pieces straight into one fused tensor. A bf16 start of
     SmolLM2-135M had cast every float32 tensor and then copied q/k/v and gate/up again into
     their fused weights (`torch.cat`, ~0.1 s of its start-up); the values are the same (one
-    rounding of each float32 value either way)."""
+    rounding of each float32 value either way). Casts and stacks come from `prepared` where
+    an earlier start kept them."""
 
-    def __init__(self, source: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-        self._source, self._dtype, self._device = source, dtype, device
+    def __init__(self, source: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 prepared: PreparedTensors) -> None:
+        self._source, self._dtype, self._device, self._prepared = source, dtype, device, prepared
         self._cast: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         found = self._cast.get(name)
         if found is None:
-            found = self._cast[name] = self._source[name].to(dtype=self._dtype, device=self._device)
+            tensor = self._source[name]
+            cast = lambda: tensor.to(dtype=self._dtype, device=self._device)  # noqa: E731
+            # A tensor already in the dtype is the checkpoint's own: nothing derived to keep.
+            found = self._cast[name] = cast() if tensor.dtype == self._dtype else self._prepared.tensor(
+                f"cast:{name}", cast)
         return found
 
     def __contains__(self, name: object) -> bool:
@@ -78,6 +85,9 @@ class CastWeights(Mapping[str, torch.Tensor]):
 
     def stacked(self, names: Sequence[str]) -> torch.Tensor:
         """The tensors `names` stacked along their first dimension, in the model's dtype."""
+        return self._prepared.tensor("stack:" + "|".join(names), lambda: self._stack(names))
+
+    def _stack(self, names: Sequence[str]) -> torch.Tensor:
         parts = [self._source[n] for n in names]
         out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=self._dtype,
                           device=self._device)
@@ -135,11 +145,15 @@ class LlamaForCausalLM:
         max_positions: int | None = None,
         prepack: bool = True,
         blocks: Mapping[str, GgmlBlocks] | None = None,
+        prepared: PreparedTensors | None = None,
     ) -> None:
+        """`prepared`: what an earlier start derived from these weights (model/prepared.py);
+        this build's casts, stacks and stacked blocks are read from it or made and kept in it."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        cast = CastWeights(weights, dtype, self.device)
+        prepared = prepared if prepared is not None else PreparedTensors(None)
+        cast = CastWeights(weights, dtype, self.device, prepared)
         self.embed = cast["model.embed_tokens.weight"]
         prepack = prepack and prepack_enabled(dtype, self.device)
         if prepack:
@@ -153,7 +167,8 @@ class LlamaForCausalLM:
         def blocks_for(*names: str) -> BlocksPath | None:
             if kernel is None or not blocks:
                 return None
-            stacked = GgmlBlocks.cat([blocks.get(n) for n in names])
+            stacked = prepared.blocks("blocks:" + "|".join(names),
+                                      lambda: GgmlBlocks.cat([blocks.get(n) for n in names]))
             return None if stacked is None else BlocksPath(stacked, kernel)
 
         self.layers = [

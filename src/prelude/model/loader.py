@@ -144,6 +144,16 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     return target
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files a build reads: its safetensors, and a converted GGUF's blocks."""
+    return sorted(model_dir.glob("*.safetensors")) + [p for p in [model_dir / BLOCKS_FILE] if p.is_file()]
+
+
+def prepared_dir() -> Path:
+    """Where the prepared weights of every checkpoint are kept (model/prepared.py)."""
+    return cache_root() / "prepared"
+
+
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

@@ -1,0 +1,135 @@
+"""Tensors a decoder's build derives from its checkpoint, kept on disk between starts.
+
+A bf16 start of SmolLM2-135M cast every float32 tensor, stacked q/k/v and gate/up into
+fused weights and stacked their GGUF blocks alike: ~0.3 s alone, ~0.6 s in a server,
+where the HTTP modules import on the other thread meanwhile and the build is the start's
+critical path. The first start writes what it derived into one safetensors file; later
+starts map that file (pages read on first touch, shared with the page cache) and derive
+nothing.
+
+The file's name holds everything its tensors depend on: the checkpoint's files (path,
+size, mtime), the dtype, and a digest of the code that derives them. An entry the file
+lacks is derived as before, and the file is written again, whole, at the end of the build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from prelude.model.ggml_blocks import GgmlBlocks
+
+logger = logging.getLogger("prelude.model.prepared")
+
+_FORMAT = 1  # bumped when what a key stands for changes in a way the digested code cannot show
+# The modules whose code decides each entry's bits: a change to any of them is a new file.
+_DERIVING_CODE = ("llama.py", "ggml_blocks.py", "prepared.py")
+
+
+class PreparedTensors:
+    """Derived tensors by key: read from the file where it has them, else made (and kept
+    for `save`). `path` None: nothing is read or written (random-weight models, tests)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._stored: dict[str, torch.Tensor] = {}
+        self._kinds: dict[str, str] = {}
+        self._used: dict[str, torch.Tensor] = {}
+        self._used_kinds: dict[str, str] = {}
+        self.made = 0  # entries derived in this build
+        self.read = 0  # entries taken from the file
+        if path is not None and path.is_file():
+            self._read(path)
+
+    @staticmethod
+    def for_checkpoint(files: Iterable[Path], dtype: torch.dtype, cache_dir: Path) -> PreparedTensors:
+        """The store for a checkpoint's `files` built in `dtype`, under `cache_dir`."""
+        files = sorted(Path(f).resolve() for f in files)
+        key = hashlib.sha256(f"{_FORMAT}|{torch.__version__}|{dtype}".encode())
+        for f in files:
+            st = f.stat()
+            key.update(f"|{f}|{st.st_size}|{st.st_mtime_ns}".encode())
+        here = Path(__file__).parent
+        for name in _DERIVING_CODE:
+            key.update((here / name).read_bytes())
+        stem = files[0].parent.name if files else "model"
+        dtype_name = str(dtype).removeprefix("torch.")
+        return PreparedTensors(cache_dir / f"{stem}-{dtype_name}-{key.hexdigest()[:16]}.safetensors")
+
+    def tensor(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The entry `key`: the file's, else `make()`."""
+        found = self._stored.get(key)
+        if found is None:
+            found = make()
+            self.made += 1
+        else:
+            self.read += 1
+        self._used[key] = found
+        return found
+
+    def blocks(self, key: str, make: Callable[[], GgmlBlocks | None]) -> GgmlBlocks | None:
+        """The block-format entry `key` (None is an answer too): the file's, else `make()`."""
+        kind = self._kinds.get(key)
+        if kind is None:
+            made = make()
+            self.made += 1
+            kind = "none" if made is None else made.kind
+            if made is not None:
+                self._used |= {f"{key}.{part}": t for part, t in _block_parts(made).items()}
+            self._used_kinds[key] = kind
+            return made
+        self._used_kinds[key] = kind
+        self.read += 1
+        if kind == "none":
+            return None
+        parts = {p: self._stored[f"{key}.{p}"] for p in ("qs", "d", "m") if f"{key}.{p}" in self._stored}
+        self._used |= {f"{key}.{p}": t for p, t in parts.items()}
+        return GgmlBlocks(kind, parts["qs"], parts["d"], parts.get("m"))
+
+    def save(self) -> bool:
+        """Write the entries this build used, when it derived any (atomically: a reader never
+        sees half a file) and remove this checkpoint's files for other code or files. Whether
+        it wrote; a failure only costs later starts their derivation."""
+        if self.path is None or self.made == 0:
+            return False
+        from safetensors.torch import save_file
+
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: t.contiguous() for k, t in self._used.items()}, str(tmp), metadata=self._used_kinds)
+            tmp.replace(self.path)
+        except (OSError, RuntimeError, ValueError) as exc:  # disk full, read-only cache, a shared tensor
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            logger.warning("could not keep the prepared weights in %s (%s)", self.path, exc)
+            return False
+        prefix = self.path.name.rsplit("-", 1)[0] + "-"
+        for old in self.path.parent.glob(f"{prefix}*.safetensors"):
+            if old != self.path:
+                old.unlink(missing_ok=True)
+        return True
+
+    def _read(self, path: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                self._kinds = dict(f.metadata() or {})
+                self._stored = {k: f.get_tensor(k) for k in f.keys()}
+        except (OSError, RuntimeError, ValueError, SafetensorError) as exc:  # truncated or foreign: derive again
+            logger.warning("ignoring the unreadable prepared weights %s (%s)", path, exc)
+            self._stored, self._kinds = {}, {}
+
+
+def _block_parts(blocks: GgmlBlocks) -> dict[str, torch.Tensor]:
+    parts = {"qs": blocks.qs, "d": blocks.d}
+    if blocks.m is not None:
+        parts["m"] = blocks.m
+    return parts

