@@ -100,6 +100,23 @@ def test_entries_are_read_back_as_they_were_made_blocks_and_none_included(tmp_pa
     assert a is not None and a.kind == "q4_1" and torch.equal(a.qs, q41.qs) and torch.equal(a.m, q41.m)
     assert b is not None and b.kind == "q8_0" and b.m is None and torch.equal(b.d, q80.d)
     assert again.made == 0 and again.read == 4 and not again.save()  # nothing derived: nothing written
+    # Every tensor starts on a cache line (mapped kernels' 64-byte loads never split), fillers unseen.
+    for t in (again.tensor("cast:w", never), a.qs, a.d, a.m, b.qs, b.d):  # type: ignore[arg-type]
+        assert t.data_ptr() % 64 == 0
+    assert set(again._stored) == {"cast:w", "blocks:a.qs", "blocks:a.d", "blocks:a.m", "blocks:b.qs", "blocks:b.d"}
+
+
+def test_a_file_from_safetensors_own_writer_is_read_aligned(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "plain.safetensors"
+    tensors = {"a": torch.arange(3, dtype=torch.uint8), "b": torch.arange(40.0).bfloat16()}
+    save_file(tensors, str(path))  # packs at 8 bytes: "b" starts off a cache line
+    store = PreparedTensors(path)
+    for name, t in tensors.items():
+        got = store.tensor(name, lambda: torch.zeros(1))
+        assert torch.equal(got, t) and got.data_ptr() % 64 == 0
+    assert store.made == 0
 
 
 def test_a_changed_checkpoint_gets_a_new_file_and_the_old_one_goes(tmp_path: Path) -> None:

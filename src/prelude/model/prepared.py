@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -28,6 +30,11 @@ from prelude.model.ggml_blocks import GgmlBlocks
 logger = logging.getLogger("prelude.model.prepared")
 
 _FORMAT = 1  # bumped when what a key stands for changes in a way the digested code cannot show
+_ALIGN = 64  # bytes: every tensor of the file starts on a cache line (write_aligned)
+_PAD = "\x00pad:"  # fillers between tensors; no derived entry's key starts so
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+                       torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+                       torch.bool: "BOOL"}
 # The modules whose code decides each entry's bits: a change to any of them is a new file.
 _DERIVING_CODE = ("llama.py", "ggml_blocks.py", "prepared.py")
 
@@ -98,14 +105,12 @@ class PreparedTensors:
         it wrote; a failure only costs later starts their derivation."""
         if self.path is None or self.made == 0:
             return False
-        from safetensors.torch import save_file
-
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: t.contiguous() for k, t in self._used.items()}, str(tmp), metadata=self._used_kinds)
+            write_aligned(tmp, self._used, self._used_kinds)
             tmp.replace(self.path)
-        except (OSError, RuntimeError, ValueError) as exc:  # disk full, read-only cache, a shared tensor
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:  # disk full, read-only cache, a dtype
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             logger.warning("could not keep the prepared weights in %s (%s)", self.path, exc)
@@ -122,10 +127,43 @@ class PreparedTensors:
         try:
             with safe_open(str(path), framework="pt") as f:
                 self._kinds = dict(f.metadata() or {})
-                self._stored = {k: f.get_tensor(k) for k in f.keys()}
+                self._stored = {k: _aligned(f.get_tensor(k)) for k in f.keys() if not k.startswith(_PAD)}
         except (OSError, RuntimeError, ValueError, SafetensorError) as exc:  # truncated or foreign: derive again
             logger.warning("ignoring the unreadable prepared weights %s (%s)", path, exc)
             self._stored, self._kinds = {}, {}
+
+
+def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file whose every tensor starts on a 64-byte boundary of the file (and so
+    of a mapping of it). safetensors' own writer packs tensors at 8 bytes: a mapped bf16
+    weight then splits every 64-byte load over two cache lines, and the kernels that read
+    plain weights (few-row projections, the head) ran up to ~1.2x slower. The format allows
+    no holes, so a gap is a named uint8 filler, which readers skip."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    layout: list[torch.Tensor | int] = []  # tensors, and filler byte counts between them
+    at = 0
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        if gap := -at % _ALIGN:
+            header[f"{_PAD}{i}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [at, at + gap]}
+            layout.append(gap)
+            at += gap
+        t = t.detach().contiguous().cpu()
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + size]}
+        layout.append(t)
+        at += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % _ALIGN)  # the data starts on a boundary too
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for part in layout:
+            f.write(bytes(part) if isinstance(part, int) else part.view(torch.uint8).reshape(-1).numpy().data)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied where it does not start on a 64-byte boundary (a file another writer made)."""
+    return t if t.data_ptr() % _ALIGN == 0 else t.clone()
 
 
 def _block_parts(blocks: GgmlBlocks) -> dict[str, torch.Tensor]:
