@@ -136,6 +136,12 @@ def test_a_changed_checkpoint_gets_a_new_file_and_the_old_one_goes(tmp_path: Pat
     assert new.save()
     assert not old.path.exists() and new.path is not None and new.path.is_file()
     assert other_dtype.path is not None and other_dtype.path.is_file()  # another dtype's file stays
+    namesake = tmp_path / "elsewhere" / "ckpt"
+    namesake.mkdir(parents=True)
+    (namesake / "model.safetensors").write_bytes(ckpt.read_bytes())
+    theirs = PreparedTensors.for_checkpoint([namesake / "model.safetensors"], torch.bfloat16, cache)
+    theirs.tensor("cast:w", lambda: torch.ones(2))
+    assert theirs.save() and new.path.is_file()  # a folder of the same name keeps its own file
 
 
 def test_a_corrupt_file_is_derived_again_and_rewritten(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

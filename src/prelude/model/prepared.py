@@ -65,7 +65,10 @@ class PreparedTensors:
         here = Path(__file__).parent
         for name in _DERIVING_CODE:
             key.update((here / name).read_bytes())
-        stem = files[0].parent.name if files else "model"
+        # The folder's name and a hash of its path: two checkpoints in folders of one name keep
+        # a file each (a save drops only the files of its own checkpoint and dtype).
+        folder = files[0].parent if files else Path("model")
+        stem = f"{folder.name}-{hashlib.sha256(str(folder).encode()).hexdigest()[:8]}"
         dtype_name = str(dtype).removeprefix("torch.")
         return PreparedTensors(cache_dir / f"{stem}-{dtype_name}-{key.hexdigest()[:16]}.safetensors")
 
