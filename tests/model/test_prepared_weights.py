@@ -106,6 +106,17 @@ def test_entries_are_read_back_as_they_were_made_blocks_and_none_included(tmp_pa
     assert set(again._stored) == {"cast:w", "blocks:a.qs", "blocks:a.d", "blocks:a.m", "blocks:b.qs", "blocks:b.d"}
 
 
+def test_blocks_missing_a_part_are_derived_again(tmp_path: Path) -> None:
+    from prelude.model.prepared import write_aligned
+
+    path = tmp_path / "partial.safetensors"
+    write_aligned(path, {"blocks:a.qs": torch.zeros(2, 16, dtype=torch.uint8), "blocks:a.d": torch.ones(2, 1)},
+                  {"blocks:a": "q4_1"})  # a q4_1 entry without its mins
+    whole = GgmlBlocks("q4_1", torch.ones(2, 16, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1))
+    store = PreparedTensors(path)
+    assert store.blocks("blocks:a", lambda: whole) is whole and store.made == 1 and store.read == 0
+
+
 def test_a_file_from_safetensors_own_writer_is_read_aligned(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

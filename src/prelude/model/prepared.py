@@ -8,7 +8,7 @@ starts map that file (pages read on first touch, shared with the page cache) and
 nothing.
 
 The file's name holds everything its tensors depend on: the checkpoint's files (path,
-size, mtime), the dtype, and a digest of the code that derives them. An entry the file
+size, mtime), the dtype, torch's version and a digest of the code that derives them. An entry the file
 lacks is derived as before, and the file is written again, whole, at the end of the build.
 """
 
@@ -86,6 +86,10 @@ class PreparedTensors:
     def blocks(self, key: str, make: Callable[[], GgmlBlocks | None]) -> GgmlBlocks | None:
         """The block-format entry `key` (None is an answer too): the file's, else `make()`."""
         kind = self._kinds.get(key)
+        parts = {p: self._stored[f"{key}.{p}"] for p in ("qs", "d", "m") if f"{key}.{p}" in self._stored}
+        needed = {"qs", "d", "m"} if kind == "q4_1" else {"qs", "d"}
+        if kind not in (None, "none") and not needed <= parts.keys():
+            kind = None  # a part is missing (a file not of this writer): derive it again
         if kind is None:
             made = make()
             self.made += 1
@@ -98,7 +102,6 @@ class PreparedTensors:
         self.read += 1
         if kind == "none":
             return None
-        parts = {p: self._stored[f"{key}.{p}"] for p in ("qs", "d", "m") if f"{key}.{p}" in self._stored}
         self._used |= {f"{key}.{p}": t for p, t in parts.items()}
         return GgmlBlocks(kind, parts["qs"], parts["d"], parts.get("m"))
 
@@ -161,7 +164,7 @@ def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for part in layout:
-            f.write(bytes(part) if isinstance(part, int) else part.view(torch.uint8).reshape(-1).numpy().data)
+            f.write(bytes(part) if isinstance(part, int) else part.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
