@@ -81,14 +81,15 @@ def test_entries_are_read_back_as_they_were_made_blocks_and_none_included(tmp_pa
     q41 = GgmlBlocks("q4_1", torch.arange(32, dtype=torch.uint8).reshape(2, 16), torch.ones(2, 1), torch.zeros(2, 1))
     q80 = GgmlBlocks("q8_0", torch.arange(64, dtype=torch.uint8).reshape(2, 32), torch.full((2, 1), 0.5), None)
     ckpt = _checkpoint(tmp_path)
-    store = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache)
+    store = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache, min_bytes=0)
     made = store.tensor("cast:w", lambda: torch.arange(6.0).reshape(2, 3).bfloat16())
     assert store.blocks("blocks:a", lambda: q41) is q41
     assert store.blocks("blocks:b", lambda: q80) is q80
     assert store.blocks("blocks:none", lambda: None) is None
     assert store.made == 4 and store.save()
 
-    again = PreparedTensors.for_checkpoint([ckpt.parent / "." / "model.safetensors"], torch.bfloat16, cache)
+    again = PreparedTensors.for_checkpoint([ckpt.parent / "." / "model.safetensors"], torch.bfloat16, cache,
+                                           min_bytes=0)
     assert again.path == store.path  # the same files, however named
 
     def never() -> GgmlBlocks:
@@ -133,15 +134,15 @@ def test_a_file_from_safetensors_own_writer_is_read_aligned(tmp_path: Path) -> N
 def test_a_changed_checkpoint_gets_a_new_file_and_the_old_one_goes(tmp_path: Path) -> None:
     cache = tmp_path / "prepared"
     ckpt = _checkpoint(tmp_path)
-    old = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache)
+    old = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache, min_bytes=0)
     old.tensor("cast:w", lambda: torch.zeros(2))
     assert old.save() and old.path is not None and old.path.is_file()
-    other_dtype = PreparedTensors.for_checkpoint([ckpt], torch.float16, cache)
+    other_dtype = PreparedTensors.for_checkpoint([ckpt], torch.float16, cache, min_bytes=0)
     other_dtype.tensor("cast:w", lambda: torch.zeros(2, dtype=torch.float16))
     assert other_dtype.save()
     st = ckpt.stat()
     os.utime(ckpt, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    new = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache)
+    new = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache, min_bytes=0)
     assert new.path != old.path
     assert torch.equal(new.tensor("cast:w", lambda: torch.ones(2)), torch.ones(2)) and new.made == 1
     assert new.save()
@@ -150,14 +151,37 @@ def test_a_changed_checkpoint_gets_a_new_file_and_the_old_one_goes(tmp_path: Pat
     namesake = tmp_path / "elsewhere" / "ckpt"
     namesake.mkdir(parents=True)
     (namesake / "model.safetensors").write_bytes(ckpt.read_bytes())
-    theirs = PreparedTensors.for_checkpoint([namesake / "model.safetensors"], torch.bfloat16, cache)
+    theirs = PreparedTensors.for_checkpoint([namesake / "model.safetensors"], torch.bfloat16, cache, min_bytes=0)
     theirs.tensor("cast:w", lambda: torch.ones(2))
     assert theirs.save() and new.path.is_file()  # a folder of the same name keeps its own file
 
 
+def test_a_small_checkpoint_keeps_nothing_and_a_deleted_ones_file_goes_at_the_next_save(tmp_path: Path) -> None:
+    import shutil
+
+    cache = tmp_path / "prepared"
+    small = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.bfloat16, cache)  # the default threshold
+    assert small.path is None
+    small.tensor("cast:w", lambda: torch.ones(2))
+    assert not small.save() and not cache.exists()
+    gone_dir = tmp_path / "gone" / "ckpt"
+    gone_dir.mkdir(parents=True)
+    (gone_dir / "model.safetensors").write_bytes(_checkpoint(tmp_path).read_bytes())
+    gone = PreparedTensors.for_checkpoint([gone_dir / "model.safetensors"], torch.bfloat16, cache, min_bytes=0)
+    gone.tensor("cast:w", lambda: torch.ones(2))
+    assert gone.save() and gone.path is not None
+    foreign = cache / "not-ours.safetensors"
+    foreign.write_bytes(b"junk")
+    shutil.rmtree(gone_dir)
+    kept = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.float16, cache, min_bytes=0)
+    kept.tensor("cast:w", lambda: torch.ones(2, dtype=torch.float16))
+    assert kept.save()
+    assert not gone.path.exists() and foreign.exists() and kept.path is not None and kept.path.is_file()
+
+
 def test_a_corrupt_file_is_derived_again_and_rewritten(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "prepared"
-    store = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.bfloat16, cache)
+    store = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.bfloat16, cache, min_bytes=0)
     assert store.path is not None
     cache.mkdir()
     store.path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
@@ -172,7 +196,8 @@ def test_a_corrupt_file_is_derived_again_and_rewritten(tmp_path: Path, caplog: p
 def test_an_unwritable_cache_only_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "a file, not a folder"
     blocker.write_text("")
-    store = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.bfloat16, blocker / "prepared")
+    store = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.bfloat16, blocker / "prepared",
+                                           min_bytes=0)
     assert torch.equal(store.tensor("cast:w", lambda: torch.ones(2)), torch.ones(2))
     with caplog.at_level(logging.WARNING, logger="prelude.model.prepared"):
         assert not store.save()

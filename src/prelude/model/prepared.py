@@ -35,6 +35,10 @@ _PAD = "\x00pad:"  # fillers between tensors; no derived entry's key starts so
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
                        torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
                        torch.bool: "BOOL"}
+# Checkpoints smaller than this derive in a blink and get no file: tests' random-weight
+# models in temporary folders would otherwise leave one per folder.
+MIN_CHECKPOINT_BYTES = 128 << 20
+_FOLDER = "\x00folder"  # metadata: the checkpoint's folder, so a save can drop files of deleted ones
 # The modules whose code decides each entry's bits: a change to any of them is a new file.
 _DERIVING_CODE = ("llama.py", "ggml_blocks.py", "prepared.py")
 
@@ -51,16 +55,21 @@ class PreparedTensors:
         self._used_kinds: dict[str, str] = {}
         self.made = 0  # entries derived in this build
         self.read = 0  # entries taken from the file
+        self.folder: Path | None = None  # the checkpoint's (for_checkpoint), recorded in the file
         if path is not None and path.is_file():
             self._read(path)
 
     @staticmethod
-    def for_checkpoint(files: Iterable[Path], dtype: torch.dtype, cache_dir: Path) -> PreparedTensors:
-        """The store for a checkpoint's `files` built in `dtype`, under `cache_dir`."""
+    def for_checkpoint(files: Iterable[Path], dtype: torch.dtype, cache_dir: Path,
+                       min_bytes: int = MIN_CHECKPOINT_BYTES) -> PreparedTensors:
+        """The store for a checkpoint's `files` built in `dtype`, under `cache_dir`; one that
+        keeps nothing when the files hold fewer than `min_bytes`."""
         files = sorted(Path(f).resolve() for f in files)
+        stats = [f.stat() for f in files]
+        if sum(st.st_size for st in stats) < min_bytes:
+            return PreparedTensors(None)
         key = hashlib.sha256(f"{_FORMAT}|{torch.__version__}|{dtype}".encode())
-        for f in files:
-            st = f.stat()
+        for f, st in zip(files, stats):
             key.update(f"|{f}|{st.st_size}|{st.st_mtime_ns}".encode())
         here = Path(__file__).parent
         for name in _DERIVING_CODE:
@@ -70,7 +79,9 @@ class PreparedTensors:
         folder = files[0].parent if files else Path("model")
         stem = f"{folder.name}-{hashlib.sha256(str(folder).encode()).hexdigest()[:8]}"
         dtype_name = str(dtype).removeprefix("torch.")
-        return PreparedTensors(cache_dir / f"{stem}-{dtype_name}-{key.hexdigest()[:16]}.safetensors")
+        store = PreparedTensors(cache_dir / f"{stem}-{dtype_name}-{key.hexdigest()[:16]}.safetensors")
+        store.folder = folder
+        return store
 
     def tensor(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The entry `key`: the file's, else `make()`."""
@@ -107,14 +118,16 @@ class PreparedTensors:
 
     def save(self) -> bool:
         """Write the entries this build used, when it derived any (atomically: a reader never
-        sees half a file) and remove this checkpoint's files for other code or files. Whether
-        it wrote; a failure only costs later starts their derivation."""
+        sees half a file), and remove the files of this checkpoint for other code or files
+        and those of checkpoints whose folder is gone. Whether it wrote; a failure only costs
+        later starts their derivation."""
         if self.path is None or self.made == 0:
             return False
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        metadata = self._used_kinds | ({_FOLDER: str(self.folder)} if self.folder is not None else {})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_aligned(tmp, self._used, self._used_kinds)
+            write_aligned(tmp, self._used, metadata)
             tmp.replace(self.path)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:  # disk full, read-only cache, a dtype
             with contextlib.suppress(OSError):
@@ -122,8 +135,8 @@ class PreparedTensors:
             logger.warning("could not keep the prepared weights in %s (%s)", self.path, exc)
             return False
         prefix = self.path.name.rsplit("-", 1)[0] + "-"
-        for old in self.path.parent.glob(f"{prefix}*.safetensors"):
-            if old != self.path:
+        for old in self.path.parent.glob("*.safetensors"):
+            if old != self.path and (old.name.startswith(prefix) or _folder_gone(old)):
                 old.unlink(missing_ok=True)
         return True
 
@@ -165,6 +178,18 @@ def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         f.write(text)
         for part in layout:
             f.write(bytes(part) if isinstance(part, int) else part.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _folder_gone(path: Path) -> bool:
+    """Whether the checkpoint folder `path` records no longer exists (reads the header only)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(size, 64 << 20)))
+        folder = header.get("__metadata__", {}).get(_FOLDER)
+    except (OSError, ValueError, struct.error, AttributeError):
+        return False  # not ours to judge
+    return isinstance(folder, str) and not Path(folder).is_dir()
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
