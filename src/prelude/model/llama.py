@@ -68,10 +68,12 @@ class CastWeights(Mapping[str, torch.Tensor]):
         found = self._cast.get(name)
         if found is None:
             tensor = self._source[name]
-            cast = lambda: tensor.to(dtype=self._dtype, device=self._device)  # noqa: E731
-            # A tensor already in the dtype is the checkpoint's own: nothing derived to keep.
-            found = self._cast[name] = cast() if tensor.dtype == self._dtype else self._prepared.tensor(
-                f"cast:{name}", cast)
+            if tensor.dtype == self._dtype:  # the checkpoint's own tensor: nothing derived to keep
+                found = tensor.to(device=self._device)
+            else:
+                found = self._prepared.tensor(f"cast:{name}",
+                                              lambda: tensor.to(dtype=self._dtype, device=self._device))
+            self._cast[name] = found
         return found
 
     def __contains__(self, name: object) -> bool:

@@ -146,7 +146,11 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 def weight_files(model_dir: Path) -> list[Path]:
     """The checkpoint's files a build reads: its safetensors, and a converted GGUF's blocks."""
-    return sorted(model_dir.glob("*.safetensors")) + [p for p in [model_dir / BLOCKS_FILE] if p.is_file()]
+    return _safetensors_files(model_dir) + [p for p in [model_dir / BLOCKS_FILE] if p.is_file()]
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("*.safetensors"))
 
 
 def prepared_dir() -> Path:
@@ -155,7 +159,7 @@ def prepared_dir() -> Path:
 
 
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = _safetensors_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     weights: dict[str, torch.Tensor] = {}

@@ -15,6 +15,7 @@ lacks is derived as before, and the file is written again, whole, at the end of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -47,15 +48,16 @@ class PreparedTensors:
     """Derived tensors by key: read from the file where it has them, else made (and kept
     for `save`). `path` None: nothing is read or written (random-weight models, tests)."""
 
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
+    def __init__(self, path: Path | None, folder: Path | None = None) -> None:
+        """`folder`: the checkpoint's, recorded in the file (a later save drops the file once
+        the folder is gone)."""
+        self.path, self.folder = path, folder
         self._stored: dict[str, torch.Tensor] = {}
         self._kinds: dict[str, str] = {}
         self._used: dict[str, torch.Tensor] = {}
         self._used_kinds: dict[str, str] = {}
         self.made = 0  # entries derived in this build
         self.read = 0  # entries taken from the file
-        self.folder: Path | None = None  # the checkpoint's (for_checkpoint), recorded in the file
         if path is not None and path.is_file():
             self._read(path)
 
@@ -71,17 +73,13 @@ class PreparedTensors:
         key = hashlib.sha256(f"{_FORMAT}|{torch.__version__}|{dtype}".encode())
         for f, st in zip(files, stats):
             key.update(f"|{f}|{st.st_size}|{st.st_mtime_ns}".encode())
-        here = Path(__file__).parent
-        for name in _DERIVING_CODE:
-            key.update((here / name).read_bytes())
+        key.update(_deriving_code_digest())
         # The folder's name and a hash of its path: two checkpoints in folders of one name keep
         # a file each (a save drops only the files of its own checkpoint and dtype).
         folder = files[0].parent if files else Path("model")
         stem = f"{folder.name}-{hashlib.sha256(str(folder).encode()).hexdigest()[:8]}"
         dtype_name = str(dtype).removeprefix("torch.")
-        store = PreparedTensors(cache_dir / f"{stem}-{dtype_name}-{key.hexdigest()[:16]}.safetensors")
-        store.folder = folder
-        return store
+        return PreparedTensors(cache_dir / f"{stem}-{dtype_name}-{key.hexdigest()[:16]}.safetensors", folder)
 
     def tensor(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The entry `key`: the file's, else `make()`."""
@@ -178,6 +176,12 @@ def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         f.write(text)
         for part in layout:
             f.write(bytes(part) if isinstance(part, int) else part.reshape(-1).view(torch.uint8).numpy().data)
+
+
+@functools.cache
+def _deriving_code_digest() -> bytes:
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in _DERIVING_CODE)).digest()
 
 
 def _folder_gone(path: Path) -> bool:

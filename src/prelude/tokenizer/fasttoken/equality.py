@@ -113,7 +113,7 @@ def compare(fast: FastTokenizer, hf: RustTokenizer, corpus: tuple[str, ...] = CO
     return None
 
 
-def check(tokenizer_json: Path, delegate: Any | None = None, use_cache: bool = True) -> tuple[FastTokenizer | None, str]:
+def check(tokenizer_json: Path, use_cache: bool = True) -> tuple[FastTokenizer | None, str]:
     """(fasttoken, "equal") when it passes the check, else (None, the reason)."""
     digest = tokenizer_hash(tokenizer_json)
     verdict_path = _verdict_file(digest)
@@ -124,7 +124,7 @@ def check(tokenizer_json: Path, delegate: Any | None = None, use_cache: bool = T
     try:
         # The tables are kept only where verdicts are (use_cache), named like this one.
         tables_file = verdict_path.with_suffix(".tables") if use_cache else None
-        fast = FastTokenizer(tokenizer_json, delegate, tables_file=tables_file)
+        fast = FastTokenizer(tokenizer_json, tables_file=tables_file)
     except (Unsupported, ValueError) as exc:
         return None, f"unsupported: {exc}"
     if cached is not None:
