@@ -279,3 +279,14 @@ def test_scenario_a_alternates_the_peers_order_prompt_by_prompt() -> None:
                         ("raw", ""), ("vllm", "p1"), ("prelude", "p1"),
                         ("raw", ""), ("prelude", "p2"), ("vllm", "p2")]
     assert [len(r.records) for r in res.values()] == [3, 3] and len(raw_s) == 3
+
+
+def test_the_judge_scenario_runs_cold_and_warm_waves_at_any_scale() -> None:
+    from prelude.bench.serve_bench import JUDGE_WAVES, _sizes
+
+    # 16 requests at c=16 were one wave: the cold prefix's only. Now JUDGE_WAVES waves, the
+    # first cold and the rest on the cached prefix.
+    assert _sizes(0.25, 16)["e"] == JUDGE_WAVES * 16 == 64
+    assert _sizes(0.25, 4)["e"] == 16  # the scaled count where it already gives enough waves
+    assert _sizes(4.0, 16)["e"] == 256
+    assert _sizes(0.01, 1)["e"] == 8  # the floor
