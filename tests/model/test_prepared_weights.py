@@ -14,6 +14,7 @@ import torch
 
 from prelude import LLM, SamplingParams
 from prelude.executor import runner as runner_module
+from prelude.model.amx_gemm import load_amx_gemm
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.prepared import PreparedTensors
 
@@ -31,6 +32,8 @@ def _model_tensors(llm: LLM) -> dict[str, torch.Tensor]:
             if p.blocks is not None:
                 out |= {f"{i}.{name}.blocks.{k}": t for k, t in vars(p.blocks.blocks).items()
                         if isinstance(t, torch.Tensor)}
+            if p.amx_gemm is not None:  # amx_gemm.c's own copy (bf16 on an AMX CPU)
+                out[f"{i}.{name}.amx"] = p.amx_copy()
         out[f"{i}.norms"] = torch.cat([layer.input_norm, layer.post_norm])
     return out
 
@@ -53,7 +56,7 @@ def test_a_start_from_prepared_weights_derives_nothing_and_builds_the_same_model
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="prelude.executor"):
         second = LLM(dtype=dtype, max_model_len=256, kv_cache_memory_gib=0.05)
-    assert "prepared weights (casts, stacks): read from" in caplog.text
+    assert "prepared weights (casts, stacks, AMX copies): read from" in caplog.text
     second_tensors = _model_tensors(second)
     assert second_tensors.keys() == first_tensors.keys()
     for name, t in first_tensors.items():
@@ -65,6 +68,22 @@ def test_a_start_from_prepared_weights_derives_nothing_and_builds_the_same_model
     assert any(k.startswith("stack:") for k in keys)
     # float32 keeps no casts: the checkpoint's own tensors are already in that dtype
     assert any(k.startswith("cast:") for k in keys) == (dtype == "bfloat16")
+    # amx_gemm.c's copies where it serves (bf16 on an AMX CPU), one per trunk projection
+    amx_here = dtype == "bfloat16" and load_amx_gemm() is not None
+    assert sum(k.startswith("amx:") for k in keys) == (4 * len(second.engine.runner.model.layers) if amx_here else 0)
+
+
+@pytest.mark.skipif(load_amx_gemm() is None, reason="no AMX-BF16 here: projections keep no amx_gemm.c copy")
+def test_an_amx_copy_of_another_shape_is_refused() -> None:
+    from prelude.model.linear import Projection
+
+    p = Projection(torch.randn(64, 96).bfloat16(), prepack=True)
+    made = torch.zeros(64 * 96 // 2, dtype=torch.int32)
+    p.amx_copy_from(lambda make: made)
+    assert p.amx_copy() is made  # taken as given, not packed again
+    for wrong in (torch.zeros(64 * 64 // 2, dtype=torch.int32), torch.zeros(64 * 96 // 2, dtype=torch.int16)):
+        with pytest.raises(ValueError, match="an AMX copy"):
+            Projection(torch.randn(64, 96).bfloat16(), prepack=True).amx_copy_from(lambda make, w=wrong: w)
 
 
 def _checkpoint(tmp_path: Path) -> Path:

@@ -252,14 +252,14 @@ class ModelRunner:
         model = build_model(model_config, weights, dtype, device, attention, max_positions,  # type: ignore[arg-type]
                             prepack=config.compile == "off", blocks=blocks, prepared=prepared)
         if prepared is not None and prepared.read and not prepared.made:
-            logger.info("prepared weights (casts, stacks): read from %s", prepared.path)
+            logger.info("prepared weights (casts, stacks, AMX copies): read from %s", prepared.path)
         elif prepared is not None and prepared.save():
-            logger.info("prepared weights (casts, stacks): %d derived at this start, kept in %s for the next",
+            logger.info("prepared weights (casts, stacks, AMX copies): %d derived at this start, kept in %s for the next",
                         prepared.made, prepared.path)
         if config.pack_at_start:
             start = time.perf_counter()
             if made := model.make_packed_copies():
-                logger.info("%d projections' packed copies: amx_gemm.c's made at start (%.2f s), oneDNN's by a thread "
+                logger.info("%d projections' packed copies: amx_gemm.c's ready at start (%.2f s), oneDNN's by a thread "
                             "meanwhile, not by the first prompt", made, time.perf_counter() - start)
         return cls(model, block_size, config, lora)
 

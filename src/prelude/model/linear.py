@@ -63,6 +63,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -223,6 +224,17 @@ class Projection:
     def amx_copy(self) -> torch.Tensor | None:
         """amx_gemm.c's packed copy (made now if it is not yet), or None where it does not serve."""
         return None if self._amx is None else self._amx_weight()
+
+    def amx_copy_from(self, source: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
+        """amx_gemm.c's copy as `source(make)` gives it: one an earlier start kept
+        (model/prepared.py), or make()'s. Nothing where amx_gemm.c does not serve."""
+        if self._amx is None:
+            return
+        packed = source(self._amx_weight)
+        if packed.dtype != torch.int32 or packed.numel() * 2 != self.weight.numel():
+            raise ValueError(f"an AMX copy of {packed.dtype} x {packed.numel()} for a weight of "
+                             f"{tuple(self.weight.shape)}")
+        self._amx_packed = packed
 
     def _amx_weight(self) -> torch.Tensor:
         if self._amx_packed is None:

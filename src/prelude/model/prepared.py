@@ -41,7 +41,7 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float
 MIN_CHECKPOINT_BYTES = 128 << 20
 _FOLDER = "\x00folder"  # metadata: the checkpoint's folder, so a save can drop files of deleted ones
 # The modules whose code decides each entry's bits: a change to any of them is a new file.
-_DERIVING_CODE = ("llama.py", "ggml_blocks.py", "prepared.py")
+_DERIVING_CODE = ("llama.py", "ggml_blocks.py", "prepared.py", "amx_gemm.py", "amx_gemm.c")
 
 
 class PreparedTensors:
