@@ -221,3 +221,37 @@ def test_an_unwritable_cache_only_warns(tmp_path: Path, caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING, logger="prelude.model.prepared"):
         assert not store.save()
     assert "could not keep the prepared weights" in caplog.text
+
+
+def test_two_versions_of_the_deriving_code_keep_a_file_each_and_a_third_drops_the_least_recent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prelude.model import prepared as prepared_module
+
+    cache = tmp_path / "prepared"
+    ckpt = _checkpoint(tmp_path)
+
+    def build_with(code: bytes) -> PreparedTensors:
+        monkeypatch.setattr(prepared_module, "_deriving_code_digest", lambda: code)
+        store = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache, min_bytes=0)
+        store.tensor("cast:w", lambda: torch.ones(2))
+        return store
+
+    # a file of the earlier naming ({stem}-{dtype}-{key}), as a version before this one left it
+    first = build_with(b"\x01" * 32)
+    assert first.path is not None
+    cache.mkdir()
+    legacy = cache / (first.path.name.rsplit(".", 3)[0] + "-0123456789abcdef.safetensors")
+    legacy.write_bytes(b"")
+    assert first.save() and not legacy.exists()
+    second = build_with(b"\x02" * 32)
+    assert second.path != first.path and second.save()
+    assert first.path.is_file() and second.path is not None and second.path.is_file()  # no ping-pong
+    # each version's next start reads its own file and derives nothing
+    for store, code in ((first, b"\x01" * 32), (second, b"\x02" * 32)):
+        again = build_with(code)
+        assert again.path == store.path and again.made == 0 and again.read == 1 and not again.save()
+    os.utime(second.path, ns=(0, 10**9))  # the second version's file is the least recently used
+    os.utime(first.path, ns=(0, 2 * 10**9))
+    third = build_with(b"\x03" * 32)
+    assert third.save() and third.path is not None and third.path.is_file()
+    assert first.path.is_file() and not second.path.exists()

@@ -10,6 +10,8 @@ nothing.
 The file's name holds everything its tensors depend on: the checkpoint's files (path,
 size, mtime), the dtype, torch's version and a digest of the code that derives them. An entry the file
 lacks is derived as before, and the file is written again, whole, at the end of the build.
+A save drops what no start will read again, but keeps the most recently used file of
+other deriving code for the same checkpoint (another installed version).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float
 # Checkpoints smaller than this derive in a blink and get no file: tests' random-weight
 # models in temporary folders would otherwise leave one per folder.
 MIN_CHECKPOINT_BYTES = 128 << 20
+# Files of the same checkpoint and dtype made by other deriving code that a save keeps (the
+# most recently used first): a second version of Prelude beside this one.
+KEEP_OTHER_CODE = 1
 _FOLDER = "\x00folder"  # metadata: the checkpoint's folder, so a save can drop files of deleted ones
 # The modules whose code decides each entry's bits: a change to any of them is a new file.
 _DERIVING_CODE = ("llama.py", "ggml_blocks.py", "prepared.py", "amx_gemm.py", "amx_gemm.c")
@@ -70,16 +75,16 @@ class PreparedTensors:
         stats = [f.stat() for f in files]
         if sum(st.st_size for st in stats) < min_bytes:
             return PreparedTensors(None)
-        key = hashlib.sha256(f"{_FORMAT}|{torch.__version__}|{dtype}".encode())
+        inputs = hashlib.sha256(f"{_FORMAT}|{torch.__version__}|{dtype}".encode())
         for f, st in zip(files, stats):
-            key.update(f"|{f}|{st.st_size}|{st.st_mtime_ns}".encode())
-        key.update(_deriving_code_digest())
+            inputs.update(f"|{f}|{st.st_size}|{st.st_mtime_ns}".encode())
         # The folder's name and a hash of its path: two checkpoints in folders of one name keep
         # a file each (a save drops only the files of its own checkpoint and dtype).
         folder = files[0].parent if files else Path("model")
         stem = f"{folder.name}-{hashlib.sha256(str(folder).encode()).hexdigest()[:8]}"
         dtype_name = str(dtype).removeprefix("torch.")
-        return PreparedTensors(cache_dir / f"{stem}-{dtype_name}-{key.hexdigest()[:16]}.safetensors", folder)
+        name = f"{stem}-{dtype_name}.{inputs.hexdigest()[:12]}.{_deriving_code_digest().hex()[:8]}.safetensors"
+        return PreparedTensors(cache_dir / name, folder)
 
     def tensor(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The entry `key`: the file's, else `make()`."""
@@ -116,9 +121,8 @@ class PreparedTensors:
 
     def save(self) -> bool:
         """Write the entries this build used, when it derived any (atomically: a reader never
-        sees half a file), and remove the files of this checkpoint for other code or files
-        and those of checkpoints whose folder is gone. Whether it wrote; a failure only costs
-        later starts their derivation."""
+        sees half a file), and remove the files it supersedes (_superseded). Whether it
+        wrote; a failure only costs later starts their derivation."""
         if self.path is None or self.made == 0:
             return False
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -132,10 +136,8 @@ class PreparedTensors:
                 tmp.unlink(missing_ok=True)
             logger.warning("could not keep the prepared weights in %s (%s)", self.path, exc)
             return False
-        prefix = self.path.name.rsplit("-", 1)[0] + "-"
-        for old in self.path.parent.glob("*.safetensors"):
-            if old != self.path and (old.name.startswith(prefix) or _folder_gone(old)):
-                old.unlink(missing_ok=True)
+        for old in _superseded(self.path):
+            old.unlink(missing_ok=True)
         return True
 
     def _read(self, path: Path) -> None:
@@ -148,6 +150,36 @@ class PreparedTensors:
         except (OSError, RuntimeError, ValueError, SafetensorError) as exc:  # truncated or foreign: derive again
             logger.warning("ignoring the unreadable prepared weights %s (%s)", path, exc)
             self._stored, self._kinds = {}, {}
+            return
+        with contextlib.suppress(OSError):
+            os.utime(path)  # its mtime is its last use: what _superseded keeps the newest of
+
+
+def _superseded(path: Path) -> list[Path]:
+    """The files a save of `path` drops: those of checkpoints whose folder is gone; of the
+    same checkpoint and dtype, those for other files (a changed checkpoint, another torch)
+    or of an earlier naming; and of the same inputs but other deriving code, all but the
+    most recently used one (two versions of Prelude on one machine, or an old vs new bench,
+    would otherwise drop each other's file at every start)."""
+    prefix, inputs, _code, _ = path.name.rsplit(".", 3)
+    other_code: list[tuple[float, Path]] = []
+    drop: list[Path] = []
+    for old in path.parent.glob("*.safetensors"):
+        if old == path:
+            continue
+        parts = old.name.rsplit(".", 3)
+        if old.name.startswith(prefix + "-"):  # the earlier naming: {stem}-{dtype}-{key}.safetensors
+            drop.append(old)
+        elif len(parts) == 4 and parts[0] == prefix:
+            if parts[1] != inputs:
+                drop.append(old)
+            else:
+                with contextlib.suppress(OSError):
+                    other_code.append((old.stat().st_mtime, old))
+        elif _folder_gone(old):
+            drop.append(old)
+    other_code.sort(reverse=True)
+    return drop + [old for _, old in other_code[KEEP_OTHER_CODE:]]
 
 
 def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
