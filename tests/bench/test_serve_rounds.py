@@ -188,8 +188,16 @@ class _FakeRaw:
     def roofline(self, tokens: int) -> tuple[float, float]:
         return 1e9, 2.0
 
+    def __init__(self) -> None:
+        self.waves: list[tuple[list[list[int]], int]] = []
 
-def _fake_run(monkeypatch: pytest.MonkeyPatch, rounds: int) -> tuple[dict, list[tuple[str, list]], Workload]:
+    def waves_req_s(self, prompts: list[list[int]], wave: int) -> float:
+        self.waves.append(([list(p) for p in prompts], wave))
+        return 40.0 + 10.0 * len(self.waves)  # 50 req/s in round 0, 60 in round 1
+
+
+def _fake_run(monkeypatch: pytest.MonkeyPatch, rounds: int,
+              raw: _FakeRaw | None = None) -> tuple[dict, list[tuple[str, list]], Workload]:
     """run_scenarios' (b), (c) and (e) for prelude (2x faster) and vllm, run_load faked:
     (its results, each run's (progress label, payloads), the workload)."""
     import contextlib
@@ -215,7 +223,7 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, rounds: int) -> tuple[dict, list[
     wl = build_workload(tok, SIZES, [1, 4], args)
     peers = [serve_bench.Peer(PeerSpec(n, (), "/health", None, frozenset({COMPLETIONS})), "http://x", 0.0)
              for n in ("prelude", "vllm")]
-    out, _ = serve_bench.run_scenarios(peers, wl, args, {"b", "c", "e"}, _FakeRaw(), tok)
+    out, _ = serve_bench.run_scenarios(peers, wl, args, {"b", "c", "e"}, raw or _FakeRaw(), tok)
     return out, runs, wl
 
 
@@ -290,3 +298,50 @@ def test_the_judge_scenario_runs_cold_and_warm_waves_at_any_scale() -> None:
     assert _sizes(0.25, 4)["e"] == 16  # the scaled count where it already gives enough waves
     assert _sizes(4.0, 16)["e"] == 256
     assert _sizes(0.01, 1)["e"] == 8  # the floor
+
+
+def test_the_judge_is_also_run_in_process_after_prelude_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = _FakeRaw()
+    out, runs, wl = _fake_run(monkeypatch, 2, raw)
+    tok = WordTokenizer()
+    # each round's own prompts, tokenized, a wave of the scenario's concurrency at a time
+    assert [wave for _, wave in raw.waves] == [4, 4]
+    for r, (ids, _) in enumerate(raw.waves):
+        prompts = wl.prefix_rounds[r][0]
+        assert len(ids) == len(prompts) and [len(i) for i in ids] == [len(tok.encode(p)) for p in prompts]
+    pre = out["e"]["peers"]["prelude"]
+    served = [rnd["req_s"] for rnd in pre["rounds"]]
+    assert [rnd["in_process_req_s"] for rnd in pre["rounds"]] == [50.0, 60.0]
+    assert [rnd["served_over_in_process"] for rnd in pre["rounds"]] == pytest.approx([served[0] / 50, served[1] / 60])
+    assert "in_process_req_s" not in out["e"]["peers"]["vllm"]
+    row = next(g for g in goals({"scenarios": out, "startup_s": {}}) if "in process" in g["goal"])
+    assert row["measured"] == f"{pre['served_over_in_process']:.2f}x"
+    assert row["status"] == ("met" if pre["served_over_in_process"] >= 0.95 else "short")
+
+
+def test_waves_are_handed_over_a_wave_at_a_time_and_run_to_their_end() -> None:
+    from prelude.bench.ceiling import _waves_req_s
+
+    class Engine:
+        def __init__(self) -> None:
+            self.waiting: list[str] = []
+            self.added: list[tuple[str, list[int]]] = []
+            self.wave_sizes: list[int] = []
+
+        def add_request(self, rid: str, ids: list[int], params: object) -> None:
+            self.waiting.append(rid)
+            self.added.append((rid, ids))
+
+        def has_unfinished(self) -> bool:
+            return bool(self.waiting)
+
+        def step(self) -> None:  # finishes everything handed over so far in one step
+            self.wave_sizes.append(len(self.waiting))
+            self.waiting.clear()
+
+    engine = Engine()
+    prompts = [[i, i + 1] for i in range(10)]
+    assert _waves_req_s(engine, prompts, 4) > 0
+    assert engine.wave_sizes == [4, 4, 2]
+    assert [ids for _, ids in engine.added] == prompts
+    assert len({rid for rid, _ in engine.added}) == 10

@@ -9,6 +9,7 @@ can be measured between server requests, in the same minutes as they are.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Sequence
@@ -42,6 +43,13 @@ class RawModel:
         thread (the same OpenMP team as the forwards), in the model's dtype."""
         return self._worker.submit(_roofline, self._engine, prompt_tokens).result()
 
+    def waves_req_s(self, prompts: Sequence[Sequence[int]], wave: int) -> float:
+        """Requests/s of 1-output `prompts` through this process's engine (prefix cache on),
+        `wave` at a time: each wave handed over at once and run to its end, no HTTP. What a
+        server that clients keep at concurrency `wave` can reach at best (the judge's
+        in-process figure: its waves' shared prefix is cold in the first one only)."""
+        return self._worker.submit(_waves_req_s, self._engine, prompts, wave).result()
+
     def batched(
         self, prompts_long: Sequence[Sequence[int]], iters: int, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16)
     ) -> dict[int, float]:
@@ -56,10 +64,14 @@ class RawModel:
 
 
 def _build_engine(dtype: str) -> Any:
-    from prelude.config import CacheConfig, EngineConfig, ExecutorConfig
+    from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
     from prelude.engine.engine import LLMEngine
 
-    return LLMEngine.from_config(EngineConfig(executor=ExecutorConfig(device="cpu", dtype=dtype), cache=CacheConfig(num_blocks=64)))
+    # 256 blocks: a judge wave's cold prefix and its rows (1,024 + 16 x 64 tokens) fit. No
+    # burst hold: a wave is handed over whole, as the offline LLM's requests are.
+    return LLMEngine.from_config(EngineConfig(executor=ExecutorConfig(device="cpu", dtype=dtype),
+                                              cache=CacheConfig(num_blocks=256),
+                                              scheduler=SchedulerConfig(oneshot_gather_ms=0.0)))
 
 
 def _roofline(engine: Any, prompt_tokens: int) -> tuple[float, float]:
@@ -83,6 +95,22 @@ def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, 
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
+
+_WAVE_IDS = itertools.count()
+
+
+def _waves_req_s(engine: Any, prompts: Sequence[Sequence[int]], wave: int) -> float:
+    from prelude.params import SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), wave):
+        for ids in prompts[start:start + wave]:
+            engine.add_request(f"wave{next(_WAVE_IDS)}", list(ids), one)
+        while engine.has_unfinished():
+            engine.step()
+    return len(prompts) / (time.perf_counter() - t0)
 
 
 def raw_forward_seconds(ids: Sequence[int], dtype: str, iters: int) -> list[float]:

@@ -142,6 +142,12 @@ def markdown(result: dict[str, Any]) -> str:
                  _f(s["input_tok_s"], 0), _errors(s)] for p, s in e["peers"].items()]
         lines += _table(["peer", "req/s", "TTFT p50 ms", "TTFT p95 ms", "E2E p95 ms", "input tok/s", "errors"], rows)
         lines += _rounds_section(e, n, ["req_s"], " (a fresh shared prefix every round: each round's first wave is cold)")
+        if (pre := e["peers"].get("prelude", {})).get("in_process_req_s"):
+            by_round = [r.get("served_over_in_process") for r in pre.get("rounds", [])]
+            lines += ["", f"The same requests in process (a wave of {e['concurrency']} handed over at once, no HTTP, "
+                      f"right after Prelude's served run): {_f(pre['in_process_req_s'], 2)} req/s; served / in "
+                      f"process {_f(pre['served_over_in_process'], 2)}x"
+                      + (f" ({', '.join(_f(x, 2) for x in by_round if x is not None)} by round)" if len(by_round) > 1 else "")]
         lines += [""]
     if result.get("goals"):
         rounds = result.get("rounds", 1)
