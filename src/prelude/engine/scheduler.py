@@ -122,16 +122,21 @@ class OneShotLeader:
         return self.publish_blocks[:shared]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of a and b (slice comparisons, a binary search)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+_PREFIX_CHUNK = 64
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of a and b: equal 64-token slices skipped,
+    then token by token. A binary search over whole-prefix slices copied O(n log n) tokens a
+    pair: ~0.17 ms for two 1,088-token judge prompts, 2.5 ms a wave of 16 at every engine
+    iteration of a burst's gathering, on the engine thread, holding the GIL the HTTP
+    thread needed to parse the rest of the burst."""
+    n, i = min(len(a), len(b)), 0
+    while i + _PREFIX_CHUNK <= n and a[i:i + _PREFIX_CHUNK] == b[i:i + _PREFIX_CHUNK]:
+        i += _PREFIX_CHUNK
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def shareable_tokens(req: Request) -> list[int]:
@@ -439,7 +444,7 @@ class Scheduler:
         budget, total, before = self._oneshot_budget(), 0, None
         for req in self.oneshot_waiting:
             prompt = req.prompt_token_ids
-            total += len(prompt) - (_common_prefix(prompt, before) if before is not None else 0)
+            total += len(prompt) - (common_prefix(prompt, before) if before is not None else 0)
             if total >= budget:
                 return True
             before = prompt
