@@ -10,10 +10,9 @@ running the HTTP work of the late arrivals on the cores the forward was using.
 The rule: after a step with OneShot rows, expect as many OneShot requests as that step
 finished plus those already waiting, and hold a OneShot-only step (no paged work in the
 engine: nobody's next token waits on it) while fewer than that are waiting, for as long
-as the burst keeps coming (no arrival gap above `ANNOUNCED_GAP_S` or 2% of that step once
-one came) and at most `INGEST_S` per expected request (at most a quarter of that step's
-duration) or 5% of it, whichever is longer (capped by `--oneshot-gather-ms`). A request that comes alone (c=1)
-finds the count met at once and waits for nothing; open-loop arrivals wait at most that bound.
+as the burst keeps coming (no arrival gap above `GAP_S` or 2% of that step once one came)
+and at most 5% of that step's duration (capped by `--oneshot-gather-ms`). A request that comes alone (c=1) finds the
+count met at once and waits for nothing; open-loop arrivals wait at most that fraction.
 Offline handovers (`LLM.generate`) turn it off: everything is handed over before the step.
 
 A burst that no step announced (the first wave of a judge: c=16 requests sharing a cold
@@ -43,18 +42,6 @@ from prelude.engine.request import Request
 GAP_S = 0.005
 GAP_FRACTION = 0.02
 STEP_FRACTION = 0.05  # the longest hold, as a fraction of the last OneShot step's duration
-# An announced burst: its requests come back over HTTP one after another, each parsed and
-# tokenized by the one front thread, whatever the step took: a judge wave of 16 (1,088-token
-# prompts) reached the engine 66-230 ms after its step on a 2-core machine, 0.1-15 ms apart.
-# 5% of a 0.3-0.8 s step ended the hold 16-40 ms in, and the wave split (9 + 7, 1 + 15, 6 +
-# 10: a split the closed loop repeats, each part a smaller, costlier step; holes of 13-24 ms
-# between two arrivals). So the hold may
-# last INGEST_S a request expected (at least 5% of the step, at most a quarter of it: what
-# waiting can cost open-loop arrivals that never come as a burst), and only a gap longer
-# than ANNOUNCED_GAP_S (or 2% of the step) ends it early: those requests are known to be coming.
-INGEST_S = 0.008
-ANNOUNCED_MAX_FRACTION = 0.25
-ANNOUNCED_GAP_S = 0.03
 LONE_MIN_TOKENS = 512  # a lone request with no burst announced waits for peers from this prompt length on
 
 
@@ -82,18 +69,14 @@ class BurstGather:
         `step_tokens`: the most prompt tokens a step takes (bounds its estimate)."""
         if self.max_wait_s <= 0:
             return False
-        if self.expected > 0 and self.step_s > 0 and 0 <= now - self.opened < self._announced_limit():
+        limit = min(self.max_wait_s, STEP_FRACTION * self.step_s)  # 0 until a step was timed
+        if self.expected > 0 and limit > 0 and 0 <= now - self.opened < limit:  # a burst announced
             if len(waiting) >= self.expected:
                 return False
             newest = max((r.arrival_time for r in waiting), default=self.opened)
             # Before the first request of the burst is back, wait out the round trip (bounded above).
-            return newest <= self.opened or now - newest < max(ANNOUNCED_GAP_S, GAP_FRACTION * self.step_s)
+            return newest <= self.opened or now - newest < max(GAP_S, GAP_FRACTION * self.step_s)
         return self._unannounced(waiting, now, step_tokens)
-
-    def _announced_limit(self) -> float:
-        """The longest hold for the burst the last step announced, from that step's end."""
-        ingest = min(INGEST_S * self.expected, ANNOUNCED_MAX_FRACTION * self.step_s)
-        return min(self.max_wait_s, max(STEP_FRACTION * self.step_s, ingest))
 
     def _unannounced(self, waiting: Sequence[Request], now: float, step_tokens: int | None) -> bool:
         """A burst no step announced: the last request just in, and two or more waiting or a
