@@ -180,16 +180,16 @@ def test_every_round_has_fresh_prompts_and_round_0_is_the_single_rounds() -> Non
 
 
 class _FakeRaw:
-    """RawModel's calls run_scenarios makes for (b), without a model."""
+    """RawModel's calls run_scenarios makes for (b) and (e), without a model."""
+
+    def __init__(self) -> None:
+        self.waves: list[tuple[list[list[int]], int]] = []
 
     def batched(self, ids: list[list[int]], iters: int) -> dict[int, float]:
         return {1: 1.0}
 
     def roofline(self, tokens: int) -> tuple[float, float]:
         return 1e9, 2.0
-
-    def __init__(self) -> None:
-        self.waves: list[tuple[list[list[int]], int]] = []
 
     def waves_req_s(self, prompts: list[list[int]], wave: int) -> float:
         self.waves.append(([list(p) for p in prompts], wave))

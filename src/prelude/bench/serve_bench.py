@@ -525,7 +525,7 @@ def goals(result: dict[str, Any]) -> list[dict[str, str]]:
     add("issue 24: 512/1 c=16: prelude req/s >= 0.85x the GEMM roofline", r, None if r is None else r >= 0.85)
     r = sc.get("e", {}).get("peers", {}).get("prelude", {}).get("served_over_in_process")
     # "reach": within 5%, the server's own parsing and tokenizing of each request included
-    add("issue 24: judge (e) served at c: prelude req/s >= 0.95x the same waves in process", r,
+    add("issue 24: judge (e) served: prelude req/s >= 0.95x the same waves in process", r,
         None if r is None else r >= 0.95)
     r = _peer_ratio(sc.get("c", {}), "output_tok_s", "llama.cpp")
     add("decode 128/32 c=4: prelude output tok/s / llama.cpp >= 1", r, None if r is None else r >= 1.0)
