@@ -81,3 +81,31 @@ def test_decode_loop_ab_alternates_the_c_and_the_python_layer_loop() -> None:
     res = _ab_decode_loop(model, c_loop, lambda: seen.append(model.layer_loop), 3)
     assert seen == [c_loop, None] * 3
     assert res["c_median_ms"] >= 0 and res["python_median_ms"] >= 0
+
+
+def test_a_judge_wave_hands_every_prompt_over_before_the_first_step() -> None:
+    from prelude.bench.profile_bench import judge_wave
+
+    class Engine:
+        def __init__(self) -> None:
+            self.waiting: list[list[int]] = []
+            self.added: list[tuple[str, list[int]]] = []
+            self.steps: list[int] = []
+
+        def add_request(self, rid: str, ids: list[int], params: object) -> None:
+            self.added.append((rid, ids))
+            self.waiting.append(ids)
+
+        def has_unfinished(self) -> bool:
+            return bool(self.waiting)
+
+        def step(self) -> None:  # at most 3 requests a step
+            self.steps.append(len(self.waiting))
+            del self.waiting[:3]
+
+    engine, shared = Engine(), [7, 8, 9]
+    suffixes = [[i, i + 1] for i in range(7)]
+    assert judge_wave(engine, shared, suffixes, None, iter(range(100))) == 3  # steps until all answered
+    assert [ids for _, ids in engine.added] == [shared + s for s in suffixes]
+    assert engine.steps == [7, 4, 1]  # all 7 waiting at the first step
+    assert len({rid for rid, _ in engine.added}) == 7

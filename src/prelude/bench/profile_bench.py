@@ -2,9 +2,11 @@
 profiler script.
 
 In process (no HTTP), one engine per dtype on the default model (or --model), torch's
-profiler around engine steps of two workloads:
+profiler around engine steps of two workloads, and a third on request:
 - prefill: `--prefills` prompts of `--prompt-tokens` fresh tokens, one at a time, 1 output;
-- decode: `--decode-rows` requests decoding together, `--decode-steps` steps.
+- decode: `--decode-rows` requests decoding together, `--decode-steps` steps;
+- judge (`--judge P`): a warm judge wave, `--judge-requests` prompts of a cached P-token
+  prefix and `--judge-suffix-tokens` new tokens each, handed over at once, 1 output each.
 Both split over the Python layer loop; where small steps take the C layer loop
 (model/layer_loop.py: a step is one call there), that loop is timed against the Python
 one after, on decode steps, unprofiled.
@@ -25,6 +27,7 @@ import contextlib
 import functools
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -150,17 +153,39 @@ def _drain(engine: Any) -> int:
     return steps
 
 
+def judge_wave(engine: Any, shared: list[int], suffixes: list[list[int]], params: Any, ids: Iterator[int]) -> int:
+    """One judge wave: every prompt (`shared` + its suffix) handed over before the first step,
+    then the engine run until all are answered; how many steps that took."""
+    for suffix in suffixes:
+        engine.add_request(f"j{next(ids)}", shared + suffix, params)
+    return _drain(engine)
+
+
+@dataclass(frozen=True)
+class JudgeShape:
+    """The judge profile's wave: `requests` prompts of a cached `prefix_tokens` prefix plus
+    `suffix_tokens` new tokens each (prefix_tokens 0: no judge profile)."""
+
+    prefix_tokens: int = 0
+    requests: int = 16
+    suffix_tokens: int = 64
+
+
 def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: int, decode_rows: int,
               decode_steps: int, seed: int, prune_last_layer: bool = True, ab_last_layer: int = 0,
-              ab_prefix_tokens: int = 0) -> dict[str, Any]:
+              ab_prefix_tokens: int = 0, judge: JudgeShape = JudgeShape()) -> dict[str, Any]:
     from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
     from prelude.engine.engine import LLMEngine
     from prelude.params import SamplingParams
 
+    # No burst gathering: every workload here is handed over before its steps (as the offline
+    # LLM's), and a held step would be spent spinning in the profile's "other".
     engine = LLMEngine.from_config(EngineConfig(
         model=model_path, executor=ExecutorConfig(device="cpu", dtype=dtype, prune_last_layer=prune_last_layer),
-        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=ab_prefix_tokens > 0),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, prompt_tokens + ab_prefix_tokens)),
+        cache=CacheConfig(kv_cache_memory_gib=1.0, enable_prefix_caching=ab_prefix_tokens > 0 or judge.prefix_tokens > 0),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, prompt_tokens + ab_prefix_tokens,
+                                                             judge.requests * judge.suffix_tokens),
+                                  oneshot_gather_ms=0.0),
     ))
     model = engine.runner.model
     vocab = int(model.config.vocab_size)
@@ -209,6 +234,17 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
             _drain(engine)
             start_decode(decode_rows)
             result["decode_c_loop"] = _ab_decode_loop(model, c_loop, engine.step, decode_steps)
+        engine.abort_all()
+        _drain(engine)
+        if judge.prefix_tokens > 0:
+            shared = _prompts(1, judge.prefix_tokens, vocab, seed + 5)[0]
+
+            def wave() -> int:
+                suffixes = _prompts(judge.requests, judge.suffix_tokens, vocab, seed + 6 + next(counter))
+                return judge_wave(engine, shared, suffixes, one, counter)
+
+            wave()  # computes and caches the prefix (a cold wave), and the first calls' allocations
+            result["judge"] = profile_steps(wave, model)
     finally:
         model.layer_loop = c_loop
     engine.abort_all()
@@ -263,8 +299,11 @@ def _ab_last_layer(engine: Any, prefill_run: Callable[[list[list[int]]], Callabl
             for m, t in times.items()}
 
 
-def print_result(res: dict[str, Any], prompt_tokens: int, decode_rows: int) -> None:
-    for work, what in (("prefill", f"{prompt_tokens}-token prefill"), ("decode", f"{decode_rows}-row decode step")):
+def print_result(res: dict[str, Any], prompt_tokens: int, decode_rows: int, judge: JudgeShape = JudgeShape()) -> None:
+    works = [("prefill", f"{prompt_tokens}-token prefill"), ("decode", f"{decode_rows}-row decode step")]
+    if "judge" in res:
+        works.append(("judge", f"judge step ({judge.requests} x {judge.suffix_tokens} over a cached {judge.prefix_tokens})"))
+    for work, what in works:
         r = res[work]
         parts = "  ".join(f"{c} {r['ms_per_forward'][c]:7.2f} ms ({100 * r['ms_per_forward'][c] / r['wall_ms_per_forward']:3.0f}%)"
                           for c in CATEGORIES)
@@ -284,8 +323,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, work in zip(axes, ("prefill", "decode")):
+    works = ("prefill", "decode") + (("judge",) if all("judge" in r for r in results) else ())
+    fig, axes = plt.subplots(1, len(works), figsize=(5.5 * len(works), 4))
+    for ax, work in zip(axes, works):
         bottom = [0.0] * len(results)
         labels = [r["dtype"] for r in results]
         for c in CATEGORIES:
@@ -319,8 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab-prefix-tokens", type=int, default=0, metavar="P",
                    help="the A/B's prompts: a shared P-token prefix (cached: prefix caching on) before the "
                         "--prompt-tokens new ones")
+    p.add_argument("--judge", type=int, default=0, metavar="P",
+                   help="also profile a warm judge wave: --judge-requests prompts of a cached P-token prefix and "
+                        "--judge-suffix-tokens new tokens each, handed over at once (0: no judge profile)")
+    p.add_argument("--judge-requests", type=int, default=16)
+    p.add_argument("--judge-suffix-tokens", type=int, default=64)
     p.add_argument("--out", default="bench_results/profile")
     args = p.parse_args(argv)
+    judge = JudgeShape(args.judge, args.judge_requests, args.judge_suffix_tokens)
     from prelude.bench.results import write_json
     from prelude.executor.device import cpu_isa_flags
 
@@ -330,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for dtype in args.dtypes.split(","):
         res = run_dtype(dtype, args.model, args.prefills, args.prompt_tokens, args.decode_rows, args.decode_steps,
-                        args.seed, args.prune_last_layer, args.ab_last_layer, args.ab_prefix_tokens)
-        print_result(res, args.prompt_tokens, args.decode_rows)
+                        args.seed, args.prune_last_layer, args.ab_last_layer, args.ab_prefix_tokens, judge)
+        print_result(res, args.prompt_tokens, args.decode_rows, judge)
         if "last_layer_ab" in res:
             ab = res["last_layer_ab"]
             cached = f"{args.ab_prefix_tokens} cached + " if args.ab_prefix_tokens else ""
