@@ -7,7 +7,7 @@ profiler around engine steps of two workloads, and a third on request:
 - decode: `--decode-rows` requests decoding together, `--decode-steps` steps;
 - judge (`--judge P`): a warm judge wave, `--judge-requests` prompts of a cached P-token
   prefix and `--judge-suffix-tokens` new tokens each, handed over at once, 1 output each.
-Both split over the Python layer loop; where small steps take the C layer loop
+Each is split over the Python layer loop; where small steps take the C layer loop
 (model/layer_loop.py: a step is one call there), that loop is timed against the Python
 one after, on decode steps, unprofiled.
 Each step's time is split into
