@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -100,16 +100,30 @@ def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, 
 _WAVE_IDS = itertools.count()
 
 
+def drain(engine: Any) -> int:
+    """Run `engine` until every request it holds is answered; how many steps that took."""
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return steps
+
+
+def run_wave(engine: Any, prompts: Sequence[Sequence[int]], params: Any, ids: Iterator[int]) -> int:
+    """One wave: every prompt handed over before the first step, then the engine drained;
+    how many steps that took."""
+    for prompt in prompts:
+        engine.add_request(f"wave{next(ids)}", list(prompt), params)
+    return drain(engine)
+
+
 def _waves_req_s(engine: Any, prompts: Sequence[Sequence[int]], wave: int) -> float:
     from prelude.params import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1)
     t0 = time.perf_counter()
     for start in range(0, len(prompts), wave):
-        for ids in prompts[start:start + wave]:
-            engine.add_request(f"wave{next(_WAVE_IDS)}", list(ids), one)
-        while engine.has_unfinished():
-            engine.step()
+        run_wave(engine, prompts[start:start + wave], one, _WAVE_IDS)
     return len(prompts) / (time.perf_counter() - t0)
 
 

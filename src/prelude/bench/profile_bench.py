@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from prelude.bench.ceiling import drain, run_wave
+
 CATEGORIES = ("gemm", "attention", "elementwise", "other")
 _LABEL = "prelude::"
 _GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
@@ -145,20 +147,10 @@ def _prompts(n: int, tokens: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(tokens)] for _ in range(n)]
 
 
-def _drain(engine: Any) -> int:
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return steps
-
-
 def judge_wave(engine: Any, shared: list[int], suffixes: list[list[int]], params: Any, ids: Iterator[int]) -> int:
     """One judge wave: every prompt (`shared` + its suffix) handed over before the first step,
     then the engine run until all are answered; how many steps that took."""
-    for suffix in suffixes:
-        engine.add_request(f"j{next(ids)}", shared + suffix, params)
-    return _drain(engine)
+    return run_wave(engine, [shared + suffix for suffix in suffixes], params, ids)
 
 
 @dataclass(frozen=True)
@@ -197,7 +189,7 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
         def run() -> int:
             for ids in prompts:
                 engine.add_request(f"p{next(counter)}", ids, one)
-                _drain(engine)
+                drain(engine)
             return len(prompts)
         return run
 
@@ -217,7 +209,7 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
     start_decode(decode_rows)
     decode_run(3)()
     engine.abort_all()
-    _drain(engine)
+    drain(engine)
     # The split needs the Python layer loop's calls: a step that runs the C layer loop
     # (model/layer_loop.py: decode steps, prompts of up to 32 tokens) is one call. That
     # loop is timed against the Python one after, on decode steps, unprofiled.
@@ -231,11 +223,11 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
         result["decode"] = profile_steps(decode_run(decode_steps), model)
         if c_loop is not None:  # fresh rows: the A/B's 2 x decode_steps steps
             engine.abort_all()
-            _drain(engine)
+            drain(engine)
             start_decode(decode_rows)
             result["decode_c_loop"] = _ab_decode_loop(model, c_loop, engine.step, decode_steps)
         engine.abort_all()
-        _drain(engine)
+        drain(engine)
         if judge.prefix_tokens > 0:
             shared = _prompts(1, judge.prefix_tokens, vocab, seed + 5)[0]
 
@@ -248,7 +240,7 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
     finally:
         model.layer_loop = c_loop
     engine.abort_all()
-    _drain(engine)
+    drain(engine)
     if ab_last_layer > 0:
         # the A/B's prompts share a cached prefix where asked (the judge's shape), else none
         shared = _prompts(1, ab_prefix_tokens, vocab, seed + 4)[0]
