@@ -36,4 +36,4 @@ def test_answered_ids_are_left_out_and_blank_lines_ignored(tmp_path: Path) -> No
     path = write_lines(tmp_path / "in.jsonl", [_chat("x", "s", "u"), "", _chat("y", "s", "v"), "{bad"])
     plan = plan_job(path, done={id_hash("x")}, done_without_id=1)
     assert plan.total_lines == 3 and plan.already_done == 2
-    assert plan.numbers.tolist() == [3] and plan.malformed == []
+    assert plan.numbers.tolist() == [3] and len(plan.malformed) == 0

@@ -33,7 +33,10 @@ def run_batch(args: argparse.Namespace, front: Any, limits: Any) -> int:
     freeze_startup_heap()  # loaded: a job's full collections skip the model, tokenizer and routes
     try:
         summary = asyncio.run(run_job(front, args.input_file, args.output_file, options, resume=args.resume))
-    except (DuplicateCustomIds, OutputFileError, FileNotFoundError) as exc:
+    except DuplicateCustomIds as exc:
+        print(f"prelude run-batch: {args.input_file}: {exc}", file=sys.stderr)
+        return 1
+    except (OutputFileError, FileNotFoundError) as exc:
         print(f"prelude run-batch: {exc}", file=sys.stderr)
         return 1
     if summary.repaired_bytes:

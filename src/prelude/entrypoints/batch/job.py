@@ -16,15 +16,18 @@ from typing import Any, AsyncIterator, Callable
 
 from prelude.engine.client import EngineClient
 from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
-from prelude.entrypoints.batch.lines import LineError, error_line, load_object, parse_line, response_line
+from prelude.entrypoints.batch.lines import (LineError, custom_id_or_none, error_line, load_object, parse_line,
+                                             response_line)
 from prelude.entrypoints.batch.output import OutputLog
-from prelude.entrypoints.batch.plan import Plan, plan_job
+from prelude.entrypoints.batch.plan import Plan, bad_line, plan_job
 from prelude.entrypoints.openai.limits import ServerLimits
 from prelude.entrypoints.openai.lora_adapters import ServedAdapters
 from prelude.entrypoints.openai.offline import answer
 from prelude.heap import NativeHeapTrim
 
 logger = logging.getLogger("prelude.batch")
+
+MALFORMED_PER_YIELD = 64  # malformed lines answered between two turns of the event loop
 
 
 @dataclass(frozen=True)
@@ -140,12 +143,7 @@ async def _answer_line(engine: Any, raw: bytes, number: int, options: JobOptions
             raise LineError("mismatched_url", f"line {number}: url {line.url!r} is not the batch's endpoint "
                                               f"{options.endpoint!r}")
     except LineError as exc:
-        cid = None
-        try:
-            cid = load_object(raw, number).get("custom_id")
-        except LineError:
-            pass
-        return "error", error_line(cid if isinstance(cid, str) else None, exc.code, exc.message)
+        return "error", error_line(custom_id_or_none(raw, number), exc.code, exc.message)
     for attempt in range(options.unavailable_retries + 1):
         status, body = await answer(engine, line.url, line.body, options.limits, len(raw), options.adapters)
         # A replica that died under the line (scale-out): the cluster client moves requests
@@ -179,8 +177,6 @@ async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, 
             on_line(status)
 
     try:
-        for bad in plan.malformed:  # first and in line order: a resumed run counts them back
-            finished("error", error_line(None, bad.code, bad.message))
         slots = asyncio.Semaphore(max(1, options.max_inflight))
         running: set[asyncio.Task[None]] = set()
 
@@ -193,6 +189,12 @@ async def run_planned(engine: EngineClient, input_path: str | Path, plan: Plan, 
 
         fd = os.open(input_path, os.O_RDONLY)
         try:
+            # first and in line order: a resumed run counts them back
+            for i, (offset, size, number) in enumerate(plan.malformed_lines()):
+                bad = bad_line(os.pread(fd, size, offset), number)
+                finished("error", error_line(None, bad.code, bad.message))
+                if i % MALFORMED_PER_YIELD == MALFORMED_PER_YIELD - 1:
+                    await asyncio.sleep(0)  # a server's other requests between them (a flood held /health 11 s)
             for offset, size, number in plan.lines():
                 await slots.acquire()
                 if stop is not None and stop.is_set():

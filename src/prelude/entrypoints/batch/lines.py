@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from prelude.entrypoints.openai.protocol import first_unencodable
+
 
 @dataclass(frozen=True)
 class BatchLine:
@@ -34,7 +36,9 @@ def id_hash(custom_id: str) -> int:
 def load_object(raw: bytes, number: int) -> dict[str, Any]:
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:  # valid JSON nested deeper than Python's parser goes
+        raise LineError("invalid_json_line", f"line {number}: the JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, a UnicodeDecodeError, an integer of over 4,300 digits
         raise LineError("invalid_json_line", f"line {number}: not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise LineError("invalid_json_line", f"line {number}: a batch line must be a JSON object")
@@ -45,7 +49,19 @@ def custom_id_of(obj: dict[str, Any], number: int) -> str:
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         raise LineError("missing_custom_id", f"line {number}: custom_id must be a non-empty string")
+    if first_unencodable(cid) is not None:  # JSON's "\ud800": no UTF-8 output line could carry it
+        raise LineError("invalid_custom_id", f"line {number}: custom_id holds a lone surrogate, which is not a "
+                                             "Unicode character")
     return cid
+
+
+def custom_id_or_none(raw: bytes, number: int) -> str | None:
+    """The line's custom_id for the output line of a line that cannot run, where it has a
+    usable one."""
+    try:
+        return custom_id_of(load_object(raw, number), number)
+    except LineError:
+        return None
 
 
 def parse_line(obj: dict[str, Any], number: int) -> BatchLine:

@@ -37,13 +37,11 @@ def _text_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
-@dataclass
-class Malformed:
-    """An input line with no usable custom_id: it is answered by line number, in order."""
+_NONE = np.zeros(0, np.int64)
 
-    number: int
-    code: str
-    message: str
+
+def _int64(values: array) -> np.ndarray:
+    return np.frombuffer(values, dtype=np.int64) if len(values) else _NONE
 
 
 @dataclass
@@ -53,7 +51,10 @@ class Plan:
     offsets: np.ndarray  # int64 byte offset of each line to run, in run order
     sizes: np.ndarray  # int64 byte length
     numbers: np.ndarray  # int64 1-based line number
-    malformed: list[Malformed] = field(default_factory=list)  # not yet answered ones, in line order
+    # Lines with no usable custom_id, not yet answered, in line order: (offset, size, line
+    # number) [n, 3] int64, and no message: a flood of them (a 2 MB upload of 1M bad lines)
+    # kept ~250 bytes a line as objects; their error is made again from the line (bad_line).
+    malformed: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
 
     @property
     def to_run(self) -> int:
@@ -63,6 +64,20 @@ class Plan:
         """(offset, size, line number) of each line to run, in run order."""
         for i in range(len(self.offsets)):
             yield int(self.offsets[i]), int(self.sizes[i]), int(self.numbers[i])
+
+    def malformed_lines(self) -> Iterator[tuple[int, int, int]]:
+        """(offset, size, line number) of each malformed line to answer, in line order."""
+        for offset, size, number in self.malformed.tolist():
+            yield offset, size, number
+
+
+def bad_line(raw: bytes, number: int) -> LineError:
+    """Why a line the plan found malformed has no usable custom_id."""
+    try:
+        custom_id_of(load_object(raw, number), number)
+    except LineError as exc:
+        return exc
+    return LineError("invalid_json_line", f"line {number}: the line changed after the job was planned")
 
 
 def _confirm_duplicates(path: Path, offsets: np.ndarray, sizes: np.ndarray, numbers: np.ndarray,
@@ -91,7 +106,7 @@ def plan_job(path: str | Path, done: set[int] | frozenset[int] = frozenset(), do
     keys = [array("Q") for _ in range(len(PREFIX_CUTS) + 1)]  # the cuts, then a chat's shared part
     lengths = array("q")
     pending = array("b")  # 1: to run, 0: already answered
-    malformed: list[Malformed] = []
+    malformed = array("q")  # offset, size, number of each line with no usable custom_id
     total = 0
     offset = 0
     with open(path, "rb") as f:
@@ -104,40 +119,42 @@ def plan_job(path: str | Path, done: set[int] | frozenset[int] = frozenset(), do
             try:
                 obj = load_object(raw, number)
                 cid = custom_id_of(obj, number)
-            except LineError as exc:
-                malformed.append(Malformed(number, exc.code, exc.message))
+            except LineError:
+                malformed.extend((start, size, number))
                 continue
             h = id_hash(cid)
-            text = prefix_text(obj)
+            try:
+                text, shared = prefix_text(obj), shared_part(obj)
+            except RecursionError:  # a body nested nearly as deep as the parser goes: no prefix to group by
+                text, shared = "", None
             offsets.append(start)
             sizes.append(size)
             numbers.append(number)
             hashes.append(h)
-            shared = shared_part(obj)
             bound = len(text) if shared is None else len(shared)  # a chat: up to its last message
             for k, cut in zip(keys, PREFIX_CUTS):
                 k.append(_text_hash(text[:min(cut, bound)]))
             keys[-1].append(0 if shared is None else _text_hash(shared))
             lengths.append(len(text))
             pending.append(0 if h in done else 1)
-    off, siz, num = (np.frombuffer(a, dtype=np.int64) if len(a) else np.zeros(0, np.int64)
-                     for a in (offsets, sizes, numbers))
+    off, siz, num = _int64(offsets), _int64(sizes), _int64(numbers)
     hs = np.frombuffer(hashes, dtype=np.uint64) if len(hashes) else np.zeros(0, np.uint64)
     values, counts = np.unique(hs, return_counts=True)
     if (counts > 1).any():
         dups = _confirm_duplicates(path, off, siz, num, hs, values[counts > 1])
         if dups:
             more = f" and {len(dups) - 5} more" if len(dups) > 5 else ""
-            raise DuplicateCustomIds(f"{path}: custom_id must be unique; repeated: {', '.join(dups[:5])}{more}; "
+            # no path in the message: the server answers it to clients (run-batch names its input)
+            raise DuplicateCustomIds(f"custom_id must be unique; repeated: {', '.join(dups[:5])}{more}; "
                                      "nothing was run")
     run = np.frombuffer(pending, dtype=np.int8).astype(bool) if len(pending) else np.zeros(0, bool)
     key_arrays = [np.frombuffer(k, dtype=np.uint64)[run] if len(k) else np.zeros(0, np.uint64) for k in keys]
-    length = np.frombuffer(lengths, dtype=np.int64)[run] if len(lengths) else np.zeros(0, np.int64)
+    length = _int64(lengths)[run]
     # lexsort: the last key is the primary one. Coarse prefix, finer prefixes, then longest first.
     order = np.lexsort((-length, *reversed(key_arrays)))
     return Plan(
         total_lines=total,
-        already_done=int((~run).sum()) + min(done_without_id, len(malformed)),
+        already_done=int((~run).sum()) + min(done_without_id, len(malformed) // 3),
         offsets=off[run][order], sizes=siz[run][order], numbers=num[run][order],
-        malformed=malformed[done_without_id:],
+        malformed=_int64(malformed).reshape(-1, 3)[done_without_id:],
     )

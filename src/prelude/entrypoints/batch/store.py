@@ -45,7 +45,7 @@ class BatchStore:
         return self.files_dir / f"{file_id}.json"
 
     def new_file_id(self) -> str:
-        return f"file-{uuid.uuid4().hex}"
+        return f"file-{_ordered_hex()}"
 
     def add_file(self, file_id: str, filename: str, purpose: str) -> dict[str, Any]:
         """Record a file whose bytes are already at file_path(file_id)."""
@@ -89,7 +89,7 @@ class BatchStore:
     def new_batch(self, endpoint: str, input_file_id: str, completion_window: str,
                   metadata: dict[str, str] | None) -> dict[str, Any]:
         now = int(time.time())
-        batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
+        batch = {"id": f"batch_{_ordered_hex()}", "object": "batch", "endpoint": endpoint, "errors": None,
                  "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                  "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
@@ -117,6 +117,13 @@ class BatchStore:
             except (FileNotFoundError, ValueError):
                 continue
         return sorted(found, key=lambda b: (b["created_at"], b["id"]))
+
+
+def _ordered_hex() -> str:
+    """An id's hex: the creation time in nanoseconds, then random bits. Lists sort by
+    (created_at, id), and created_at counts whole seconds: ids that sort by time keep a
+    second's batches newest-first, and a restarted server resumes them first-in first-out."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"
 
 
 def _is_id(value: str, prefix: str) -> bool:

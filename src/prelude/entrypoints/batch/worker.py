@@ -101,7 +101,9 @@ class BatchRunner:
         self.store.save_batch(batch)
         stop = self._stops.get(batch_id)
         if stop is not None:
-            stop.set()
+            stop.set()  # running: its lines in flight finish, then _run closes it
+        elif batch_id not in self._live:
+            self._finish(batch, cancelled=True)  # queued: nothing runs, so nothing to wait for
         return batch
 
     # --- the loop ------------------------------------------------------------------
@@ -119,15 +121,21 @@ class BatchRunner:
                 raise
             except Exception as exc:  # noqa: BLE001 - the batch fails, the server goes on
                 logger.exception("batch %s failed", batch_id)
-                self._fail(batch, "batch_failed", f"{type(exc).__name__}: {exc}")
+                try:
+                    self._fail(batch, "batch_failed", f"{type(exc).__name__}: {exc}")
+                except Exception:  # noqa: BLE001 - the loop must outlive one batch's disk trouble
+                    logger.exception("batch %s: its failure could not be recorded", batch_id)
             finally:
                 self._live.pop(batch_id, None)
                 self._stops.pop(batch_id, None)
 
     def _fail(self, batch: dict[str, Any], code: str, message: str) -> None:
-        batch["status"], batch["failed_at"] = "failed", int(time.time())
+        """Close the batch as failed; the lines it answered before are still delivered."""
         batch["errors"] = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
+        self._deliver(batch)
+        batch["status"], batch["failed_at"] = "failed", int(time.time())
         self.store.save_batch(batch)
+        self.store.work_log(batch["id"]).unlink(missing_ok=True)
 
     async def _run(self, batch: dict[str, Any]) -> None:
         batch_id = batch["id"]
@@ -146,6 +154,9 @@ class BatchRunner:
             plan = await asyncio.to_thread(plan_job, source, log.done, log.done_without_id)
         except DuplicateCustomIds as exc:
             self._fail(batch, "duplicate_custom_id", str(exc))
+            return
+        if plan.total_lines == 0:
+            self._fail(batch, "empty_file", f"the input file {batch['input_file_id']} has no request lines")
             return
         ok, failed = _counts(work)
         batch["request_counts"] = {"total": plan.total_lines, "completed": ok, "failed": failed}
@@ -174,17 +185,30 @@ class BatchRunner:
         self._finish(batch, cancelled=stop.is_set() or batch["status"] == "cancelling")
 
     def _finish(self, batch: dict[str, Any], cancelled: bool) -> None:
-        """Split the work log into the output file (2xx answers) and the error file (the
-        rest), as OpenAI does, and close the batch."""
+        """Deliver the work log and close the batch."""
         if not cancelled:
             batch["status"], batch["finalizing_at"] = "finalizing", int(time.time())
             self.store.save_batch(batch)
+        self._deliver(batch)
+        now = int(time.time())
+        if cancelled:
+            batch["status"], batch["cancelled_at"] = "cancelled", now
+        else:
+            batch["status"], batch["completed_at"] = "completed", now
+        self.store.save_batch(batch)
+        self.store.work_log(batch["id"]).unlink(missing_ok=True)
+
+    def _deliver(self, batch: dict[str, Any]) -> None:
+        """Split the work log into the output file (2xx answers) and the error file (the
+        rest), as OpenAI does, and count them."""
         ok_id, err_id = self.store.new_file_id(), self.store.new_file_id()
         ok = failed = 0
         with open(self.store.file_path(ok_id), "wb") as good, open(self.store.file_path(err_id), "wb") as bad:
             try:
                 with open(self.store.work_log(batch["id"]), "rb") as f:
                     for raw in f:
+                        if not raw.endswith(b"\n"):
+                            break  # a torn last line (a server killed mid-write, then the batch failed)
                         line = json.loads(raw)
                         response = line.get("response") or {}
                         if line.get("error") is None and 200 <= response.get("status_code", 0) < 300:
@@ -202,10 +226,3 @@ class BatchRunner:
             if not kept:
                 self.store.file_path(unused).unlink(missing_ok=True)
         batch["request_counts"].update(completed=ok, failed=failed)
-        now = int(time.time())
-        if cancelled:
-            batch["status"], batch["cancelled_at"] = "cancelled", now
-        else:
-            batch["status"], batch["completed_at"] = "completed", now
-        self.store.save_batch(batch)
-        self.store.work_log(batch["id"]).unlink(missing_ok=True)

@@ -6,28 +6,46 @@ they are middlewares in front of every route."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import os
+from typing import Any, Iterator, Literal
 
 from fastapi import FastAPI, File, Form, UploadFile
-from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import StreamingResponse
+from pydantic import field_validator
 
 from prelude.entrypoints.batch.store import BatchStore
 from prelude.entrypoints.batch.worker import BatchRunner
 from prelude.entrypoints.openai.errors import APIError
+from prelude.entrypoints.openai.protocol import RequestBody
 from prelude.entrypoints.openai.routes import ROUTES
 
 FILE_PURPOSES = ("batch", "batch_output", "assistants", "fine-tune", "vision", "user_data", "evals")
 _CHUNK = 1 << 20
 
 
-class BatchCreateRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# OpenAI's bounds on a batch's metadata; the record is rewritten while its batch runs
+METADATA_MAX_PAIRS, METADATA_KEY_MAX_CHARS, METADATA_VALUE_MAX_CHARS = 16, 64, 512
 
+
+class BatchCreateRequest(RequestBody):
     input_file_id: str
     endpoint: str
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is None:
+            return None
+        if len(metadata) > METADATA_MAX_PAIRS:
+            raise ValueError(f"at most {METADATA_MAX_PAIRS} key-value pairs")
+        for key, value in metadata.items():
+            if len(key) > METADATA_KEY_MAX_CHARS:
+                raise ValueError(f"keys are at most {METADATA_KEY_MAX_CHARS} characters")
+            if len(value) > METADATA_VALUE_MAX_CHARS:
+                raise ValueError(f"values are at most {METADATA_VALUE_MAX_CHARS} characters")
+        return metadata
 
 
 def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
@@ -89,9 +107,23 @@ def install_batch_routes(app: FastAPI, runner: BatchRunner) -> None:
         return _file(file_id)
 
     @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str) -> FileResponse:
+    async def file_content(file_id: str) -> StreamingResponse:
         _file(file_id)
-        return FileResponse(store.file_path(file_id), media_type="application/jsonl")
+        # Opened here, before the answer starts: a delete racing the download then either
+        # comes first (a 404) or leaves this open copy whole (a path handed to a response
+        # that opened it later gave a 500 naming the server's path, or a cut-off body).
+        try:
+            data = open(store.file_path(file_id), "rb")  # noqa: SIM115 - closed by the stream
+        except FileNotFoundError:
+            raise APIError(f"No such File object: {file_id}", 404, param="file_id", code="not_found") from None
+        size = os.fstat(data.fileno()).st_size
+
+        def chunks() -> Iterator[bytes]:
+            with data:
+                while chunk := data.read(_CHUNK):
+                    yield chunk
+
+        return StreamingResponse(chunks(), media_type="application/jsonl", headers={"content-length": str(size)})
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> dict[str, Any]:

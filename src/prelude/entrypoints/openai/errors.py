@@ -74,6 +74,9 @@ def error_body_for(exc: BaseException) -> tuple[dict[str, Any], int]:
     return error_body(f"internal error: {type(exc).__name__}: {exc}", 500), 500
 
 
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -83,7 +86,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON", None
     if first.get("type") == UNENCODABLE_TEXT:
         return str(first.get("msg")), str((first.get("ctx") or {}).get("param"))
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in _LOCATIONS:  # where FastAPI found it: OpenAI's param is the name alone
+        loc = loc[1:]
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
@@ -106,7 +111,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(message, exc.status_code)
+        # 413: a chunked body past the limit (middleware.BodySizeLimit), named as the refusal
+        # from Content-Length is
+        code = "request_too_large" if exc.status_code == 413 else None
+        return error_response(message, exc.status_code, code=code)
 
     # Starlette sends this handler's response and then re-raises, so the ASGI server
     # logs the traceback; one short line here names the route.

@@ -22,12 +22,14 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
         self._open = open_paths
 
     def _authorized(self, scope: Scope) -> bool:
         given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-        return secrets.compare_digest(given, self._expected)
+        scheme, _, token = given.partition(b" ")
+        # the scheme's case is free (RFC 9110 11.1: "bearer" is "Bearer")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.lstrip(b" "), self._key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._open and not self._authorized(scope):

@@ -90,6 +90,9 @@ def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
     except json.JSONDecodeError as exc:
         raise _validation_error([{"type": "json_invalid", "loc": (exc.pos,), "msg": "JSON decode error",
                                   "input": {}, "ctx": {"error": exc.msg}}]) from exc
+    except (RecursionError, ValueError) as exc:  # nested too deeply; an integer of over 4,300 digits
+        raise _validation_error([{"type": "json_invalid", "loc": (), "msg": "JSON decode error",
+                                  "input": {}, "ctx": {"error": str(exc)}}]) from exc
     return validate_body(data, model)
 
 

@@ -43,7 +43,9 @@ def first_unencodable(value: Any, path: str = "") -> tuple[str, str] | None:
     return None
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
+    """A JSON request body's model: unknown fields kept, no lone surrogate in any text."""
+
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
@@ -62,12 +64,12 @@ class _Request(BaseModel):
         return data
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the running usage
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestBody):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = None
@@ -105,12 +107,12 @@ class CompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-class TextPart(_Request):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -128,7 +130,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -138,7 +140,7 @@ class TokenizeRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
@@ -149,7 +151,7 @@ class DetokenizeRequest(_Request):
 EmbeddingInput = str | list[int] | list[str] | list[list[int]]
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -159,7 +161,7 @@ class EmbeddingRequest(_Request):
     normalize: bool = True
 
 
-class ClassifyRequest(_Request):
+class ClassifyRequest(RequestBody):
     model: str | None = None
     input: str | list[int] | list[str] | list[list[int]]
     labels: list[str] | None = None  # whole-label classification for causal LMs
@@ -169,7 +171,7 @@ class ClassifyRequest(_Request):
     user: str | None = None
 
 
-class ScoreRequest(_Request):
+class ScoreRequest(RequestBody):
     """Two shapes on one route, told apart by their fields: vLLM's cross-encoder pairs
     (`text_1`, `text_2`) and SGLang's generative scoring (`query`, `items`,
     `label_token_ids`)."""
@@ -193,7 +195,7 @@ class ScoreRequest(_Request):
         return self.query is not None or self.items is not None or self.label_token_ids is not None
 
 
-class GenerativeScoringRequest(_Request):
+class GenerativeScoringRequest(RequestBody):
     """vLLM's /generative_scoring: P(label_token_ids[0]) for each query+item."""
 
     model: str | None = None
@@ -207,7 +209,7 @@ class GenerativeScoringRequest(_Request):
     user: str | None = None
 
 
-class RerankRequest(_Request):
+class RerankRequest(RequestBody):
     model: str | None = None
     query: str
     documents: list[str | dict[str, Any]]
@@ -217,7 +219,7 @@ class RerankRequest(_Request):
     user: str | None = None
 
 
-class RewardRequest(_Request):
+class RewardRequest(RequestBody):
     model: str | None = None
     input: str | list[int] | list[str] | list[list[int]]
     user: str | None = None
