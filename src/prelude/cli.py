@@ -485,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     from prelude.heap import collection_paused_for_startup
     from prelude.log_format import configure_logging
-    from prelude.startup import StartupError, check_serve_args
+    from prelude.entrypoints.batch.cli import check_job_paths
+    from prelude.startup import StartupError, check_engine_args, check_serve_args
 
     configure_logging(args.log_level, args.log_format)
     # Until the model and the routes are loaded (freeze_startup_heap resumes it); not in
@@ -493,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     paused = collection_paused_for_startup() if args.api_server_count is None else contextlib.nullcontext()
     with paused:
         if args.command == "run-batch":
+            try:
+                check_job_paths(args.input_file, args.output_file)
+                check_engine_args(args)
+            except StartupError as exc:
+                print(f"prelude run-batch: error: {exc}", file=sys.stderr)
+                return 2
             return _run_batch(args)
         try:
             check_serve_args(args)

@@ -56,6 +56,8 @@ _RANGES: dict[str, _Range] = {
     "replica_threads": _Range("--replica-threads", 1),
     "max_requests_in_scheduler": _Range("--max-requests-in-scheduler", 1),
     "api_server_count": _Range("--api-server-count", 1),
+    "max_inflight": _Range("--max-inflight", 1),
+    "batch_max_inflight": _Range("--batch-max-inflight", 1),
 }
 
 
@@ -175,10 +177,16 @@ def _hf_dir_context(path: Path) -> int | None:
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
-    """Everything `prelude serve` can tell before it loads anything; raises StartupError.
-    With --ray-address the replicas may run elsewhere: their device and files are theirs."""
-    check_flags(args)
+    """Everything `prelude serve` can tell before it loads anything; raises StartupError."""
+    check_engine_args(args)
     check_port(args.host, args.port)
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """The flags, model and device an engine is built from (`serve`, `run-batch`), before
+    anything loads; raises StartupError. With --ray-address the replicas may run
+    elsewhere: their device and files are theirs."""
+    check_flags(args)
     if getattr(args, "ray_address", None) is not None:
         return
     check_model(args.model, args.max_model_len)

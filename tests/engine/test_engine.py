@@ -182,6 +182,24 @@ def test_max_tokens_zero_and_context_limits(make_engine) -> None:  # noqa: ANN00
     assert len(full.token_ids) == 10 and full.finish_reason == "length"
 
 
+def test_a_request_that_needs_the_whole_pool_runs(hf_model, make_engine) -> None:  # noqa: ANN001
+    """Admission keeps a watermark free for running decodes; with none running it kept a
+    pool of one or two blocks from ever admitting a request that fits it (a hang)."""
+    for blocks in (1, 2):
+        engine = make_engine(num_blocks=blocks, block_size=4, max_model_len=4 * blocks)
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        prompts = {"whole": PROMPTS[3][: 4 * blocks - 2], "short": PROMPTS[3][:1]}
+        outs: dict[str, list[int]] = {name: [] for name in prompts}
+        for name, prompt in prompts.items():
+            engine.add_request(name, prompt, params)
+        for _ in range(50):  # steps enough many times over; a request never admitted fails, not hangs
+            if not engine.has_unfinished():
+                break
+            for o in engine.step():
+                outs[o.request_id].extend(o.new_token_ids)
+        assert outs == {name: hf_greedy(hf_model, p, 2) for name, p in prompts.items()}
+
+
 def test_abort_frees_blocks(make_engine) -> None:  # noqa: ANN001
     engine = make_engine()
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)

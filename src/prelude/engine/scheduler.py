@@ -716,7 +716,10 @@ class Scheduler:
             self.kv.attach(req.request_id, prefix)
             req.num_computed_tokens = len(prefix) * self.kv.block_size
         n = self._tokens_for(req, min(budget, cap or budget), first)
-        if n == 0 or not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=self.watermark_blocks):
+        # the watermark spares running decodes a preemption: with none running it would only
+        # keep a pool of up to 100 blocks from ever admitting a request that needs all of it
+        reserve = self.watermark_blocks if self.running else 0
+        if n == 0 or not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=reserve):
             if prefix:  # not admitted after all: let go of the attached prefix
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0

@@ -49,6 +49,8 @@ class JobOptions:
 class JobSummary:
     total_lines: int = 0
     already_done: int = 0  # skipped: answered by an earlier run (--resume)
+    already_failed: int = 0  # of OUTPUT's earlier lines, the failed ones (the exit status counts them)
+    foreign_lines: int = 0  # OUTPUT's earlier lines whose custom_id INPUT lacks
     by_status: Counter[str] = field(default_factory=Counter)  # "200", "400", ..., "error"
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -68,7 +70,8 @@ class JobSummary:
         statuses = ", ".join(f"{s}: {n}" for s, n in sorted(self.by_status.items())) or "none"
         rate = self.ran / self.wall_s if self.wall_s > 0 else 0.0
         toks = (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s > 0 else 0.0
-        return (f"{self.ran} lines run ({statuses}), {self.already_done} already done, {self.failed} failed; "
+        earlier = f" ({self.already_failed} of OUTPUT's earlier lines failed)" if self.already_failed else ""
+        return (f"{self.ran} lines run ({statuses}), {self.already_done} already done{earlier}, {self.failed} failed; "
                 f"{self.prompt_tokens} prompt + {self.output_tokens} output tokens in {self.wall_s:.1f} s "
                 f"({rate:.1f} req/s, {toks:.0f} tok/s)")
 
@@ -229,6 +232,7 @@ async def run_job(engine: EngineClient, input_path: str | Path, output_path: str
         logger.info("planned %d lines (%d to run, %d already done) in %.2f s",
                     plan.total_lines, plan.to_run, plan.already_done, time.monotonic() - t0)
         summary = JobSummary(total_lines=plan.total_lines, already_done=plan.already_done,
+                             already_failed=log.done_failed, foreign_lines=len(log.done) - plan.resumed_ids,
                              repaired_bytes=log.repaired_bytes)
         return await run_planned(engine, input_path, plan, log, options, summary)
     finally:

@@ -38,8 +38,10 @@ def load_object(raw: bytes, number: int) -> dict[str, Any]:
         obj = json.loads(raw)
     except RecursionError:  # valid JSON nested deeper than Python's parser goes
         raise LineError("invalid_json_line", f"line {number}: the JSON is nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, a UnicodeDecodeError, an integer of over 4,300 digits
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LineError("invalid_json_line", f"line {number}: not valid JSON: {exc}") from None
+    except ValueError:  # what else json raises: an integer of over 4,300 digits
+        raise LineError("invalid_json_line", f"line {number}: a number of over 4,300 digits") from None
     if not isinstance(obj, dict):
         raise LineError("invalid_json_line", f"line {number}: a batch line must be a JSON object")
     return obj

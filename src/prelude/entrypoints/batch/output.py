@@ -12,6 +12,11 @@ from pathlib import Path
 from prelude.entrypoints.batch.lines import id_hash
 
 
+def _status(response: dict) -> int:
+    status = response.get("status_code", 0)
+    return status if isinstance(status, int) else 0
+
+
 class OutputFileError(ValueError):
     """OUTPUT can not be resumed (a line in the middle is not a batch output line)."""
 
@@ -21,7 +26,10 @@ class OutputLog:
         self.path = Path(path)
         self.done: set[int] = set()  # id_hash of every custom_id already answered
         self.done_without_id = 0  # lines answered for malformed input lines (no custom_id)
-        self.repaired_bytes = 0
+        self.done_lines = 0  # whole lines already there
+        self.done_failed = 0  # of them, the ones that carry an error or a non-2xx answer
+        self.repaired_bytes = 0  # a torn last line's, cut when the job opens OUTPUT
+        self._whole_bytes = 0
         self._resume = resume
         if resume and self.path.exists():
             self._read_done()
@@ -38,19 +46,24 @@ class OutputLog:
                 if not raw.endswith(b"\n"):
                     break  # the torn last line of a killed run: cut off, its request runs again
                 try:
-                    cid = json.loads(raw)["custom_id"]
-                except (ValueError, KeyError, TypeError):
+                    line = json.loads(raw)
+                    cid, response = line["custom_id"], line.get("response") or {}
+                    if not isinstance(cid, (str, type(None))) or not isinstance(response, dict):
+                        raise TypeError
+                except (ValueError, KeyError, TypeError, AttributeError):
                     raise OutputFileError(f"{self.path}: line {number} is not a batch output line; "
                                           "resume only into a file this job wrote") from None
                 if cid is None:
                     self.done_without_id += 1
                 else:
                     self.done.add(id_hash(cid))
+                if line.get("error") is not None or not 200 <= _status(response) < 300:
+                    self.done_failed += 1
+                self.done_lines += 1
                 keep += len(raw)
-        size = self.path.stat().st_size
-        if size > keep:
-            self.repaired_bytes = size - keep
-            os.truncate(self.path, keep)
+        # cut in open(): a job refused while planning leaves OUTPUT as it was
+        self._whole_bytes = keep
+        self.repaired_bytes = self.path.stat().st_size - keep
 
     def open(self) -> None:
         """Start writing (after planning, so a refused job leaves an old OUTPUT as it was):
@@ -58,6 +71,8 @@ class OutputLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | (0 if self._resume else os.O_TRUNC)
         self._fd = os.open(self.path, flags, 0o644)
+        if self.repaired_bytes:  # the torn last line of a killed run: cut off, its request runs again
+            os.ftruncate(self._fd, self._whole_bytes)
 
     def append(self, line: bytes) -> None:
         """One write per line: O_APPEND keeps concurrent lines whole."""

@@ -48,6 +48,7 @@ def _int64(values: array) -> np.ndarray:
 class Plan:
     total_lines: int  # non-blank lines in the input
     already_done: int  # answered in the resumed OUTPUT
+    resumed_ids: int  # input custom_ids the resumed OUTPUT answers (the rest of its ids are another input's)
     offsets: np.ndarray  # int64 byte offset of each line to run, in run order
     sizes: np.ndarray  # int64 byte length
     numbers: np.ndarray  # int64 1-based line number
@@ -155,6 +156,7 @@ def plan_job(path: str | Path, done: set[int] | frozenset[int] = frozenset(), do
     return Plan(
         total_lines=total,
         already_done=int((~run).sum()) + min(done_without_id, len(malformed) // 3),
+        resumed_ids=int((~run).sum()),
         offsets=off[run][order], sizes=siz[run][order], numbers=num[run][order],
         malformed=_int64(malformed).reshape(-1, 3)[done_without_id:],
     )

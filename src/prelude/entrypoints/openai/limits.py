@@ -31,6 +31,12 @@ class ServerLimits:
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
 
+    def check_body(self, size: int) -> None:
+        """A body (a batch line) of `size` bytes, 413 past max_body_bytes (the HTTP server
+        refuses it in middleware.BodySizeLimit before any route runs)."""
+        if size > self.max_body_bytes:
+            raise APIError(body_too_large(self.max_body_bytes), 413, code="request_too_large")
+
     def check_inputs(self, count: int, param: str) -> None:
         if count > self.max_batch_inputs:
             raise APIError(f"{param}: {count} inputs in one request; this server takes at most "
@@ -45,6 +51,10 @@ class ServerLimits:
                 f"{self.max_request_tokens} per request (--max-request-tokens)", param=param,
                 code="request_too_large",
             )
+
+
+def body_too_large(max_bytes: int) -> str:
+    return f"the request body is larger than the server's limit of {max_bytes} bytes"
 
 
 def limits_of(http: HTTPRequest | None) -> ServerLimits:

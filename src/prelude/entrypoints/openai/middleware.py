@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prelude.entrypoints.openai.errors import error_response
+from prelude.entrypoints.openai.limits import body_too_large
 
 
 class BearerAuth:
@@ -50,7 +51,7 @@ class BodySizeLimit:
         self.max_bytes = max_bytes
 
     def _message(self) -> str:
-        return f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+        return body_too_large(self.max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

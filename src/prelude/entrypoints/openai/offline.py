@@ -64,6 +64,7 @@ async def answer(engine: EngineClient, url: str, body: Any, limits: ServerLimits
         return 404, render_json(error_body(f"unknown url {url!r}; a batch line may name {known}", 404,
                                            param="url", code="unknown_url"))
     try:
+        limits.check_body(body_bytes)  # a batch line: the body with its custom_id, url and method
         req = validate_body(body, route.body)
         if getattr(req, "stream", False):
             raise APIError("stream is not supported in a batch: each line gets one whole answer", param="stream")
