@@ -140,7 +140,9 @@ def _quick_parse(body: bytes, model: type[BaseModel]) -> BaseModel | None:
     valid JSON or not a valid request: FastAPI's handler then writes its own 422."""
     try:
         return model.model_validate(json.loads(body), from_attributes=True)
-    except (ValueError, ValidationError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors; RecursionError: JSON nested
+    # deeper than the parser goes (FastAPI's handler answers both with its 400)
+    except (ValueError, ValidationError, RecursionError):
         return None
 
 
