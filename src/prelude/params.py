@@ -7,6 +7,7 @@ server can all share these types without importing each other.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 
@@ -73,8 +74,10 @@ class SamplingParams:
             raise SamplingParamsError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise SamplingParamsError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise SamplingParamsError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:  # NaN fails too (it passed `<= 0` and broke the logits)
+            raise SamplingParamsError(f"repetition_penalty must be positive and finite, got {self.repetition_penalty}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise SamplingParamsError(f"seed must be a 64-bit integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:

@@ -200,6 +200,31 @@ def test_a_request_that_needs_the_whole_pool_runs(hf_model, make_engine) -> None
         assert outs == {name: hf_greedy(hf_model, p, 2) for name, p in prompts.items()}
 
 
+def test_seeds_past_2_63_sample_by_their_64_bits(make_engine) -> None:  # noqa: ANN001
+    """The sampler holds seeds as int64: 2**63 and up overflowed there and failed the step
+    (every request in it). A seed is its 64 bits: 2**64 - 1 samples as -1 does."""
+    engine = make_engine()
+    llm = LLM(engine=engine)
+
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=seed)
+        return llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+
+    assert sample(2**64 - 1) == sample(-1) and sample(2**63) == sample(-(2**63))
+    assert len(sample(2**63 + 5)) == 6
+    two = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=4, seed=2**64 - 1, n=2))[0].outputs
+    assert len(two) == 2  # choice 1 takes seed + 1, wrapped to 0
+
+
+def test_sampling_params_refuse_what_the_sampler_cannot_take() -> None:
+    from prelude.params import SamplingParamsError
+
+    for bad in (dict(seed=2**64), dict(seed=-(2**63) - 1), dict(repetition_penalty=float("nan")),
+                dict(repetition_penalty=float("inf")), dict(repetition_penalty=0.0)):
+        with pytest.raises(SamplingParamsError):
+            SamplingParams(**bad)
+
+
 def test_abort_frees_blocks(make_engine) -> None:  # noqa: ANN001
     engine = make_engine()
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)

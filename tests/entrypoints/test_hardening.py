@@ -113,6 +113,10 @@ async def test_body_size_and_batch_and_token_limits() -> None:
         assert err["code"] == "too_many_inputs"
         err = assert_error(await c.post("/v1/rerank", json={"query": "q", "documents": ["a"] * 4}))
         assert err["param"] == "documents"
+        # generative scoring packs its items into few rows: the items count, not the rows
+        for path in ("/v1/generative_scoring", "/v1/score"):
+            err = assert_error(await c.post(path, json={"query": "q", "items": ["a"] * 4, "label_token_ids": [1]}))
+            assert err["param"] == "items" and err["code"] == "too_many_inputs", path
         # prompt tokens x n: 11 tokens (BOS + 10) x n = 4 is over 40
         err = assert_error(await c.post("/v1/completions", json={"prompt": "y" * 10, "n": 4, "max_tokens": 1}))
         assert err["code"] == "request_too_large"

@@ -117,6 +117,7 @@ def test_tokenize_detokenize_models_health(served) -> None:  # noqa: ANN001
     assert bytes(chat["tokens"]).decode() == "<user>x<assistant>"
     _assert_openai_error(_post(base, "/detokenize", {"tokens": [10**6]}))
     assert httpx.get(base + "/health").status_code == 200
+    assert httpx.head(base + "/health").status_code == 200  # a probe by HEAD (curl -I)
     metrics = httpx.get(base + "/metrics").text
     assert "prelude:prefix_cache_queries_total" in metrics
     blocks = [line for line in metrics.splitlines() if line.startswith('prelude:kv_blocks{model_name="tiny-llama"')]

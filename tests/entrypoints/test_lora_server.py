@@ -5,12 +5,14 @@ names, 400 for bad adapters (the server keeps serving), load/unload while reques
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
+import torch
 
 from prelude.config import LoraConfig
 from prelude.engine.async_engine import AsyncEngine
@@ -114,7 +116,6 @@ def test_load_and_unload_need_the_api_key(server, adapter_dirs) -> None:  # noqa
 
 def _bad_adapters(root: Path, good: Path) -> list[tuple[str, str, str]]:
     """(name, path, what the message says) for each way an adapter can be bad."""
-    import shutil
 
     cases = [("missing", str(root / "nothing-here"), "not a directory")]
     no_weights = root / "no-weights"
@@ -139,6 +140,21 @@ def _bad_adapters(root: Path, good: Path) -> list[tuple[str, str, str]]:
     cfg["target_modules"] = ["q_proj", "lm_head"]
     (target / "adapter_config.json").write_text(json.dumps(cfg))
     cases.append(("bad-target", str(target), "unknown target module"))
+    for alpha in ([1], None, float("nan"), float("inf"), 0, True):  # 500s (TypeError...) or silently wrong
+        odd = root / f"alpha-{alpha}"
+        shutil.copytree(good, odd)
+        cfg = json.loads((odd / "adapter_config.json").read_text())
+        cfg["lora_alpha"] = alpha
+        (odd / "adapter_config.json").write_text(json.dumps(cfg))
+        cases.append((f"alpha-{alpha}", str(odd), "lora_alpha must be a positive finite number"))
+    for what in ("rank-0", "scalar"):  # a ZeroDivisionError, an IndexError
+        odd = root / what
+        shutil.copytree(good, odd)
+        tensors = load_file(str(odd / "adapter_model.safetensors"))
+        key = next(k for k in tensors if "q_proj.lora_A" in k)
+        tensors[key] = torch.zeros(0, tensors[key].shape[1]) if what == "rank-0" else torch.tensor(1.0)
+        save_file(tensors, str(odd / "adapter_model.safetensors"))
+        cases.append((what, str(odd), "do not fit"))
     cases.append(("judge", str(good), "already loaded"))  # the name is taken
     return cases
 
@@ -154,6 +170,40 @@ def test_bad_adapters_get_400_and_the_server_keeps_serving(server, adapter_dirs,
     names = [m["id"] for m in httpx.get(base + "/v1/models", headers=KEY).json()["data"]]
     assert names == [engine.model_name, "judge"]
     assert post(base, "/v1/unload_lora_adapter", {"lora_name": "never-loaded"}).status_code == 404
+
+
+def test_a_name_with_a_lone_surrogate_is_a_400_and_models_still_answer(server, adapter_dirs) -> None:  # noqa: ANN001
+    base, engine = server
+    body = '{"lora_name": "\\ud800x", "lora_path": "%s"}' % adapter_dirs["chat"][0]
+    r = httpx.post(base + "/v1/load_lora_adapter", content=body,
+                   headers={**KEY, "content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    r = httpx.get(base + "/v1/models", headers=KEY)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [engine.model_name, "judge"]
+
+
+def test_a_loaded_adapter_whose_folder_goes_away_still_serves(server, adapter_dirs, tmp_path: Path) -> None:  # noqa: ANN001
+    """Its tensors stay in host memory: reading the folder again in a step failed the step,
+    the base model's requests in it too."""
+    base, _ = server
+    folder = tmp_path / "moving"
+    shutil.copytree(adapter_dirs["chat"][0], folder)
+    assert post(base, "/v1/load_lora_adapter", {"lora_name": "moving", "lora_path": str(folder)}).status_code == 200
+    expected = greedy_text(adapter_dirs["chat"][1], "adapters!", 5)
+    try:
+        shutil.rmtree(folder)
+        # a step with this adapter and the base: both answer (the slot is filled from the host copy)
+        results: dict[str, httpx.Response] = {}
+        threads = [threading.Thread(target=lambda m=m: results.__setitem__(m or "base", completion(base, m)))
+                   for m in ("moving", None)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results["base"].status_code == 200
+        assert results["moving"].status_code == 200 and results["moving"].json()["choices"][0]["text"] == expected
+    finally:
+        post(base, "/v1/unload_lora_adapter", {"lora_name": "moving"})
 
 
 def test_load_and_unload_while_requests_run(server, adapter_dirs) -> None:  # noqa: ANN001

@@ -119,7 +119,7 @@ class LLM:
             text, ids = self._tokens(prompt)
             result = GenerationResult(prompt=text, prompt_token_ids=ids)
             for i in range(params.n):
-                seed = None if params.seed is None else params.seed + i
+                seed = None if params.seed is None else (params.seed + i) % 2**64  # stays a valid seed
                 rid = f"offline-{next(self._ids)}"
                 self.engine.add_request(rid, ids, replace(one, seed=seed), lora=loras[p_idx])
                 owner[rid] = (p_idx, i)

@@ -1,6 +1,10 @@
 """The executor's resident LoRA adapters: `max_loras` device slots (model/lora.py's
 LoraSlots), least recently used first out, each adapter read from its PEFT directory
 when a step needs it and it is not resident (so an evicted adapter comes back from disk).
+The last HOST_COPIES_PER_SLOT x `max_loras` adapters read (at least HOST_COPIES_MIN) stay
+in host memory and fill a slot from there: an adapter whose folder changed or went away
+after it loaded then still serves, where reading it again failed the whole step (every
+request in it, other adapters' and the base's too).
 
 The scheduler never puts more than `max_loras` distinct adapters in one step, so a step's
 adapters always fit; the slots of a step's own adapters are never evicted for it.
@@ -9,6 +13,7 @@ adapters always fit; the slots of a step's own adapters are never evicted for it
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from typing import Sequence
 
@@ -20,6 +25,9 @@ from prelude.params import LoraRequest
 
 logger = logging.getLogger("prelude.executor.lora")
 
+HOST_COPIES_PER_SLOT = 2
+HOST_COPIES_MIN = 4
+
 
 class AdapterSlots:
     """Which adapter (by LoraRequest.id) sits in which slot, LRU order first to last."""
@@ -30,8 +38,13 @@ class AdapterSlots:
         self.config = config
         self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype, device)
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
-        self.num_loads = 0  # adapters read from disk into a slot (tests, metrics)
+        self.num_loads = 0  # adapters put into a slot (tests, metrics)
         self._labels: dict[int, tuple[str, ...]] = {}  # adapter id -> its head's labels (() without a head)
+        # adapter id -> its checked tensors, least recently read or used first; read() runs on
+        # whichever thread loads an adapter, slots_for on the engine's: hence the lock
+        self._host: OrderedDict[int, LoraAdapter] = OrderedDict()
+        self._host_max = max(HOST_COPIES_MIN, HOST_COPIES_PER_SLOT * config.max_loras)
+        self._host_lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +55,21 @@ class AdapterSlots:
         checks before any request may use it."""
         adapter = read_adapter(lora.name, lora.path, self.model_config, self.config.max_lora_rank)
         self._labels[lora.id] = adapter.labels
+        with self._host_lock:
+            self._host[lora.id] = adapter
+            self._host.move_to_end(lora.id)
+            while len(self._host) > self._host_max:
+                self._host.popitem(last=False)
         return adapter
+
+    def _adapter(self, lora: LoraRequest) -> LoraAdapter:
+        """The adapter's tensors: its host copy, else read from its folder again."""
+        with self._host_lock:
+            adapter = self._host.get(lora.id)
+            if adapter is not None:
+                self._host.move_to_end(lora.id)
+                return adapter
+        return self.read(lora)
 
     def labels(self, lora: LoraRequest) -> tuple[str, ...]:
         """The labels of the adapter's own classification head (modules_to_save), or ()."""
@@ -70,7 +97,7 @@ class AdapterSlots:
             if lora_id not in self._resident:
                 self._resident[lora_id] = self._free_slot(needed)
                 try:
-                    self.slots.load(self._resident[lora_id], self.read(lora))
+                    self.slots.load(self._resident[lora_id], self._adapter(lora))
                 except Exception:
                     del self._resident[lora_id]
                     raise

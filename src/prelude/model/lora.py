@@ -136,7 +136,9 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
     except (SafetensorError, OSError) as e:
         raise LoraError(f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
-    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    alpha = cfg.get("lora_alpha", cfg.get("r", 8))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
+        raise LoraError(f"lora_alpha must be a positive finite number, got {alpha!r}")
     rslora = bool(cfg.get("use_rslora", False))
     shapes = _shapes(config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -164,8 +166,8 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise LoraError(f"layer {layer} {target} has lora_{''.join(ab)} only")
         a, b = ab["A"], ab["B"]
         fan_in, fan_out = shapes[target]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
+        r = a.shape[0] if a.dim() == 2 else 0
+        if r < 1 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
             raise LoraError(f"layer {layer} {target}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
                             f"the base's {fan_out}x{fan_in} projection")
         if r > max_rank:
@@ -185,6 +187,8 @@ def _head_labels(cfg: dict[str, Any], head: torch.Tensor | None) -> tuple[str, .
     if head is None:
         return ()
     id2label = cfg.get("id2label") or {}
+    if not isinstance(id2label, dict):
+        raise LoraError(f"id2label must map class indices to labels, got {type(id2label).__name__}")
     return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(head.shape[0]))
 
 

@@ -100,7 +100,7 @@ def build_app(
         install_batch_routes(app, runner)
     created = int(time.time())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probes
     async def health() -> Response:
         if gate.draining:
             return error_response("the server is shutting down", 503, code="server_shutting_down")

@@ -14,19 +14,20 @@ import asyncio
 import itertools
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from prelude.engine.request import LoraRequest
 from prelude.entrypoints.openai.errors import APIError
+from prelude.entrypoints.openai.protocol import RequestBody
 
 
-class LoadLoraAdapterRequest(BaseModel):
+class LoadLoraAdapterRequest(RequestBody):  # RequestBody: a name with a lone surrogate is a 400
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_path: str
 
 
-class UnloadLoraAdapterRequest(BaseModel):
+class UnloadLoraAdapterRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_int_id: int | None = None  # vLLM's shape carries it; names are unique here

@@ -22,6 +22,7 @@ from starlette.requests import Request as HTTPRequest
 from prelude.engine.client import EngineClient
 from prelude.engine.request import PoolingParams, PoolingTask
 from prelude.entrypoints.openai.errors import APIError
+from prelude.entrypoints.openai.limits import limits_of
 from prelude.entrypoints.openai.protocol import GenerativeScoringRequest, ScoreRequest
 from prelude.entrypoints.openai.serving_pooling import encode_all
 from prelude.tokenizer.prefix_encode import encode_joined
@@ -95,6 +96,8 @@ async def label_probabilities(
         raise APIError("label_token_ids must hold at least one token id", param="label_token_ids")
     if not items:
         raise APIError("items must not be empty", param="items")
+    # the items, not the packed rows (far fewer): --max-batch-inputs bounds what a request holds
+    limits_of(http).check_inputs(len(items), "items")
     q = _query_ids(engine, query, add_special_tokens)
     item_ids = [_ids(engine, item, add_special_tokens=False) for item in items]
     if any(not ids for ids in item_ids):
