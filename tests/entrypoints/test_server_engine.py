@@ -92,6 +92,36 @@ def test_abandoned_streams_free_their_blocks(served) -> None:  # noqa: ANN001
     assert r.status_code == 200
 
 
+def test_a_stream_the_client_leaves_is_logged_as_cancel_and_a_whole_one_as_200(served, caplog, monkeypatch) -> None:  # noqa: ANN001
+    base, engine = served
+    _wait_idle(engine)
+    launch = engine.runner.launch
+
+    def slow_launch(batch, *rest):  # noqa: ANN001, ANN002, ANN202 - the stream outlasts the client's first chunk
+        time.sleep(0.01)
+        return launch(batch, *rest)
+
+    monkeypatch.setattr(engine.runner, "launch", slow_launch)
+    body = {"prompt": "stream", "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0}
+    with caplog.at_level(logging.INFO):
+        with httpx.stream("POST", base + "/v1/completions", json=body, headers={"x-request-id": "left-early"},
+                          timeout=30) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        short = {**body, "max_tokens": 2}
+        with httpx.stream("POST", base + "/v1/completions", json=short, headers={"x-request-id": "stayed"},
+                          timeout=30) as r:
+            assert "data: [DONE]" in list(r.iter_lines())
+        _wait_idle(engine, 60)
+        for _ in range(100):  # the access line is written once the response has ended
+            if sum(" left-early " in r.getMessage() or " stayed " in r.getMessage() for r in caplog.records) == 2:
+                break
+            time.sleep(0.05)
+    lines = {line.split()[1]: line for line in (r.getMessage() for r in caplog.records)
+             if line.startswith(("cancelled", "finished"))}
+    assert lines["left-early"].startswith("cancelled") and " 499 " in lines["left-early"], lines
+    assert lines["stayed"].startswith("finished") and " 200 " in lines["stayed"], lines
+
+
 def test_non_streaming_client_that_leaves_is_aborted_and_logged_as_cancel(served, caplog, monkeypatch) -> None:  # noqa: ANN001
     base, engine = served
     _wait_idle(engine)

@@ -186,7 +186,12 @@ def build_app(
             ticket.close()
             raise
         if isinstance(response, SSEResponse):
-            response.on_close(ticket.close)  # the stream still runs
+            def closed(whole: bool) -> None:
+                ticket.close()
+                if not whole and record is not None:
+                    record.cancelled = True  # logged and counted as 499, as a cut non-streamed request
+
+            response.on_close(closed)  # the stream still runs
             return response
         ticket.close()
         return await json_answer(response, request)  # a large answer is serialized off the loop

@@ -28,12 +28,19 @@ class SSEResponse(StreamingResponse):
     """
 
     def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._events = events
-        self._on_close: list[Callable[[], None]] = []
+        self._sent_all = False  # the last event went out: the client stayed to the end
+        super().__init__(self._all(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close: list[Callable[[bool], None]] = []
 
-    def on_close(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once the stream has ended, however it ended."""
+    async def _all(self) -> AsyncGenerator[str, None]:
+        async for event in self._events:
+            yield event
+        self._sent_all = True
+
+    def on_close(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(whole)` once the stream has ended, however it ended; `whole`:
+        every event was sent (False: the client left, or the response was cut)."""
         self._on_close.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -43,7 +50,7 @@ class SSEResponse(StreamingResponse):
             with anyio.CancelScope(shield=True):  # runs even when the request task is cancelled
                 await self._events.aclose()
             for callback in self._on_close:
-                callback()
+                callback(self._sent_all)
 
 
 def sse_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[str, None]:
