@@ -181,6 +181,12 @@ async def test_legacy_logprobs_shape(client: httpx.AsyncClient) -> None:
     assert lp["top_logprobs"][0] == pytest.approx({"o": -0.1, "p": -1.1})
 
 
+async def test_legacy_logprobs_zero_gives_the_sampled_token_alone(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "logprobs": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
+
+
 async def test_echo_with_logprobs_includes_prompt_logprobs(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     # lm-eval's loglikelihood request; the engine computes prompt logprobs (k = logprobs).
     r = await client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 1,

@@ -59,12 +59,9 @@ def completion_logprobs(
             tops.append(None)
             continue
         token_lps.append(lp.logprob)
-        if lp.top:
-            top = {tok.token_text(t): v for t, v in lp.top}
-            top.setdefault(text, lp.logprob)
-            tops.append(top)
-        else:
-            tops.append(None)
+        top = {tok.token_text(t): v for t, v in lp.top}
+        top.setdefault(text, lp.logprob)  # `logprobs: 0` too: the sampled token alone (as vLLM)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
