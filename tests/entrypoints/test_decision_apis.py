@@ -81,6 +81,8 @@ def test_label_classification_and_rerank(served, hf_model) -> None:  # noqa: ANN
                                     "template": "Q: {query} D: {document} relevant?"}).json()
     scores = [x["relevance_score"] for x in rr["results"]]
     assert len(scores) == 2 and scores == sorted(scores, reverse=True)
+    every = _post(base, "/v1/rerank", {"query": "q", "documents": ["d1", "d2", "d3"], "top_n": 0}).json()
+    assert len(every["results"]) == 3  # top_n 0: every document, as vLLM
     sc = _post(base, "/score", {"text_1": "q", "text_2": ["d1", "d2", "d3"],
                                 "template": "Q: {query} D: {document} relevant?"}).json()
     by_index = {x["index"]: x["relevance_score"] for x in rr["results"]}

@@ -276,7 +276,7 @@ async def create_rerank(engine: EngineClient, req: RerankRequest, http: HTTPRequ
     docs = [_document_text(d, i) for i, d in enumerate(req.documents)]
     scores, prompts = await relevance_scores(engine, [(req.query, d) for d in docs], req.template, http)
     order = sorted(range(len(docs)), key=lambda i: scores[i], reverse=True)
-    if req.top_n is not None:
+    if req.top_n:  # None or 0: every document (as vLLM and Cohere's API)
         order = order[: req.top_n]
     results = []
     for i in order:
