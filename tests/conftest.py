@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import pytest
@@ -17,3 +18,20 @@ def machine_never_quiet(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     StepThreads a probe of their own, or call SpareCores' own `quiet`."""
     monkeypatch.setattr(SpareCores, "quiet", lambda self: False)
     yield
+
+
+@pytest.fixture(autouse=True)
+def root_logging_kept() -> Iterator[None]:
+    """A test that runs `prelude.cli.main` sets the process's logging up: a plain
+    StreamHandler on the stderr pytest captures for that test, the root at INFO. Left there,
+    every later log line (the access log of other tests' servers, from their threads) hits
+    a closed file and prints a logging error with its whole stack. Such a handler goes, and
+    the level comes back, after the test (pytest's own capture handlers are its business)."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    added = [h for h in root.handlers if h not in before and type(h) is logging.StreamHandler]
+    for handler in added:
+        root.removeHandler(handler)
+    if added:
+        root.setLevel(level)

@@ -8,10 +8,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -32,16 +30,9 @@ def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 
 @pytest.fixture
-def no_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A refusal must come before the model loads: building the engine fails the test.
-    main() sets the process's logging up (a handler on this test's captured stderr): the
-    root logger's handlers and level are put back after, or later tests log to a closed file."""
+def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal must come before the model loads: building the engine fails the test."""
     monkeypatch.setattr(prelude_cli, "_front", lambda args: pytest.fail("the engine was built"))
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_paths_a_job_cannot_use_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
