@@ -32,7 +32,9 @@ def test_garbage_before_the_freeze_is_collected_and_the_living_heap_frozen(unfro
     del dead
     frozen = freeze_startup_heap()
     assert gone() is None  # collected first, not frozen for the process's life
-    assert frozen == gc.get_freeze_count() > 0
+    # other threads of the test process (earlier tests' servers winding down) may free frozen
+    # objects meanwhile, never freeze more: the count can only have dropped
+    assert 0 < gc.get_freeze_count() <= frozen
     assert not any(obj is alive for obj in gc.get_objects())  # moved out of the generations a pass walks
     later = _Node()
     later_ref = weakref.ref(later)
