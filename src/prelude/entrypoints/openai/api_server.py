@@ -100,7 +100,7 @@ def build_app(
         install_batch_routes(app, runner)
     created = int(time.time())
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probes
+    @app.get("/health")
     async def health() -> Response:
         if gate.draining:
             return error_response("the server is shutting down", 503, code="server_shutting_down")
@@ -108,6 +108,9 @@ def build_app(
             # A scale-out client also says how many replicas are live: "degraded" still serves.
             return JSONResponse(engine.health() if hasattr(engine, "health") else {})
         return error_response("the engine loop is not running", 503, code="engine_dead")
+
+    # load balancers' and curl -I's probes (out of the schema: one operation, one id)
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     # An engine in another process is asked first (metrics() and request_metrics() are sync).
     refresh_metrics = getattr(engine, "refresh_metrics", None)
