@@ -105,7 +105,7 @@ def validate_request(
     # A request without a seed draws one from the engine's seeded source: runs of the
     # same traffic repeat, and the sampler needs no generator object per request.
     seed = params.seed if params.seed is not None else seed_source.getrandbits(62)
-    seed = seed % 2**64 - (2**64 if seed % 2**64 >= 2**63 else 0)  # its 64 bits as the sampler's int64
+    seed = (seed + 2**63) % 2**64 - 2**63  # its 64 bits as the sampler's int64 (two's complement)
     arrival = time.monotonic() if arrival_time is None else arrival_time
     return Request(
         request_id=request_id,

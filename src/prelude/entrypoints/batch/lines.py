@@ -102,6 +102,13 @@ def error_line(custom_id: str | None, code: str, message: str) -> bytes:
                         "error": {"code": code, "message": message}}, ensure_ascii=False) + "\n").encode()
 
 
+def succeeded(line: dict[str, Any]) -> bool:
+    """Whether an output line is a 2xx answer (the output file's; the rest go to the error file)."""
+    response = line.get("response") or {}
+    status = response.get("status_code", 0) if isinstance(response, dict) else 0
+    return line.get("error") is None and isinstance(status, int) and 200 <= status < 300
+
+
 def shared_part(obj: dict[str, Any]) -> str | None:
     """The beginning of `prefix_text` that lines of one rubric share by construction: a
     chat's messages before the last one (system rubric, few-shot turns). None for prompts

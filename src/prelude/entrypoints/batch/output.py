@@ -9,12 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from prelude.entrypoints.batch.lines import id_hash
-
-
-def _status(response: dict) -> int:
-    status = response.get("status_code", 0)
-    return status if isinstance(status, int) else 0
+from prelude.entrypoints.batch.lines import id_hash, succeeded
 
 
 class OutputFileError(ValueError):
@@ -47,17 +42,17 @@ class OutputLog:
                     break  # the torn last line of a killed run: cut off, its request runs again
                 try:
                     line = json.loads(raw)
-                    cid, response = line["custom_id"], line.get("response") or {}
-                    if not isinstance(cid, (str, type(None))) or not isinstance(response, dict):
+                    cid = line["custom_id"]
+                    if not isinstance(cid, (str, type(None))) or not isinstance(line.get("response") or {}, dict):
                         raise TypeError
-                except (ValueError, KeyError, TypeError, AttributeError):
+                except (ValueError, KeyError, TypeError):
                     raise OutputFileError(f"{self.path}: line {number} is not a batch output line; "
                                           "resume only into a file this job wrote") from None
                 if cid is None:
                     self.done_without_id += 1
                 else:
                     self.done.add(id_hash(cid))
-                if line.get("error") is not None or not 200 <= _status(response) < 300:
+                if not succeeded(line):
                     self.done_failed += 1
                 self.done_lines += 1
                 keep += len(raw)

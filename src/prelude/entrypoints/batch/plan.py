@@ -153,10 +153,11 @@ def plan_job(path: str | Path, done: set[int] | frozenset[int] = frozenset(), do
     length = _int64(lengths)[run]
     # lexsort: the last key is the primary one. Coarse prefix, finer prefixes, then longest first.
     order = np.lexsort((-length, *reversed(key_arrays)))
+    resumed = int((~run).sum())
     return Plan(
         total_lines=total,
-        already_done=int((~run).sum()) + min(done_without_id, len(malformed) // 3),
-        resumed_ids=int((~run).sum()),
+        already_done=resumed + min(done_without_id, len(malformed) // 3),
+        resumed_ids=resumed,
         offsets=off[run][order], sizes=siz[run][order], numbers=num[run][order],
         malformed=_int64(malformed).reshape(-1, 3)[done_without_id:],
     )

@@ -22,6 +22,7 @@ from typing import Any
 
 from prelude.engine.client import EngineClient
 from prelude.entrypoints.batch.job import JobOptions, JobSummary, run_planned
+from prelude.entrypoints.batch.lines import succeeded
 from prelude.entrypoints.batch.output import OutputLog
 from prelude.entrypoints.batch.plan import DuplicateCustomIds, plan_job
 from prelude.entrypoints.batch.store import ACTIVE, BatchStore
@@ -193,9 +194,7 @@ class BatchRunner:
                     for raw in f:
                         if not raw.endswith(b"\n"):
                             break  # a torn last line (a server killed mid-write, then the batch failed)
-                        line = json.loads(raw)
-                        response = line.get("response") or {}
-                        if line.get("error") is None and 200 <= response.get("status_code", 0) < 300:
+                        if succeeded(json.loads(raw)):
                             good.write(raw)
                             ok += 1
                         else:

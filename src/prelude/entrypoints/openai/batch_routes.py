@@ -73,10 +73,13 @@ def install_batch_routes(app: FastAPI, runner: BatchRunner) -> None:
     app.router.on_startup.append(_start)
     app.router.on_shutdown.append(runner.stop)
 
+    def _no_file(file_id: str) -> APIError:
+        return APIError(f"No such File object: {file_id}", 404, param="file_id", code="not_found")
+
     def _file(file_id: str) -> dict[str, Any]:
         record = store.file(file_id)
         if record is None:
-            raise APIError(f"No such File object: {file_id}", 404, param="file_id", code="not_found")
+            raise _no_file(file_id)
         return record
 
     def _batch(batch_id: str) -> dict[str, Any]:
@@ -115,7 +118,7 @@ def install_batch_routes(app: FastAPI, runner: BatchRunner) -> None:
         try:
             data = open(store.file_path(file_id), "rb")  # noqa: SIM115 - closed by the stream
         except FileNotFoundError:
-            raise APIError(f"No such File object: {file_id}", 404, param="file_id", code="not_found") from None
+            raise _no_file(file_id) from None
         size = os.fstat(data.fileno()).st_size
 
         def chunks() -> Iterator[bytes]:
