@@ -98,11 +98,13 @@ class _FakeDecodeReplica:
     def __init__(self, fail: BaseException | None, outputs: list[object]) -> None:
         self.fail, self.outputs, self.calls = fail, outputs, 0
         self.decode = self
+        self.abandoned: list[str] = []  # tickets of the calls the front abandoned
+        self.abandon = SimpleNamespace(remote=self.abandoned.append)
 
     def options(self, **_: object) -> "_FakeDecodeReplica":
         return self
 
-    def remote(self, handoff: object) -> object:
+    def remote(self, handoff: object, ticket: str) -> object:
         self.calls += 1
 
         async def stream():  # noqa: ANN202
@@ -153,6 +155,7 @@ def test_lost_handoff_is_not_charged_to_the_live_decode_replica(monkeypatch) -> 
     with pytest.raises(ReplicaLostError, match="prefill replica"):
         asyncio.run(run())
     assert decode.calls == 1 and front._up == [True, True]
+    assert len(decode.abandoned) == 1  # the live replica is told to drop the call, should it begin late
     assert front._counts["handoffs_lost_total"] == 1 and front._counts["decode_retried_total"] == 0
     assert front._counts["replica_failures_total"] == 0 and "r1" in front._lost
     assert front.gate.placer.held == [0, 0]
@@ -174,4 +177,5 @@ def test_dead_decode_replica_moves_the_handoff_to_another(monkeypatch) -> None: 
 
     assert asyncio.run(run()) == [done]
     assert (dead.calls, live.calls) == (1, 1) and front._up == [True, False, True]
+    assert dead.abandoned == [] and live.abandoned == []  # nothing to tell a dead replica; the live one finished
     assert front._counts["decode_retried_total"] == 1 and front._counts["handoffs_lost_total"] == 0

@@ -14,9 +14,11 @@ error event.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
@@ -58,6 +60,9 @@ class RayEngineClient(ValidatingFront):
         self._router = router
         self._router_lock = threading.Lock()
         self._in_flight = [0] * len(replicas)
+        self._front_id, self._calls = uuid.uuid4().hex[:12], itertools.count()  # call tickets (_ticket)
+        self._abandons: list[ray.ObjectRef] = []  # abandon messages sent, perhaps not yet processed
+        self._abandons_lock = threading.Lock()
         self._pools = pools  # LAPS spatial mode: short and long prompts on separate replica pools
         self._unprefilled = [0] * len(replicas)  # prompt tokens sent that have no first token yet
         self._up = [True] * len(replicas)
@@ -127,14 +132,39 @@ class RayEngineClient(ValidatingFront):
             self._counts["rerun_total"] += 1
             logger.warning("request %s runs again from the start (replica %d died before it answered)", request_id, r)
 
-    def _release(self, r: int, req: Request, gen: object, *, streamed: bool, ended: bool) -> None:
-        """A stream on replica `r` is over: drop its load, and cancel the replica's
-        coroutine (which aborts the request there) unless the request ended."""
+    def _ticket(self) -> str:
+        """A name for one replica call, unique across fronts (call_ledger.py)."""
+        return f"{self._front_id}-{next(self._calls)}"
+
+    def _abandon(self, r: int, gen: object, ticket: str) -> None:
+        """Stop call `ticket` on replica `r`, which has not ended: cancel its coroutine
+        (its cleanup aborts the request there) and, as Ray's cancel misses a call that has
+        not begun, tell the replica too (a dead replica holds nothing to stop)."""
+        ray.cancel(gen)
+        if self._up[r]:
+            ref = self._replicas[r].abandon.remote(ticket)
+            with self._abandons_lock:
+                self._abandons.append(ref)
+            if len(self._abandons) > 64:
+                self.abandons_pending()
+
+    def abandons_pending(self) -> int:
+        """Abandon messages (_abandon) their replicas have not processed yet. Once there
+        are none, no abandoned call can begin any more (call_ledger.py): a settled
+        cluster has none, and no replica call in flight."""
+        with self._abandons_lock:
+            if self._abandons:
+                _, self._abandons = ray.wait(self._abandons, num_returns=len(self._abandons), timeout=0)
+            return len(self._abandons)
+
+    def _release(self, r: int, req: Request, gen: object, ticket: str, *, streamed: bool, ended: bool) -> None:
+        """A stream on replica `r` is over: drop its load, and abandon the replica's
+        call unless the request ended."""
         self._in_flight[r] -= 1
         if not streamed:
             self._unprefilled[r] -= req.num_prompt_tokens
         if not ended:
-            ray.cancel(gen)
+            self._abandon(r, gen, ticket)
 
     async def _run(self, req: Request) -> AsyncIterator[RequestOutput]:
         tries = 0
@@ -143,7 +173,8 @@ class RayEngineClient(ValidatingFront):
             self._in_flight[r] += 1
             self._unprefilled[r] += req.num_prompt_tokens
             streamed = finished = False
-            gen = self._replicas[r].generate.options(num_returns="streaming").remote(req)
+            ticket = self._ticket()
+            gen = self._replicas[r].generate.options(num_returns="streaming").remote(req, ticket)
             try:
                 async for ref in gen:
                     out: RequestOutput = await ref
@@ -159,7 +190,7 @@ class RayEngineClient(ValidatingFront):
                 self._replica_failed(r, exc, streamed, "engine", req, tries)
                 tries += 1
             finally:
-                self._release(r, req, gen, streamed=streamed, ended=finished)
+                self._release(r, req, gen, ticket, streamed=streamed, ended=finished)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: LoraRequest | None = None

@@ -163,7 +163,8 @@ class DisaggregatedClient(RayEngineClient):
             self._in_flight[r] += 1
             self._unprefilled[r] += req.num_prompt_tokens
             streamed = done = False
-            gen = self._replicas[r].prefill.options(num_returns="streaming").remote(req)
+            ticket = self._ticket()
+            gen = self._replicas[r].prefill.options(num_returns="streaming").remote(req, ticket)
             try:
                 try:
                     out: RequestOutput = await (await gen.__anext__())
@@ -188,7 +189,7 @@ class DisaggregatedClient(RayEngineClient):
                 self._replica_failed(r, exc, streamed, "prefill", req, tries)
                 tries += 1
             finally:
-                self._release(r, req, gen, streamed=streamed, ended=done)
+                self._release(r, req, gen, ticket, streamed=streamed, ended=done)
 
     async def _decode(self, req: Request, handoff: ray.ObjectRef | None) -> AsyncIterator[RequestOutput]:
         """Place the hand-off (waiting while every decode replica is full) and stream the
@@ -200,7 +201,8 @@ class DisaggregatedClient(RayEngineClient):
             d = await self.gate.acquire(self._live_decode, self.faults.wait_for_replica_s)
             self._in_flight[d] += 1
             streamed = finished = False
-            gen = self._replicas[d].decode.options(num_returns="streaming").remote(handoff)
+            ticket = self._ticket()
+            gen = self._replicas[d].decode.options(num_returns="streaming").remote(handoff, ticket)
             try:
                 async for ref in gen:
                     out: RequestOutput = await ref
@@ -219,7 +221,7 @@ class DisaggregatedClient(RayEngineClient):
                 self._in_flight[d] -= 1
                 self.gate.release(d)
                 if not finished:
-                    ray.cancel(gen)
+                    self._abandon(d, gen, ticket)
 
     def _handoff_lost(self, d: int, req: Request, exc: BaseException) -> None:
         """The hand-off could not be fetched: its object died with the prefill replica that

@@ -14,6 +14,7 @@ over a handle to the engines). A request is validated once, in the front.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
@@ -34,12 +35,13 @@ class EngineServer:
 
     def __init__(self, factory: EngineFactory, threads: int | None = None, seed: int = 0) -> None:
         self._replica = EngineReplica(factory, index=os.getpid(), threads=threads, seed=seed)
+        self._tickets = itertools.count()  # each call's ticket (Serve cancels by its own handle, never by these)
 
     def info(self) -> ReplicaInfo:
         return self._replica.info()
 
     async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
-        async for out in self._replica.generate(req):
+        async for out in self._replica.generate(req, f"serve-{next(self._tickets)}"):
             yield out
 
     def metrics(self) -> dict[str, float]:
