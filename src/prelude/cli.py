@@ -45,6 +45,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(float32 CPU) kernels (ablation)")
     p.add_argument("--no-prune-last-layer", dest="prune_last_layer", action="store_false",
                    help="CPU: compute the last layer for every position, not only those a head reads (ablation)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                   help="CPU: one GEMM route for every row count, so a request's greedy answer does not depend on "
+                        "what shares its steps (bf16 gives up the few-row decode routes; default: on for run-batch, "
+                        "whose --resume then repeats a clean run, off for serve)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch independent work while the previous step runs (default: on with CUDA)")
     p.add_argument("--compile", default="off", choices=["off", "background", "ahead"],
@@ -127,7 +131,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
         executor=ExecutorConfig(
             device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager, fused_kernels=args.fused_kernels, compile=args.compile,
-            prune_last_layer=args.prune_last_layer,
+            prune_last_layer=args.prune_last_layer, batch_invariant=args.batch_invariant,
             pack_at_start=True,  # a serving engine: its first prompt pays no weight reorders
         ),
         overlap=args.overlap,
@@ -437,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(run_batch)
     _add_server_args(run_batch)
     _add_cluster_args(run_batch)
-    run_batch.set_defaults(router="prefix")  # a job's shared prefixes stay on one replica
+    # a job's shared prefixes stay on one replica; a resumed job repeats a clean run's answers
+    run_batch.set_defaults(router="prefix", batch_invariant=True)
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     # add_help=False: `prelude bench profile --help` reaches the benchmark's own parser.
     bench = sub.add_parser("bench", add_help=False,

@@ -187,6 +187,10 @@ class ExecutorConfig:
     # them all): amx_gemm.c's before ready, oneDNN's on a thread (model.make_packed_copies);
     # a serving engine's first prompt then does not pay ~0.16 s of reorders (SmolLM2).
     pack_at_start: bool = False
+    # CPU decoders: one GEMM route for every row count (model.make_batch_invariant), so a
+    # request's greedy tokens do not depend on what shares its steps (run-batch's default:
+    # a resumed job repeats a clean run's answers); the few-row decode routes are given up.
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """`kill -9` of a real `prelude run-batch` mid-job, then `--resume`: every custom_id
-exactly once, with the same greedy answers as a clean run."""
+exactly once, with the same greedy answers as a clean run, in float32 and in the dtype
+`auto` picks (bf16 on an AVX512-BF16 or AMX CPU: run-batch's batch-invariant default)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ LINES = 400  # the job after the kill point is long next to a 5 ms poll, on any 
 KILL_AT = 20  # output lines seen before the kill
 
 
-def _command(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
+def _command(model: Path, inp: Path, out: Path, dtype: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "prelude.cli", "run-batch", "-i", str(inp), "-o", str(out), "--model", str(model),
-            "--dtype", "float32", "--no-progress", "--max-inflight", "8", "--max-num-seqs", "8",
+            "--dtype", dtype, "--no-progress", "--max-inflight", "8", "--max-num-seqs", "8",
             "--kv-cache-memory-gib", "0.05", "--log-level", "warning", *extra]
 
 
@@ -45,16 +46,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama_dir(tmp_path_factory.mktemp("models"))
 
 
-def test_kill_9_then_resume_gives_each_id_once_with_clean_answers(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_kill_9_then_resume_gives_each_id_once_with_clean_answers(model_dir: Path, tmp_path: Path, dtype: str) -> None:
     inp = write_lines(tmp_path / "in.jsonl",
                       [completion_line(f"id-{i}", f"question {i}: " + "word " * (i % 7), max_tokens=8)
                        for i in range(LINES)])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     clean = tmp_path / "clean.jsonl"
-    subprocess.run(_command(model_dir, inp, clean), env=env, check=True, timeout=600)
+    subprocess.run(_command(model_dir, inp, clean, dtype), env=env, check=True, timeout=600)
 
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(_command(model_dir, inp, out), env=env)
+    proc = subprocess.Popen(_command(model_dir, inp, out, dtype), env=env)
     try:
         while _lines_in(out) < KILL_AT and proc.poll() is None:
             time.sleep(0.005)
@@ -67,7 +69,7 @@ def test_kill_9_then_resume_gives_each_id_once_with_clean_answers(model_dir: Pat
     partial = _lines_in(out)
     assert KILL_AT <= partial < LINES
 
-    resumed = subprocess.run(_command(model_dir, inp, out, "--resume"), env=env, timeout=600,
+    resumed = subprocess.run(_command(model_dir, inp, out, dtype, "--resume"), env=env, timeout=600,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"{partial} already done" in resumed.stderr

@@ -256,6 +256,12 @@ class ModelRunner:
         elif prepared is not None and prepared.save():
             logger.info("prepared weights (casts, stacks, AMX copies): %d derived at this start, kept in %s for the next",
                         prepared.made, prepared.path)
+        if config.batch_invariant:
+            make = getattr(model, "make_batch_invariant", None)
+            taken = make() if make is not None else 0
+            logger.info("batch-invariant: %s", f"{taken} projections on oneDNN's packed copy at every row count, "
+                        "no few-row routes" if taken else "no effect here (no prepacked projections on this "
+                        "device or model kind): a request's answers may follow what shares its steps")
         if config.pack_at_start:
             start = time.perf_counter()
             if made := model.make_packed_copies():

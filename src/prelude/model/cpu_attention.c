@@ -43,6 +43,13 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #define NK 16        /* keys per tile */
 #define MAX_M 128    /* query vectors (query tokens x heads of a group) per wide item */
 #define WIDE_MIN 12  /* fewer query vectors than this: the narrow form */
+/* prelude_paged_attention's options */
+#define OPT_AMX 1 /* bf16 items on AMX tiles where this CPU has them */
+/* Every item in the wide form, decode rows and short prefill rows too (batch invariance:
+ * the two forms sum in different orders, so a token would come out of either by how much of
+ * its prompt the prefix cache held, or whether a block it reuses was written by a decode
+ * step or by a prompt; how a row splits into items does not move bits). */
+#define OPT_ALL_WIDE 2
 #define CB 4         /* query vectors (of VW lanes) per register block */
 #define NKB 64       /* keys per tile of the bf16 forms (pairs of keys feed the bf16 dot product) */
 #ifndef MAX_M_BF16
@@ -1215,7 +1222,7 @@ int prelude_paged_attention(
     const int64_t *pre_tables, int64_t pre_tstride, const int64_t *pre_tail, int64_t n_dec, const int64_t *dec_index,
     const int64_t *dec_ctx, const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments,
     const int64_t *slots, int64_t n_slots, void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads,
-    int64_t d, float scale, int bf16, int threads, int amx) {
+    int64_t d, float scale, int bf16, int threads, int options) {
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 4096 || block_size <= 0 || !(scale > 0.0f))
         return 1;
     Ctx c = {(const char *)q, (const char *)k, (const char *)v, (const char *)kc, (const char *)vc,
@@ -1225,6 +1232,7 @@ int prelude_paged_attention(
     /* amx: bf16 items take the AMX form where it can run (prefill, and decode rows: a decode
      * step of 16 rows over 1,000-token contexts 80.3 -> 70.4 ms, 16 x 128 38.8 -> 37.7, 4 x
      * 128 even, alternated step by step on a KVM Xeon, model 207) */
+    const int amx = options & OPT_AMX, all_wide = (options & OPT_ALL_WIDE) != 0;
     const int use_amx = HAVE_AMX && bf16 && amx && prelude_attention_amx_ready();
     const int64_t g = c.group, max_m = use_amx ? MAX_M_AMX : HAVE_DPBF16 && bf16 ? MAX_M_BF16 : MAX_M;
     const int64_t tile = g >= max_m ? 1 : max_m / g; /* most query tokens per wide item */
@@ -1310,7 +1318,7 @@ int prelude_paged_attention(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < count; i++) {
             if (!ok) continue;
-            const int wide = items[i].mq * g >= WIDE_MIN;
+            const int wide = items[i].mq * g >= WIDE_MIN || all_wide;
 #if HAVE_AMX
             if (use_amx) { /* decode rows too: 3 of 16 lanes used, still ahead of the dot product */
                 wide_item_amx(&c, &items[i], &s);

@@ -255,6 +255,22 @@ class LlamaForCausalLM:
         self._copies_thread.start()
         return len(projections)
 
+    def make_batch_invariant(self) -> int:
+        """Every projection on one route for every row count (Projection.take_one_route), no C
+        layer loop (its GEMMs are the few-row routes), and the attention backend's own
+        invariant choice: a request's greedy tokens then do not depend on which requests
+        share its steps. The elementwise kernels are per row already (docs/batch.md says
+        what is left). Returns how many projections
+        took the one route (0: none has a packed copy here, nothing changed)."""
+        taken = sum(p.take_one_route() for p in self._projections())
+        if taken:
+            self.layer_loop = None
+            self.decode_route = None
+        make = getattr(self.attention, "make_batch_invariant", None)
+        if make is not None:
+            make()
+        return taken
+
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:
         """Blocks or oneDNN per decode row count, as measured on this CPU (decode_routes.py)."""
         with_blocks = [p for p in self._projections() if p.blocks is not None]

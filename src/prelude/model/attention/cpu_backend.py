@@ -90,6 +90,11 @@ def _prefill_tensors(meta: AttentionMetadata) -> PrefillTensors | None:
     return PrefillTensors(cols[0], cols[1], cols[2], cols[3], tables, max(s.query_len for s in meta.prefills))
 
 
+# prelude_paged_attention's option bits (cpu_attention.c)
+OPT_AMX = 1
+OPT_ALL_WIDE = 2
+
+
 class CpuAttention:
     """Same protocol as TorchAttention: write new K/V, attend, return [T, Hq, D]."""
 
@@ -123,6 +128,8 @@ class CpuAttention:
         # (PRELUDE_CPU_AMX=0: the dot-product form, to compare the two on one machine)
         wanted = os.environ.get(AMX_SWITCH, "1") != "0" if amx is None else amx
         self.amx = wanted and bool(lib.prelude_attention_amx_ready())
+        # Every row in the wide form, decode rows included (make_batch_invariant)
+        self.all_wide = False
         self._fallback = TorchAttention()
         # (metadata, its row tensors): every layer of a forward gets the same metadata object
         self._prepared: tuple[AttentionMetadata, _Rows] | None = None
@@ -144,6 +151,16 @@ class CpuAttention:
                      *_row_args(pre, dec_index, dec_lens, dec_tables, segments, slots))
         self._prepared = (meta, rows)
         return rows
+
+    def make_batch_invariant(self) -> None:
+        """A token's output then never depends on how it was computed: every row takes the
+        wide form, decode rows and prefill rows of 1-3 new tokens included (they took the
+        narrow one, whose sums differ in the last bits). So a prompt token comes out the same
+        however much of its prompt the prefix cache held, and a cached block written by
+        another request's decode steps holds what a prompt would have written. How a row
+        splits into items does not move bits. Decode rows then use 3 of a vector's 16 lanes
+        (the AMX form always does so)."""
+        self.all_wide = True
 
     @property
     def entry_point(self) -> int:
@@ -224,7 +241,8 @@ class CpuAttention:
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             k_cache.shape[1], *rows.pre_args, None if tail is None else tail.data_ptr(), *rows.rest_args,
             out.data_ptr(), out.stride(0), out.stride(1),
-            q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(), int(self.amx),
+            q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(),
+            (OPT_AMX if self.amx else 0) | (OPT_ALL_WIDE if self.all_wide else 0),
         )
         if rc != 0:
             raise RuntimeError(f"cpu_attention.c refused the forward's arguments (code {rc})")
