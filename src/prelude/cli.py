@@ -46,9 +46,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prune-last-layer", dest="prune_last_layer", action="store_false",
                    help="CPU: compute the last layer for every position, not only those a head reads (ablation)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
-                   help="CPU: one GEMM route for every row count, so a request's greedy answer does not depend on "
-                        "what shares its steps (bf16 gives up the few-row decode routes; default: on for run-batch, "
-                        "whose --resume then repeats a clean run, off for serve)")
+                   help="CPU: one GEMM route for every row count and one attention form for every row, so a "
+                        "request's greedy answer does not depend on what shares its steps (gives up the few-row decode "
+                        "routes; default: on for run-batch, whose --resume then repeats a clean run, off for serve)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch independent work while the previous step runs (default: on with CUDA)")
     p.add_argument("--compile", default="off", choices=["off", "background", "ahead"],

@@ -7,8 +7,9 @@ the call still waits to start is lost (ray-project/ray#52628; seen here on Ray 2
 load, a decode call starting ~20 s after its stream was abandoned and then decoding all
 of its tokens for no one). So the front also sends `abandon(ticket)`: it cancels the task
 of a call that runs, as Ray's cancel would have (the call's cleanup aborts its request),
-and marks a ticket whose call has not begun, which then ends before it submits anything. A ticket names one call, not a request: a request that runs
-again (a lost hand-off, a retry) comes with a new ticket and is not refused.
+and marks a ticket whose call has not begun, which then ends before it submits anything.
+A ticket names one call, not a request: a request that runs again (a lost hand-off, a
+retry) comes with a new ticket and is not refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ REMEMBERED_ABANDONED = 4096  # tickets of abandoned calls that never began (each
 
 
 class CallLedger:
+    """Used from the replica's event loop only (no lock)."""
+
     def __init__(self, remembered: int = REMEMBERED_ABANDONED) -> None:
         self._live: dict[str, asyncio.Task[Any]] = {}  # ticket -> the task running its call
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # tickets abandoned before their call began
