@@ -76,16 +76,18 @@ def _job(path: Path) -> Path:
             item = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(3 + (i * 5) % 29))
             body = {"prompt": (rubric if i % 2 else "") + item, "max_tokens": 2 + (i * 7) % 14,
                     "temperature": 0, "logprobs": 1}
+            if i % 4 == 3:  # the prompt's own logprobs too: every position of the last layer
+                body.update(echo=True, logprobs=2, max_tokens=1 + i % 3)
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
     return path
 
 
-def _answers(path: Path) -> dict[str, tuple[str, list[float]]]:
+def _answers(path: Path) -> dict[str, tuple[str, dict]]:
     out = {}
     for line in path.read_text().splitlines():
         o = json.loads(line)
         choice = o["response"]["body"]["choices"][0]
-        out[o["custom_id"]] = (choice["text"], choice["logprobs"]["token_logprobs"])
+        out[o["custom_id"]] = (choice["text"], choice["logprobs"])  # tokens, logprobs, top alternatives
     return out
 
 
@@ -93,7 +95,8 @@ def _answers(path: Path) -> dict[str, tuple[str, list[float]]]:
 def test_default_model_answers_the_same_alone_and_batched(tmp_path: Path) -> None:
     """The dtype `auto` picks here (bf16 on an AVX512-BF16 or AMX CPU, where without this
     mode the few-row decode routes moved near-tied tokens: 8 of 48 lines of such a job on
-    a Zen 4), one request at a time against 24 at a time: every token and logprob equal."""
+    a Zen 4, and every echoed prompt's logprobs), one request at a time against 24 at a
+    time: every token, logprob and top alternative equal, the prompts' own included."""
     from prelude.config import EngineConfig, ExecutorConfig
     from prelude.engine.async_engine import AsyncEngine
     from prelude.engine.engine import LLMEngine
@@ -154,3 +157,26 @@ def test_cpu_attention_gives_a_prompt_token_the_same_bits_however_much_was_cache
     whole, after = outputs()
     for new, got in after.items():
         assert torch.equal(got, whole[length - max(new, 1):]), new  # 0: the decode row
+
+
+def test_top_alternatives_follow_one_order_among_exact_ties() -> None:
+    """Value descending, then id ascending, whatever k and however many rows: what a row's
+    top logprobs name no longer depends on the other rows of its step or their k."""
+    from prelude.model.heads import ordered_topk
+
+    row = torch.tensor([0.5, 2.0, 1.0, 2.0, 1.0, -1.0, 1.0, 2.0]).bfloat16().float()
+    vals, ids = ordered_topk(row.unsqueeze(0), 5)
+    assert ids.tolist() == [[1, 3, 7, 2, 4]] and vals.tolist() == [[2.0, 2.0, 2.0, 1.0, 1.0]]
+    for k in range(1, 8):  # a prefix of the longer list, alone or beside other rows
+        many = torch.stack([row, row.flip(0), row])
+        assert ordered_topk(many, k)[1][2].tolist() == ordered_topk(row.unsqueeze(0), 8)[1][0, :k].tolist()
+    wide = torch.randn(6, 49152).bfloat16().float()  # bf16 logits: many exact ties
+    v, i = ordered_topk(wide, 20)
+    ref_v, _ = wide.topk(20, dim=-1)
+    assert torch.equal(v, ref_v)  # the same values as torch.topk
+    for r in range(6):
+        pairs = list(zip((-v[r]).tolist(), i[r].tolist()))
+        assert pairs == sorted(pairs)  # value descending, then id ascending
+    nan = row.clone()
+    nan[0] = float("nan")
+    assert ordered_topk(nan.unsqueeze(0), 3)[0].shape == (1, 3)  # falls back, never fails

@@ -26,6 +26,7 @@ import torch
 from prelude.executor.host_copy import HostCopy
 from prelude.executor.row_argmax import race_argmax, row_argmax
 from prelude.forward_batch import SampledToken, SampleSpec
+from prelude.model.heads import ordered_topk
 from prelude.params import TokenLogprob
 
 
@@ -239,7 +240,8 @@ def sample_deferred(logits: torch.Tensor, specs: Sequence[SampleSpec], copy: Hos
     raw = torch.log_softmax(logits, dim=-1)
     k_max = max(k or 0 for k in want_k)
     chosen_lp = copy.add(raw.gather(1, chosen.unsqueeze(1)).squeeze(1))
-    top = copy.add(torch.cat(raw.topk(k_max, dim=-1)[::-1], dim=1)) if k_max > 0 else None  # [R, 2k]: ids, values
+    # [R, 2k]: ids, values (each row's first k of k_max: one total order, see ordered_topk)
+    top = copy.add(torch.cat(ordered_topk(raw, k_max)[::-1], dim=1)) if k_max > 0 else None
 
     def build() -> list[SampledToken]:
         results: list[SampledToken] = []
