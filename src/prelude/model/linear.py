@@ -225,12 +225,16 @@ class Projection:
         packed = self._packed_weight()
         if packed is None:  # no oneDNN reorder on this CPU after all
             return F.linear(x, self.weight, self.bias)
-        rows = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        return self._packed_call(x, rows, packed, max(rows.shape[0], 2))
+
+    def _packed_call(self, x: torch.Tensor, rows: torch.Tensor, packed: torch.Tensor, take: int) -> torch.Tensor:
+        """x's rows through the packed copy as a call of `take` rows (zero rows padded on: no
+        NaN or subnormals in the rows computed and dropped), shaped as x."""
         n = rows.shape[0]
-        if n == 1:
-            rows = F.pad(rows, (0, 0, 0, 1))  # a zero row: no NaN or subnormals in the row dropped
-        out = packed_linear(rows, packed, self.bias)
-        return (out[:1] if n == 1 else out).reshape(*x.shape[:-1], self.out_features)
+        rows = rows.contiguous() if take == n else F.pad(rows, (0, 0, 0, take - n))
+        out = packed_linear(rows, packed, self.bias)[:n]
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def limit_blocks(self, max_rows: int) -> None:
         """Read the blocks for calls of at most `max_rows` rows (0: never); the model sets
@@ -338,10 +342,7 @@ class Projection:
         packed = self._packed_weight() if take else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        # padded with zero rows (not garbage: no NaN or subnormals in the rows computed and dropped)
-        rows = rows.contiguous() if take == n else F.pad(rows, (0, 0, 0, take - n))
-        out = packed_linear(rows, packed, self.bias)[:n]
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return self._packed_call(x, rows, packed, take)
 
 
 def tile_rows_kernel(weight: torch.Tensor) -> Bf16Rows | None:

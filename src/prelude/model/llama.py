@@ -260,8 +260,8 @@ class LlamaForCausalLM:
         layer loop (its GEMMs are the few-row routes), and the attention backend's own
         invariant choice: a request's greedy tokens then do not depend on which requests
         share its steps. The elementwise kernels are per row already (docs/batch.md says
-        what is left). Returns how many projections
-        took the one route (0: none has a packed copy here, nothing changed)."""
+        what is left). Returns how many projections took the one route (0: none has a
+        packed copy here, and the projections are as they were)."""
         taken = sum(p.take_one_route() for p in self._projections())
         if taken:
             self.layer_loop = None
