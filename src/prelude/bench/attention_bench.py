@@ -33,18 +33,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _case(rows: int, prefix: int, new: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-          dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
+          dtype: torch.dtype, shared: bool = False) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
     """Inputs of one layer call: rows of `prefix` pooled tokens and `new` tokens (new == 1:
-    decode rows with their token written to the pool; else OneShot rows)."""
+    decode rows with their token written to the pool; else OneShot rows). `shared`: every
+    row's whole prefix blocks are the same blocks (a judge's cached rubric, which the rows'
+    items then read from the caches), else each row has its own."""
     decode = new == 1
     ctx = prefix + new
     per_row = (ctx + block_size - 1) // block_size
-    num_blocks = rows * per_row + 1
+    common = prefix // block_size if shared else 0
+    num_blocks = common + rows * (per_row - common) + 1
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn_like(k_cache)
     order = torch.randperm(num_blocks - 1, generator=gen) + 1  # scattered blocks, as a busy pool has
-    tables = order[: rows * per_row].view(rows, per_row).contiguous()
+    own = order[common:common + rows * (per_row - common)].view(rows, per_row - common)
+    tables = torch.cat([order[:common].expand(rows, common), own], dim=1).contiguous()
     total = rows * new
     q = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--judge", default="16x1024+64",
                     help="ROWSxPREFIX+NEW, several comma-separated ('' to skip)")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="the judge rows read one set of prefix blocks (a cached rubric), not one each")
     ap.add_argument("--decode", default="4,16,64", help="decode concurrencies ('' to skip)")
     ap.add_argument("--decode-ctx", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=20)
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = judge_shape(spec)
         if shape is None:
             ap.error(f"--judge {spec!r}: expected ROWSxPREFIX+NEW, e.g. 16x1024+64")
-        cases.append((f"judge {spec}", *shape))
+        cases.append((f"judge {spec}{' shared' if args.shared_prefix else ''}", *shape))
     for c in filter(None, args.decode.split(",")):
         if not c.strip().isdigit() or int(c) < 1 or args.decode_ctx < 1:
             ap.error(f"--decode {c!r} with --decode-ctx {args.decode_ctx}: rows and context must be positive integers")
@@ -183,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     for dtype_name in args.dtypes.split(","):
         dtype = _DTYPES[dtype_name]
         for label, rows, prefix, new in cases:
-            inputs, meta = _case(rows, prefix, new, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype)
+            shared = args.shared_prefix and label.startswith("judge")
+            inputs, meta = _case(rows, prefix, new, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype,
+                                 shared)
             ms = _time(backends, inputs, meta, args.head_dim**-0.5, args.rounds, clock)
             load = os.getloadavg()[0]
             results.append({"case": label, "dtype": dtype_name, "torch_ms": ms["torch"], "cpu_ms": ms["cpu"],

@@ -178,6 +178,7 @@ typedef struct {
     float qscale;                                       /* softmax scale * log2(e) */
     int bf16;
     int64_t esize;
+    int all_wide; /* OPT_ALL_WIDE: also one exponent for every tile (softmax_pairs_onepass) */
 } Ctx;
 
 typedef struct {
@@ -799,6 +800,71 @@ static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int6
     }
 }
 
+#if defined(__AVX512DQ__) /* vreduceps */
+/* 2^(y - 1/2) to bf16's precision for finite y (no -inf: the unmasked tiles' scores):
+ * g = y - floor(y) in [0, 1) in one instruction (vreduceps), a degree-3 fit of 2^(g - 1/2)
+ * (a fit of 2^f on |f| <= 1/2, shifted: rel. error 1.4e-4, a thirtieth of bf16's rounding),
+ * times 2^floor(y) (vscalefps floors its exponent operand). Its caller subtracts max - 1/2,
+ * not the max: one instruction a vector fewer than rounding to the nearest integer and
+ * subtracting it (the judge's layer call 4-5% faster on a Xeon with AMX). */
+static inline vf exp2v_bf16_half(vf y) {
+    const vf g = (vf)_mm512_reduce_ps((__m512)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    vf p = vsplat(0.05502926645151903f);
+    p = p * g + 0.15971308224932576f;
+    p = p * g + 0.4922680229083861f;
+    p = p * g + 0.7070103983340809f;
+    return (vf)_mm512_scalef_ps((__m512)p, (__m512)y);
+}
+
+/* softmax_pairs_bf16 with one pass over an unmasked tile: once every lane of a query vector
+ * has a reference max, the exponents run against it while the tile's max is taken beside
+ * them; only when that max passes the reference by more than LAZY_LOG2 (rare once set, see
+ * lazy_max) is the vector redone the two-pass way. Masked tiles, a vector's first tile and
+ * the batch-invariant mode take the two passes. Both bf16 forms take it (the dot-product
+ * form's judge layer call, 16 rows over one shared 1,024-token prefix + 64: 7.55 -> 7.44 ms
+ * on a KVM Zen 4, `bench attention --shared-prefix`). */
+static inline void softmax_pairs_onepass(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t cv0,
+                                         int64_t nvec, int64_t mp, int masked, float scale, int64_t rows) {
+    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const vf vscale = vsplat(scale);
+    for (int64_t cv = cv0; cv < nvec; cv++) {
+        const vf m = *(const vf *)(s->m + cv * VW);
+        /* batch invariance: a lane's exponents would follow its vector's other lanes and how
+         * much of its prompt was cached (which tiles are masked), so that mode takes the two
+         * passes (one polynomial) everywhere */
+        if (!masked && !c->all_wide &&
+            _mm512_cmp_ps_mask((__m512)m, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ) == 0xffff) {
+            vf sum = vsplat(0.0f), top = vsplat(-INFINITY); /* top: the tile's max less m, plus 1/2 */
+            const vf mh = m - 0.5f;
+            for (int64_t jp = 0; jp < n / 2; jp++) {
+                const vf lo = *(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - mh;
+                const vf hi = *(vf *)(s->s + (2 * jp + 1) * mp + cv * VW) * vscale - mh;
+                top = vmax(top, vmax(lo, hi));
+                const vf plo = exp2v_bf16_half(lo), phi = exp2v_bf16_half(hi);
+                sum += plo + phi;
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)phi, (__m512)plo);
+                _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
+            }
+            if (n & 1) { /* the last key alone: its pair's high half is 0 */
+                const int64_t jp = n / 2;
+                const vf lo = *(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - mh;
+                top = vmax(top, lo);
+                const vf plo = exp2v_bf16_half(lo);
+                sum += plo;
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), (__m512)plo);
+                _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
+            }
+            if (_mm512_cmp_ps_mask((__m512)top, _mm512_set1_ps(LAZY_LOG2 + 0.5f), _CMP_GT_OQ) == 0) {
+                *(vf *)(s->l + cv * VW) += sum;
+                continue;
+            }
+        }
+        softmax_pairs_bf16(c, s, p0, n, cv, cv + 1, mp, masked, scale, rows, NULL);
+    }
+}
+#endif
+
 /* Q^T in pairs for an even head_dim: qp[t][i] = pair t of query vector i (zero past nm),
  * 16 query vectors x 16 pairs a transpose (element by element, the pair stores were a third
  * of a 128-token prompt's attention: strided 4-byte stores). */
@@ -889,10 +955,15 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
         cv0 = first_seeing(s, cv0, nvec, nm, p0); /* 0 on an unmasked tile */
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
         const int masked = p0 + n - 1 > first_q || c->segments != NULL;
+#if defined(__AVX512DQ__)
+        qk_tile_bf16(kr, n, dh, s->qp + cv0 * VW, nvec - cv0, mp, s->s + cv0 * VW, NULL);
+        softmax_pairs_onepass(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, dp);
+#else
         /* a full tile wholly before the item's first query: its max comes with the scores */
         float *mx = !masked && n == NKB ? s->tmax : NULL;
         qk_tile_bf16(kr, n, dh, s->qp + cv0 * VW, nvec - cv0, mp, s->s + cv0 * VW, mx ? mx + cv0 * VW : NULL);
         softmax_pairs_bf16(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, dp, mx);
+#endif
         pack_v_pairs(vr, n, d, dv, s->vt);
         pv_tile_bf16(s->vt, dv, np, s->pp + cv0 * VW, nvec - cv0, mp, dp, s->acc + cv0 * VW);
     }
@@ -930,63 +1001,6 @@ static inline void pack_vt_pairs_amx(const uint16_t *const *vr, int64_t n, int64
             transpose16(r);
             for (int k = 0; k < 16; k++) _mm512_storeu_si512(vtt + (x0 + k) * (NKB / 2) + jp0, r[k]);
         }
-}
-
-/* 2^(y - 1/2) to bf16's precision for finite y (no -inf: the unmasked tiles' scores):
- * g = y - floor(y) in [0, 1) in one instruction (vreduceps), a degree-3 fit of 2^(g - 1/2)
- * (a fit of 2^f on |f| <= 1/2, shifted: rel. error 1.4e-4, a thirtieth of bf16's rounding),
- * times 2^floor(y) (vscalefps floors its exponent operand). Its caller subtracts max - 1/2,
- * not the max: one instruction a vector fewer than rounding to the nearest integer and
- * subtracting it (the judge's layer call 4-5% faster on a Xeon with AMX). */
-static inline vf exp2v_bf16_half(vf y) {
-    const vf g = (vf)_mm512_reduce_ps((__m512)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    vf p = vsplat(0.05502926645151903f);
-    p = p * g + 0.15971308224932576f;
-    p = p * g + 0.4922680229083861f;
-    p = p * g + 0.7070103983340809f;
-    return (vf)_mm512_scalef_ps((__m512)p, (__m512)y);
-}
-
-/* softmax_pairs_bf16 with one pass over an unmasked tile: once every lane of a query vector
- * has a reference max, the exponents run against it while the tile's max is taken beside
- * them; only when that max passes the reference by more than LAZY_LOG2 (rare once set, see
- * lazy_max) is the vector redone the two-pass way. Masked tiles and a vector's first tile
- * take the two passes. */
-static inline void softmax_pairs_amx(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t cv0, int64_t nvec,
-                                     int64_t mp, int masked, float scale, int64_t rows) {
-    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const vf vscale = vsplat(scale);
-    for (int64_t cv = cv0; cv < nvec; cv++) {
-        const vf m = *(const vf *)(s->m + cv * VW);
-        if (!masked && _mm512_cmp_ps_mask((__m512)m, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ) == 0xffff) {
-            vf sum = vsplat(0.0f), top = vsplat(-INFINITY); /* top: the tile's max less m, plus 1/2 */
-            const vf mh = m - 0.5f;
-            for (int64_t jp = 0; jp < n / 2; jp++) {
-                const vf lo = *(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - mh;
-                const vf hi = *(vf *)(s->s + (2 * jp + 1) * mp + cv * VW) * vscale - mh;
-                top = vmax(top, vmax(lo, hi));
-                const vf plo = exp2v_bf16_half(lo), phi = exp2v_bf16_half(hi);
-                sum += plo + phi;
-                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)phi, (__m512)plo);
-                _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
-            }
-            if (n & 1) { /* the last key alone: its pair's high half is 0 */
-                const int64_t jp = n / 2;
-                const vf lo = *(vf *)(s->s + 2 * jp * mp + cv * VW) * vscale - mh;
-                top = vmax(top, lo);
-                const vf plo = exp2v_bf16_half(lo);
-                sum += plo;
-                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), (__m512)plo);
-                _mm512_storeu_si512(s->pp + jp * mp + cv * VW, _mm512_permutexvar_epi16(pair_idx, both));
-            }
-            if (_mm512_cmp_ps_mask((__m512)top, _mm512_set1_ps(LAZY_LOG2 + 0.5f), _CMP_GT_OQ) == 0) {
-                *(vf *)(s->l + cv * VW) += sum;
-                continue;
-            }
-        }
-        softmax_pairs_bf16(c, s, p0, n, cv, cv + 1, mp, masked, scale, rows, NULL);
-    }
 }
 
 static void wide_item_amx(const Ctx *c, const Item *it, Scratch *s) {
@@ -1051,7 +1065,7 @@ static void wide_item_amx(const Ctx *c, const Item *it, Scratch *s) {
                 _tile_stored(0, s->s + j0 * mp + cv * VW, mp * 4);
             }
         }
-        softmax_pairs_amx(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, d16);
+        softmax_pairs_onepass(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, d16);
         for (int64_t jp = np; jp < np16; jp++) memset(s->pp + jp * mp, 0, (size_t)mp * 4);
         pack_vt_pairs_amx(vr, n, d, d16, np16, s->zero, s->vt);
         /* per query vector its P tiles (the tile's 32 or 64 keys) stay loaded over the head dims */
@@ -1228,7 +1242,7 @@ int prelude_paged_attention(
     Ctx c = {(const char *)q, (const char *)k, (const char *)v, (const char *)kc, (const char *)vc,
              sqt, sqh, skt, skh, svt, svh, scb, scs, sch, (char *)out, sot, soh, segments,
              block_size, heads, kv_heads, heads / kv_heads, d, (d + 3) / 4 * 4,
-             scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4};
+             scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4, (options & OPT_ALL_WIDE) != 0};
     /* amx: bf16 items take the AMX form where it can run (prefill, and decode rows: a decode
      * step of 16 rows over 1,000-token contexts 80.3 -> 70.4 ms, 16 x 128 38.8 -> 37.7, 4 x
      * 128 even, alternated step by step on a KVM Xeon, model 207) */
