@@ -1,4 +1,6 @@
-"""The AMX prefill GEMM (amx_gemm.c) against float32 sums, and the projections that take it."""
+"""The bf16 prefill GEMM (amx_gemm.c: its AMX tile form, or its AVX512-BF16 dot-product form
+where there is no AMX; each machine tests the form it runs) against float32 sums, and the
+projections that take it."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from prelude.model.bf16_rows import TILE_MAX_ROWS
 from prelude.model.linear import AMX_MAX_ROWS, Projection
 
 KERNEL = load_amx_gemm()
-needs_amx = pytest.mark.skipif(KERNEL is None, reason="no AMX-BF16 here (or no C compiler, or the OS refused the "
-                                                      "tile registers): bf16 prefills keep oneDNN")
+needs_amx = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 here (or no C compiler): bf16 prefills keep "
+                                                      "oneDNN")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -99,9 +101,10 @@ def test_refuses_what_it_does_not_take() -> None:
 
 @needs_amx
 def test_projection_takes_it_between_the_tile_form_and_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prepacked bf16 projection runs the tile form up to TILE_MAX_ROWS rows, this kernel
-    above up to AMX_MAX_ROWS (2-D or with a batch dimension), oneDNN's packed copy past it;
-    the copies are made at start; float32 and unpacked projections and an LM head never take it."""
+    """A prepacked bf16 projection runs the tile form up to TILE_MAX_ROWS rows (AMX), this
+    kernel above (from one row without AMX: no few-row route here) up to AMX_MAX_ROWS (2-D or
+    with a batch dimension), oneDNN's packed copy past it; the copies are made at start;
+    float32 and unpacked projections and an LM head never take it."""
     torch.manual_seed(5)
     w = torch.randn(96, 64).to(torch.bfloat16)
     b = torch.randn(96).to(torch.bfloat16)
@@ -121,12 +124,15 @@ def test_projection_takes_it_between_the_tile_form_and_onednn(monkeypatch: pytes
 
     monkeypatch.setattr(amx_gemm.AmxGemm, "linear", counted_gemm)
     monkeypatch.setattr(bf16_rows.Bf16Rows, "linear", counted_rows)
-    for rows in (TILE_MAX_ROWS, TILE_MAX_ROWS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    for rows in (1, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert_close_bf16(proj(x), reference(x, w, b))
     x3 = torch.randn(2, 30, 64).to(torch.bfloat16)
     assert_close_bf16(proj(x3), reference(x3, w, b))
-    assert calls == [("tile", TILE_MAX_ROWS), ("amx", TILE_MAX_ROWS + 1), ("amx", AMX_MAX_ROWS), ("amx", 60)]
+    small = "tile" if proj.tile_form is not None else "amx"
+    assert (proj.tile_form is not None) == (KERNEL is not None and KERNEL.form == "AMX")
+    assert calls == [(small, 1), (small, TILE_MAX_ROWS), ("amx", TILE_MAX_ROWS + 1), ("amx", AMX_MAX_ROWS),
+                     ("amx", 60)]
     assert Projection(w, b, prepack=False)._amx is None
     assert Projection(w, b, prepack=True, head=True)._amx is None
     assert Projection(w.float(), b.float(), prepack=True)._amx is None

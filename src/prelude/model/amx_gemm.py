@@ -1,12 +1,13 @@
-"""Many bfloat16 rows through a packed bfloat16 weight on the AMX tile unit (amx_gemm.c),
-built once per machine (model/native_lib.py) and called through ctypes: a bf16 prefill's
-projections on a CPU with AMX-BF16.
+"""Many bfloat16 rows through a packed bfloat16 weight (amx_gemm.c), built once per machine
+(model/native_lib.py) and called through ctypes: a bf16 prefill's projections on the AMX
+tile unit, or, on a CPU with AVX512-BF16 and no AMX (AMD Zen 4 on), with vdpbf16ps over
+the same packed copy (its `form`).
 
 `pack(weight)` makes the copy the kernel reads (the weight's bytes again, in k pairs, 16
 outputs a block), `linear(x, packed, bias)` runs it. A row's sums run in one order
 whatever the thread count and the other rows of the call. `load_amx_gemm()` is None
-without a compiler, without AMX-BF16 (or the kernel's permission to use it), or with
-PRELUDE_AMX_GEMM=0.
+without a compiler, without AVX512-BF16 (and AMX-BF16 or the kernel's permission to use
+it), or with PRELUDE_AMX_GEMM=0.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ _SOURCE = Path(__file__).with_name("amx_gemm.c")
 WIDTH_STEP = 32  # out and k must be multiples of this
 
 
-class AmxGemm:
-    """The loaded library."""
+FORMS = ("", "dot-product", "AMX")  # prelude_amx_gemm_ready()'s answers
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+
+class AmxGemm:
+    """The loaded library, and the form its calls take here ("AMX" or "dot-product")."""
+
+    def __init__(self, lib: ctypes.CDLL, form: str) -> None:
+        self.form = form
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._pack = lib.prelude_amx_gemm_pack
         self._pack.restype = ctypes.c_int
@@ -89,9 +94,10 @@ def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
 @functools.cache
 def load_amx_gemm() -> AmxGemm | None:
     """The kernel, built on first use on this machine; None where it cannot run."""
-    lib = native_lib.load(_SOURCE, "PRELUDE_AMX_GEMM", "AMX bf16 prefill GEMMs (oneDNN serves them)")
+    lib = native_lib.load(_SOURCE, "PRELUDE_AMX_GEMM", "bf16 prefill GEMMs of up to 128 rows (oneDNN serves them)")
     if lib is None:
         return None
     ready = lib.prelude_amx_gemm_ready
     ready.restype = ctypes.c_int
-    return AmxGemm(lib) if ready() else None
+    form = FORMS[ready()]
+    return AmxGemm(lib, form) if form else None

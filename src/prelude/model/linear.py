@@ -101,8 +101,9 @@ PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the
 # cost more than the steps save (130 rows, two threads, its four shapes: MKL 0.215 ms, cut
 # 0.274), over SmolLM2's (576 x 576 and up) the cut halves the time (5.14 -> 2.78 ms).
 PIECES_MIN_WEIGHT = 1 << 18
-# bf16 calls past the tile form's rows up to this many take amx_gemm.c on an AMX CPU (its
-# own packed copy, held beside oneDNN's: the projections' bytes once more). SmolLM2-135M
+# bf16 calls past the few-row routes up to this many take amx_gemm.c (its own packed copy,
+# held beside oneDNN's: the projections' bytes once more): its tile form on an AMX CPU, its
+# dot-product form on one with AVX512-BF16 only (measured: amx_gemm.c's header). SmolLM2-135M
 # prefills in process, alternated, against oneDNN (KVM Xeon, model 207, two threads): 64
 # tokens 0.77-0.82x, 128 tokens 0.84-0.94x the whole forward's time; at 256, 512 and 2,048
 # rows its forwards ran 1.06-1.19x slower (its gate/up GEMM the loser), though the same
@@ -184,8 +185,8 @@ class Projection:
         # bf16 decode-sized calls on the tile unit over the plain weight (no copy)
         self._bf16_rows: Bf16Rows | None = tile_rows_kernel(weight) if prepack else None
         self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
-        # bf16 calls past the few-row routes up to AMX_MAX_ROWS on the AMX tile unit
-        # (amx_gemm.c), over a copy of its own beside oneDNN's (see amx_gemm_kernel)
+        # bf16 calls past the few-row routes up to AMX_MAX_ROWS through amx_gemm.c (the AMX
+        # tile unit, or AVX512-BF16's dot product), over a copy of its own beside oneDNN's
         # (not a head: its calls of that many rows, prompt logprobs, are rare, and its copy large)
         self._amx: AmxGemm | None = amx_gemm_kernel(weight) if prepack and not head else None
         self._amx_packed: torch.Tensor | None = None
@@ -354,7 +355,8 @@ def tile_rows_kernel(weight: torch.Tensor) -> Bf16Rows | None:
 
 def amx_gemm_kernel(weight: torch.Tensor) -> AmxGemm | None:
     """amx_gemm.c where it serves `weight`'s bf16 calls past the few-row routes up to
-    AMX_MAX_ROWS rows (AMX-BF16 usable here, both widths multiples of 32), else None."""
+    AMX_MAX_ROWS rows (AVX512-BF16 or AMX-BF16 usable here, both widths multiples of 32),
+    else None."""
     kernel = load_amx_gemm()
     return kernel if kernel is not None and kernel.takes(weight) else None
 
@@ -418,12 +420,14 @@ def _float32_pads(dtype: torch.dtype) -> bool:
 def describe_routes(dtype: torch.dtype) -> str:
     """Which GEMM serves which calls of prepacked projections in `dtype`, for the start-up log."""
     if dtype == torch.bfloat16:
-        kernel = load_bf16_rows()
+        kernel, gemm_kernel = load_bf16_rows(), load_amx_gemm()
+        gemm = ("" if gemm_kernel is None else
+                f"amx_gemm.c ({gemm_kernel.form} form) over packed copies of its own up to {AMX_MAX_ROWS} rows, ")
         if kernel is not None and kernel.tile_form_ready():
-            gemm = (f", amx_gemm.c (AMX) over packed copies of its own up to {AMX_MAX_ROWS} rows"
-                    if load_amx_gemm() is not None else "")
             return (f"bf16 projections: bf16_rows.c's tile form (AMX) over the plain weights up to {TILE_MAX_ROWS} "
-                    f"rows{gemm}, oneDNN packed copies above")
+                    f"rows, {gemm}oneDNN packed copies above")
+        if gemm:
+            return f"bf16 projections: past the GGUF blocks' rows {gemm}oneDNN packed copies above"
         return "bf16 projections: oneDNN packed copies at every row count"
     steps = (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows and at {PACKED_ROW_STEP}-row "
              f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls over weights of {PIECES_MIN_WEIGHT:,} elements and up "
