@@ -37,8 +37,11 @@ def _tile_form_runs() -> bool:
 
 pytestmark = pytest.mark.skipif(load_cpu_attention() is None or load_cpu_kernels() is None,
                                 reason="the C layer loop calls the C attention and the fused C kernels")
-# bf16 steps' projections take bf16_rows.c's tile form past the blocks' bound: AMX-BF16
-needs_tiles = pytest.mark.skipif(not _tile_form_runs(), reason="bf16 steps in C need AMX-BF16 (the tile form)")
+# bf16 steps' projections take bf16_rows.c's tile form past the blocks' bound (AMX-BF16), or
+# without AMX amx_gemm.c's dot-product form (AVX512-BF16): the tests run whichever this CPU has
+needs_tiles = pytest.mark.skipif(not _tile_form_runs() and load_amx_gemm() is None,
+                                 reason="bf16 steps in C need AMX-BF16 (the tile form) or AVX512-BF16 (amx_gemm.c's "
+                                        "dot-product form)")
 
 LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 3, 64, 160, 4, 2, 16, 101
 CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
@@ -162,7 +165,8 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("count", [1, 2, 3, 17, TILE_MAX_ROWS])
 def test_a_decode_step_equals_the_python_loop_bit_for_bit(runs: list[int], with_blocks: bool, count: int) -> None:
     """Decode rows over contexts across block boundaries; with blocks allowed up to 2 rows,
-    1-2 rows read them and 3+ take the tile form (each projection as Projection routes it)."""
+    1-2 rows read them and 3+ take the tile form, or amx_gemm.c without AMX (each projection
+    as Projection routes it)."""
     if with_blocks and load_kernel() is None:
         pytest.skip("the GGUF blocks kernel cannot run here")
     model = _model(with_blocks=with_blocks)
@@ -326,6 +330,23 @@ def test_built_only_where_every_kernel_has_a_c_route(monkeypatch: pytest.MonkeyP
     assert _model().layer_loop is None
     monkeypatch.delenv(layer_loop.SWITCH)
     monkeypatch.setattr(linear, "amx_gemm_kernel", lambda weight: None)  # steps past the tile form: oneDNN's
-    assert _model().layer_loop.max_rows == TILE_MAX_ROWS
+    if _tile_form_runs():
+        assert _model().layer_loop.max_rows == TILE_MAX_ROWS
+    else:  # no AMX: without amx_gemm.c every call past the blocks goes to oneDNN
+        assert _model().layer_loop is None
     monkeypatch.setattr(linear, "tile_rows_kernel", lambda weight: None)  # no AMX: few rows go to oneDNN
     assert _model().layer_loop is None
+
+
+@pytest.mark.skipif(_tile_form_runs() or load_amx_gemm() is None,
+                    reason="the dot-product form's steps: a CPU with AVX512-BF16 and no AMX")
+def test_without_amx_the_dot_product_form_takes_every_row_count(runs: list[int]) -> None:
+    """No tile form: decode rows and prompts of 1..AMX_MAX_ROWS tokens run in C, every call
+    past the blocks' rows through amx_gemm.c's dot-product form, bit for bit the Python loop."""
+    model = _model()
+    assert model.layer_loop is not None and model.layer_loop.max_rows == AMX_MAX_ROWS
+    assert all(p.tile_form is None and p.amx_gemm is not None and p.amx_gemm.form == "dot-product"
+               for p in _projections(model))
+    _read_both_ways_equal(model, [Row(3, 1)])
+    _read_both_ways_equal(model, [Row(0, AMX_MAX_ROWS - 1), Row(6, 1)])
+    assert runs == [1, 1, AMX_MAX_ROWS, AMX_MAX_ROWS]

@@ -12,7 +12,9 @@ every projection has a C route for the step's rows, and the step has no LoRA ada
 no multi-item segments: in bf16, steps of up to TILE_MAX_ROWS tokens (decode rows, short
 prompts or both) through the GGUF blocks up to their bound, else bf16_rows.c's tile form
 (which needs AMX), and of up to AMX_MAX_ROWS where amx_gemm.c serves every projection's
-calls past the tile form's bound (a 128-token prompt); in float32, steps of as many tokens
+calls past the tile form's bound (a 128-token prompt); on a CPU with AVX512-BF16 and no
+AMX (no tile forms), steps of up to AMX_MAX_ROWS where amx_gemm.c's dot-product form
+serves every projection's calls past the blocks' bound; in float32, steps of as many tokens
 as every projection's GGUF blocks take (decode_routes.py's measured bound: 4 rows on the
 KVM Xeon), the few-row calls oneDNN would otherwise serve being out of C's reach. Every
 other step runs the Python loop. PRELUDE_LAYER_LOOP=0 turns it off.
@@ -100,12 +102,14 @@ class LayerLoop:
         self._xsum_width = max(self.hidden, self.inter, q_width) // 32  # the blocks' per-block input sums
         projections = _projections(self._layers)
         tile = projections[0].tile_form if all(p.tile_form is not None for p in projections) else None
+        # without tile forms (no AMX) every call past the blocks' rows takes the GEMM, as Projection routes it
         gemm = next((p.amx_gemm for p in projections if p.amx_gemm is not None), None)
         blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
         norm, rope, silu = kernels.entry_points()
         self._model = _Model(
             norm=norm, rope=rope, silu=silu, rows=None if tile is None else tile.entry_point,
-            gemm=None if gemm is None else gemm.entry_point, tile_max_rows=TILE_MAX_ROWS, gemm_max_rows=AMX_MAX_ROWS,
+            gemm=None if gemm is None else gemm.entry_point, tile_max_rows=TILE_MAX_ROWS if tile is not None else 0,
+            gemm_max_rows=AMX_MAX_ROWS,
             blocks=None if blocks is None else blocks.entry_point(dtype), attend=attention.entry_point,
             n_layers=len(self._layers), hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, inter=self.inter, eps=config.rms_norm_eps, scale=scale,
@@ -212,12 +216,11 @@ def _proj(p: Projection) -> _Proj:
 
 
 def _c_rows(p: Projection) -> int:
-    """The most rows every call of `p` has a C route for (0: none): the tile form's bound,
-    amx_gemm.c's past it (it takes the calls the tile form leaves), or the blocks'."""
-    tile = TILE_MAX_ROWS if p.tile_form is not None else 0
-    if tile and p.amx_gemm is not None:
-        tile = AMX_MAX_ROWS
-    return max(tile, p.blocks.max_rows if p.blocks is not None else 0)
+    """The most rows every call of `p` has a C route for (0: none): amx_gemm.c's bound where
+    it serves (past the tile form's rows, or past the blocks' without a tile form), the tile
+    form's, or the blocks'."""
+    dense = AMX_MAX_ROWS if p.amx_gemm is not None else TILE_MAX_ROWS if p.tile_form is not None else 0
+    return max(dense, p.blocks.max_rows if p.blocks is not None else 0)
 
 
 def layer_loop_for(layers: Sequence, final_norm: torch.Tensor, attention: object, dtype: torch.dtype,
@@ -229,8 +232,12 @@ def layer_loop_for(layers: Sequence, final_norm: torch.Tensor, attention: object
         return None
     projections = _projections(layers)
     # every call of a step's rows needs a C route: in bf16 the tile form (AMX) of every
-    # projection, in float32 the blocks of every one; and the blocks' GEMM for this dtype
-    if dtype == torch.bfloat16 and not all(p.tile_form is not None for p in projections):
+    # projection, or (no AMX) amx_gemm.c's dot-product form of every one and no tile form
+    # (the C side has one tile bound for all); in float32 the blocks of every one; and the
+    # blocks' GEMM for this dtype
+    tiles = [p.tile_form is not None for p in projections]
+    dot_product = not any(tiles) and all(p.amx_gemm is not None for p in projections)
+    if dtype == torch.bfloat16 and not (all(tiles) or dot_product):
         return None
     if dtype == torch.float32 and not all(p.blocks is not None for p in projections):
         return None
