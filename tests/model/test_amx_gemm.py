@@ -168,3 +168,30 @@ def test_avx2_build_is_not_ready_and_refuses_calls() -> None:
     y = torch.full((1, 32), 7.0, dtype=torch.bfloat16)
     assert fn(x.data_ptr(), 1, 32, w.data_ptr(), 32, 32, None, y.data_ptr(), 32, 1) == 1
     assert torch.equal(y, torch.full((1, 32), 7.0, dtype=torch.bfloat16))
+
+
+@needs_amx
+def test_the_dense_route_decode_routes_times_is_the_projections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear.dense_linear (what decode_routes.py times against the GGUF blocks) runs what a
+    projection runs past the blocks: the tile form where it takes the rows, amx_gemm.c over
+    the copy up to AMX_MAX_ROWS, oneDNN past it; the same values as the projection's call."""
+    from prelude.model import linear
+
+    torch.manual_seed(9)
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    proj = Projection(w, None, prepack=True)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    calls: list[int] = []
+    gemm = amx_gemm.AmxGemm.linear
+
+    def counted(self, x, packed, out_features, bias):  # noqa: ANN001, ANN202
+        calls.append(x.shape[0])
+        return gemm(self, x, packed, out_features, bias)
+
+    monkeypatch.setattr(amx_gemm.AmxGemm, "linear", counted)
+    for rows in (1, 4, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        got = linear.dense_linear(x, w, packed, proj.tile_form, None, KERNEL, proj.amx_copy())
+        assert torch.equal(got, proj(x))
+    tiled = TILE_MAX_ROWS if proj.tile_form is not None else 0
+    assert calls == [r for r in (1, 1, 4, 4, AMX_MAX_ROWS, AMX_MAX_ROWS) if r > tiled]  # dense_linear's, the projection's

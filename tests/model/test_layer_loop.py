@@ -95,7 +95,7 @@ def _model(dtype: torch.dtype = torch.bfloat16, with_blocks: bool = False, atten
     blocks = _blocks(weights) if with_blocks else None
     # The blocks' row bound is the tests' to set (limit_blocks), not this CPU's measurement of
     # these tiny shapes (decode_routes.choose), which may drop the blocks altogether.
-    with mock.patch.object(decode_routes, "choose", lambda pairs, kernel, dtype: RouteChoice(8, {}, "pinned")):
+    with mock.patch.object(decode_routes, "choose", lambda pairs, kernel, dtype, copies: RouteChoice(8, {}, "pinned")):
         return LlamaForCausalLM(CFG, weights, dtype, attention=get_attention_backend(attention), prepack=True,
                                 blocks=blocks)
 

@@ -3,7 +3,8 @@
 A GGUF model's projections can be read two ways in decode: from their stored blocks
 (blocks_kernel.py: 4-8x fewer bytes, but work that grows with every row) or dense
 (linear.dense_linear: the oneDNN-prepacked copy, or in bf16 on an AMX CPU up to 32 rows
-the tile form of bf16_rows.c over the plain weight; more bytes, amortized over rows). The
+the tile form of bf16_rows.c over the plain weight, and in bf16 up to 128 rows amx_gemm.c
+over its packed copy where it serves; more bytes, amortized over rows). The
 crossover depends on the CPU (AVX2 vs AVX-512, AVX512-BF16, memory bandwidth) and the
 dtype, so it is measured, not assumed: the model's own projections, every layer (decode
 streams the weights from memory, as a step does), at 1, 2, 4, ... 16 rows until the blocks
@@ -24,21 +25,22 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from prelude.model import native_lib
+from prelude.model.amx_gemm import AmxGemm
 from prelude.model.bf16_rows import Bf16Rows
 from prelude.model.blocks_kernel import BlocksKernel
 from prelude.model.ggml_blocks import GgmlBlocks
-from prelude.model.linear import dense_linear, tile_rows_kernel
+from prelude.model.linear import amx_gemm_kernel, dense_linear, tile_rows_kernel
 
 logger = logging.getLogger("prelude.model.decode_routes")
 
 ROW_COUNTS = (1, 2, 4, 8, 16)
 _ROUNDS = 5
-_SOURCES = ("blocks_gemm.c", "bf16_rows.c", "decode_routes.py")
+_SOURCES = ("blocks_gemm.c", "bf16_rows.c", "amx_gemm.c", "decode_routes.py")
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,11 @@ class RouteChoice:
 
     def describe(self, dtype: torch.dtype) -> str:
         name = str(dtype).removeprefix("torch.")
-        rule = ("oneDNN prepacked for every row count" if self.blocks_max_rows == 0 else
-                f"GGUF blocks for <= {self.blocks_max_rows} rows, oneDNN prepacked above")
+        rule = ("the dense route for every row count" if self.blocks_max_rows == 0 else
+                f"GGUF blocks for <= {self.blocks_max_rows} rows, the dense route above")
         figures = ", ".join(f"{r} rows {b:.1f} vs {d:.1f} ms" for r, (b, d) in sorted(self.ms.items()))
-        return f"decode GEMMs in {name}: {rule} ({self.source} on this CPU, blocks vs oneDNN per step: {figures})"
+        return (f"decode GEMMs in {name}: {rule} ({self.source} on this CPU, blocks vs dense (the projections' "
+                f"routes past the blocks) per step: {figures})")
 
 
 def crossover(ms: dict[int, tuple[float, float]]) -> int:
@@ -83,8 +86,8 @@ def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.d
 
 
 def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequence[torch.Tensor],
-               tiles: Sequence[Bf16Rows | None], kernel: BlocksKernel,
-               dtype: torch.dtype, rows: int) -> tuple[float, float]:
+               tiles: Sequence[Bf16Rows | None], gemms: Sequence[tuple[AmxGemm, torch.Tensor] | None],
+               kernel: BlocksKernel, dtype: torch.dtype, rows: int) -> tuple[float, float]:
     """(blocks, dense) ms of CPU time for one call of every projection at `rows` rows."""
     xs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w, _ in pairs}}
 
@@ -93,8 +96,8 @@ def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequenc
             kernel.linear(xs[w.shape[1]], b)
 
     def dense() -> None:
-        for (w, _), p, t in zip(pairs, packed, tiles):
-            dense_linear(xs[w.shape[1]], w, p, t)
+        for (w, _), p, t, g in zip(pairs, packed, tiles, gemms):
+            dense_linear(xs[w.shape[1]], w, p, t, None, *(g or (None, None)))
 
     times: dict[str, list[float]] = {"blocks": [], "dense": []}
     blocks(), dense()  # first calls: oneDNN builds its kernel for this row count
@@ -106,17 +109,23 @@ def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequenc
     return 1000 * min(times["blocks"]), 1000 * min(times["dense"])
 
 
-def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel,
-             dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel, dtype: torch.dtype,
+             gemm_copies: Sequence[Callable[[], torch.Tensor | None]] | None) -> dict[int, tuple[float, float]]:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w, _ in pairs]
     tiles = [tile_rows_kernel(w) for w, _ in pairs]  # what each projection's dense calls take
+    gemms: list[tuple[AmxGemm, torch.Tensor] | None] = []
+    for i, (w, _) in enumerate(pairs):
+        gemm = amx_gemm_kernel(w)
+        # the projection's own copy where the caller has one (made now if not yet), else one for the measure
+        copy = None if gemm is None else gemm_copies[i]() if gemm_copies is not None else gemm.pack(w)
+        gemms.append(None if gemm is None or copy is None else (gemm, copy))
     ms: dict[int, tuple[float, float]] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
             for rows in ROW_COUNTS:
-                ms[rows] = _time_rows(pairs, packed, tiles, kernel, dtype, rows)
+                ms[rows] = _time_rows(pairs, packed, tiles, gemms, kernel, dtype, rows)
                 if ms[rows][0] >= ms[rows][1]:
                     break  # more rows only add to the blocks' work
     finally:
@@ -124,9 +133,12 @@ def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKer
     return ms
 
 
-def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel, dtype: torch.dtype) -> RouteChoice:
+def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel, dtype: torch.dtype,
+           gemm_copies: Sequence[Callable[[], torch.Tensor | None]] | None = None) -> RouteChoice:
     """The row counts the blocks serve, for the projections `pairs` (dense weight in
-    `dtype`, its blocks): from the cache, else measured now and cached."""
+    `dtype`, its blocks): from the cache, else measured now and cached. `gemm_copies`: per
+    pair, what gives its projection's amx_gemm.c copy (None where none serves), so a measure
+    makes no copy of its own."""
     path = _cache_file(pairs, dtype)
     try:
         data = json.loads(path.read_text())
@@ -134,7 +146,7 @@ def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKerne
         return RouteChoice(int(data["blocks_max_rows"]), ms, "cached")
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    ms = _measure(pairs, kernel, dtype)
+    ms = _measure(pairs, kernel, dtype, gemm_copies)
     choice = RouteChoice(crossover(ms), ms, "measured")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -367,12 +367,17 @@ def tile_rows_take(kernel: Bf16Rows | None, x: torch.Tensor, rows: int) -> bool:
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, kernel: Bf16Rows | None,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, gemm: AmxGemm | None = None,
+                 gemm_copy: torch.Tensor | None = None) -> torch.Tensor:
     """What a prepacked projection runs for a call that does not read GGUF blocks: the tile
-    form where tile_rows_take says so, else oneDNN over `packed` (decode_routes.py times
-    this against the blocks)."""
-    if tile_rows_take(kernel, x, x.reshape(-1, x.shape[-1]).shape[0]):
+    form where tile_rows_take says so, else amx_gemm.c over `gemm_copy` up to AMX_MAX_ROWS
+    where it serves, else oneDNN over `packed` (decode_routes.py times this against the
+    blocks)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if tile_rows_take(kernel, x, rows.shape[0]):
         return kernel.linear(x, weight, bias)  # type: ignore[union-attr]
+    if gemm is not None and gemm_copy is not None and x.dtype == torch.bfloat16 and rows.shape[0] <= AMX_MAX_ROWS:
+        return gemm.linear(rows.contiguous(), gemm_copy, weight.shape[0], bias).reshape(*x.shape[:-1], weight.shape[0])
     return packed_linear(x, packed, bias)
 
 

@@ -194,6 +194,8 @@ class LlamaForCausalLM:
         self._copies_thread: threading.Thread | None = None  # making oneDNN's copies (make_packed_copies)
         # Where decode reads GGUF blocks instead of oneDNN (None: no blocks in this model/CPU/dtype)
         self.decode_route: decode_routes.RouteChoice | None = None
+        if prepack and prepared.path is not None:  # before the decode route: a measure times these copies
+            self._adopt_amx_copies(prepared)
         if kernel is not None:
             self._choose_decode_route(kernel)
         self.attention = attention or get_attention_backend("torch")
@@ -203,8 +205,6 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.shape = LayerShape(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                 config.rms_norm_eps)
-        if prepack and prepared.path is not None:
-            self._adopt_amx_copies(prepared)
         # Steps of up to 32 tokens: the layer loop in one C call where every kernel has a C route
         # (None: the Python loop runs every step; `bench profile` sets it so to split a step)
         self.layer_loop: LayerLoop | None = layer_loop_for(self.layers, self.norm, self.attention, dtype, config,
@@ -277,7 +277,7 @@ class LlamaForCausalLM:
         if not with_blocks:
             return
         choice = decode_routes.choose([(p.weight, p.blocks.blocks) for p in with_blocks], kernel,  # type: ignore[union-attr]
-                                      self.dtype)
+                                      self.dtype, [p.amx_copy for p in with_blocks])
         logger.info("%s", choice.describe(self.dtype))
         self.decode_route = choice
         for p in with_blocks:
