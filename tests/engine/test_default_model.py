@@ -56,10 +56,9 @@ def test_greedy_alone_and_batched_equal_transformers(llm: LLM, hf_model) -> None
 
     model = llm.engine.runner.model
     if load_kernel() is not None:  # blocks for the row counts where they measured faster here
-        assert model.decode_route is not None
-        uses_blocks = model.decode_route.blocks_max_rows > 0
-        assert (model.layers[0].qkv.blocks is not None) == uses_blocks
-        assert (model._lm_head_proj.blocks is not None) == uses_blocks
+        assert model.decode_route is not None and model.head_route is not None  # measured apart
+        assert (model.layers[0].qkv.blocks is not None) == (model.decode_route.blocks_max_rows > 0)
+        assert (model._lm_head_proj.blocks is not None) == (model.head_route.blocks_max_rows > 0)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     batched = llm.generate(PROMPTS, params)
     for prompt, result in zip(PROMPTS, batched):

@@ -194,4 +194,5 @@ def test_the_dense_route_decode_routes_times_is_the_projections(monkeypatch: pyt
         got = linear.dense_linear(x, w, packed, proj.tile_form, None, KERNEL, proj.amx_copy())
         assert torch.equal(got, proj(x))
     tiled = TILE_MAX_ROWS if proj.tile_form is not None else 0
-    assert calls == [r for r in (1, 1, 4, 4, AMX_MAX_ROWS, AMX_MAX_ROWS) if r > tiled]  # dense_linear's, the projection's
+    # each count twice: dense_linear's call, then the projection's
+    assert calls == [r for r in (1, 1, 4, 4, AMX_MAX_ROWS, AMX_MAX_ROWS) if r > tiled]

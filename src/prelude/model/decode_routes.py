@@ -53,13 +53,13 @@ class RouteChoice:
     ms: dict[int, tuple[float, float]]
     source: str
 
-    def describe(self, dtype: torch.dtype) -> str:
+    def describe(self, dtype: torch.dtype, what: str = "every projection") -> str:
         name = str(dtype).removeprefix("torch.")
         rule = ("the dense route for every row count" if self.blocks_max_rows == 0 else
                 f"GGUF blocks for <= {self.blocks_max_rows} rows, the dense route above")
         figures = ", ".join(f"{r} rows {b:.1f} vs {d:.1f} ms" for r, (b, d) in sorted(self.ms.items()))
-        return (f"decode GEMMs in {name}: {rule} ({self.source} on this CPU, blocks vs dense (the projections' "
-                f"routes past the blocks) per step: {figures})")
+        return (f"decode GEMMs in {name}, {what}: {rule} ({self.source} on this CPU, blocks vs dense (the "
+                f"projections' routes past the blocks) per step: {figures})")
 
 
 def crossover(ms: dict[int, tuple[float, float]]) -> int:

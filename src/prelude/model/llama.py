@@ -194,6 +194,7 @@ class LlamaForCausalLM:
         self._copies_thread: threading.Thread | None = None  # making oneDNN's copies (make_packed_copies)
         # Where decode reads GGUF blocks instead of oneDNN (None: no blocks in this model/CPU/dtype)
         self.decode_route: decode_routes.RouteChoice | None = None
+        self.head_route: decode_routes.RouteChoice | None = None  # the LM head's, where it has blocks
         if prepack and prepared.path is not None:  # before the decode route: a measure times these copies
             self._adopt_amx_copies(prepared)
         if kernel is not None:
@@ -265,23 +266,32 @@ class LlamaForCausalLM:
         taken = sum(p.take_one_route() for p in self._projections())
         if taken:
             self.layer_loop = None
-            self.decode_route = None
+            self.decode_route = self.head_route = None
         make = getattr(self.attention, "make_batch_invariant", None)
         if make is not None:
             make()
         return taken
 
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:
-        """Blocks or oneDNN per decode row count, as measured on this CPU (decode_routes.py)."""
+        """Blocks or the dense route per decode row count, as measured on this CPU
+        (decode_routes.py): the layers' projections together, the LM head on its own (its
+        dense route is oneDNN's alone, and its crossover its own: on a Zen 4 the layers' at
+        2 rows, the head's at 4)."""
         with_blocks = [p for p in self._projections() if p.blocks is not None]
-        if not with_blocks:
-            return
-        choice = decode_routes.choose([(p.weight, p.blocks.blocks) for p in with_blocks], kernel,  # type: ignore[union-attr]
-                                      self.dtype, [p.amx_copy for p in with_blocks])
-        logger.info("%s", choice.describe(self.dtype))
-        self.decode_route = choice
-        for p in with_blocks:
-            p.limit_blocks(choice.blocks_max_rows)
+        trunk = [p for p in with_blocks if p is not self._lm_head_proj]
+        head = [p for p in with_blocks if p is self._lm_head_proj]
+        for group, what in ((trunk, "the layers' projections"), (head, "the LM head")):
+            if not group:
+                continue
+            choice = decode_routes.choose([(p.weight, p.blocks.blocks) for p in group], kernel,  # type: ignore[union-attr]
+                                          self.dtype, [p.amx_copy for p in group])
+            logger.info("%s", choice.describe(self.dtype, what))
+            if group is trunk:
+                self.decode_route = choice
+            else:
+                self.head_route = choice
+            for p in group:
+                p.limit_blocks(choice.blocks_max_rows)
 
     @property
     def weights_are_plain(self) -> bool:
