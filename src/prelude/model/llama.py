@@ -206,8 +206,9 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self.shape = LayerShape(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                 config.rms_norm_eps)
-        # Steps of up to 32 tokens: the layer loop in one C call where every kernel has a C route
-        # (None: the Python loop runs every step; `bench profile` sets it so to split a step)
+        # Small steps (up to 32 or 128 tokens, by the routes): the layer loop in one C call where
+        # every kernel has a C route (None: the Python loop runs every step; `bench profile`
+        # sets it so to split a step)
         self.layer_loop: LayerLoop | None = layer_loop_for(self.layers, self.norm, self.attention, dtype, config,
                                                            self.scale)
         if self.layer_loop is not None:
@@ -227,8 +228,8 @@ class LlamaForCausalLM:
 
     def make_packed_copies(self) -> int:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
-        a packed copy, make them now: amx_gemm.c's here (calls of 33-128 rows, a short
-        prompt's, and the C layer loop read them), oneDNN's on a thread (longer calls: ~0.15-
+        a packed copy, make them now: amx_gemm.c's here (calls past the few-row routes up to
+        128 rows, a short prompt's, and the C layer loop read them), oneDNN's on a thread (longer calls: ~0.15-
         0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; the first
         forward waits for the rest, so a process's memory holds them all from its first
         answer on). Returns how many projections have them (0 in float32: there only decode
@@ -283,8 +284,8 @@ class LlamaForCausalLM:
         for group, what in ((trunk, "the layers' projections"), (head, "the LM head")):
             if not group:
                 continue
-            choice = decode_routes.choose([(p.weight, p.blocks.blocks) for p in group], kernel,  # type: ignore[union-attr]
-                                          self.dtype, [p.amx_copy for p in group])
+            pairs = [(p.weight, p.blocks.blocks) for p in group]  # type: ignore[union-attr]
+            choice = decode_routes.choose(pairs, kernel, self.dtype, [p.amx_copy for p in group])
             logger.info("%s", choice.describe(self.dtype, what))
             if group is trunk:
                 self.decode_route = choice
