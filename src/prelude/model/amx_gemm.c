@@ -229,6 +229,31 @@ int prelude_amx_gemm_pack(const uint16_t *w, int64_t n, int64_t k, uint32_t *wp,
 #endif
 }
 
+#if HAVE_AMX
+/* prelude_amx_gemm on the tile unit (arguments checked): threads split the pairs of blocks. */
+static int tiles_call(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t *wp, int64_t n, int64_t k,
+                      const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
+    const int64_t whole = m / 32 * 32;
+    uint16_t *tail = 0;
+    if (whole < m) {
+        tail = aligned_alloc(64, (size_t)(32 * k) * 2);
+        if (tail == 0) return 1;
+        memset(tail, 0, (size_t)(32 * k) * 2);
+        for (int64_t r = whole; r < m; r++) memcpy(tail + (r - whole) * k, x + r * ldx, (size_t)k * 2);
+    }
+    const int64_t pairs = n / 32;
+    const int par = threads > 1 && pairs >= 2 && m * n * k >= PAR_MIN_WORK;
+#pragma omp parallel num_threads(threads) if (par)
+    {
+        int64_t p0, p1;
+        this_threads_share(pairs, &p0, &p1);
+        if (p0 < p1) pairs_span(x, m, ldx, wp, k, bias, y, ldy, p0, p1, tail);
+    }
+    free(tail);
+    return 0;
+}
+#endif
+
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T (+ bias [n]), all bfloat16,
  * W packed by prelude_amx_gemm_pack (64-byte aligned). */
 int prelude_amx_gemm(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t *wp, int64_t n, int64_t k,
@@ -237,26 +262,7 @@ int prelude_amx_gemm(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t *
     if (m <= 0 || n <= 0 || k <= 0 || n % 32 != 0 || k % 32 != 0 || ldx < k || ldy < n || ((uintptr_t)wp & 63) != 0)
         return 1;
 #if HAVE_AMX
-    if (amx_permitted()) {
-        const int64_t whole = m / 32 * 32;
-        uint16_t *tail = 0;
-        if (whole < m) {
-            tail = aligned_alloc(64, (size_t)(32 * k) * 2);
-            if (tail == 0) return 1;
-            memset(tail, 0, (size_t)(32 * k) * 2);
-            for (int64_t r = whole; r < m; r++) memcpy(tail + (r - whole) * k, x + r * ldx, (size_t)k * 2);
-        }
-        const int64_t pairs = n / 32;
-        const int par = threads > 1 && pairs >= 2 && m * n * k >= PAR_MIN_WORK;
-#pragma omp parallel num_threads(threads) if (par)
-        {
-            int64_t p0, p1;
-            this_threads_share(pairs, &p0, &p1);
-            if (p0 < p1) pairs_span(x, m, ldx, wp, k, bias, y, ldy, p0, p1, tail);
-        }
-        free(tail);
-        return 0;
-    }
+    if (amx_permitted()) return tiles_call(x, m, ldx, wp, n, k, bias, y, ldy, threads);
 #endif
     /* threads split the groups of outputs: a row's sums never depend on the split */
     const int64_t groups = (n / 16 + DP_BLOCKS - 1) / DP_BLOCKS;

@@ -1246,7 +1246,7 @@ int prelude_paged_attention(
     /* amx: bf16 items take the AMX form where it can run (prefill, and decode rows: a decode
      * step of 16 rows over 1,000-token contexts 80.3 -> 70.4 ms, 16 x 128 38.8 -> 37.7, 4 x
      * 128 even, alternated step by step on a KVM Xeon, model 207) */
-    const int amx = options & OPT_AMX, all_wide = (options & OPT_ALL_WIDE) != 0;
+    const int amx = options & OPT_AMX;
     const int use_amx = HAVE_AMX && bf16 && amx && prelude_attention_amx_ready();
     const int64_t g = c.group, max_m = use_amx ? MAX_M_AMX : HAVE_DPBF16 && bf16 ? MAX_M_BF16 : MAX_M;
     const int64_t tile = g >= max_m ? 1 : max_m / g; /* most query tokens per wide item */
@@ -1332,7 +1332,7 @@ int prelude_paged_attention(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < count; i++) {
             if (!ok) continue;
-            const int wide = items[i].mq * g >= WIDE_MIN || all_wide;
+            const int wide = items[i].mq * g >= WIDE_MIN || c.all_wide;
 #if HAVE_AMX
             if (use_amx) { /* decode rows too: 3 of 16 lanes used, still ahead of the dot product */
                 wide_item_amx(&c, &items[i], &s);

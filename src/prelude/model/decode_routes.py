@@ -116,9 +116,12 @@ def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKer
     gemms: list[tuple[AmxGemm, torch.Tensor] | None] = []
     for i, (w, _) in enumerate(pairs):
         gemm = amx_gemm_kernel(w)
+        if gemm is None:
+            gemms.append(None)
+            continue
         # the projection's own copy where the caller has one (made now if not yet), else one for the measure
-        copy = None if gemm is None else gemm_copies[i]() if gemm_copies is not None else gemm.pack(w)
-        gemms.append(None if gemm is None or copy is None else (gemm, copy))
+        copy = gemm_copies[i]() if gemm_copies is not None else gemm.pack(w)
+        gemms.append(None if copy is None else (gemm, copy))
     ms: dict[int, tuple[float, float]] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -276,23 +276,24 @@ class LlamaForCausalLM:
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:
         """Blocks or the dense route per decode row count, as measured on this CPU
         (decode_routes.py): the layers' projections together, the LM head on its own (its
-        dense route is oneDNN's alone, and its crossover its own: on a Zen 4 the layers' at
-        2 rows, the head's at 4)."""
+        dense route is oneDNN's alone, amx_gemm.c serving no head, so its crossover is its own)."""
         with_blocks = [p for p in self._projections() if p.blocks is not None]
-        trunk = [p for p in with_blocks if p is not self._lm_head_proj]
         head = [p for p in with_blocks if p is self._lm_head_proj]
-        for group, what in ((trunk, "the layers' projections"), (head, "the LM head")):
-            if not group:
-                continue
-            pairs = [(p.weight, p.blocks.blocks) for p in group]  # type: ignore[union-attr]
-            choice = decode_routes.choose(pairs, kernel, self.dtype, [p.amx_copy for p in group])
-            logger.info("%s", choice.describe(self.dtype, what))
-            if group is trunk:
-                self.decode_route = choice
-            else:
-                self.head_route = choice
-            for p in group:
-                p.limit_blocks(choice.blocks_max_rows)
+        trunk = [p for p in with_blocks if p is not self._lm_head_proj]
+        self.decode_route = self._route_for(trunk, kernel, "the layers' projections")
+        self.head_route = self._route_for(head, kernel, "the LM head")
+
+    def _route_for(self, group: list[Projection], kernel: BlocksKernel,
+                   what: str) -> decode_routes.RouteChoice | None:
+        """The measured route choice for `group` (projections with blocks), applied to them."""
+        if not group:
+            return None
+        pairs = [(p.weight, p.blocks.blocks) for p in group]  # type: ignore[union-attr]
+        choice = decode_routes.choose(pairs, kernel, self.dtype, [p.amx_copy for p in group])
+        logger.info("%s", choice.describe(self.dtype, what))
+        for p in group:
+            p.limit_blocks(choice.blocks_max_rows)
+        return choice
 
     @property
     def weights_are_plain(self) -> bool:
