@@ -22,9 +22,11 @@
  * Without AMX, on a CPU with AVX512-BF16 (AMD Zen 4 on), the same packed weight feeds the
  * dot-product form: vdpbf16ps on 16 outputs a vector, DP_ROWS rows of x (each k pair one
  * 32-bit broadcast from x's row) by DP_BLOCKS blocks of 16 outputs, 24 float32 accumulators
- * over every k pair in order, rounded once. SmolLM2-135M's four shapes at 128 rows, two
- * threads, alternated with oneDNN's packed kernels on a KVM Zen 4: 0.84-0.97x their time
- * (4 x 6 the best of 8 x 3, 6 x 4, 5 x 5, 3 x 8, 14 x 2); at 1,024 rows even.
+ * over every k pair in order, rounded once (4 x 6 the best of 8 x 3, 6 x 4, 5 x 5, 3 x 8,
+ * 14 x 2). SmolLM2-135M's 120 projections (weights from memory, as in a forward), two
+ * threads, alternated with oneDNN's packed kernels on a KVM Zen 4: 0.86x their time at 128
+ * rows, 0.85x at 1,024 (with the block count a constant of each kernel copy; before, with
+ * it a run-time count, 0.93x and 0.91x).
  *
  * prelude_amx_gemm_ready() says whether a form can run here: 2 the tile form (the build has
  * AMX and the kernel lets this process use the tile registers), 1 the dot-product form, 0
@@ -158,37 +160,45 @@ static void pairs_span(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t
 #endif
 
 #if HAVE_DPBF16
-/* ROWS rows of x from x (row stride ldx) by nb (<= DP_BLOCKS) blocks of 16 outputs from wp
- * (block stride kp * 16 words), every k pair in order, into y at outputs n0.. (+ bias). */
-#define DP_KERNEL(ROWS)                                                                                   \
-    static inline void dp_rows_##ROWS(const uint16_t *x, int64_t ldx, const uint32_t *wp, int64_t kp,      \
-                                      int64_t nb, const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t n0) { \
-        __m512 acc[ROWS][DP_BLOCKS];                                                                      \
+/* ROWS rows of x from x (row stride ldx) by NB blocks of 16 outputs from wp (block stride
+ * kp * 16 words), every k pair in order, into y at outputs n0.. (+ bias). NB is a constant
+ * of each copy: with the count known at run time the compiler kept a branch per block and
+ * k pair and spilled accumulators to the stack in the inner loop. */
+#define DP_KERNEL(ROWS, NB)                                                                               \
+    static void dp_rows_##ROWS##_##NB(const uint16_t *x, int64_t ldx, const uint32_t *wp, int64_t kp,      \
+                                      const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t n0) {      \
+        __m512 acc[ROWS][NB];                                                                             \
         for (int r = 0; r < ROWS; r++)                                                                    \
-            for (int b = 0; b < DP_BLOCKS; b++) acc[r][b] = _mm512_setzero_ps();                          \
+            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();                                 \
         for (int64_t p = 0; p < kp; p++) {                                                                \
-            __m512bh w[DP_BLOCKS];                                                                        \
-            for (int b = 0; b < DP_BLOCKS; b++) /* zero past nb: never summed, set for the compiler */    \
-                w[b] = (__m512bh)(b < nb ? _mm512_load_si512(wp + (b * kp + p) * 16) : _mm512_setzero_si512()); \
+            __m512bh w[NB];                                                                               \
+            for (int b = 0; b < NB; b++) w[b] = (__m512bh)_mm512_load_si512(wp + (b * kp + p) * 16);      \
             for (int r = 0; r < ROWS; r++) {                                                              \
                 uint32_t pair;                                                                            \
                 memcpy(&pair, x + r * ldx + 2 * p, 4);                                                    \
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);                               \
-                for (int b = 0; b < DP_BLOCKS; b++)                                                       \
-                    if (b < nb) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, w[b]);                         \
+                for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, w[b]);           \
             }                                                                                             \
         }                                                                                                 \
-        for (int b = 0; b < DP_BLOCKS && b < nb; b++) {                                                   \
+        for (int b = 0; b < NB; b++) {                                                                    \
             const __m512 bv = bias_block(bias, n0 + 16 * b);                                              \
             for (int r = 0; r < ROWS; r++)                                                                \
                 _mm256_storeu_si256((__m256i *)(y + r * ldy + n0 + 16 * b),                               \
                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bv)));           \
         }                                                                                                 \
     }
-DP_KERNEL(4)
-DP_KERNEL(3)
-DP_KERNEL(2)
-DP_KERNEL(1)
+#define DP_KERNELS(NB) DP_KERNEL(1, NB) DP_KERNEL(2, NB) DP_KERNEL(3, NB) DP_KERNEL(4, NB)
+DP_KERNELS(2)
+DP_KERNELS(4)
+DP_KERNELS(6)
+typedef void (*dp_rows_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, const uint16_t *, uint16_t *, int64_t,
+                           int64_t);
+/* [blocks / 2 - 1][rows - 1]: a group holds 2, 4 or 6 blocks (n is a multiple of 32) */
+static const dp_rows_fn DP_ROWS_FNS[DP_BLOCKS / 2][DP_ROWS] = {
+    {dp_rows_1_2, dp_rows_2_2, dp_rows_3_2, dp_rows_4_2},
+    {dp_rows_1_4, dp_rows_2_4, dp_rows_3_4, dp_rows_4_4},
+    {dp_rows_1_6, dp_rows_2_6, dp_rows_3_6, dp_rows_4_6},
+};
 
 /* The calling thread's groups [g0, g1) of DP_BLOCKS blocks, every row. */
 static void dp_groups(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t *wp, int64_t n, int64_t k,
@@ -210,12 +220,7 @@ static void dp_groups(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t 
             const uint16_t *xr = x + m0 * ldx;
             uint16_t *yr = y + m0 * ldy;
             for (int64_t l = 0; l < pf_lines && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-            switch (m - m0 < DP_ROWS ? m - m0 : DP_ROWS) {
-            case 4: dp_rows_4(xr, ldx, wg, kp, nb, bias, yr, ldy, 16 * b0); break;
-            case 3: dp_rows_3(xr, ldx, wg, kp, nb, bias, yr, ldy, 16 * b0); break;
-            case 2: dp_rows_2(xr, ldx, wg, kp, nb, bias, yr, ldy, 16 * b0); break;
-            default: dp_rows_1(xr, ldx, wg, kp, nb, bias, yr, ldy, 16 * b0); break;
-            }
+            DP_ROWS_FNS[nb / 2 - 1][(m - m0 < DP_ROWS ? m - m0 : DP_ROWS) - 1](xr, ldx, wg, kp, bias, yr, ldy, 16 * b0);
         }
     }
 }
