@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from prelude.model import amx_gemm, bf16_rows, native_lib
 from prelude.model.amx_gemm import load_amx_gemm
 from prelude.model.bf16_rows import TILE_MAX_ROWS
-from prelude.model.linear import AMX_MAX_ROWS, Projection
+from prelude.model.linear import Projection
 
 KERNEL = load_amx_gemm()
 needs_amx = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 here (or no C compiler): bf16 prefills keep "
@@ -102,8 +102,8 @@ def test_refuses_what_it_does_not_take() -> None:
 @needs_amx
 def test_projection_takes_it_between_the_tile_form_and_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prepacked bf16 projection runs the tile form up to TILE_MAX_ROWS rows (AMX), this
-    kernel above (from one row without AMX: no few-row route here) up to AMX_MAX_ROWS (2-D or
-    with a batch dimension), oneDNN's packed copy past it; the copies are made at start;
+    kernel above (from one row without AMX: no few-row route here) up to its form's max_rows
+    (2-D or with a batch dimension), oneDNN's packed copy past it; the copies are made at start;
     float32 and unpacked projections and an LM head never take it."""
     torch.manual_seed(5)
     w = torch.randn(96, 64).to(torch.bfloat16)
@@ -124,15 +124,15 @@ def test_projection_takes_it_between_the_tile_form_and_onednn(monkeypatch: pytes
 
     monkeypatch.setattr(amx_gemm.AmxGemm, "linear", counted_gemm)
     monkeypatch.setattr(bf16_rows.Bf16Rows, "linear", counted_rows)
-    for rows in (1, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    bound = KERNEL.max_rows  # type: ignore[union-attr]
+    for rows in (1, TILE_MAX_ROWS, TILE_MAX_ROWS + 1, bound, bound + 1):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert_close_bf16(proj(x), reference(x, w, b))
     x3 = torch.randn(2, 30, 64).to(torch.bfloat16)
     assert_close_bf16(proj(x3), reference(x3, w, b))
     small = "tile" if proj.tile_form is not None else "amx"
     assert (proj.tile_form is not None) == (KERNEL is not None and KERNEL.form == "AMX")
-    assert calls == [(small, 1), (small, TILE_MAX_ROWS), ("amx", TILE_MAX_ROWS + 1), ("amx", AMX_MAX_ROWS),
-                     ("amx", 60)]
+    assert calls == [(small, 1), (small, TILE_MAX_ROWS), ("amx", TILE_MAX_ROWS + 1), ("amx", bound), ("amx", 60)]
     assert Projection(w, b, prepack=False)._amx is None
     assert Projection(w, b, prepack=True, head=True)._amx is None
     assert Projection(w.float(), b.float(), prepack=True)._amx is None
@@ -174,7 +174,7 @@ def test_avx2_build_is_not_ready_and_refuses_calls() -> None:
 def test_the_dense_route_decode_routes_times_is_the_projections(monkeypatch: pytest.MonkeyPatch) -> None:
     """linear.dense_linear (what decode_routes.py times against the GGUF blocks) runs what a
     projection runs past the blocks: the tile form where it takes the rows, amx_gemm.c over
-    the copy up to AMX_MAX_ROWS, oneDNN past it; the same values as the projection's call."""
+    the copy up to its form's max_rows, oneDNN past it; the same values as the projection's call."""
     from prelude.model import linear
 
     torch.manual_seed(9)
@@ -189,10 +189,11 @@ def test_the_dense_route_decode_routes_times_is_the_projections(monkeypatch: pyt
         return gemm(self, x, packed, out_features, bias)
 
     monkeypatch.setattr(amx_gemm.AmxGemm, "linear", counted)
-    for rows in (1, 4, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    bound = KERNEL.max_rows  # type: ignore[union-attr]
+    for rows in (1, 4, bound, bound + 1):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         got = linear.dense_linear(x, w, packed, proj.tile_form, None, KERNEL, proj.amx_copy())
         assert torch.equal(got, proj(x))
     tiled = TILE_MAX_ROWS if proj.tile_form is not None else 0
     # each count twice: dense_linear's call, then the projection's
-    assert calls == [r for r in (1, 1, 4, 4, AMX_MAX_ROWS, AMX_MAX_ROWS) if r > tiled]
+    assert calls == [r for r in (1, 1, 4, 4, bound, bound) if r > tiled]

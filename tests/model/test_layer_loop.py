@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model import decode_routes, layer_loop, linear
+from prelude.model import amx_gemm, decode_routes, layer_loop, linear
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.cpu_backend import load_cpu_attention
 from prelude.model.amx_gemm import load_amx_gemm
@@ -21,7 +21,6 @@ from prelude.model.blocks_kernel import load_kernel
 from prelude.model.cpu_fused_kernels import load_cpu_kernels
 from prelude.model.decode_routes import RouteChoice
 from prelude.model.layer_loop import LayerLoop
-from prelude.model.linear import AMX_MAX_ROWS
 from prelude.model.decoder_segments import EAGER_SEGMENTS
 from prelude.model.fused_segments import fused_segments
 from prelude.model.ggml_blocks import GgmlBlocks
@@ -46,7 +45,7 @@ needs_tiles = pytest.mark.skipif(not _tile_form_runs() and load_amx_gemm() is No
 LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 3, 64, 160, 4, 2, 16, 101
 CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
                   num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                  head_dim=HEAD_DIM, max_position_embeddings=256)
+                  head_dim=HEAD_DIM, max_position_embeddings=2048)
 PROJECTIONS = (("self_attn.q_proj", (HEADS * HEAD_DIM, HIDDEN)), ("self_attn.k_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
                ("self_attn.v_proj", (KV_HEADS * HEAD_DIM, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HEADS * HEAD_DIM)),
                ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)), ("mlp.down_proj", (HIDDEN, INTER)))
@@ -216,15 +215,15 @@ def test_prompt_rows_with_read_positions_equal_the_python_loop(runs: list[int], 
     [Row(0, TILE_MAX_ROWS + 1)],  # one past the tile form: the first amx_gemm.c step
     [Row(0, 70, own_in_cache=False), Row(5, 1)],  # a OneShot prompt beside a decode row
     [Row(3, 60), Row(0, 50), Row(9, 1), Row(2, 1), Row(4, 16)],  # chunks over cached prefixes, decode rows
-    [Row(0, AMX_MAX_ROWS)],  # a 128-token prompt
+    [Row(0, 128)],  # a 128-token prompt
 ])
 def test_steps_past_the_tile_form_equal_the_python_loop(runs: list[int], rows: list[Row]) -> None:
-    """33..AMX_MAX_ROWS tokens: the step's projections through amx_gemm.c, the last layer's
+    """33..128 tokens and more: the step's projections through amx_gemm.c, the last layer's
     read rows (a few) through the tile form, as Projection routes each call; bit for bit the
     Python loop's, K/V included, with and without read positions."""
     model = _model()
     tokens = sum(r.new for r in rows)
-    assert model.layer_loop is not None and model.layer_loop.max_rows == AMX_MAX_ROWS
+    assert model.layer_loop is not None and model.layer_loop.max_rows == load_amx_gemm().max_rows  # type: ignore[union-attr]
     _read_both_ways_equal(model, rows)
     assert runs == [tokens, tokens]
 
@@ -299,7 +298,8 @@ def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
     driver = model.layer_loop
     assert driver is not None
     bound = driver.max_rows  # the tile form's, or amx_gemm.c's where it serves past it
-    assert bound == (AMX_MAX_ROWS if load_amx_gemm() is not None else TILE_MAX_ROWS)
+    gemm = load_amx_gemm()
+    assert bound == (gemm.max_rows if gemm is not None else TILE_MAX_ROWS)
     _forward(model, [Row(4, 1)] * (bound + 1), with_driver=True)  # more rows than the C routes take
     _forward(model, [Row(0, bound + 1)], with_driver=True)  # a prompt of as many tokens
     _forward(model, [Row(4, 1)], with_driver=True, segments=EAGER_SEGMENTS)  # not the fused C kernels
@@ -341,12 +341,14 @@ def test_built_only_where_every_kernel_has_a_c_route(monkeypatch: pytest.MonkeyP
 @pytest.mark.skipif(_tile_form_runs() or load_amx_gemm() is None,
                     reason="the dot-product form's steps: a CPU with AVX512-BF16 and no AMX")
 def test_without_amx_the_dot_product_form_takes_every_row_count(runs: list[int]) -> None:
-    """No tile form: decode rows and prompts of 1..AMX_MAX_ROWS tokens run in C, every call
-    past the blocks' rows through amx_gemm.c's dot-product form, bit for bit the Python loop."""
+    """No tile form: decode rows and prompts of up to the dot-product form's max_rows tokens
+    run in C, every call past the blocks' rows through amx_gemm.c's dot-product form, bit for
+    bit the Python loop (which routes them alike), past 128 rows too."""
     model = _model()
-    assert model.layer_loop is not None and model.layer_loop.max_rows == AMX_MAX_ROWS
+    assert model.layer_loop is not None and model.layer_loop.max_rows == amx_gemm.MAX_ROWS["dot-product"]
     assert all(p.tile_form is None and p.amx_gemm is not None and p.amx_gemm.form == "dot-product"
                for p in _projections(model))
     _read_both_ways_equal(model, [Row(3, 1)])
-    _read_both_ways_equal(model, [Row(0, AMX_MAX_ROWS - 1), Row(6, 1)])
-    assert runs == [1, 1, AMX_MAX_ROWS, AMX_MAX_ROWS]
+    _read_both_ways_equal(model, [Row(0, 127), Row(6, 1)])
+    _read_both_ways_equal(model, [Row(0, 300), Row(9, 1)])
+    assert runs == [1, 1, 128, 128, 301, 301]

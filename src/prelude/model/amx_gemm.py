@@ -25,6 +25,13 @@ WIDTH_STEP = 32  # out and k must be multiples of this
 
 
 FORMS = ("", "dot-product", "AMX")  # prelude_amx_gemm_ready()'s answers
+# The most rows a call takes here, per form (oneDNN's packed copies serve longer calls):
+# - AMX: SmolLM2-135M prefills of 64 and 128 tokens 0.77-0.94x oneDNN's time, but at 256,
+#   512 and 2,048 rows 1.06-1.19x slower (its gate/up GEMM the loser; KVM Xeon, model 207).
+# - dot-product: 256-, 512- and 1,024-token bf16 prefills 0.96x, 0.99x and 0.98x oneDNN's
+#   time, the judge's 1,024-row steps (16 x 64 over a cached 1,024) 1.03-1.06x the req/s;
+#   2,048 rows even (1.01x the time; KVM Zen 4, alternated in one process).
+MAX_ROWS = {"AMX": 128, "dot-product": 1024}
 
 
 class AmxGemm:
@@ -32,6 +39,7 @@ class AmxGemm:
 
     def __init__(self, lib: ctypes.CDLL, form: str) -> None:
         self.form = form
+        self.max_rows = MAX_ROWS[form]  # bf16 calls past the few-row routes up to this many take it
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._pack = lib.prelude_amx_gemm_pack
         self._pack.restype = ctypes.c_int
@@ -94,7 +102,7 @@ def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
 @functools.cache
 def load_amx_gemm() -> AmxGemm | None:
     """The kernel, built on first use on this machine; None where it cannot run."""
-    lib = native_lib.load(_SOURCE, "PRELUDE_AMX_GEMM", "bf16 prefill GEMMs of up to 128 rows (oneDNN serves them)")
+    lib = native_lib.load(_SOURCE, "PRELUDE_AMX_GEMM", "bf16 prefill GEMMs (oneDNN serves them)")
     if lib is None:
         return None
     ready = lib.prelude_amx_gemm_ready

