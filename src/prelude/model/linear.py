@@ -183,7 +183,7 @@ class Projection:
         self._amx: AmxGemm | None = amx_gemm_kernel(weight) if prepack and not head else None
         self._amx_packed: torch.Tensor | None = None
         self._few_rows_max = self._few_rows_routes()
-        self._one_route = False  # take_one_route: every call through oneDNN's packed copy
+        self._one_route = False  # take_one_route: every call through one route
 
     @property
     def tile_form(self) -> Bf16Rows | None:
@@ -197,28 +197,39 @@ class Projection:
         return max(tile, self.blocks.max_rows if self.blocks is not None else 0)
 
     def take_one_route(self) -> bool:
-        """Batch invariance: from now on every call, of any row count, runs oneDNN's packed
-        copy, one-row calls padded to two rows, so a row's sums never depend on how many rows
-        share its call (the blocks, the tile form, amx_gemm.c and the row GEMV each sum in
-        an order of their own, and which one a call takes follows its row count). Checked
-        row by row on an AVX512-BF16 Zen 4, 1-1,600 rows over SmolLM2's five shapes: bit-equal
-        in bf16; in float32 a one-row call differed from two rows at k = 1,536, and every
-        count from two on agreed, hence the padding. False where this projection has no
-        packed copy (not a CPU, or PRELUDE_PREPACK=0): its calls stay as they were. The copy
-        itself is made as before (model.make_packed_copies, or the first call)."""
-        if not self._want_packed:
+        """Batch invariance: from now on every call, of any row count, takes one route, so a
+        row's sums never depend on how many rows share its call (the blocks, the tile form,
+        amx_gemm.c and the row GEMV each sum in an order of their own, and which one a call
+        takes follows its row count):
+        - amx_gemm.c's dot-product form where it serves (bf16 on AVX512-BF16 without AMX): a
+          row's k pairs in order whatever the rows and threads of its call, and faster than
+          oneDNN's packed copy up to 1,024 rows there (amx_gemm.py's MAX_ROWS);
+        - else oneDNN's packed copy, one-row calls padded to two rows. Checked row by row on
+          an AVX512-BF16 Zen 4, 1-1,600 rows over SmolLM2's five shapes: bit-equal in bf16;
+          in float32 a one-row call differed from two rows at k = 1,536, and every count from
+          two on agreed, hence the padding.
+        False where this projection has neither (not a CPU, or PRELUDE_PREPACK=0): its calls
+        stay as they were. The copies are made as before (model.make_packed_copies, or the
+        first call)."""
+        dot_product = self._amx if self._amx is not None and self._amx.form == "dot-product" else None
+        if dot_product is None and not self._want_packed:
             return False
-        self.blocks, self._bf16_rows, self._amx, self._amx_packed = None, None, None, None
+        self.blocks, self._bf16_rows, self._amx = None, None, dot_product
+        if dot_product is None:
+            self._amx_packed = None
         self._row_gemv, self._blocked = None, None
         self._few_rows_max = 0
         self._one_route = True
         return True
 
     def _one_route_call(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self._amx is not None and x.dtype == torch.bfloat16:
+            return self._amx.linear(rows.contiguous(), self._amx_weight(), self.out_features,
+                                    self.bias).reshape(*x.shape[:-1], self.out_features)
         packed = self._packed_weight()
         if packed is None:  # no oneDNN reorder on this CPU after all
             return F.linear(x, self.weight, self.bias)
-        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return self._packed_call(x, rows, packed, max(rows.shape[0], 2))
 
     def _packed_call(self, x: torch.Tensor, rows: torch.Tensor, packed: torch.Tensor, take: int) -> torch.Tensor:
