@@ -56,6 +56,7 @@ def test_one_route_gives_a_row_the_same_bits_at_every_row_count(dtype: torch.dty
     assert proj.blocks is None and proj.tile_form is None
     # amx_gemm.c's dot-product form is the one route where it serves, oneDNN's packed copy elsewhere
     assert (proj.amx_gemm is not None) == dot_product
+    assert proj.reads_onednn_copy == (not dot_product)  # no oneDNN copy made at start for nothing
     after = _first_row_by_count(proj, x)
     for rows, got in zip(ROW_COUNTS, after):
         assert torch.equal(got, after[0]), rows

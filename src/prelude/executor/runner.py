@@ -259,8 +259,8 @@ class ModelRunner:
         if config.batch_invariant:
             make = getattr(model, "make_batch_invariant", None)
             taken = make() if make is not None else 0
-            logger.info("batch-invariant: %s", f"{taken} projections on oneDNN's packed copy at every row count, "
-                        "no few-row routes" if taken else "no effect here (no prepacked projections on this "
+            logger.info("batch-invariant: %s", f"{taken} projections on one route at every row count (amx_gemm.c's "
+                        "dot-product form where it serves, else oneDNN's packed copy), no few-row routes" if taken else "no effect here (no prepacked projections on this "
                         "device or model kind): a request's answers may follow what shares its steps")
         if config.pack_at_start:
             start = time.perf_counter()

@@ -292,6 +292,12 @@ class Projection:
                         self._want_packed = False
         return self._packed
 
+    @property
+    def reads_onednn_copy(self) -> bool:
+        """Whether some call may run oneDNN's packed copy (not where the batch-invariant one
+        route is amx_gemm.c's)."""
+        return self._want_packed and not (self._one_route and self._amx is not None)
+
     def make_packed_copy(self) -> bool:
         """Make oneDNN's packed copy now (see ExecutorConfig.pack_at_start); whether there is one."""
         return self._packed_weight() is not None

@@ -229,10 +229,10 @@ class LlamaForCausalLM:
     def make_packed_copies(self) -> int:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
         a packed copy, make them now: amx_gemm.c's here (calls past the few-row routes up to
-        128 rows, a short prompt's, and the C layer loop read them), oneDNN's on a thread (longer calls: ~0.15-
-        0.25 s for SmolLM2-135M that a serving engine's start no longer waits for; the first
-        forward waits for the rest, so a process's memory holds them all from its first
-        answer on). Returns how many projections have them (0 in float32: there only decode
+        its max_rows, and the C layer loop read them), oneDNN's on a thread where a call can
+        take them (longer calls: ~0.15-0.25 s for SmolLM2-135M that a serving engine's start
+        no longer waits for; the first forward waits for the rest, so a process's memory
+        holds them all from its first answer on). Returns how many projections have them (0 in float32: there only decode
         sizes and calls from a 128-row step up take oneDNN's copies, so a server that scores
         short texts never needs them, and the first call that does makes them)."""
         if self.dtype != torch.bfloat16:
@@ -245,7 +245,7 @@ class LlamaForCausalLM:
 
         def onednn_copies() -> None:
             start = time.perf_counter()
-            made = sum(p.make_packed_copy() for p in projections)
+            made = sum(p.make_packed_copy() for p in projections if p.reads_onednn_copy)
             logger.info("%d projections' oneDNN packed copies made by a thread (%.2f s)", made,
                         time.perf_counter() - start)
 
