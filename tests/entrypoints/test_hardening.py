@@ -164,6 +164,8 @@ async def test_draining_refuses_new_requests_with_503() -> None:
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("logit_bias", {"5": 100}),
     ("best_of", 3),
+    ("best_of", True),  # JSON true is no off value, though Python takes it for 1
+    ("min_tokens", True),
 ])
 async def test_answer_changing_fields_are_refused(field: str, value: Any) -> None:
     engine = FakeEngine()
@@ -181,6 +183,7 @@ async def test_off_values_and_unknown_fields_are_accepted_with_one_warning(caplo
             r = await c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                 "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logit_bias": {},
+                "best_of": 1, "length_penalty": 1.0, "min_tokens": 0,
                 "metadata": {"a": "b"}, "store": False})
     assert r.status_code == 200
     warnings = [rec.getMessage() for rec in caplog.records if "unknown fields" in rec.getMessage()]

@@ -18,6 +18,11 @@ from prelude.entrypoints.openai.errors import APIError
 logger = logging.getLogger("prelude.server")
 
 
+def _is_number(value: Any, off: float) -> bool:
+    """`value` is the number `off`, not a bool (JSON true is 1 to Python: best_of true is no off value)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == off
+
+
 # Field -> predicate of the values that change nothing (the field's "off" values).
 _ANSWER_CHANGING: dict[str, Any] = {
     "tools": lambda v: not v,
@@ -25,10 +30,10 @@ _ANSWER_CHANGING: dict[str, Any] = {
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "logit_bias": lambda v: not v,
-    "best_of": lambda v: v in (None, 1),
+    "best_of": lambda v: v is None or _is_number(v, 1),
     "use_beam_search": lambda v: not v,
-    "length_penalty": lambda v: v in (None, 1, 1.0),
-    "min_tokens": lambda v: v in (None, 0),
+    "length_penalty": lambda v: v is None or _is_number(v, 1),
+    "min_tokens": lambda v: v is None or _is_number(v, 0),
     "bad_words": lambda v: not v,
     "allowed_token_ids": lambda v: v is None,
     "truncate_prompt_tokens": lambda v: v is None,
