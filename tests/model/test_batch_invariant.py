@@ -156,8 +156,11 @@ def test_cpu_attention_gives_a_prompt_token_the_same_bits_however_much_was_cache
         return whole, parts
 
     whole, before = outputs()
-    assert not torch.equal(before[1], whole[-1:])  # the narrow form's sums
-    assert not torch.equal(before[0], whole[-1:])
+    if dtype == torch.float32 or backend.bf16_dot_product:
+        # the narrow form's sums (bf16 on an AVX2-only CPU runs the float32 code, whose
+        # narrow and wide sums differ by less than the bf16 rounding of the outputs)
+        assert not torch.equal(before[1], whole[-1:])
+        assert not torch.equal(before[0], whole[-1:])
     backend.make_batch_invariant()
     whole, after = outputs()
     for new, got in after.items():

@@ -26,8 +26,10 @@ def _cpu_can_prepack_bf16() -> bool:
 def without_tile_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests pin the oneDNN and MKL routes; on an AMX CPU bf16 calls of up to 32 rows
     take bf16_rows.c's tile form instead (its routing: test_bf16_rows.py), and up to
-    its form's max_rows amx_gemm.c (test_amx_gemm.py)."""
+    its form's max_rows amx_gemm.c (test_amx_gemm.py), and on a CPU without AVX-512 float32
+    calls take f32_gemm.c (test_f32_gemm.py)."""
     monkeypatch.setattr(linear, "tile_rows_kernel", lambda weight: None)
+    monkeypatch.setattr(linear, "f32_gemm_kernel", lambda weight: None)
     monkeypatch.setattr(linear, "amx_gemm_kernel", lambda weight: None)
 
 

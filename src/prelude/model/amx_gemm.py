@@ -37,6 +37,8 @@ MAX_ROWS = {"AMX": 128, "dot-product": 1024}
 class AmxGemm:
     """The loaded library, and the form its calls take here ("AMX" or "dot-product")."""
 
+    dtype = torch.bfloat16  # what its calls take
+
     def __init__(self, lib: ctypes.CDLL, form: str) -> None:
         self.form = form
         self.max_rows = MAX_ROWS[form]  # bf16 calls past the few-row routes up to this many take it

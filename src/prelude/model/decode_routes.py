@@ -3,8 +3,9 @@
 A GGUF model's projections can be read two ways in decode: from their stored blocks
 (blocks_kernel.py: 4-8x fewer bytes, but work that grows with every row) or dense
 (linear.dense_linear: the oneDNN-prepacked copy, or in bf16 on an AMX CPU up to 32 rows
-the tile form of bf16_rows.c over the plain weight, and in bf16 up to 128 rows amx_gemm.c
-over its packed copy where it serves; more bytes, amortized over rows). The
+the tile form of bf16_rows.c over the plain weight, and the GEMM of our own over its packed
+copy where it serves: amx_gemm.c in bf16, f32_gemm.c in float32 on a CPU without AVX-512;
+more bytes, amortized over rows). The
 crossover depends on the CPU (AVX2 vs AVX-512, AVX512-BF16, memory bandwidth) and the
 dtype, so it is measured, not assumed: the model's own projections, every layer (decode
 streams the weights from memory, as a step does), at 1, 2, 4, ... 16 rows until the blocks
@@ -31,16 +32,17 @@ import torch
 
 from prelude.model import native_lib
 from prelude.model.amx_gemm import AmxGemm
+from prelude.model.f32_gemm import F32Gemm
 from prelude.model.bf16_rows import Bf16Rows
 from prelude.model.blocks_kernel import BlocksKernel
 from prelude.model.ggml_blocks import GgmlBlocks
-from prelude.model.linear import amx_gemm_kernel, dense_linear, tile_rows_kernel
+from prelude.model.linear import dense_linear, own_gemm_kernel, tile_rows_kernel
 
 logger = logging.getLogger("prelude.model.decode_routes")
 
 ROW_COUNTS = (1, 2, 4, 8, 16)
 _ROUNDS = 5
-_SOURCES = ("blocks_gemm.c", "bf16_rows.c", "amx_gemm.c", "decode_routes.py")
+_SOURCES = ("blocks_gemm.c", "bf16_rows.c", "amx_gemm.c", "f32_gemm.c", "decode_routes.py")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.d
 
 
 def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequence[torch.Tensor],
-               tiles: Sequence[Bf16Rows | None], gemms: Sequence[tuple[AmxGemm, torch.Tensor] | None],
+               tiles: Sequence[Bf16Rows | None], gemms: Sequence[tuple[AmxGemm | F32Gemm, torch.Tensor] | None],
                kernel: BlocksKernel, dtype: torch.dtype, rows: int) -> tuple[float, float]:
     """(blocks, dense) ms of CPU time for one call of every projection at `rows` rows."""
     xs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w, _ in pairs}}
@@ -113,9 +115,9 @@ def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKer
              gemm_copies: Sequence[Callable[[], torch.Tensor | None]] | None) -> dict[int, tuple[float, float]]:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w, _ in pairs]
     tiles = [tile_rows_kernel(w) for w, _ in pairs]  # what each projection's dense calls take
-    gemms: list[tuple[AmxGemm, torch.Tensor] | None] = []
+    gemms: list[tuple[AmxGemm | F32Gemm, torch.Tensor] | None] = []
     for i, (w, _) in enumerate(pairs):
-        gemm = amx_gemm_kernel(w)
+        gemm = own_gemm_kernel(w)
         if gemm is None:
             gemms.append(None)
             continue
@@ -140,8 +142,8 @@ def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKerne
            gemm_copies: Sequence[Callable[[], torch.Tensor | None]] | None = None) -> RouteChoice:
     """The row counts the blocks serve, for the projections `pairs` (dense weight in
     `dtype`, its blocks): from the cache, else measured now and cached. `gemm_copies`: per
-    pair, what gives its projection's amx_gemm.c copy (None where none serves), so a measure
-    makes no copy of its own."""
+    pair, what gives its projection's copy for the GEMM of our own (amx_gemm.c's or
+    f32_gemm.c's; None where none serves), so a measure makes no copy of its own."""
     path = _cache_file(pairs, dtype)
     try:
         data = json.loads(path.read_text())

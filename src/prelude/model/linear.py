@@ -73,6 +73,7 @@ from prelude.model import native_lib
 from prelude.model.amx_gemm import AmxGemm, load_amx_gemm
 from prelude.model.bf16_rows import TILE_MAX_ROWS, Bf16Rows, load_bf16_rows
 from prelude.model.blocks_kernel import BlocksKernel
+from prelude.model.f32_gemm import F32Gemm, load_f32_gemm
 from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.row_gemv import BLOCKED_MAX_ROWS, RowGemv, load_row_gemv
 
@@ -182,6 +183,10 @@ class Projection:
         # (not a head: its calls of that many rows, prompt logprobs, are rare, and its copy large)
         self._amx: AmxGemm | None = amx_gemm_kernel(weight) if prepack and not head else None
         self._amx_packed: torch.Tensor | None = None
+        # float32 calls past the few-row routes up to its max_rows through f32_gemm.c (AVX2 + FMA,
+        # CPUs without AVX-512), over a copy of its own
+        self._f32: F32Gemm | None = f32_gemm_kernel(weight) if prepack and not head else None
+        self._f32_packed: torch.Tensor | None = None
         self._few_rows_max = self._few_rows_routes()
         self._one_route = False  # take_one_route: every call through one route
 
@@ -217,6 +222,7 @@ class Projection:
         self.blocks, self._bf16_rows, self._amx = None, None, dot_product
         if dot_product is None:
             self._amx_packed = None
+        self._f32, self._f32_packed = None, None
         self._row_gemv, self._blocked = None, None
         self._few_rows_max = 0
         self._one_route = True
@@ -273,6 +279,25 @@ class Projection:
             raise ValueError(f"an AMX copy of {packed.dtype} x {packed.numel()} for a weight of "
                              f"{tuple(self.weight.shape)}")
         self._amx_packed = packed
+
+    @property
+    def f32_gemm(self) -> F32Gemm | None:
+        """f32_gemm.c where this projection's float32 calls past the few-row routes up to its
+        max_rows rows run it."""
+        return self._f32
+
+    def gemm_copy(self) -> torch.Tensor | None:
+        """The copy of the GEMM of our own that serves this projection (amx_gemm.c's in bf16,
+        f32_gemm.c's in float32; made now if not yet), or None where neither does."""
+        if self._amx is not None:
+            return self._amx_weight()
+        if self._f32 is not None:
+            if self._f32_packed is None:
+                with _COPIES_LOCK:
+                    if self._f32_packed is None:
+                        self._f32_packed = self._f32.pack(self.weight)
+            return self._f32_packed
+        return None
 
     def _amx_weight(self) -> torch.Tensor:
         if self._amx_packed is None:
@@ -331,6 +356,9 @@ class Projection:
         n = rows.shape[0]
         if tile_rows_take(self._bf16_rows, x, n):
             return self._bf16_rows.linear(x, self.weight, self.bias)  # type: ignore[union-attr]
+        if self._f32 is not None and x.dtype == torch.float32 and self._few_rows_max < n <= self._f32.max_rows:
+            return self._f32.linear(rows.contiguous(), self.gemm_copy(), self.out_features,  # type: ignore[arg-type]
+                                    self.bias).reshape(*x.shape[:-1], self.out_features)
         if self._row_gemv is not None and x.dtype == torch.float32 and 0 < n <= ROW_GEMV_CHUNKED_MAX_ROWS:
             if n > BLOCKED_MAX_ROWS:
                 # A head's decode-sized calls past 16 rows, 16 at a time through the calls below: the
@@ -371,22 +399,34 @@ def amx_gemm_kernel(weight: torch.Tensor) -> AmxGemm | None:
     return kernel if kernel is not None and kernel.takes(weight) else None
 
 
+def f32_gemm_kernel(weight: torch.Tensor) -> F32Gemm | None:
+    """f32_gemm.c where it serves `weight`'s float32 calls past the few-row routes up to its
+    max_rows rows (a CPU with AVX2 + FMA and no AVX-512, out a multiple of 8), else None."""
+    kernel = load_f32_gemm()
+    return kernel if kernel is not None and kernel.takes(weight) else None
+
+
+def own_gemm_kernel(weight: torch.Tensor) -> AmxGemm | F32Gemm | None:
+    """The GEMM of our own that serves `weight`'s calls past the few-row routes, if any."""
+    return amx_gemm_kernel(weight) or f32_gemm_kernel(weight)
+
+
 def tile_rows_take(kernel: Bf16Rows | None, x: torch.Tensor, rows: int) -> bool:
     """Whether a call of `rows` rows of x runs the tile form (`kernel`: the projection's)."""
     return kernel is not None and x.dtype == torch.bfloat16 and 0 < rows <= TILE_MAX_ROWS
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, kernel: Bf16Rows | None,
-                 bias: torch.Tensor | None = None, gemm: AmxGemm | None = None,
+                 bias: torch.Tensor | None = None, gemm: AmxGemm | F32Gemm | None = None,
                  gemm_copy: torch.Tensor | None = None) -> torch.Tensor:
     """What a prepacked projection runs for a call that does not read GGUF blocks: the tile
-    form where tile_rows_take says so, else amx_gemm.c over `gemm_copy` up to its max_rows
-    where it serves, else oneDNN over `packed` (decode_routes.py times this against the
-    blocks)."""
+    form where tile_rows_take says so, else the GEMM of our own (amx_gemm.c in bf16,
+    f32_gemm.c in float32) over `gemm_copy` up to its max_rows where it serves, else oneDNN
+    over `packed` (decode_routes.py times this against the blocks)."""
     rows = x.reshape(-1, x.shape[-1])
     if tile_rows_take(kernel, x, rows.shape[0]):
         return kernel.linear(x, weight, bias)  # type: ignore[union-attr]
-    if gemm is not None and gemm_copy is not None and x.dtype == torch.bfloat16 and rows.shape[0] <= gemm.max_rows:
+    if gemm is not None and gemm_copy is not None and x.dtype == gemm.dtype and rows.shape[0] <= gemm.max_rows:
         return gemm.linear(rows.contiguous(), gemm_copy, weight.shape[0], bias).reshape(*x.shape[:-1], weight.shape[0])
     return packed_linear(x, packed, bias)
 
@@ -445,6 +485,10 @@ def describe_routes(dtype: torch.dtype) -> str:
         if gemm:
             return f"bf16 projections: past the GGUF blocks' rows {gemm}oneDNN packed copies above"
         return "bf16 projections: oneDNN packed copies at every row count"
+    f32 = load_f32_gemm()
+    if f32 is not None:
+        return (f"float32 projections: past the GGUF blocks' rows f32_gemm.c (AVX2, no AVX-512 here) over packed "
+                f"copies of its own up to {f32.max_rows} rows, oneDNN packed copies and MKL above")
     steps = (f"float32 projections: oneDNN packed copies up to {PACKED_MAX_ROWS} rows and at {PACKED_ROW_STEP}-row "
              f"steps up to {PACKED_STEP_MAX_ROWS} (longer calls over weights of {PIECES_MIN_WEIGHT:,} elements and up "
              "cut into steps)")

@@ -232,11 +232,13 @@ class LlamaForCausalLM:
         its max_rows, and the C layer loop read them), oneDNN's on a thread where a call can
         take them (longer calls: ~0.15-0.25 s for SmolLM2-135M that a serving engine's start
         no longer waits for; the first forward waits for the rest, so a process's memory
-        holds them all from its first answer on). Returns how many projections have them (0 in float32: there only decode
-        sizes and calls from a 128-row step up take oneDNN's copies, so a server that scores
-        short texts never needs them, and the first call that does makes them)."""
+        holds them all from its first answer on). Returns how many projections have them. In
+        float32 only f32_gemm.c's (a CPU without AVX-512): oneDNN's serve decode sizes and
+        calls from a 128-row step up, so a server that scores short texts never needs them,
+        and the first call that does makes them."""
         if self.dtype != torch.bfloat16:
-            return 0
+            # float32 on a CPU without AVX-512: f32_gemm.c's copies now, so no prompt pays them
+            return sum(p.gemm_copy() is not None for p in self._projections() if p.f32_gemm is not None)
         projections = [p for p in self._projections() if p.packed]
         if not projections:
             return 0
@@ -289,7 +291,7 @@ class LlamaForCausalLM:
         if not group:
             return None
         pairs = [(p.weight, p.blocks.blocks) for p in group]  # type: ignore[union-attr]
-        choice = decode_routes.choose(pairs, kernel, self.dtype, [p.amx_copy for p in group])
+        choice = decode_routes.choose(pairs, kernel, self.dtype, [p.gemm_copy for p in group])
         logger.info("%s", choice.describe(self.dtype, what))
         for p in group:
             p.limit_blocks(choice.blocks_max_rows)
