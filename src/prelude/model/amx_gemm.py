@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from prelude.model import native_lib
+from prelude.model.packed_gemm import PackedGemm
 
 _SOURCE = Path(__file__).with_name("amx_gemm.c")
 WIDTH_STEP = 32  # out and k must be multiples of this
@@ -34,66 +35,24 @@ FORMS = ("", "dot-product", "AMX")  # prelude_amx_gemm_ready()'s answers
 MAX_ROWS = {"AMX": 128, "dot-product": 1024}
 
 
-class AmxGemm:
+class AmxGemm(PackedGemm):
     """The loaded library, and the form its calls take here ("AMX" or "dot-product")."""
 
-    dtype = torch.bfloat16  # what its calls take
+    dtype = torch.bfloat16
+    packed_dtype = torch.int32  # two bf16 (a k pair) a word
+    align = 64
+    what = "the AMX GEMM"
 
     def __init__(self, lib: ctypes.CDLL, form: str) -> None:
+        super().__init__(lib, "prelude_amx_gemm")
         self.form = form
         self.max_rows = MAX_ROWS[form]  # bf16 calls past the few-row routes up to this many take it
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._pack = lib.prelude_amx_gemm_pack
-        self._pack.restype = ctypes.c_int
-        self._pack.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
-        self._fn = lib.prelude_amx_gemm
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
-
-    @property
-    def entry_point(self) -> int:
-        """The address of prelude_amx_gemm (layer_loop.c may call it)."""
-        return native_lib.address(self._fn)
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
         """Whether calls through `weight` [out, k] can run here (bf16, both widths multiples of 32)."""
         return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
                 and weight.shape[0] % WIDTH_STEP == 0 and weight.shape[1] % WIDTH_STEP == 0)
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """The copy of `weight` [out, k] the kernel reads: int32 words, 64-byte aligned."""
-        if not self.takes(weight):
-            raise ValueError(f"the AMX GEMM packs bf16 weights of widths divisible by {WIDTH_STEP}, "
-                             f"got {weight.dtype} {tuple(weight.shape)}")
-        w = weight.contiguous()
-        # 16 words of slack to start the copy on a 64-byte boundary (torch aligns to 64, but need not)
-        store = torch.empty(w.numel() // 2 + 16, dtype=torch.int32)
-        skip = (-store.data_ptr() % 64) // 4
-        packed = store[skip:skip + w.numel() // 2]
-        if self._pack(w.data_ptr(), w.shape[0], w.shape[1], packed.data_ptr(), torch.get_num_threads()) != 0:
-            raise RuntimeError(f"the AMX GEMM's packing refused {tuple(w.shape)}")
-        return packed
-
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, k] bf16 (unit stride along k) -> [rows, out_features]: x W^T (+ bias),
-        float32 sums rounded once to bf16; `packed` from pack(W)."""
-        if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.shape[0] < 1:
-            raise ValueError(f"the AMX GEMM takes [rows, k] bf16 rows, got {x.dtype} {tuple(x.shape)}")
-        m, k = x.shape
-        if packed.numel() * 2 != out_features * k:
-            raise ValueError(f"a packed weight of {packed.numel() * 2} for {out_features} x {k}")
-        if bias is not None:
-            bias = bias.contiguous()
-            if bias.dtype != torch.bfloat16 or bias.numel() != out_features:
-                raise ValueError(f"a bias of {bias.dtype} x {bias.numel()} for {out_features} bf16 outputs")
-        y = torch.empty(m, out_features, dtype=torch.bfloat16)
-        rc = self._fn(x.data_ptr(), m, x.stride(0), packed.data_ptr(), out_features, k,
-                      None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"the AMX GEMM refused its arguments ({m} rows, {out_features}x{k})")
-        return y
 
 
 def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:

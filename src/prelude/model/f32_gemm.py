@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from prelude.model import native_lib
+from prelude.model.packed_gemm import PackedGemm
 
 _SOURCE = Path(__file__).with_name("f32_gemm.c")
 WIDTH_STEP = 8  # out must be a multiple of this
@@ -27,59 +28,23 @@ WIDTH_STEP = 8  # out must be a multiple of this
 MAX_ROWS = 1024
 
 
-class F32Gemm:
+class F32Gemm(PackedGemm):
     """The loaded library."""
 
     max_rows = MAX_ROWS
-    dtype = torch.float32  # what its calls take
+    dtype = torch.float32
+    packed_dtype = torch.float32
+    align = 32
+    what = "the float32 GEMM"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._pack = lib.prelude_f32_gemm_pack
-        self._pack.restype = ctypes.c_int
-        self._pack.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
-        self._fn = lib.prelude_f32_gemm
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+        super().__init__(lib, "prelude_f32_gemm")
 
     @staticmethod
     def takes(weight: torch.Tensor) -> bool:
         """Whether calls through `weight` [out, k] can run here (float32, out a multiple of 8)."""
         return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
                 and weight.shape[0] % WIDTH_STEP == 0 and weight.shape[1] > 0)
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """The copy of `weight` [out, k] the kernel reads: float32, 32-byte aligned."""
-        if not self.takes(weight):
-            raise ValueError(f"the float32 GEMM packs float32 weights of a width divisible by {WIDTH_STEP}, "
-                             f"got {weight.dtype} {tuple(weight.shape)}")
-        w = weight.contiguous()
-        store = torch.empty(w.numel() + 8, dtype=torch.float32)  # slack to start on a 32-byte boundary
-        skip = (-store.data_ptr() % 32) // 4
-        packed = store[skip:skip + w.numel()]
-        if self._pack(w.data_ptr(), w.shape[0], w.shape[1], packed.data_ptr(), torch.get_num_threads()) != 0:
-            raise RuntimeError(f"the float32 GEMM's packing refused {tuple(w.shape)}")
-        return packed
-
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, k] float32 (unit stride along k) -> [rows, out_features]: x W^T (+ bias);
-        `packed` from pack(W)."""
-        if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[0] < 1:
-            raise ValueError(f"the float32 GEMM takes [rows, k] float32 rows, got {x.dtype} {tuple(x.shape)}")
-        m, k = x.shape
-        if packed.numel() != out_features * k:
-            raise ValueError(f"a packed weight of {packed.numel()} for {out_features} x {k}")
-        if bias is not None:
-            bias = bias.contiguous()
-            if bias.dtype != torch.float32 or bias.numel() != out_features:
-                raise ValueError(f"a bias of {bias.dtype} x {bias.numel()} for {out_features} float32 outputs")
-        y = torch.empty(m, out_features, dtype=torch.float32)
-        rc = self._fn(x.data_ptr(), m, x.stride(0), packed.data_ptr(), out_features, k,
-                      None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"the float32 GEMM refused its arguments ({m} rows, {out_features}x{k})")
-        return y
 
 
 def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
