@@ -16,9 +16,7 @@
  * prelude_f32_gemm_ready() is 1 where the build has AVX2 and FMA. Returns 0, or 1 on
  * arguments it does not take (nothing written).
  */
-#include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 #include "native_shared.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_F32 1

@@ -292,19 +292,19 @@ class Projection:
         if self._amx is not None:
             return self._amx_weight()
         if self._f32 is not None:
-            if self._f32_packed is None:
-                with _COPIES_LOCK:
-                    if self._f32_packed is None:
-                        self._f32_packed = self._f32.pack(self.weight)
-            return self._f32_packed
+            return self._lazy_copy("_f32_packed", self._f32)
         return None
 
-    def _amx_weight(self) -> torch.Tensor:
-        if self._amx_packed is None:
+    def _lazy_copy(self, attr: str, kernel: AmxGemm | F32Gemm) -> torch.Tensor:
+        """The copy held in `attr`, packed by `kernel` once, by whichever thread asks first."""
+        if getattr(self, attr) is None:
             with _COPIES_LOCK:
-                if self._amx_packed is None:
-                    self._amx_packed = self._amx.pack(self.weight)  # type: ignore[union-attr]
-        return self._amx_packed
+                if getattr(self, attr) is None:
+                    setattr(self, attr, kernel.pack(self.weight))
+        return getattr(self, attr)
+
+    def _amx_weight(self) -> torch.Tensor:
+        return self._lazy_copy("_amx_packed", self._amx)  # type: ignore[arg-type]
 
     def _packed_weight(self) -> torch.Tensor | None:
         if self._packed is None and self._want_packed:
