@@ -46,6 +46,20 @@ def test_decode_replay_at_padded_buckets_equals_eager() -> None:
     assert engine.runner._scratch_slot == engine.kv.pool.num_blocks * engine.runner.block_size
 
 
+def test_decode_replay_of_one_row_masks_the_bucket_padding() -> None:
+    """A bucket of one row: its static buffers span the model's whole length, so the row's
+    context is shorter than the gathered keys and must still be masked (torch SDPA skips
+    the mask only for an unpadded single row). Unmasked, the last block's empty slots and
+    block 0 entered the softmax: wrong tokens on CUDA with --attention-backend torch."""
+    hf = hf_tiny_llama()
+    prompts = [torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(3)).tolist()]
+    eager = _generate(tiny_engine(hf), prompts, max_tokens=10)
+    engine = tiny_engine(hf)
+    engine.runner.capture_graphs(engine.max_model_len, Capture.EMULATE,
+                                 GraphConfig(decode_batch_sizes=(1, 2), capture_prefill=False))
+    assert _generate(engine, prompts, max_tokens=10) == eager
+
+
 def test_prefill_graphs_need_a_backend_that_reads_row_tensors() -> None:
     engine = tiny_engine(hf_tiny_llama())
     with pytest.raises(ValueError, match="PrefillTensors"):

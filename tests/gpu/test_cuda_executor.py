@@ -11,6 +11,7 @@ from prelude.config import ExecutorConfig, ModelConfig
 from prelude.executor.runner import ModelRunner
 from prelude.forward_batch import OneShotRow
 from prelude.params import PoolingParams, PoolingTask, SamplingParams
+from tests.engine.near_ties import first_difference
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -51,7 +52,7 @@ def _run(engine, seeded: bool) -> dict[str, object]:  # noqa: ANN001
     gen = torch.Generator().manual_seed(1)
     for i in range(6):
         prompt = torch.randint(0, 250, (int(torch.randint(3, 60, (1,), generator=gen)),), generator=gen).tolist()
-        params = SamplingParams(max_tokens=12, temperature=0.9 if seeded else 0, seed=i, ignore_eos=True)
+        params = SamplingParams(max_tokens=12, temperature=0.9 if seeded else 0, seed=i, ignore_eos=True, logprobs=5)
         engine.add_request(f"g{i}", prompt, params)
         engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=0),
                            PoolingParams(PoolingTask.LABELS, label_token_ids=(1, 2, 3)))
@@ -59,7 +60,7 @@ def _run(engine, seeded: bool) -> dict[str, object]:  # noqa: ANN001
     while engine.has_unfinished():
         for o in engine.step():
             got[o.request_id] = o.scores if o.scores is not None else \
-                got.get(o.request_id, []) + list(o.new_token_ids)  # type: ignore[operator]
+                got.get(o.request_id, []) + list(o.logprobs)  # type: ignore[operator]
     engine.check_integrity()
     return got
 
@@ -74,7 +75,9 @@ def test_graph_replay_matches_eager(backend: str, seeded: bool) -> None:
     assert engine.runner.graphs is not None and engine.overlap
     graphed = _run(engine, seeded)
     for rid, value in eager.items():
-        if rid.startswith("g"):
-            assert graphed[rid] == value, rid
+        if rid.startswith("g") and seeded:  # the same draws from the same seeds
+            assert [t.token_id for t in graphed[rid]] == [t.token_id for t in value], rid  # type: ignore[attr-defined]
+        elif rid.startswith("g"):  # greedy: the same tokens, or parted at a bf16 near-tie
+            first_difference(value, graphed[rid], tol=0.1)  # type: ignore[arg-type]
         else:
             torch.testing.assert_close(torch.tensor(graphed[rid]), torch.tensor(value), atol=0.05, rtol=0.05)

@@ -125,7 +125,7 @@ class GraphRunner:
             query_index=torch.arange(b, device=self.device),
             block_tables=self._zeros(b, self.max_blocks),
             context_lens=torch.ones(b, dtype=torch.long, device=self.device),
-            max_context_len=self.max_blocks * self.block_size,
+            max_context_len=self.max_blocks * self.block_size, max_is_a_row_len=False,
         )
         slots = torch.full((b,), self.scratch_slot, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(slot_mapping=slots, prefills=(), decodes=rows, block_size=self.block_size)

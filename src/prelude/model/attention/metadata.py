@@ -34,6 +34,9 @@ class DecodeRows:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
     context_lens: torch.Tensor  # [B] int64
     max_context_len: int
+    # False where max_context_len only bounds the rows (a replayed graph's static buffers
+    # span the model's whole length): then even a single row's keys need a mask
+    max_is_a_row_len: bool = True
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,10 @@ def decode_attention(
     index = rows.block_tables[:, :nb].reshape(-1)
     keys = k_cache.index_select(0, index).view(batch, nb * block_size, num_kv_heads, head_dim)[:, :length]
     values = v_cache.index_select(0, index).view(batch, nb * block_size, num_kv_heads, head_dim)[:, :length]
-    # One row's context length is the maximum by definition: no padding to mask.
+    # One row's context length is the maximum by definition (unless max_context_len is
+    # only a bound: a graph bucket's buffers): no padding to mask.
     mask = None
-    if batch > 1:
+    if batch > 1 or not rows.max_is_a_row_len:
         mask = (torch.arange(length, device=q.device) < rows.context_lens.unsqueeze(1))[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q.index_select(0, rows.query_index).unsqueeze(2),  # [B, Hq, 1, D]
