@@ -13,8 +13,8 @@ for phase in "$@"; do
   case $phase in
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
          python3 -c 'import sys, torch, triton; print(sys.version, torch.__version__, triton.__version__, torch.cuda.get_device_name())';;
-    test) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/model/test_triton_attention.py \
-            tests/model/test_fused_kernels.py 2>&1 | tee "$OUT/test.log" | tail -20;;
+    test) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/model/test_triton_attention.py \
+            tests/model/test_fused_kernels.py tests/model/test_lora.py tests/bench/test_gpu_bench.py 2>&1 | tee "$OUT/test.log" | tail -20;;
     ac) timeout 420 python3 -m prelude.cli bench serve --device cuda --scenarios a,c --requests 100 \
           --peers prelude,prelude-unfused,transformers --out "$OUT/gpu_ac" 2>&1 | tee "$OUT/bench_ac.log" | tail -12;;
     b) timeout 420 python3 -m prelude.cli bench serve --device cuda --scenarios b --peers prelude \

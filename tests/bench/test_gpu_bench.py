@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prelude.bench.gpu_bench import gpu_goals, graph_floor
+from prelude.bench.gpu_bench import baseline_env, gpu_goals, graph_floor
 from prelude.bench.random_model import SHAPES, random_model_dir
 
 
@@ -28,6 +28,15 @@ def test_forward_floor_on_the_cpu(tmp_path: Path) -> None:
     floor = graph_floor(d, "cpu", "torch", [list(range(1, 33)), list(range(5, 40))], iters=3)
     assert floor["short_rows"] == 1 and floor["batched_rows"] == 2
     assert 0 < floor["short_p50_ms"] and 0 < floor["batched_p50_ms"]
+
+
+def test_prelude_base_imports_the_other_checkout_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/carried/wheels")
+    (tmp_path / "prelude").mkdir()
+    env = baseline_env(str(tmp_path))
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path), "/carried/wheels"]  # its prelude first, the rest kept
+    with pytest.raises(SystemExit, match="holds no prelude package"):
+        baseline_env(str(tmp_path / "missing"))
 
 
 def test_goals_report_met_short_and_not_run() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -45,15 +46,15 @@ def _transformers_cmd(model_dir: Path, port: int, device: str) -> list[str]:
 
 
 class _Server:
-    def __init__(self, name: str, cmd: list[str], port: int) -> None:
-        self.name, self.cmd, self.port = name, cmd, port
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.name, self.cmd, self.port, self.env = name, cmd, port, env
         self.startup_s = 0.0
         self._ctx: Any = None
         self.base = ""
 
     def __enter__(self) -> "_Server":
         t0 = time.perf_counter()
-        self._ctx = server_process(self.cmd, self.port, timeout_s=900)
+        self._ctx = server_process(self.cmd, self.port, timeout_s=900, env=self.env)
         self.base = self._ctx.__enter__()
         self.startup_s = time.perf_counter() - t0
         print(f"[{self.name}] ready in {self.startup_s:.2f} s", flush=True)
@@ -61,6 +62,15 @@ class _Server:
 
     def __exit__(self, *exc: object) -> None:
         self._ctx.__exit__(*exc)
+
+
+def baseline_env(baseline_src: str) -> dict[str, str]:
+    """The environment of peer prelude-base: `baseline_src` (another checkout's src folder)
+    first on the path, so its `prelude` is imported; the rest of the path (carried wheels) kept."""
+    if not os.path.isdir(os.path.join(baseline_src, "prelude")):
+        raise SystemExit(f"--baseline-src {baseline_src} holds no prelude package")
+    rest = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.abspath(baseline_src), rest) if p)}
 
 
 def graph_floor(model_dir: Path, device: str, backend: str, prompt_ids: list[list[int]], iters: int) -> dict[str, Any]:
@@ -123,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--scenarios", default="a,b,c")
     ap.add_argument("--peers", default="prelude,transformers",
-                    help="prelude, prelude-unfused (--no-fused-kernels, for (a) and (c)), transformers")
+                    help="prelude, prelude-base (the same from --baseline-src: old vs new), "
+                         "prelude-unfused (--no-fused-kernels, for (a) and (c)), transformers")
+    ap.add_argument("--baseline-src", default=None, help="peer prelude-base: the src folder of another checkout")
     ap.add_argument("--small", default="qwen3-0.6b", help="shape for (a) and (c)")
     ap.add_argument("--large", default="qwen3-4b", help="shape for (b)")
     ap.add_argument("--requests", type=int, default=200)
@@ -148,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         if "prelude" in peers:
             servers.append(_Server("prelude", _prelude_cmd(model_dir, free_port(), args.device, args.attention_backend,
                                                            args.extra.split()), 0))
+        if "prelude-base" in peers:
+            if args.baseline_src is None:
+                raise SystemExit("peer prelude-base needs --baseline-src")
+            servers.append(_Server("prelude-base", _prelude_cmd(model_dir, free_port(), args.device,
+                                                                args.attention_backend, args.extra.split()), 0,
+                                   baseline_env(args.baseline_src)))
         if "prelude-unfused" in peers and todo & {"a", "c"}:  # the fused kernels' A/B, in the same run
             servers.append(_Server("prelude-unfused", _prelude_cmd(
                 model_dir, free_port(), args.device, args.attention_backend, [*args.extra.split(), "--no-fused-kernels"]), 0))
@@ -175,15 +193,22 @@ def main(argv: list[str] | None = None) -> int:
                     result["c"][s.name]["ttft_ms_by_completion"] = [round(1000 * r.ttft_s, 2) for r in res.records]
                 print("[c]", result["c"], flush=True)
             if "b" in todo:
-                long = _prompts(tok, max(args.requests, 256), 512, 2)
+                sweep = [int(x) for x in args.sweep.split(",")]
+                # each point its own prompts: one a server has seen is a prefix-cache hit
+                sizes = [max(c * 4, 64) for c in sweep]
+                long = _prompts(tok, 64 + sum(sizes), 512, 2)
                 ids = [tok.encode(p, add_special_tokens=False) for p in long[:64]]
                 ceiling = graph_floor(model_dir, args.device, args.attention_backend, ids, 10)
                 result["b"] = {"ceiling_req_s": 1000 * ceiling["batched_rows"] / ceiling["batched_p50_ms"], "points": {}}
-                for c in (int(x) for x in args.sweep.split(",")):
-                    res = asyncio.run(run_load(completion_sender(started[0].base, None, 1), long[: max(c * 4, 64)],
-                                               LoadSpec(c, warmup=min(c, 8))))
-                    result["b"]["points"][str(c)] = summarize(res, 512)
-                    print(f"[b] c={c}", result["b"]["points"][str(c)]["req_s"], flush=True)
+                swept = [s for s in started if s.name in ("prelude", "prelude-base")]
+                for i, c in enumerate(sweep):
+                    point = long[64 + sum(sizes[:i]) : 64 + sum(sizes[: i + 1])]
+                    # old and new alternate point by point, the first of each pair swapped each point
+                    for s in swept[::-1] if i % 2 else swept:
+                        res = asyncio.run(run_load(completion_sender(s.base, None, 1), point, LoadSpec(c)))
+                        key = "points" if s.name == "prelude" else f"points:{s.name}"
+                        result["b"].setdefault(key, {})[str(c)] = summarize(res, 512)
+                        print(f"[b] {s.name} c={c}", result["b"][key][str(c)]["req_s"], flush=True)
         finally:
             for s in reversed(started):
                 s.__exit__(None, None, None)
