@@ -1,4 +1,5 @@
-"""Where GPU time goes, in-process (no server): `python3 scripts/gpu/profile.py [a] [c] [b]` on a CUDA machine.
+"""Where GPU time goes, in-process (no server): `python3 scripts/gpu/forward_profile.py [a] [c] [b]` on a CUDA machine.
+(Not named profile.py: a script's folder comes first on sys.path, and cProfile imports `profile`.)
 a: the 0.6B 128-token forward (inputs, graph replay, eager, engine add+step) + torch profiler + cProfile;
 c: 4 x 128-in/32-out decode steps; b: the 4B 32 x 512-token forward and its kernels."""
 import cProfile, pstats, statistics, sys, time
