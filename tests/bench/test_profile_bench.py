@@ -109,3 +109,12 @@ def test_a_judge_wave_hands_every_prompt_over_before_the_first_step() -> None:
     assert [ids for _, ids in engine.added] == [shared + s for s in suffixes]
     assert engine.steps == [7, 4, 1]  # all 7 waiting at the first step
     assert len({rid for rid, _ in engine.added}) == 7
+
+
+def test_a_profile_without_decode_steps_runs() -> None:
+    """--decode-steps 0 (a judge-only profile): no decode A/B of the C layer loop (which the
+    default model has in float32 wherever the C kernels build) to take a median of."""
+    from prelude.bench.profile_bench import run_dtype
+
+    res = run_dtype("float32", None, prefills=1, prompt_tokens=16, decode_rows=1, decode_steps=0, seed=0)
+    assert "decode_c_loop" not in res and res["prefill"]

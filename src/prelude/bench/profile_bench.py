@@ -221,7 +221,7 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
                   "prefill": profile_steps(prefill_run(_prompts(prefills, prompt_tokens, vocab, seed + 2)), model)}
         start_decode(decode_rows)
         result["decode"] = profile_steps(decode_run(decode_steps), model)
-        if c_loop is not None:  # fresh rows: the A/B's 2 x decode_steps steps
+        if c_loop is not None and decode_steps > 0:  # fresh rows: the A/B's 2 x decode_steps steps
             engine.abort_all()
             drain(engine)
             start_decode(decode_rows)
