@@ -212,3 +212,41 @@ def test_prelude_serve_stopped_right_after_ready_exits_0() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_second_signal_ends_the_requests_in_flight_with_an_error_and_stops(
+        hf_model: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The impatient second Ctrl+C during a drain: the streams and the plain request in
+    flight get the 503 error answer at once (not a cut connection, not uvicorn's plain-text
+    500), the server stops without waiting for the shutdown timeout, and nothing is logged
+    as an error (uvicorn logged a cancelled handler's and its lifespan's tracebacks)."""
+    served = _Served(hf_model, ServerLimits(shutdown_timeout_s=300), max_num_seqs=16)
+    release = _hold_steps(served.engine)  # nothing finishes on its own: the drain would wait 300 s
+    body = {"prompt": "stop me", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    caplog.set_level("INFO")
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(_stream, served.base, {**body, "stream": True}) for _ in range(3)]
+        plain = pool.submit(lambda: httpx.post(served.base + "/v1/completions", json=body, timeout=60))
+        deadline = time.monotonic() + 60
+        while served.app.state.gate.active < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.app.state.gate.active == 4
+        served.server.handle_exit(signal.SIGINT, None)
+        served.server.handle_exit(signal.SIGINT, None)
+        results = [f.result(timeout=60) for f in streams]
+        answer = plain.result(timeout=60)
+    served.thread.join(timeout=30)
+    assert not served.thread.is_alive()  # stopped with the engine still held: it waited for nothing
+    release.set()  # the held step ends; the aborted requests' blocks come back
+    deadline = time.monotonic() + 60
+    while served.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for status, events in results:
+        assert status == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "server_shutting_down"
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "server_shutting_down"
+    assert "second SIGINT: stopping now" in caplog.text
+    assert not [(r.name, r.getMessage()) for r in caplog.records if r.levelname == "ERROR"]
+    served.front.shutdown()
+    served.engine.check_integrity()
+    assert served.engine.kv.num_available_blocks == served.engine.kv.pool.num_blocks

@@ -67,7 +67,7 @@ def sse_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[s
                     yield f"data: {json.dumps(chunk)}\n\n"
             except Exception as exc:  # noqa: BLE001 - reported in-band
                 body, status = error_body_for(exc)
-                if status >= 500:
+                if status >= 500 and not isinstance(exc, APIError):  # an APIError is an answer (a 503 on shutdown)
                     logger.exception("stream failed")
                 yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
