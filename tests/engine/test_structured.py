@@ -126,7 +126,16 @@ def test_regex_choice_and_json_object(engine: LLMEngine) -> None:
     StructuredOutput("regex", "((("),
     StructuredOutput("choice", "[]"),
     StructuredOutput("grammar", "start: undefined_rule"),
+    StructuredOutput("regex", "[^\\s\\S]"),  # well formed, but no text matches it (was a 200 with "")
+    StructuredOutput("json", '{"type": "string", "minLength": 5, "maxLength": 2}'),
 ])
 def test_malformed_constraints_are_refused_at_admission(engine: LLMEngine, spec: StructuredOutput) -> None:
     with pytest.raises(InvalidRequestError):
         engine.prepare("bad", [1, 2, 3], SamplingParams(max_tokens=5, structured=spec))
+
+
+@pytest.mark.parametrize("spec", [StructuredOutput("regex", ""), StructuredOutput("regex", "ab?")])
+def test_a_constraint_that_matches_only_short_text_is_taken(engine: LLMEngine, spec: StructuredOutput) -> None:
+    """The empty-text check refuses nothing that matches some text, the empty string included."""
+    got = generate(engine, [("short", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, structured=spec))])
+    assert got["short"][0] in ("", "a", "ab")
