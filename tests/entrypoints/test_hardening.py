@@ -252,3 +252,17 @@ async def test_tokenizer_fallback_counter_is_exported() -> None:
     async with asgi_client(build_app(engine)) as c:
         text = (await c.get("/metrics")).text
     assert 'prelude:tokenizer_fallbacks_total{model_name="fake-model"} 3.0' in text
+
+
+@pytest.mark.parametrize("path,body,param,forms", [
+    ("/v1/completions", {"prompt": {"a": 1}}, "prompt", ("str", "list[int]")),
+    ("/v1/embeddings", {"input": 3.5}, "input", ("str",)),
+])
+async def test_a_field_of_several_forms_names_the_field_and_its_forms(
+        path: str, body: dict[str, Any], param: str, forms: tuple[str, ...]) -> None:
+    """pydantic reports one error per accepted form of a union field, each located at the
+    form's type (prompt.str): the answer names the field and the forms instead."""
+    async with asgi_client(build_app(FakeEngine())) as c:
+        err = assert_error(await c.post(path, json=body))
+    assert err["param"] == param and err["message"].startswith(f"{param}: matches none of the accepted forms (")
+    assert all(form in err["message"] for form in forms), err["message"]

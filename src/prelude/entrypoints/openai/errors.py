@@ -86,11 +86,29 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON", None
     if first.get("type") == UNENCODABLE_TEXT:
         return str(first.get("msg")), str((first.get("ctx") or {}).get("param"))
-    loc = [str(p) for p in first.get("loc", ())]
-    if loc and loc[0] in _LOCATIONS:  # where FastAPI found it: OpenAI's param is the name alone
-        loc = loc[1:]
+    loc = _field_path(first)
+    tag = next((i for i, part in enumerate(loc) if _is_union_form(part)), None)
+    if tag is not None:  # a field of several accepted forms: one error per form, named by its type
+        prefix = loc[:tag]
+        forms = [path[tag] for path in map(_field_path, errors) if path[:tag] == prefix and len(path) > tag]
+        param = ".".join(prefix) or None
+        if len(set(forms)) > 1:
+            return f"{param or 'body'}: matches none of the accepted forms ({', '.join(dict.fromkeys(forms))})", param
+        loc = prefix + loc[tag + 1:]
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def _field_path(error: Any) -> list[str]:
+    """An error's location as OpenAI names a param: without where FastAPI found it (body)."""
+    loc = [str(p) for p in error.get("loc", ())]
+    return loc[1:] if loc and loc[0] in _LOCATIONS else loc
+
+
+def _is_union_form(part: str) -> bool:
+    """Whether a location part names one form of a union (pydantic's str, list[int],
+    function-after[...], a model's class name), not a field (lowercase) or an index."""
+    return part in ("str", "int", "float", "bool", "none", "dict", "list") or "[" in part or part[:1].isupper()
 
 
 def install_error_handlers(app: FastAPI) -> None:
