@@ -24,8 +24,9 @@ _SOURCE = Path(__file__).with_name("f32_gemm.c")
 WIDTH_STEP = 8  # out must be a multiple of this
 # The most rows a call takes here (oneDNN's packed copies serve longer calls). SmolLM2-135M's
 # 120 projections, a KVM Zen 4 capped to AVX2, alternated with oneDNN's packed kernels:
-# 0.87x their time at 128 rows, 0.93x at 1,024 (docs/benchmarks.md, twenty-fifth session).
-MAX_ROWS = 1024
+# 0.87x their time at 128 rows, 0.90-0.93x at 1,024, 0.96x at 1,536 and 2,048 (the default
+# token budget's steps: 512-token prompts at c=16) (docs/benchmarks.md).
+MAX_ROWS = 2048
 
 
 class F32Gemm(PackedGemm):
