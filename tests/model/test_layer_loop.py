@@ -45,7 +45,7 @@ needs_tiles = pytest.mark.skipif(not _tile_form_runs() and load_amx_gemm() is No
 LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 3, 64, 160, 4, 2, 16, 101
 CFG = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
                   num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                  head_dim=HEAD_DIM, max_position_embeddings=2048)
+                  head_dim=HEAD_DIM, max_position_embeddings=4096)
 PROJECTIONS = (("self_attn.q_proj", (HEADS * HEAD_DIM, HIDDEN)), ("self_attn.k_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
                ("self_attn.v_proj", (KV_HEADS * HEAD_DIM, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HEADS * HEAD_DIM)),
                ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)), ("mlp.down_proj", (HIDDEN, INTER)))

@@ -31,8 +31,10 @@ FORMS = ("", "dot-product", "AMX")  # prelude_amx_gemm_ready()'s answers
 #   512 and 2,048 rows 1.06-1.19x slower (its gate/up GEMM the loser; KVM Xeon, model 207).
 # - dot-product: 256-, 512- and 1,024-token bf16 prefills 0.96x, 0.99x and 0.98x oneDNN's
 #   time, the judge's 1,024-row steps (16 x 64 over a cached 1,024) 1.03-1.06x the req/s;
-#   2,048 rows even (1.01x the time; KVM Zen 4, alternated in one process).
-MAX_ROWS = {"AMX": 128, "dot-product": 1024}
+#   2,048 rows even (1.01x the time; KVM Zen 4, alternated in one process), and there the C
+#   layer loop takes the step too: 4 x 512-token waves 0.99x the time, 1,088-token prompts
+#   0.83-0.99x (two processes alternated, twice).
+MAX_ROWS = {"AMX": 128, "dot-product": 2048}
 
 
 class AmxGemm(PackedGemm):

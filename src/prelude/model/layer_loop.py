@@ -14,7 +14,7 @@ prompts or both) through the GGUF blocks up to their bound, else bf16_rows.c's t
 (which needs AMX), and of up to amx_gemm.c's max_rows (128 in its tile form) where it
 serves every projection's calls past the tile form's bound (a 128-token prompt); on a CPU
 with AVX512-BF16 and no AMX (no tile forms), steps of up to the dot-product form's max_rows
-(1,024: the judge's steps of 16 x 64 new tokens, 1.02-1.03x the req/s of the Python loop
+(2,048: the judge's steps of 16 x 64 new tokens, 1.02-1.03x the req/s of the Python loop
 over the same kernels, KVM Zen 4) where it serves every projection's calls past the blocks'
 bound; in float32, steps of as many tokens
 as every projection's GGUF blocks take (decode_routes.py's measured bound: 4 rows on the
