@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from prelude import SamplingParams
 from prelude.engine.oneshot_gather import GAP_S, LONE_MIN_TOKENS, BurstGather
 from prelude.engine.request import Request
@@ -81,7 +83,9 @@ def test_scheduler_holds_a_oneshot_step_for_its_burst_then_runs_it_whole() -> No
 
     opened = _first_burst_done(s, whole)
     s.add(oneshot("n0", opened + 0.001))
-    assert s.schedule(now=opened + 0.002).batch is None  # 1 of the 4 expected is back
+    held = s.schedule(now=opened + 0.002)
+    assert held.batch is None  # 1 of the 4 expected is back
+    assert held.hold_s == pytest.approx(0.02 - 0.001)  # if no other comes: a gap of 2% of the 1 s step
     for i in range(1, 4):
         s.add(oneshot(f"n{i}", opened + 0.002))
     plan = s.schedule(now=opened + 0.003)
@@ -160,3 +164,21 @@ def test_peers_sharing_a_prefix_do_not_fill_a_step_with_it() -> None:
         s.add(validate_request(rid, shared + tail, SamplingParams(temperature=0.0, max_tokens=1), rules,
                                seed_source=GEN, arrival_time=at))
     assert s.schedule(now=5.002).batch is None  # 48 of 80 tokens: more may join
+
+
+def test_a_hold_says_how_long_it_lasts_if_nothing_arrives() -> None:
+    """The loop naps no longer than this (async_engine.py): the earliest of the hold's bounds."""
+    g = BurstGather(max_wait_s=0.05)
+    g.observe(0.1)  # a 100 ms step: holds of at most 5 ms, gaps of GAP_S
+    g.step_ended(finished=4, waiting=0, now=1.0)
+    assert g.hold([oneshot("old", 0.5)], 1.001) == pytest.approx(0.004)  # the round trip, to the 5 ms bound
+    assert g.hold([oneshot("a", 1.002)], 1.003) == pytest.approx(min(0.005 - 0.003, GAP_S - 0.001))
+    assert g.hold([oneshot("a", 1.002)], 1.006) == 0.0
+    lone = BurstGather(max_wait_s=0.05)
+    lone.observe(0.4, tokens=400)  # 1 ms a token: a lone 512-token prompt's step ~512 ms
+    long = [validate_request("long", [1 + i % 50 for i in range(LONE_MIN_TOKENS)],
+                             SamplingParams(temperature=0.0, max_tokens=1),
+                             RequestRules(max_model_len=4096, vocab_size=100, eos_token_ids=frozenset()),
+                             seed_source=GEN, arrival_time=1.0)]
+    # 5% of the step (25.6 ms) after it came, 2% of it (10.24 ms) after the newest: the gap first
+    assert lone.hold(long, 1.001) == pytest.approx(0.01024 - 0.001)

@@ -110,6 +110,7 @@ class LLMEngine:
         self.handoff_counts = {"exported": 0, "imported": 0, "imported_recomputed": 0}
         self._rng = random.Random(config.seed)  # sampling seeds of requests that name none
         self.idle = False
+        self.hold_s = 0.0
         # Overlap pays where the device runs asynchronously to the host; on a CPU the host
         # is the device, so there is nothing to hide.
         self.overlap = config.overlap if config.overlap is not None else info.device.startswith("cuda")
@@ -320,6 +321,7 @@ class LLMEngine:
         if launched is not None and self.overlap:
             self._in_flight = launched
         self.idle = plan.batch is None and in_flight is None  # work may be held back on purpose
+        self.hold_s = plan.hold_s if self.idle else 0.0  # a OneShot gather's hold: how long at most
         if cause is not None:
             self._ready = outputs  # the other step's outputs go out with the next step
             raise StepFailed(failed, cause)

@@ -64,30 +64,34 @@ class BurstGather:
         self.expected = finished + waiting
         self.opened = now
 
-    def hold(self, waiting: Sequence[Request], now: float, step_tokens: int | None = None) -> bool:
-        """Whether a OneShot-only step with `waiting` should wait for more of its burst;
-        `step_tokens`: the most prompt tokens a step takes (bounds its estimate)."""
+    def hold(self, waiting: Sequence[Request], now: float, step_tokens: int | None = None) -> float:
+        """How much longer a OneShot-only step with `waiting` should wait for more of its
+        burst if nothing else arrives: seconds, 0.0 for not at all (the engine's loop naps
+        no longer than that); `step_tokens`: the most prompt tokens a step takes (bounds its
+        estimate)."""
         if self.max_wait_s <= 0:
-            return False
+            return 0.0
         limit = min(self.max_wait_s, STEP_FRACTION * self.step_s)  # 0 until a step was timed
         if self.expected > 0 and limit > 0 and 0 <= now - self.opened < limit:  # a burst announced
             if len(waiting) >= self.expected:
-                return False
+                return 0.0
+            left = limit - (now - self.opened)
             newest = max((r.arrival_time for r in waiting), default=self.opened)
-            # Before the first request of the burst is back, wait out the round trip (bounded above).
-            return newest <= self.opened or now - newest < max(GAP_S, GAP_FRACTION * self.step_s)
+            if newest <= self.opened:  # before the first request of the burst is back: the round trip
+                return left
+            return max(0.0, min(left, max(GAP_S, GAP_FRACTION * self.step_s) - (now - newest)))
         return self._unannounced(waiting, now, step_tokens)
 
-    def _unannounced(self, waiting: Sequence[Request], now: float, step_tokens: int | None) -> bool:
+    def _unannounced(self, waiting: Sequence[Request], now: float, step_tokens: int | None) -> float:
         """A burst no step announced: the last request just in, and two or more waiting or a
         long one."""
         if not waiting or self.s_per_token <= 0:
-            return False
+            return 0.0
         if len(waiting) == 1 and waiting[0].num_prompt_tokens < LONE_MIN_TOKENS:
-            return False
+            return 0.0
         tokens = sum(r.num_prompt_tokens for r in waiting)  # an upper bound: cached prefixes count too
         step = self.s_per_token * (tokens if step_tokens is None else min(tokens, step_tokens))
         first = min(r.arrival_time for r in waiting)
         newest = max(r.arrival_time for r in waiting)
-        return (now - first < min(self.max_wait_s, STEP_FRACTION * step)
-                and now - newest < max(GAP_S, GAP_FRACTION * step))
+        return max(0.0, min(min(self.max_wait_s, STEP_FRACTION * step) - (now - first),
+                            max(GAP_S, GAP_FRACTION * step) - (now - newest)))

@@ -67,6 +67,9 @@ class ScheduleResult:
     # for the same request. Request ids, in row order.
     carried: list[str] = field(default_factory=list)
     has_normal: bool = False  # the step has rows of normal (not low-priority) requests
+    # No batch because OneShot gathering holds it: how long the hold lasts at most if
+    # nothing arrives (oneshot_gather.py), so the loop naps no longer
+    hold_s: float = 0.0
 
     @property
     def oneshot_rows(self) -> tuple[OneShotRow, ...]:
@@ -566,9 +569,10 @@ class Scheduler:
         decode_work = bool(self.waiting or self.running)
         fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
         if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
-            if (not decode_work and not self._oneshot_step_full()
-                    and self.gather.hold(self.oneshot_waiting, now, self._oneshot_budget())):
-                return ScheduleResult(batch=None)  # the rest of the burst is on its way
+            hold_s = 0.0 if decode_work or self._oneshot_step_full() else \
+                self.gather.hold(self.oneshot_waiting, now, self._oneshot_budget())
+            if hold_s > 0:
+                return ScheduleResult(batch=None, hold_s=hold_s)  # the rest of the burst is on its way
             self._last_was_oneshot = True
             return self._schedule_oneshot(now)
         self._last_was_oneshot = False
