@@ -208,7 +208,7 @@ class Projection:
         takes follows its row count):
         - amx_gemm.c's dot-product form where it serves (bf16 on AVX512-BF16 without AMX): a
           row's k pairs in order whatever the rows and threads of its call, and faster than
-          oneDNN's packed copy up to 2,048 rows there (amx_gemm.py's MAX_ROWS);
+          oneDNN's packed copy up to 1,024 rows there and even at 2,048 (amx_gemm.py's MAX_ROWS);
         - else oneDNN's packed copy, one-row calls padded to two rows. Checked row by row on
           an AVX512-BF16 Zen 4, 1-1,600 rows over SmolLM2's five shapes: bit-equal in bf16;
           in float32 a one-row call differed from two rows at k = 1,536, and every count from
