@@ -68,7 +68,5 @@ def load_amx_gemm() -> AmxGemm | None:
     lib = native_lib.load(_SOURCE, "PRELUDE_AMX_GEMM", "bf16 prefill GEMMs (oneDNN serves them)")
     if lib is None:
         return None
-    ready = lib.prelude_amx_gemm_ready
-    ready.restype = ctypes.c_int
-    form = FORMS[ready()]
+    form = FORMS[native_lib.answer(lib, "prelude_amx_gemm_ready")]
     return AmxGemm(lib, form) if form else None

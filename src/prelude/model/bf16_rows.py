@@ -44,9 +44,7 @@ class Bf16Rows:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._fn = fn
-        ready = lib.prelude_bf16_rows_amx_ready
-        ready.restype = ctypes.c_int
-        self._amx_ready = bool(ready())
+        self._amx_ready = bool(native_lib.answer(lib, "prelude_bf16_rows_amx_ready"))
 
     @property
     def entry_point(self) -> int:
@@ -102,6 +100,4 @@ def load_bf16_rows() -> Bf16Rows | None:
     lib = native_lib.load(_SOURCE, "PRELUDE_BF16_ROWS", "bf16 few-row GEMMs (oneDNN serves them)")
     if lib is None:
         return None
-    available = lib.prelude_bf16_rows_available
-    available.restype = ctypes.c_int
-    return Bf16Rows(lib) if available() else None
+    return Bf16Rows(lib) if native_lib.answer(lib, "prelude_bf16_rows_available") else None

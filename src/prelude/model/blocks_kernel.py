@@ -28,10 +28,8 @@ class BlocksKernel:
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int, ctypes.c_void_p]
         self._fn = fn
-        available = lib.prelude_blocks_gemm_bf16_available
-        available.restype = ctypes.c_int
         # bf16 activations: built only where the compiler targeted AVX512-BF16 (this CPU has it)
-        self.bf16 = bool(available())
+        self.bf16 = bool(native_lib.answer(lib, "prelude_blocks_gemm_bf16_available"))
         self._fn_bf16 = None
         if self.bf16:
             self._fn_bf16 = lib.prelude_blocks_gemm_bf16

@@ -61,6 +61,4 @@ def load_f32_gemm() -> F32Gemm | None:
     lib = native_lib.load(_SOURCE, "PRELUDE_F32_GEMM", "float32 prefill GEMMs (oneDNN serves them)")
     if lib is None:
         return None
-    ready = lib.prelude_f32_gemm_ready
-    ready.restype = ctypes.c_int
-    return F32Gemm(lib) if ready() else None
+    return F32Gemm(lib) if native_lib.answer(lib, "prelude_f32_gemm_ready") else None

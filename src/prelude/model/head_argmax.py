@@ -85,9 +85,7 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     lib = native_lib.load(_SOURCE, "PRELUDE_HEAD_ARGMAX", "the bfloat16-bounded greedy head (greedy takes the logits)")
     if lib is None:
         return None
-    available = lib.prelude_head_argmax_available
-    available.restype = ctypes.c_int
-    if not available():
+    if not native_lib.answer(lib, "prelude_head_argmax_available"):
         return None
     fn = lib.prelude_head_argmax_f32
     fn.restype = ctypes.c_int

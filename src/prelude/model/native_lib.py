@@ -147,6 +147,14 @@ def cpu_has_avx2_fma() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 
 
+def answer(lib: ctypes.CDLL, name: str) -> int:
+    """What the library's no-argument int function `name` answers (its probes: whether this
+    build has the instructions a form needs, which form runs)."""
+    fn = getattr(lib, name)
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
 def address(fn: object) -> int:
     """A loaded library function's address, for C code that calls it (layer_loop.c)."""
     return ctypes.cast(fn, ctypes.c_void_p).value or 0

@@ -125,6 +125,4 @@ def load_row_gemv() -> RowGemv | None:
     lib = native_lib.load(_SOURCE, "PRELUDE_ROW_GEMV", "one-row float32 GEMV of LM heads (oneDNN serves them)")
     if lib is None:
         return None
-    available = lib.prelude_row_gemv_available
-    available.restype = ctypes.c_int
-    return RowGemv(lib) if available() else None
+    return RowGemv(lib) if native_lib.answer(lib, "prelude_row_gemv_available") else None
