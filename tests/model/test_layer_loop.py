@@ -5,13 +5,14 @@ blocks; and it takes only the steps it can run."""
 
 from __future__ import annotations
 
+import ctypes
 from unittest import mock
 
 import pytest
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model import amx_gemm, decode_routes, layer_loop, linear
+from prelude.model import amx_gemm, decode_routes, f32_gemm, layer_loop, linear, native_lib
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.cpu_backend import load_cpu_attention
 from prelude.model.amx_gemm import load_amx_gemm
@@ -20,6 +21,7 @@ from prelude.model.bf16_rows import TILE_MAX_ROWS, load_bf16_rows
 from prelude.model.blocks_kernel import load_kernel
 from prelude.model.cpu_fused_kernels import load_cpu_kernels
 from prelude.model.decode_routes import RouteChoice
+from prelude.model.f32_gemm import F32Gemm
 from prelude.model.layer_loop import LayerLoop
 from prelude.model.decoder_segments import EAGER_SEGMENTS
 from prelude.model.fused_segments import fused_segments
@@ -27,6 +29,13 @@ from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.llama import LlamaForCausalLM
 from prelude.model.read_positions import ReadPositions
 from tests.model.test_cpu_attention import Row, make_batch
+
+
+def _avx2_f32_kernel() -> F32Gemm | None:
+    """f32_gemm.c built for an AVX2-only CPU (it serves no CPU with AVX-512 as built here)."""
+    if native_lib.compiler() is None or not native_lib.cpu_has_avx2_fma():
+        return None
+    return F32Gemm(ctypes.CDLL(str(f32_gemm.build(native_lib.AVX2_FLAGS))))
 
 
 def _tile_form_runs() -> bool:
@@ -243,12 +252,14 @@ def test_biases_and_qk_norms_equal_the_python_loop(runs: list[int]) -> None:
     assert runs == [3, 9]
 
 
-def test_float32_steps_the_blocks_take_equal_the_python_loop(runs: list[int]) -> None:
-    """float32: the blocks are the only C route of a few-row call, so the loop takes steps of
-    up to their bound (here 3 rows): decode rows and a short prompt bit for bit; a step past
-    the bound runs the Python loop (oneDNN's few-row calls)."""
+def test_float32_steps_the_blocks_take_equal_the_python_loop(monkeypatch: pytest.MonkeyPatch,
+                                                             runs: list[int]) -> None:
+    """float32 without f32_gemm.c (a CPU with AVX-512): the blocks are the only C route of a
+    few-row call, so the loop takes steps of up to their bound (here 3 rows): decode rows and
+    a short prompt bit for bit; a step past the bound runs the Python loop (oneDNN's calls)."""
     if load_kernel() is None:
         pytest.skip("the GGUF blocks kernel cannot run here")
+    monkeypatch.setattr(linear, "load_f32_gemm", lambda: None)
     model = _model(dtype=torch.float32, with_blocks=True)
     assert model.layer_loop is not None
     for p in _projections(model):
@@ -263,6 +274,46 @@ def test_float32_steps_the_blocks_take_equal_the_python_loop(runs: list[int]) ->
         for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
             assert torch.equal(kg, kw) and torch.equal(vg, vw)
     assert runs == [1, 3, 3]
+
+
+@pytest.mark.parametrize("with_blocks", [False, True])
+def test_float32_steps_past_the_blocks_take_f32_gemm(monkeypatch: pytest.MonkeyPatch, runs: list[int],
+                                                     with_blocks: bool) -> None:
+    """float32 where f32_gemm.c serves (a CPU with AVX2 and no AVX-512; here its AVX2 build
+    whatever this CPU has): every call past the blocks' rows has a C route, so the loop takes
+    prompts and mixed steps of up to its max_rows, bit for bit the Python loop (which routes
+    the calls alike: the blocks up to their bound, f32_gemm.c past it)."""
+    kernel = _avx2_f32_kernel()
+    if kernel is None or (with_blocks and load_kernel() is None):
+        pytest.skip("no C compiler, no AVX2+FMA, or (with blocks) no GGUF blocks kernel here")
+    monkeypatch.setattr(linear, "load_f32_gemm", lambda: kernel)
+    model = _model(dtype=torch.float32, with_blocks=with_blocks)
+    assert model.layer_loop is not None
+    if with_blocks:
+        for p in _projections(model):
+            p.limit_blocks(3)
+    assert model.layer_loop.max_rows == f32_gemm.MAX_ROWS
+    calls: list[int] = []
+    real = F32Gemm.linear
+
+    def counted(self, x, packed, out_features, bias):  # noqa: ANN001, ANN202
+        calls.append(x.shape[0])
+        return real(self, x, packed, out_features, bias)
+
+    monkeypatch.setattr(F32Gemm, "linear", counted)
+    cases = ([Row(4, 1)], [Row(0, 3)], [Row(0, 130), Row(6, 1)], [Row(9, 1)] * 5, [Row(0, 300), Row(2, 7)])
+    for rows in cases:
+        for reads in (_reads(rows), None):
+            got, got_kv = _forward(model, rows, with_driver=True, reads=reads, dtype=torch.float32)
+            want, want_kv = _forward(model, rows, with_driver=False, reads=reads, dtype=torch.float32)
+            assert got.dtype == torch.float32 and torch.equal(got, want)
+            for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
+                assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    assert runs == [sum(r.new for r in rows) for rows in cases for _ in range(2)]
+    assert calls and (not with_blocks or min(calls) > 3)  # the Python loop's calls past the blocks took it
+    bound = model.layer_loop.max_rows
+    _forward(model, [Row(0, bound + 1)], with_driver=True, dtype=torch.float32)  # past every C route
+    assert len(runs) == 2 * len(cases)
 
 
 @needs_tiles
@@ -324,6 +375,7 @@ def test_steps_it_cannot_run_take_the_python_loop(runs: list[int]) -> None:
 @needs_tiles
 def test_built_only_where_every_kernel_has_a_c_route(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _model().layer_loop is not None
+    monkeypatch.setattr(linear, "load_f32_gemm", lambda: None)  # float32 without blocks: oneDNN's calls
     assert _model(dtype=torch.float32).layer_loop is None
     assert _model(attention="torch").layer_loop is None
     monkeypatch.setenv(layer_loop.SWITCH, "0")

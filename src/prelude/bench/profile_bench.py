@@ -211,7 +211,7 @@ def run_dtype(dtype: str, model_path: str | None, prefills: int, prompt_tokens: 
     engine.abort_all()
     drain(engine)
     # The split needs the Python layer loop's calls: a step that runs the C layer loop
-    # (model/layer_loop.py: decode steps, prompts of up to 32 tokens) is one call. That
+    # (model/layer_loop.py: decode steps, and prompts up to its bound) is one call. That
     # loop is timed against the Python one after, on decode steps, unprofiled.
     c_loop, model.layer_loop = getattr(model, "layer_loop", None), None
     try:

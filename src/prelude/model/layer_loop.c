@@ -9,11 +9,13 @@
  * the Python loop (fused_segments.py and LlamaForCausalLM's last layer for the read
  * positions), which every other step still runs.
  *
- * bfloat16 or float32 activations (the model's dtype, `bf`); small steps (decode rows and
- * prompts' rows: up to 32 tokens in bf16, 128 where amx_gemm.c serves every projection,
- * up to the blocks' bound in float32) where every projection has a C route: the GGUF
- * blocks up to their bound of rows, else (bf16) bf16_rows.c's tile form up to its bound,
- * amx_gemm.c past it. Returns 0, or the first
+ * bfloat16 or float32 activations (the model's dtype, `bf`); steps (decode rows and
+ * prompts' rows: up to 32 tokens in bf16 on AMX, 128 where amx_gemm.c's tile form serves
+ * every projection, 2,048 where its dot-product form or, in float32, f32_gemm.c does; up to
+ * the blocks' bound in float32 without f32_gemm.c) where every projection has a C route: the
+ * GGUF blocks up to their bound of rows, else (bf16) bf16_rows.c's tile form up to its
+ * bound, the GEMM of our own past it (amx_gemm.c in bf16, f32_gemm.c in float32: one
+ * signature). Returns 0, or the first
  * failing kernel's code plus 100 times its stage (nothing is undone: the caller raises).
  */
 #include <stdint.h>
@@ -44,14 +46,15 @@ typedef int (*attend_fn)(const void *q, int64_t sqt, int64_t sqh, const void *k,
 
 /* One projection y [rows, out] = x [rows, k] W^T (+ bias): its plain weight (the model's
  * dtype; the tile form reads it in bf16), its GGUF blocks where it has them (kind < 0: none),
- * and amx_gemm.c's packed copy where it has one (NULL: none). */
+ * and the packed copy of the GEMM of our own (amx_gemm.c's, f32_gemm.c's) where it has one
+ * (NULL: none). */
 typedef struct {
     const void *weight, *bias;
     int64_t out, k;
     int32_t kind; /* blocks_gemm.c's kind, or -1 */
     const void *qs, *d, *mins;
     int64_t blocks_max_rows; /* calls of up to this many rows read the blocks */
-    const void *packed;      /* amx_gemm.c's copy: calls past tile_max_rows, up to gemm_max_rows */
+    const void *packed;      /* the own GEMM's copy: calls past tile_max_rows, up to gemm_max_rows */
 } Proj;
 
 typedef struct {
@@ -75,7 +78,7 @@ typedef struct {
     int64_t scb, scs, sch, block_size; /* every layer's K/V pool: strides (elements) and block size */
     int32_t attend_amx;                /* the attention backend's choice of the AMX form */
     int32_t bf;                        /* 1: bfloat16 activations and weights, 0: float32 */
-    int64_t tile_max_rows, gemm_max_rows; /* the tile form's and amx_gemm.c's row bounds */
+    int64_t tile_max_rows, gemm_max_rows; /* the tile form's and the own GEMM's row bounds */
 } Model;
 
 /* One step: its tokens' hidden states in and out, their rotary tables, the attention's rows

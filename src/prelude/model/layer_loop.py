@@ -16,10 +16,12 @@ serves every projection's calls past the tile form's bound (a 128-token prompt);
 with AVX512-BF16 and no AMX (no tile forms), steps of up to the dot-product form's max_rows
 (2,048: the judge's steps of 16 x 64 new tokens, 1.02-1.03x the req/s of the Python loop
 over the same kernels, KVM Zen 4) where it serves every projection's calls past the blocks'
-bound; in float32, steps of as many tokens
-as every projection's GGUF blocks take (decode_routes.py's measured bound: 4 rows on the
-KVM Xeon), the few-row calls oneDNN would otherwise serve being out of C's reach. Every
-other step runs the Python loop. PRELUDE_LAYER_LOOP=0 turns it off.
+bound; in float32, steps of up to f32_gemm.c's max_rows (2,048) where it serves every
+projection's calls past the blocks' bound (a CPU with AVX2 and no AVX-512: prompts as well
+as decode rows), else of as many tokens as every projection's GGUF blocks take
+(decode_routes.py's measured bound: 4 rows on the KVM Xeon), the few-row calls oneDNN
+would otherwise serve being out of C's reach. Every other step runs the Python loop.
+PRELUDE_LAYER_LOOP=0 turns it off.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from prelude.config import ModelConfig
 from prelude.model import native_lib
 from prelude.model.attention.cpu_backend import CpuAttention
 from prelude.model.attention.metadata import AttentionMetadata
+from prelude.model.amx_gemm import AmxGemm
 from prelude.model.bf16_rows import TILE_MAX_ROWS
 from prelude.model.cpu_fused_kernels import CpuFusedKernels, load_cpu_kernels
+from prelude.model.f32_gemm import F32Gemm
 from prelude.model.ggml_blocks import KINDS
 from prelude.model.linear import Projection
 from prelude.model.read_positions import ReadPositions
@@ -105,7 +109,7 @@ class LayerLoop:
         projections = _projections(self._layers)
         tile = projections[0].tile_form if all(p.tile_form is not None for p in projections) else None
         # without tile forms (no AMX) every call past the blocks' rows takes the GEMM, as Projection routes it
-        gemm = next((p.amx_gemm for p in projections if p.amx_gemm is not None), None)
+        gemm = next((g for g in map(_own_gemm, projections) if g is not None), None)
         blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
         norm, rope, silu = kernels.entry_points()
         self._model = _Model(
@@ -123,9 +127,10 @@ class LayerLoop:
     @property
     def max_rows(self) -> int:
         """The most tokens a step may have for every projection call to have a C route: the
-        tile form's bound (bf16 on AMX), or the fewest rows any projection's blocks take
-        (float32: the blocks alone). Read from the projections until the first step binds
-        the table; from then on, what the table holds."""
+        own GEMM's bound (amx_gemm.c, f32_gemm.c), the tile form's (bf16 on AMX), or the
+        fewest rows any projection's blocks take (float32 without f32_gemm.c: the blocks
+        alone). Read from the projections until the first step binds the table; from then
+        on, what the table holds."""
         return self._max_rows if self._bound else min(_c_rows(p) for p in _projections(self._layers))
 
     def takes(self, rows: int, meta: AttentionMetadata, reads: ReadPositions | None) -> bool:
@@ -207,7 +212,7 @@ def _pools_key(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
 def _proj(p: Projection) -> _Proj:
     blocks = p.blocks
     bias = _tensor_ptr(p.bias)
-    packed = _tensor_ptr(p.amx_copy())
+    packed = _tensor_ptr(p.gemm_copy())
     if blocks is None:
         return _Proj(weight=p.weight.data_ptr(), bias=bias, out=p.out_features, k=p.weight.shape[1], kind=-1,
                      packed=packed)
@@ -217,11 +222,18 @@ def _proj(p: Projection) -> _Proj:
                  blocks_max_rows=blocks.max_rows, packed=packed)
 
 
+def _own_gemm(p: Projection) -> AmxGemm | F32Gemm | None:
+    """The GEMM of our own that serves `p`'s calls past its few-row routes: amx_gemm.c (bf16)
+    or f32_gemm.c (float32), whichever its weight's dtype and this CPU give it."""
+    return p.amx_gemm if p.amx_gemm is not None else p.f32_gemm
+
+
 def _c_rows(p: Projection) -> int:
-    """The most rows every call of `p` has a C route for (0: none): amx_gemm.c's bound where
+    """The most rows every call of `p` has a C route for (0: none): the own GEMM's bound where
     it serves (past the tile form's rows, or past the blocks' without a tile form), the tile
     form's, or the blocks'."""
-    dense = p.amx_gemm.max_rows if p.amx_gemm is not None else TILE_MAX_ROWS if p.tile_form is not None else 0
+    gemm = _own_gemm(p)
+    dense = gemm.max_rows if gemm is not None else TILE_MAX_ROWS if p.tile_form is not None else 0
     return max(dense, p.blocks.max_rows if p.blocks is not None else 0)
 
 
@@ -235,13 +247,13 @@ def layer_loop_for(layers: Sequence, final_norm: torch.Tensor, attention: object
     projections = _projections(layers)
     # every call of a step's rows needs a C route: in bf16 the tile form (AMX) of every
     # projection, or (no AMX) amx_gemm.c's dot-product form of every one and no tile form
-    # (the C side has one tile bound for all); in float32 the blocks of every one; and the
-    # blocks' GEMM for this dtype
+    # (the C side has one tile bound for all); in float32 f32_gemm.c or the blocks of every
+    # one (AVX2 without AVX-512 has no tile form); and the blocks' GEMM for this dtype
     tiles = [p.tile_form is not None for p in projections]
     dot_product = not any(tiles) and all(p.amx_gemm is not None for p in projections)
     if dtype == torch.bfloat16 and not (all(tiles) or dot_product):
         return None
-    if dtype == torch.float32 and not all(p.blocks is not None for p in projections):
+    if dtype == torch.float32 and not all(p.blocks is not None or p.f32_gemm is not None for p in projections):
         return None
     if any(p.blocks is not None and p.blocks.kernel.entry_point(dtype) is None for p in projections):
         return None
