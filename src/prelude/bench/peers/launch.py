@@ -11,6 +11,9 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from prelude.model import native_lib
 
 COMPLETIONS, CLASSIFY, EMBEDDINGS = "completions", "classify", "embeddings"
 PEER_NAMES = ("prelude", "prelude-base", "transformers", "llama.cpp", "prelude-embed", "sentence-transformers", "vllm")
@@ -116,6 +119,19 @@ VLLM_SETUP = (
 )
 
 
+AVX2_CAP_SHIM = Path(__file__).resolve().parent / "avx2_cap"
+
+
+def avx2_cap_env() -> tuple[tuple[str, str], ...]:
+    """Under the AVX2 cap (PRELUDE_CPU_ISA=avx2), a python peer's environment addition that
+    caps it too: avx2_cap/sitecustomize.py first on its PYTHONPATH (vLLM then loads its
+    AVX2 kernels, as on an AVX2-only CPU); nothing otherwise."""
+    if not native_lib.isa_capped_to_avx2():
+        return ()
+    inherited = os.environ.get("PYTHONPATH")
+    return (("PYTHONPATH", str(AVX2_CAP_SHIM) + (os.pathsep + inherited if inherited else "")),)
+
+
 def _vllm_spec(port: int, opts: PeerOptions) -> PeerSpec:
     """vLLM's CPU build serving the same converted SmolLM2 directory Prelude loads."""
     if opts.vllm_python is None:
@@ -133,7 +149,7 @@ def _vllm_spec(port: int, opts: PeerOptions) -> PeerSpec:
 
     model_dir = opts.model_dir or str(converted_gguf_dir(default_model_path()))
     env = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "2"), ("HF_HUB_OFFLINE", "1"),
-           ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"))
+           ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")) + avx2_cap_env()
     return PeerSpec("vllm", (opts.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", opts.dtype,
                              "--served-model-name", opts.served_model_name),
