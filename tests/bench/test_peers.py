@@ -51,6 +51,7 @@ def test_the_avx2_cap_reaches_a_python_peer(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     (name, value), = avx2_cap_env()
     assert name == "PYTHONPATH" and value.split(os.pathsep) == [str(AVX2_CAP_SHIM), "/somewhere/else"]
+    assert avx2_cap_env(inherit=False) == ((name, str(AVX2_CAP_SHIM)),)
     probes = "import torch; print([getattr(torch.cpu, p)() for p in ('_is_avx512_supported', " \
              "'_is_avx512_bf16_supported', '_is_amx_tile_supported')])"
     done = subprocess.run([sys.executable, "-c", probes], env=os.environ | {name: value}, capture_output=True,

@@ -120,9 +120,12 @@ def run_prelude_batch(inp: Path, out: Path, flags: list[str]) -> dict[str, Any]:
 
 
 def run_vllm_batch(python: str, inp: Path, out: Path, model_dir: Path, dtype: str) -> dict[str, Any]:
+    from prelude.bench.peers.launch import avx2_cap_env
+
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     env.pop("PYTHONPATH", None)
+    env.update(avx2_cap_env(inherit=False))  # under the AVX2 cap: vLLM's AVX2 kernels, as serve's peer
     w = _Watched([python, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(inp), "-o", str(out),
                   "--model", str(model_dir), "--served-model-name", MODEL_NAME, "--dtype", dtype], env=env)
     wall = w.wait()

@@ -122,13 +122,14 @@ VLLM_SETUP = (
 AVX2_CAP_SHIM = Path(__file__).resolve().parent / "avx2_cap"
 
 
-def avx2_cap_env() -> tuple[tuple[str, str], ...]:
+def avx2_cap_env(inherit: bool = True) -> tuple[tuple[str, str], ...]:
     """Under the AVX2 cap (PRELUDE_CPU_ISA=avx2), a python peer's environment addition that
     caps it too: avx2_cap/sitecustomize.py first on its PYTHONPATH (vLLM then loads its
-    AVX2 kernels, as on an AVX2-only CPU); nothing otherwise."""
+    AVX2 kernels, as on an AVX2-only CPU), this process's PYTHONPATH after it if `inherit`;
+    nothing otherwise."""
     if not native_lib.isa_capped_to_avx2():
         return ()
-    inherited = os.environ.get("PYTHONPATH")
+    inherited = os.environ.get("PYTHONPATH") if inherit else None
     return (("PYTHONPATH", str(AVX2_CAP_SHIM) + (os.pathsep + inherited if inherited else "")),)
 
 
