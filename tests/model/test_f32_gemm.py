@@ -25,6 +25,19 @@ KERNEL = _avx2_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler or no AVX2+FMA: float32 keeps oneDNN")
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of the F32Gemm.linear calls from now on (the kernel still runs them)."""
+    calls: list[int] = []
+    run = F32Gemm.linear
+
+    def counted(self, x, packed, out_features, bias):  # noqa: ANN001, ANN202
+        calls.append(x.shape[0])
+        return run(self, x, packed, out_features, bias)
+
+    monkeypatch.setattr(F32Gemm, "linear", counted)
+    return calls
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
 
@@ -112,14 +125,7 @@ def test_projection_takes_it_past_the_few_row_routes(monkeypatch: pytest.MonkeyP
     w, b = torch.randn(48, 64), torch.randn(48)
     proj = Projection(w, b, prepack=True)
     assert proj.f32_gemm is KERNEL and proj.gemm_copy() is not None
-    calls: list[int] = []
-    run = F32Gemm.linear
-
-    def counted(self, x, packed, out_features, bias):  # noqa: ANN001, ANN202
-        calls.append(x.shape[0])
-        return run(self, x, packed, out_features, bias)
-
-    monkeypatch.setattr(F32Gemm, "linear", counted)
+    calls = count_calls(monkeypatch)
     bound = KERNEL.max_rows  # type: ignore[union-attr]
     for rows in (1, 5, bound, bound + 1):
         x = torch.randn(rows, 64)

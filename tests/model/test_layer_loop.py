@@ -5,14 +5,13 @@ blocks; and it takes only the steps it can run."""
 
 from __future__ import annotations
 
-import ctypes
 from unittest import mock
 
 import pytest
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model import amx_gemm, decode_routes, f32_gemm, layer_loop, linear, native_lib
+from prelude.model import amx_gemm, decode_routes, f32_gemm, layer_loop, linear
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.cpu_backend import load_cpu_attention
 from prelude.model.amx_gemm import load_amx_gemm
@@ -21,7 +20,6 @@ from prelude.model.bf16_rows import TILE_MAX_ROWS, load_bf16_rows
 from prelude.model.blocks_kernel import load_kernel
 from prelude.model.cpu_fused_kernels import load_cpu_kernels
 from prelude.model.decode_routes import RouteChoice
-from prelude.model.f32_gemm import F32Gemm
 from prelude.model.layer_loop import LayerLoop
 from prelude.model.decoder_segments import EAGER_SEGMENTS
 from prelude.model.fused_segments import fused_segments
@@ -29,13 +27,8 @@ from prelude.model.ggml_blocks import GgmlBlocks
 from prelude.model.llama import LlamaForCausalLM
 from prelude.model.read_positions import ReadPositions
 from tests.model.test_cpu_attention import Row, make_batch
-
-
-def _avx2_f32_kernel() -> F32Gemm | None:
-    """f32_gemm.c built for an AVX2-only CPU (it serves no CPU with AVX-512 as built here)."""
-    if native_lib.compiler() is None or not native_lib.cpu_has_avx2_fma():
-        return None
-    return F32Gemm(ctypes.CDLL(str(f32_gemm.build(native_lib.AVX2_FLAGS))))
+from tests.model.test_f32_gemm import KERNEL as AVX2_F32_KERNEL  # built for an AVX2-only CPU, any host
+from tests.model.test_f32_gemm import count_calls
 
 
 def _tile_form_runs() -> bool:
@@ -283,7 +276,7 @@ def test_float32_steps_past_the_blocks_take_f32_gemm(monkeypatch: pytest.MonkeyP
     whatever this CPU has): every call past the blocks' rows has a C route, so the loop takes
     prompts and mixed steps of up to its max_rows, bit for bit the Python loop (which routes
     the calls alike: the blocks up to their bound, f32_gemm.c past it)."""
-    kernel = _avx2_f32_kernel()
+    kernel = AVX2_F32_KERNEL
     if kernel is None or (with_blocks and load_kernel() is None):
         pytest.skip("no C compiler, no AVX2+FMA, or (with blocks) no GGUF blocks kernel here")
     monkeypatch.setattr(linear, "load_f32_gemm", lambda: kernel)
@@ -293,14 +286,7 @@ def test_float32_steps_past_the_blocks_take_f32_gemm(monkeypatch: pytest.MonkeyP
         for p in _projections(model):
             p.limit_blocks(3)
     assert model.layer_loop.max_rows == f32_gemm.MAX_ROWS
-    calls: list[int] = []
-    real = F32Gemm.linear
-
-    def counted(self, x, packed, out_features, bias):  # noqa: ANN001, ANN202
-        calls.append(x.shape[0])
-        return real(self, x, packed, out_features, bias)
-
-    monkeypatch.setattr(F32Gemm, "linear", counted)
+    calls = count_calls(monkeypatch)
     cases = ([Row(4, 1)], [Row(0, 3)], [Row(0, 130), Row(6, 1)], [Row(9, 1)] * 5, [Row(0, 300), Row(2, 7)])
     for rows in cases:
         for reads in (_reads(rows), None):
