@@ -269,18 +269,19 @@ def test_float32_steps_the_blocks_take_equal_the_python_loop(monkeypatch: pytest
     assert runs == [1, 3, 3]
 
 
-@pytest.mark.parametrize("with_blocks", [False, True])
+@pytest.mark.parametrize("with_blocks,qwen", [(False, False), (True, False), (False, True)])
 def test_float32_steps_past_the_blocks_take_f32_gemm(monkeypatch: pytest.MonkeyPatch, runs: list[int],
-                                                     with_blocks: bool) -> None:
+                                                     with_blocks: bool, qwen: bool) -> None:
     """float32 where f32_gemm.c serves (a CPU with AVX2 and no AVX-512; here its AVX2 build
     whatever this CPU has): every call past the blocks' rows has a C route, so the loop takes
     prompts and mixed steps of up to its max_rows, bit for bit the Python loop (which routes
-    the calls alike: the blocks up to their bound, f32_gemm.c past it)."""
+    the calls alike: the blocks up to their bound, f32_gemm.c past it); with q/k/v biases and
+    q/k norms too (`qwen`)."""
     kernel = AVX2_F32_KERNEL
     if kernel is None or (with_blocks and load_kernel() is None):
         pytest.skip("no C compiler, no AVX2+FMA, or (with blocks) no GGUF blocks kernel here")
     monkeypatch.setattr(linear, "load_f32_gemm", lambda: kernel)
-    model = _model(dtype=torch.float32, with_blocks=with_blocks)
+    model = _model(dtype=torch.float32, with_blocks=with_blocks, qwen=qwen)
     assert model.layer_loop is not None
     if with_blocks:
         for p in _projections(model):
