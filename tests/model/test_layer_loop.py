@@ -5,6 +5,7 @@ blocks; and it takes only the steps it can run."""
 
 from __future__ import annotations
 
+import random
 from unittest import mock
 
 import pytest
@@ -288,7 +289,12 @@ def test_float32_steps_past_the_blocks_take_f32_gemm(monkeypatch: pytest.MonkeyP
             p.limit_blocks(3)
     assert model.layer_loop.max_rows == f32_gemm.MAX_ROWS
     calls = count_calls(monkeypatch)
-    cases = ([Row(4, 1)], [Row(0, 3)], [Row(0, 130), Row(6, 1)], [Row(9, 1)] * 5, [Row(0, 300), Row(2, 7)])
+    # decode rows, a short prompt, prompts past the blocks with decode rows beside them, and
+    # seeded mixes: cached prefixes across block edges, OneShot rows (own K/V not in the pool)
+    rng = random.Random(11)
+    mixes = [[Row(rng.randrange(0, 40), rng.choice((1, rng.randrange(2, 90))), own_in_cache=rng.random() < 0.7)
+              for _ in range(rng.randrange(1, 5))] for _ in range(4)]
+    cases = ([Row(4, 1)], [Row(0, 3)], [Row(0, 130), Row(6, 1)], [Row(9, 1)] * 5, [Row(0, 300), Row(2, 7)], *mixes)
     for rows in cases:
         for reads in (_reads(rows), None):
             got, got_kv = _forward(model, rows, with_driver=True, reads=reads, dtype=torch.float32)
