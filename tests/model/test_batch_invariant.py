@@ -15,10 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from prelude.model import linear
 from prelude.model.blocks_kernel import load_kernel
 from prelude.model.linear import BlocksPath, Projection
 
 from tests.model.test_blocks_kernel import quantized
+from tests.model.test_f32_gemm import KERNEL as AVX2_F32_KERNEL  # built for an AVX2-only CPU, any host
+from tests.model.test_f32_gemm import count_calls
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 8, 17, 33, 64, 129, 300, 1100)  # 1,100: past amx_gemm.c's own bounds
 
@@ -52,11 +55,12 @@ def test_one_route_gives_a_row_the_same_bits_at_every_row_count(dtype: torch.dty
     if path is not None:  # the blocks' sums for 1-4 rows, another route's past them: the row's bits move
         assert any(not torch.equal(b, before[0]) for b in before[1:])
     dot_product = proj.amx_gemm is not None and proj.amx_gemm.form == "dot-product"
+    own = dot_product or proj.f32_gemm is not None  # a GEMM of our own (f32_gemm.c: AVX2 CPUs' float32)
     assert proj.take_one_route()
     assert proj.blocks is None and proj.tile_form is None
     # amx_gemm.c's dot-product form is the one route where it serves, oneDNN's packed copy elsewhere
     assert (proj.amx_gemm is not None) == dot_product
-    assert proj.reads_onednn_copy == (not dot_product)  # no oneDNN copy made at start for nothing
+    assert proj.reads_onednn_copy == (not own)  # no oneDNN copy made at start for nothing
     after = _first_row_by_count(proj, x)
     for rows, got in zip(ROW_COUNTS, after):
         assert torch.equal(got, after[0]), rows
@@ -64,6 +68,31 @@ def test_one_route_gives_a_row_the_same_bits_at_every_row_count(dtype: torch.dty
     want = torch.nn.functional.linear(x[:1].float(), dense.to(dtype).float())[0]
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert torch.allclose(after[0].float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_float32_one_route_is_f32_gemm_where_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 on a CPU with AVX2 and no AVX-512 (f32_gemm.c's AVX2 build, whatever this CPU
+    has): the one route is f32_gemm.c at every row count, its 2,048-row bound included and
+    past it, and the row's bits stay the same; no oneDNN copy is read."""
+    if AVX2_F32_KERNEL is None:
+        pytest.skip("no C compiler or no AVX2+FMA: float32 keeps oneDNN")
+    monkeypatch.setattr(linear, "load_f32_gemm", lambda: AVX2_F32_KERNEL)
+    blocks, dense = quantized("Q4_1", 576, 1536, seed=3)
+    kernel = load_kernel()
+    path = BlocksPath(blocks, kernel, max_rows=4) if kernel is not None and kernel.takes(torch.float32) else None
+    proj = Projection(dense, None, prepack=True, blocks=path)
+    assert proj.f32_gemm is AVX2_F32_KERNEL
+    assert proj.take_one_route()
+    assert proj.f32_gemm is AVX2_F32_KERNEL and proj.blocks is None and not proj.reads_onednn_copy
+    calls = count_calls(monkeypatch)
+    counts = (*ROW_COUNTS, AVX2_F32_KERNEL.max_rows + 1)
+    x = torch.randn(max(counts), 1536, generator=torch.Generator().manual_seed(0))
+    firsts = [proj(x[:rows])[0] for rows in counts]
+    assert calls == list(counts)  # every call, one row to past the bound, on f32_gemm.c
+    for rows, got in zip(counts, firsts):
+        assert torch.equal(got, firsts[0]), rows
+    want = torch.nn.functional.linear(x[:1].double(), dense.double())[0]
+    torch.testing.assert_close(firsts[0].double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_one_route_is_refused_without_a_packed_copy() -> None:

@@ -118,8 +118,9 @@ def test_serves_only_cpus_without_avx512(monkeypatch: pytest.MonkeyPatch) -> Non
 @needs_kernel
 def test_projection_takes_it_past_the_few_row_routes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prepacked float32 projection on such a CPU runs it for calls up to max_rows (2-D or
-    with a batch dimension), the other routes past it; an LM head, a bf16 weight and the
-    batch-invariant one route never take it; decode_routes' dense route is the same call."""
+    with a batch dimension), the other routes past it; an LM head and a bf16 weight never
+    take it, the batch-invariant one route keeps it (test_batch_invariant.py: at every row
+    count); decode_routes' dense route is the same call."""
     monkeypatch.setattr(linear, "load_f32_gemm", lambda: KERNEL)
     torch.manual_seed(7)
     w, b = torch.randn(48, 64), torch.randn(48)
@@ -139,4 +140,4 @@ def test_projection_takes_it_past_the_few_row_routes(monkeypatch: pytest.MonkeyP
     assert Projection(w, b, prepack=True, head=True).f32_gemm is None
     assert Projection(w, b, prepack=False).f32_gemm is None
     assert Projection(w.to(torch.bfloat16), None, prepack=True).f32_gemm is None
-    assert proj.take_one_route() and proj.f32_gemm is None
+    assert proj.take_one_route() and proj.f32_gemm is KERNEL

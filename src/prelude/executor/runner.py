@@ -259,9 +259,11 @@ class ModelRunner:
         if config.batch_invariant:
             make = getattr(model, "make_batch_invariant", None)
             taken = make() if make is not None else 0
-            logger.info("batch-invariant: %s", f"{taken} projections on one route at every row count (amx_gemm.c's "
-                        "dot-product form where it serves, else oneDNN's packed copy), no few-row routes" if taken else "no effect here (no prepacked projections on this "
-                        "device or model kind): a request's answers may follow what shares its steps")
+            said = (f"{taken} projections on one route at every row count (amx_gemm.c's dot-product form or "
+                    "f32_gemm.c where they serve, else oneDNN's packed copy), no few-row routes" if taken else
+                    "no effect here (no prepacked projections on this device or model kind): a request's answers "
+                    "may follow what shares its steps")
+            logger.info("batch-invariant: %s", said)
         if config.pack_at_start:
             start = time.perf_counter()
             if made := model.make_packed_copies():

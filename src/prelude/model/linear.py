@@ -209,6 +209,8 @@ class Projection:
         - amx_gemm.c's dot-product form where it serves (bf16 on AVX512-BF16 without AMX): a
           row's k pairs in order whatever the rows and threads of its call, and faster than
           oneDNN's packed copy up to 1,024 rows there and even at 2,048 (amx_gemm.py's MAX_ROWS);
+        - f32_gemm.c where it serves (float32 on AVX2 without AVX-512): a row's k in order
+          whatever the rows and threads of its call, 0.87-0.96x oneDNN's time (f32_gemm.py);
         - else oneDNN's packed copy, one-row calls padded to two rows. Checked row by row on
           an AVX512-BF16 Zen 4, 1-1,600 rows over SmolLM2's five shapes: bit-equal in bf16;
           in float32 a one-row call differed from two rows at k = 1,536, and every count from
@@ -217,12 +219,11 @@ class Projection:
         stay as they were. The copies are made as before (model.make_packed_copies, or the
         first call)."""
         dot_product = self._amx if self._amx is not None and self._amx.form == "dot-product" else None
-        if dot_product is None and not self._want_packed:
+        if dot_product is None and self._f32 is None and not self._want_packed:
             return False
         self.blocks, self._bf16_rows, self._amx = None, None, dot_product
         if dot_product is None:
             self._amx_packed = None
-        self._f32, self._f32_packed = None, None
         self._row_gemv, self._blocked = None, None
         self._few_rows_max = 0
         self._one_route = True
@@ -232,6 +233,9 @@ class Projection:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self._amx is not None and x.dtype == torch.bfloat16:
             return self._amx.linear(rows.contiguous(), self._amx_weight(), self.out_features,
+                                    self.bias).reshape(*x.shape[:-1], self.out_features)
+        if self._f32 is not None and x.dtype == torch.float32:
+            return self._f32.linear(rows.contiguous(), self.gemm_copy(), self.out_features,  # type: ignore[arg-type]
                                     self.bias).reshape(*x.shape[:-1], self.out_features)
         packed = self._packed_weight()
         if packed is None:  # no oneDNN reorder on this CPU after all
@@ -320,8 +324,8 @@ class Projection:
     @property
     def reads_onednn_copy(self) -> bool:
         """Whether some call may run oneDNN's packed copy (not where the batch-invariant one
-        route is amx_gemm.c's)."""
-        return self._want_packed and not (self._one_route and self._amx is not None)
+        route is a GEMM of our own: amx_gemm.c's or f32_gemm.c's)."""
+        return self._want_packed and not (self._one_route and (self._amx is not None or self._f32 is not None))
 
     def make_packed_copy(self) -> bool:
         """Make oneDNN's packed copy now (see ExecutorConfig.pack_at_start); whether there is one."""
