@@ -25,6 +25,7 @@ import httpx
 import torch
 
 from prelude.bench.loadgen import LoadSpec, completion_sender, percentile, run_load, summarize
+from prelude.bench.peers.launch import path_first
 from prelude.bench.prompts import exact_prompt
 from prelude.bench.random_model import random_model_dir
 from prelude.bench.results import write_json
@@ -69,8 +70,7 @@ def baseline_env(baseline_src: str) -> dict[str, str]:
     first on the path, so its `prelude` is imported; the rest of the path (carried wheels) kept."""
     if not os.path.isdir(os.path.join(baseline_src, "prelude")):
         raise SystemExit(f"--baseline-src {baseline_src} holds no prelude package")
-    rest = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.abspath(baseline_src), rest) if p)}
+    return {**os.environ, "PYTHONPATH": path_first(os.path.abspath(baseline_src))}
 
 
 def graph_floor(model_dir: Path, device: str, backend: str, prompt_ids: list[list[int]], iters: int) -> dict[str, Any]:

@@ -38,10 +38,8 @@ from prelude.config import ModelConfig
 from prelude.model import native_lib
 from prelude.model.attention.cpu_backend import CpuAttention
 from prelude.model.attention.metadata import AttentionMetadata
-from prelude.model.amx_gemm import AmxGemm
 from prelude.model.bf16_rows import TILE_MAX_ROWS
 from prelude.model.cpu_fused_kernels import CpuFusedKernels, load_cpu_kernels
-from prelude.model.f32_gemm import F32Gemm
 from prelude.model.ggml_blocks import KINDS
 from prelude.model.linear import Projection
 from prelude.model.read_positions import ReadPositions
@@ -109,7 +107,7 @@ class LayerLoop:
         projections = _projections(self._layers)
         tile = projections[0].tile_form if all(p.tile_form is not None for p in projections) else None
         # without tile forms (no AMX) every call past the blocks' rows takes the GEMM, as Projection routes it
-        gemm = next((g for g in map(_own_gemm, projections) if g is not None), None)
+        gemm = next((p.own_gemm for p in projections if p.own_gemm is not None), None)
         blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
         norm, rope, silu = kernels.entry_points()
         self._model = _Model(
@@ -222,17 +220,11 @@ def _proj(p: Projection) -> _Proj:
                  blocks_max_rows=blocks.max_rows, packed=packed)
 
 
-def _own_gemm(p: Projection) -> AmxGemm | F32Gemm | None:
-    """The GEMM of our own that serves `p`'s calls past its few-row routes: amx_gemm.c (bf16)
-    or f32_gemm.c (float32), whichever its weight's dtype and this CPU give it."""
-    return p.amx_gemm if p.amx_gemm is not None else p.f32_gemm
-
-
 def _c_rows(p: Projection) -> int:
     """The most rows every call of `p` has a C route for (0: none): the own GEMM's bound where
     it serves (past the tile form's rows, or past the blocks' without a tile form), the tile
     form's, or the blocks'."""
-    gemm = _own_gemm(p)
+    gemm = p.own_gemm
     dense = gemm.max_rows if gemm is not None else TILE_MAX_ROWS if p.tile_form is not None else 0
     return max(dense, p.blocks.max_rows if p.blocks is not None else 0)
 

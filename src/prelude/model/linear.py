@@ -231,12 +231,10 @@ class Projection:
 
     def _one_route_call(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if self._amx is not None and x.dtype == torch.bfloat16:
-            return self._amx.linear(rows.contiguous(), self._amx_weight(), self.out_features,
-                                    self.bias).reshape(*x.shape[:-1], self.out_features)
-        if self._f32 is not None and x.dtype == torch.float32:
-            return self._f32.linear(rows.contiguous(), self.gemm_copy(), self.out_features,  # type: ignore[arg-type]
-                                    self.bias).reshape(*x.shape[:-1], self.out_features)
+        gemm = self.own_gemm
+        if gemm is not None and x.dtype == gemm.dtype:
+            return gemm.linear(rows.contiguous(), self.gemm_copy(), self.out_features,  # type: ignore[arg-type]
+                               self.bias).reshape(*x.shape[:-1], self.out_features)
         packed = self._packed_weight()
         if packed is None:  # no oneDNN reorder on this CPU after all
             return F.linear(x, self.weight, self.bias)
@@ -290,6 +288,13 @@ class Projection:
         max_rows rows run it."""
         return self._f32
 
+    @property
+    def own_gemm(self) -> AmxGemm | F32Gemm | None:
+        """The GEMM of our own that serves this projection's calls past its few-row routes:
+        amx_gemm.c (bf16) or f32_gemm.c (float32), whichever its weight's dtype and this CPU
+        give it, or None."""
+        return self._amx if self._amx is not None else self._f32
+
     def gemm_copy(self) -> torch.Tensor | None:
         """The copy of the GEMM of our own that serves this projection (amx_gemm.c's in bf16,
         f32_gemm.c's in float32; made now if not yet), or None where neither does."""
@@ -325,7 +330,7 @@ class Projection:
     def reads_onednn_copy(self) -> bool:
         """Whether some call may run oneDNN's packed copy (not where the batch-invariant one
         route is a GEMM of our own: amx_gemm.c's or f32_gemm.c's)."""
-        return self._want_packed and not (self._one_route and (self._amx is not None or self._f32 is not None))
+        return self._want_packed and not (self._one_route and self.own_gemm is not None)
 
     def make_packed_copy(self) -> bool:
         """Make oneDNN's packed copy now (see ExecutorConfig.pack_at_start); whether there is one."""

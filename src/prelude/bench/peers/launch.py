@@ -122,6 +122,12 @@ VLLM_SETUP = (
 AVX2_CAP_SHIM = Path(__file__).resolve().parent / "avx2_cap"
 
 
+def path_first(folder: str, inherit: bool = True) -> str:
+    """A PYTHONPATH with `folder` first, this process's PYTHONPATH after it if `inherit`."""
+    rest = os.environ.get("PYTHONPATH", "") if inherit else ""
+    return os.pathsep.join(p for p in (folder, rest) if p)
+
+
 def avx2_cap_env(inherit: bool = True) -> tuple[tuple[str, str], ...]:
     """Under the AVX2 cap (PRELUDE_CPU_ISA=avx2), a python peer's environment addition that
     caps it too: avx2_cap/sitecustomize.py first on its PYTHONPATH (vLLM then loads its
@@ -129,8 +135,7 @@ def avx2_cap_env(inherit: bool = True) -> tuple[tuple[str, str], ...]:
     nothing otherwise."""
     if not native_lib.isa_capped_to_avx2():
         return ()
-    inherited = os.environ.get("PYTHONPATH") if inherit else None
-    return (("PYTHONPATH", str(AVX2_CAP_SHIM) + (os.pathsep + inherited if inherited else "")),)
+    return (("PYTHONPATH", path_first(str(AVX2_CAP_SHIM), inherit)),)
 
 
 def _vllm_spec(port: int, opts: PeerOptions) -> PeerSpec:
