@@ -397,3 +397,37 @@ def test_without_amx_the_dot_product_form_takes_every_row_count(runs: list[int])
     _read_both_ways_equal(model, [Row(0, 127), Row(6, 1)])
     _read_both_ways_equal(model, [Row(0, 300), Row(9, 1)])
     assert runs == [1, 1, 128, 128, 301, 301]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant_steps_run_in_c_on_the_one_route(monkeypatch: pytest.MonkeyPatch, runs: list[int],
+                                                         dtype: torch.dtype) -> None:
+    """Batch invariance where every one route is a GEMM of our own (amx_gemm.c's dot-product
+    form in bf16 without AMX; f32_gemm.c's AVX2 build in float32, whatever this CPU has):
+    the rebuilt loop calls that GEMM at every row count, blocks dropped, and the attention
+    with every row wide, bit for bit the Python loop on the one routes, decode rows (which
+    the narrow form sums otherwise) and prompts beside them included."""
+    if dtype == torch.float32:
+        if AVX2_F32_KERNEL is None or load_kernel() is None:
+            pytest.skip("no C compiler, no AVX2+FMA, or no GGUF blocks kernel here")
+        monkeypatch.setattr(linear, "load_f32_gemm", lambda: AVX2_F32_KERNEL)
+    elif _tile_form_runs() or load_amx_gemm() is None:
+        pytest.skip("bf16's one route is amx_gemm.c's dot-product form only on AVX512-BF16 without AMX")
+    model = _model(dtype=dtype, with_blocks=True)
+    for p in _projections(model):
+        p.limit_blocks(3)
+    calls = count_calls(monkeypatch) if dtype == torch.float32 else None
+    assert model.make_batch_invariant() == len(_projections(model)) + 1  # the LM head too
+    assert model.attention.all_wide and model.layer_loop is not None
+    assert all(p.blocks is None and p.own_gemm is not None for p in _projections(model))
+    cases = ([Row(9, 1)], [Row(4, 1), Row(13, 1), Row(6, 1)], [Row(0, 40), Row(7, 1)], [Row(3, 2), Row(0, 130)])
+    for rows in cases:
+        for reads in (_reads(rows), None):
+            got, got_kv = _forward(model, rows, with_driver=True, reads=reads, dtype=dtype)
+            want, want_kv = _forward(model, rows, with_driver=False, reads=reads, dtype=dtype)
+            assert torch.equal(got, want)
+            for (kg, vg), (kw, vw) in zip(got_kv, want_kv, strict=True):
+                assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    assert runs == [sum(r.new for r in rows) for rows in cases for _ in range(2)]
+    if calls is not None:  # the Python loop's one-row calls took f32_gemm.c as well, not the blocks
+        assert min(calls) == 1

@@ -76,7 +76,7 @@ typedef struct {
     const Layer *layers;
     const void *final_norm;
     int64_t scb, scs, sch, block_size; /* every layer's K/V pool: strides (elements) and block size */
-    int32_t attend_amx;                /* the attention backend's choice of the AMX form */
+    int32_t attend_options;            /* the attention backend's options (OPT_AMX, OPT_ALL_WIDE) */
     int32_t bf;                        /* 1: bfloat16 activations and weights, 0: float32 */
     int64_t tile_max_rows, gemm_max_rows; /* the tile form's and the own GEMM's row bounds */
 } Model;
@@ -153,7 +153,7 @@ int prelude_layer_loop(const Model *m, const Step *s) {
                        m->scs, m->sch, m->block_size, s->n_pre, s->pre_start, s->pre_len, s->pre_ctx, s->pre_own,
                        s->pre_tables, s->pre_tstride, last ? s->pre_tail : 0, s->n_dec, s->dec_index, s->dec_ctx,
                        s->dec_tables, s->dec_tstride, 0, s->slots, s->n_slots, s->attn, q_width, hd, m->heads,
-                       m->kv_heads, hd, m->scale, m->bf, s->threads, m->attend_amx);
+                       m->kv_heads, hd, m->scale, m->bf, s->threads, m->attend_options);
         if (rc) return 400 + rc;
         const void *attn = s->attn;
         if (last && s->read_index) { /* the last layer for the read positions only, in their order */

@@ -21,6 +21,9 @@ projection's calls past the blocks' bound (a CPU with AVX2 and no AVX-512: promp
 as decode rows), else of as many tokens as every projection's GGUF blocks take
 (decode_routes.py's measured bound: 4 rows on the KVM Xeon), the few-row calls oneDNN
 would otherwise serve being out of C's reach. Every other step runs the Python loop.
+Under batch invariance (run-batch) every projection's one route is its own GEMM at every
+row count where one serves, and the loop, rebuilt then, calls it so too and passes the
+attention backend's options (every row wide) as they are at each step.
 PRELUDE_LAYER_LOOP=0 turns it off.
 """
 
@@ -67,7 +70,7 @@ class _Model(ctypes.Structure):
                 ("attend", _ptr), ("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)),
                 ("final_norm", _ptr), ("scb", _i64), ("scs", _i64), ("sch", _i64), ("block_size", _i64),
-                ("attend_amx", _i32), ("bf", _i32), ("tile_max_rows", _i64), ("gemm_max_rows", _i64)]
+                ("attend_options", _i32), ("bf", _i32), ("tile_max_rows", _i64), ("gemm_max_rows", _i64)]
 
 
 class _Step(ctypes.Structure):
@@ -117,7 +120,7 @@ class LayerLoop:
             blocks=None if blocks is None else blocks.entry_point(dtype), attend=attention.entry_point,
             n_layers=len(self._layers), hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, inter=self.inter, eps=config.rms_norm_eps, scale=scale,
-            final_norm=final_norm.data_ptr(), attend_amx=int(attention.amx), bf=int(dtype == torch.bfloat16))
+            final_norm=final_norm.data_ptr(), bf=int(dtype == torch.bfloat16))
         self._table = (_Layer * len(self._layers))()
         self._bound: tuple[int, ...] = ()  # the K/V pools the table points at (list, first and last pool)
         self._max_rows = 0  # the routes' bound the table was bound with (see max_rows)
@@ -191,6 +194,7 @@ class LayerLoop:
                      dec_tstride=dec_tstride, slots=slots, n_slots=n_slots, n_read=n_read,
                      read_index=_tensor_ptr(read_index), pre_tail=_tensor_ptr(pre_tail), xsum=xsum.data_ptr(),
                      out=out.data_ptr(), threads=torch.get_num_threads(), **ptrs)
+        self._model.attend_options = self._attention.options  # its choices as they are now (batch invariance)
         rc = self._fn(ctypes.byref(self._model), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"layer_loop.c: a kernel refused its arguments (code {rc})")

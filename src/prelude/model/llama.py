@@ -260,19 +260,23 @@ class LlamaForCausalLM:
         return len(projections)
 
     def make_batch_invariant(self) -> int:
-        """Every projection on one route for every row count (Projection.take_one_route), no C
-        layer loop (its GEMMs are the few-row routes), and the attention backend's own
-        invariant choice: a request's greedy tokens then do not depend on which requests
-        share its steps. The elementwise kernels are per row already (docs/batch.md says
-        what is left). Returns how many projections took the one route (0: none has a
-        packed copy here, and the projections are as they were)."""
+        """Every projection on one route for every row count (Projection.take_one_route) and
+        the attention backend's own invariant choice: a request's greedy tokens then do not
+        depend on which requests share its steps. The elementwise kernels are per row
+        already (docs/batch.md says what is left). The C layer loop is rebuilt over the one
+        routes: where each is a GEMM of our own (amx_gemm.c's dot-product form, f32_gemm.c)
+        it calls that GEMM at every row count, as the projections now do, and the
+        attention with the backend's options; elsewhere (oneDNN's copy) there is none.
+        Returns how many projections took the one route (0: none has a packed copy here,
+        and the projections are as they were)."""
         taken = sum(p.take_one_route() for p in self._projections())
-        if taken:
-            self.layer_loop = None
-            self.decode_route = self.head_route = None
         make = getattr(self.attention, "make_batch_invariant", None)
         if make is not None:
             make()
+        if taken:
+            self.decode_route = self.head_route = None
+            self.layer_loop = (layer_loop_for(self.layers, self.norm, self.attention, self.dtype, self.config,
+                                              self.scale) if self.layer_loop is not None else None)
         return taken
 
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:

@@ -163,6 +163,11 @@ class CpuAttention:
         self.all_wide = True
 
     @property
+    def options(self) -> int:
+        """cpu_attention.c's options for this backend's choices (the AMX form, all rows wide)."""
+        return (OPT_AMX if self.amx else 0) | (OPT_ALL_WIDE if self.all_wide else 0)
+
+    @property
     def entry_point(self) -> int:
         """The address of prelude_paged_attention (layer_loop.c calls it)."""
         return native_lib.address(self._attend)
@@ -241,8 +246,7 @@ class CpuAttention:
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             k_cache.shape[1], *rows.pre_args, None if tail is None else tail.data_ptr(), *rows.rest_args,
             out.data_ptr(), out.stride(0), out.stride(1),
-            q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(),
-            (OPT_AMX if self.amx else 0) | (OPT_ALL_WIDE if self.all_wide else 0),
+            q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(), self.options,
         )
         if rc != 0:
             raise RuntimeError(f"cpu_attention.c refused the forward's arguments (code {rc})")
