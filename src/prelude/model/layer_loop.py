@@ -22,8 +22,8 @@ as decode rows), else of as many tokens as every projection's GGUF blocks take
 (decode_routes.py's measured bound: 4 rows on the KVM Xeon), the few-row calls oneDNN
 would otherwise serve being out of C's reach. Every other step runs the Python loop.
 Under batch invariance (run-batch) every projection's one route is its own GEMM at every
-row count where one serves, and the loop, rebuilt then, calls it so too and passes the
-attention backend's options (every row wide) as they are at each step.
+row count where one serves, and the loop, rebuilt then (after the attention backend took
+its invariant choice), calls it so too and passes the backend's options (every row wide).
 PRELUDE_LAYER_LOOP=0 turns it off.
 """
 
@@ -110,7 +110,7 @@ class LayerLoop:
         projections = _projections(self._layers)
         tile = projections[0].tile_form if all(p.tile_form is not None for p in projections) else None
         # without tile forms (no AMX) every call past the blocks' rows takes the GEMM, as Projection routes it
-        gemm = next((p.own_gemm for p in projections if p.own_gemm is not None), None)
+        gemm = next((g for g in (p.own_gemm for p in projections) if g is not None), None)
         blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
         norm, rope, silu = kernels.entry_points()
         self._model = _Model(
@@ -120,7 +120,7 @@ class LayerLoop:
             blocks=None if blocks is None else blocks.entry_point(dtype), attend=attention.entry_point,
             n_layers=len(self._layers), hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, inter=self.inter, eps=config.rms_norm_eps, scale=scale,
-            final_norm=final_norm.data_ptr(), bf=int(dtype == torch.bfloat16))
+            final_norm=final_norm.data_ptr(), attend_options=attention.options, bf=int(dtype == torch.bfloat16))
         self._table = (_Layer * len(self._layers))()
         self._bound: tuple[int, ...] = ()  # the K/V pools the table points at (list, first and last pool)
         self._max_rows = 0  # the routes' bound the table was bound with (see max_rows)
@@ -194,7 +194,6 @@ class LayerLoop:
                      dec_tstride=dec_tstride, slots=slots, n_slots=n_slots, n_read=n_read,
                      read_index=_tensor_ptr(read_index), pre_tail=_tensor_ptr(pre_tail), xsum=xsum.data_ptr(),
                      out=out.data_ptr(), threads=torch.get_num_threads(), **ptrs)
-        self._model.attend_options = self._attention.options  # its choices as they are now (batch invariance)
         rc = self._fn(ctypes.byref(self._model), ctypes.byref(step))
         if rc != 0:
             raise RuntimeError(f"layer_loop.c: a kernel refused its arguments (code {rc})")

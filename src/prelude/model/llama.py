@@ -209,8 +209,7 @@ class LlamaForCausalLM:
         # Small steps (up to 32 or 128 tokens, by the routes): the layer loop in one C call where
         # every kernel has a C route (None: the Python loop runs every step; `bench profile`
         # sets it so to split a step)
-        self.layer_loop: LayerLoop | None = layer_loop_for(self.layers, self.norm, self.attention, dtype, config,
-                                                           self.scale)
+        self.layer_loop: LayerLoop | None = self._layer_loop()
         if self.layer_loop is not None:
             logger.info("steps of 1-%d tokens: the layer loop in one C call (layer_loop.c)", self.layer_loop.max_rows)
 
@@ -275,9 +274,13 @@ class LlamaForCausalLM:
             make()
         if taken:
             self.decode_route = self.head_route = None
-            self.layer_loop = (layer_loop_for(self.layers, self.norm, self.attention, self.dtype, self.config,
-                                              self.scale) if self.layer_loop is not None else None)
+            self.layer_loop = self._layer_loop() if self.layer_loop is not None else None
         return taken
+
+    def _layer_loop(self) -> LayerLoop | None:
+        """The C layer loop over the layers' projections as they route now (and the attention
+        backend's current options), or None where no step would run wholly in C."""
+        return layer_loop_for(self.layers, self.norm, self.attention, self.dtype, self.config, self.scale)
 
     def _choose_decode_route(self, kernel: BlocksKernel) -> None:
         """Blocks or the dense route per decode row count, as measured on this CPU
