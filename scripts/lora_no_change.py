@@ -4,7 +4,7 @@ counts of both. Run: PYTHONPATH=src python scripts/lora_no_change.py [dtype] [tr
 import statistics, sys, time, types
 import torch
 from prelude.bench.lora_bench import _runner, _batches
-from prelude.model.decoder_segments import EAGER_SEGMENTS
+from prelude.model.layers.decoder_segments import EAGER_SEGMENTS
 
 def old_forward(self, input_ids, positions, meta, kv_caches, token_type_ids=None, segments=EAGER_SEGMENTS):
     h = self.embed.index_select(0, input_ids)

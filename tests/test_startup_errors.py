@@ -50,18 +50,40 @@ def _empty_dir(tmp: Path) -> list[str]:
     return ["--model", str(tmp / "empty")]
 
 
+# A Llama config.json of a tiny shape (what a HF directory's config says)
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 260, "hidden_size": 64,
+         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "hidden_act": "silu", "max_position_embeddings": 64}
+
+
 def _dir_without_weights(tmp: Path) -> list[str]:
     (tmp / "cfg").mkdir()
-    (tmp / "cfg" / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
+    (tmp / "cfg" / "config.json").write_text(json.dumps(LLAMA))
     return ["--model", str(tmp / "cfg")]
 
 
-def _model_len_over_the_models(tmp: Path) -> list[str]:
-    d = tmp / "small-context"
+def _hf_dir(tmp: Path, name: str, config: dict[str, object]) -> Path:
+    d = tmp / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
-    (d / "model.safetensors").write_bytes(b"")  # never opened: the check fails first
-    return ["--model", str(d), "--max-model-len", "65"]
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "model.safetensors").write_bytes(b"")  # never opened: the checks fail first
+    return d
+
+
+def _model_len_over_the_models(tmp: Path) -> list[str]:
+    return ["--model", str(_hf_dir(tmp, "small-context", LLAMA)), "--max-model-len", "65"]
+
+
+def _unknown_architecture(tmp: Path) -> list[str]:
+    return ["--model", str(_hf_dir(tmp, "falcon", {**LLAMA, "architectures": ["FalconForCausalLM"]}))]
+
+
+def _llama_with_gelu(tmp: Path) -> list[str]:
+    return ["--model", str(_hf_dir(tmp, "gelu-llama", {**LLAMA, "hidden_act": "gelu"}))]
+
+
+def _config_missing_a_field(tmp: Path) -> list[str]:
+    return ["--model", str(_hf_dir(tmp, "no-heads", {k: v for k, v in LLAMA.items() if k != "num_attention_heads"}))]
 
 
 # case -> (arguments, words the one line must hold: the problem and the fix)
@@ -69,8 +91,12 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...]]] = {
     "missing-model": (_missing, ("no such file or directory", "pass a HF model directory")),
     "file-not-gguf": (_not_gguf, ("not a .gguf", "pass a .gguf file")),
     "corrupt-gguf": (_corrupt_gguf, ("not a readable GGUF", "download it again")),
-    "unsupported-gguf": (_unsupported_gguf, ("'gpt2' is not supported", "pass a model")),
+    "unsupported-gguf": (_unsupported_gguf, ("'gpt2' is not supported", "supported: llama")),
     "dir-without-config": (_empty_dir, ("no config.json", "pass the folder")),
+    "unknown-architecture": (_unknown_architecture, ("architecture FalconForCausalLM is not supported",
+                                                     "supported: ", "LlamaForCausalLM")),
+    "llama-with-gelu": (_llama_with_gelu, ("LlamaForCausalLM", "hidden_act='gelu'", "supported: silu")),
+    "config-missing-a-field": (_config_missing_a_field, ("config.json", "num_attention_heads")),
     "dir-without-weights": (_dir_without_weights, ("no *.safetensors", "download the weights")),
     "max-model-len-over-the-models": (_model_len_over_the_models, ("over the model's context of 64", "64 or less")),
     "kv-budget-negative": (lambda _: ["--kv-cache-memory-gib", "-1"], ("--kv-cache-memory-gib -1", "more than 0")),
@@ -127,7 +153,7 @@ def test_port_in_use_is_one_line() -> None:
 def test_a_gguf_converted_before_is_checked_from_its_copy_without_reading_its_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prelude.model.loader import _converted_target, cached_gguf_dir
+    from prelude.model.loading.files import _converted_target, cached_gguf_dir
     from prelude.startup import StartupError, check_model
 
     monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path / "cache"))
@@ -137,7 +163,7 @@ def test_a_gguf_converted_before_is_checked_from_its_copy_without_reading_its_he
     assert cached_gguf_dir(gguf) is None
     copy = _converted_target(gguf)
     copy.mkdir(parents=True)
-    (copy / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 512}))
+    (copy / "config.json").write_text(json.dumps({**LLAMA, "max_position_embeddings": 512}))
     (copy / "model.safetensors").write_bytes(b"")
     assert cached_gguf_dir(gguf) == copy
     check_model(str(gguf), 512)  # the copy answers: its context, no architecture check of the header

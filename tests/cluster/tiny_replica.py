@@ -11,9 +11,10 @@ from typing import Any, Callable
 
 import torch
 
-from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, ModelConfig, SchedulerConfig
+from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
 from prelude.executor.runner import ModelRunner
+from prelude.model.registry import config_for
 
 from tests.engine.tiny import ByteTokenizer, hf_tiny_llama
 
@@ -23,7 +24,7 @@ def _load(path: str, engine_kw: dict[str, Any]) -> LLMEngine:
     executor = ExecutorConfig(device="cpu", dtype="float32", attention_backend="torch")
     kw = {"num_blocks": 256, "block_size": 4, "max_model_len": 256, "max_num_batched_tokens": 64,
           "max_num_seqs": 16, **engine_kw}
-    runner = ModelRunner.create(ModelConfig.from_hf_dict(saved["config"]), saved["weights"], executor, kw["block_size"])
+    runner = ModelRunner.create(config_for(saved["config"]), saved["weights"], executor, kw["block_size"])
     cfg = EngineConfig(
         executor=executor,
         cache=CacheConfig(block_size=kw["block_size"], num_blocks=kw["num_blocks"]),

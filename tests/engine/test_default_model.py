@@ -52,7 +52,7 @@ def _hf_greedy(hf_model, ids: list[int]) -> list[int]:  # noqa: ANN001
 
 def test_greedy_alone_and_batched_equal_transformers(llm: LLM, hf_model) -> None:  # noqa: ANN001
     # Decode (<= 8 rows) reads the GGUF's Q4_1/Q8_0 blocks where the kernel builds here.
-    from prelude.model.blocks_kernel import load_kernel
+    from prelude.kernels.cpu.quant_gemm import load_kernel
 
     model = llm.engine.runner.model
     if load_kernel() is not None:  # blocks for the row counts where they measured faster here

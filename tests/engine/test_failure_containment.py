@@ -14,7 +14,7 @@ from prelude.engine.async_engine import AsyncEngine, EngineStepError
 from prelude.forward_batch import MixedBatch, OneShotBatch
 from prelude.engine.errors import EngineDeadError, StepFailed
 from prelude.engine.request import PoolingParams, PoolingTask
-from prelude.model import heads
+from prelude.model.layers import heads
 
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 

@@ -6,9 +6,10 @@ from typing import Any, Sequence
 
 import torch
 
-from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, LoraConfig, ModelConfig, SchedulerConfig
+from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, LoraConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
 from prelude.executor.runner import ModelRunner
+from prelude.model.registry import config_for
 
 EOS = 256
 VOCAB = 260
@@ -94,7 +95,7 @@ def tiny_engine(
     fuse_oneshot: bool = True,
     lora: LoraConfig | None = None,
 ) -> LLMEngine:
-    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    config = config_for(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     executor = ExecutorConfig(device=device, dtype=dtype, attention_backend=attention_backend,
                               enforce_eager=enforce_eager, compile=compile)

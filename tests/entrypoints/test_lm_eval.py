@@ -12,7 +12,7 @@ import torch
 from prelude.config import EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.async_engine import AsyncEngine
 from prelude.engine.engine import LLMEngine
-from prelude.model.loader import default_model_path, load_model_files
+from prelude.model.loading.files import default_model_path, load_model_files
 
 from tests.entrypoints.conftest import running_server
 

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from prelude.entrypoints.openai.api_server import build_app
-from prelude.model.loader import load_model_files
+from prelude.model.loading.files import load_model_files
 from prelude.tokenizer.fasttoken import FastTokenizer
 
 pytest.importorskip("transformers")

@@ -12,6 +12,7 @@ from prelude.executor.compiled import CompiledForwards, cache_key
 from prelude.executor.runner import ModelRunner
 from prelude import LLM, SamplingParams
 from prelude.forward_batch import OneShotRow
+from prelude.model.registry import config_for
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 
 CFG = ModelConfig("llama", 260, 64, 128, 2, 4, 2, 16)
@@ -58,7 +59,7 @@ def test_a_failed_compile_keeps_serving_eagerly(tmp_path: Path) -> None:
 
 def test_unknown_compile_mode_is_refused() -> None:
     hf = hf_tiny_llama()
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
     with pytest.raises(ValueError, match="compile mode"):
         ModelRunner.create(config, dict(hf.state_dict()), ExecutorConfig(device="cpu", dtype="float32",
                                                                           compile="always"), 4)
@@ -67,7 +68,7 @@ def test_unknown_compile_mode_is_refused() -> None:
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 def test_runner_prepacks_eager_cpu_weights_and_keeps_them_plain_for_compiling() -> None:
     hf = hf_tiny_llama()
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
 
     def runner(compile: str) -> ModelRunner:
         return ModelRunner.create(config, dict(hf.state_dict()), ExecutorConfig(device="cpu", dtype="float32",

@@ -29,7 +29,7 @@ def test_fused_segments_are_picked_for_decoders_on_cuda_and_cpu(monkeypatch: pyt
     pytest.importorskip("triton")
     from prelude.config import ExecutorConfig
     from prelude.executor.runner import fused_segments_for
-    from prelude.model.cpu_fused_kernels import load_cpu_kernels
+    from prelude.kernels.cpu.cpu_fused import load_cpu_kernels
 
     def model(device: str, encoder: bool = False, head_dim: int = 64,
               dtype: torch.dtype = torch.float32) -> SimpleNamespace:
@@ -80,7 +80,7 @@ def test_dtype_reason_names_the_flags_behind_auto() -> None:
 def test_the_avx2_cap_hides_the_wider_flags_from_every_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """PRELUDE_CPU_ISA=avx2 runs a wider CPU as an AVX2-only one: no AVX-512 or AMX flag
     reaches a choice (bf16 auto then picks float32), and builds drop -march=native."""
-    from prelude.model import native_lib
+    from prelude.kernels.cpu import native_lib
 
     wide = frozenset({"avx2", "fma3", "avx512_f", "avx512_bf16", "amx_bf16", "amx_tile"})
     monkeypatch.setattr(native_lib, "_detected_isa_flags", lambda: wide)
@@ -100,13 +100,13 @@ def test_the_avx2_cap_builds_the_kernels_without_the_wider_paths(monkeypatch: py
     the cap the same source builds (into its own cache entry) without them."""
     import ctypes
 
-    from prelude.model import native_lib
-    from prelude.model.attention import cpu_backend
+    from prelude.kernels.cpu import native_lib
+    from prelude.kernels.cpu import cpu_attention
 
     monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path))
-    native = ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, cpu_backend._FLAGS)))
+    native = ctypes.CDLL(str(native_lib.build(cpu_attention._SOURCE, cpu_attention.FLAGS)))
     monkeypatch.setenv(native_lib.ISA_CAP_ENV, "avx2")
-    capped = ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, cpu_backend._FLAGS)))
+    capped = ctypes.CDLL(str(native_lib.build(cpu_attention._SOURCE, cpu_attention.FLAGS)))
     assert native.prelude_attention_bf16_forms() == 1
     assert capped.prelude_attention_bf16_forms() == 0
 
@@ -115,7 +115,7 @@ def test_the_avx2_cap_builds_the_kernels_without_the_wider_paths(monkeypatch: py
 def test_cpuinfo_fields_back_the_flags_and_the_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
     """/proc/cpuinfo's flags (what serves when torch's cpuinfo cannot) agree with torch's on
     the flags the choices read, and its vendor is what MKL's dispatch sees."""
-    from prelude.model import native_lib
+    from prelude.kernels.cpu import native_lib
 
     torch_flags = native_lib._detected_isa_flags()
 

@@ -12,17 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from prelude.config import ExecutorConfig, ModelConfig
+from prelude.config import ExecutorConfig
 from prelude.executor.runner import ModelRunner
 from prelude.forward_batch import OneShotRow
-from prelude.model.linear import Projection
+from prelude.model.layers.linear import Projection
+from prelude.model.registry import config_for
 from tests.engine.tiny import hf_tiny_llama
 from tests.model.test_linear import _cpu_can_prepack_bf16
 
 
 def _runner(dtype: str, pack_at_start: bool) -> ModelRunner:
     hf = hf_tiny_llama()
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     return ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype=dtype, pack_at_start=pack_at_start), 4)
 
@@ -83,7 +84,7 @@ def test_float32_makes_none_at_start() -> None:
 
 _EXIT_WHILE_COPYING = """
 import threading
-from prelude.model.linear import Projection
+from prelude.model.layers.linear import Projection
 from tests.executor.test_pack_at_start import _runner
 
 real = Projection.make_packed_copy

@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from prelude.config import ExecutorConfig, ModelConfig
+from prelude.config import ExecutorConfig
 from prelude.executor.read_rows import row_read, step_reads
 from prelude.executor.runner import ModelRunner
 from prelude.forward_batch import (BatchOutput, BatchRow, DecodeBatch, ForwardBatch, HeadSpec, MixedBatch,
                                    OneShotBatch, OneShotRow, SampleSpec)
 from prelude.kv.kv_manager import KVCacheManager
 from prelude.params import PoolingParams, PoolingTask, SamplingParams
+from prelude.model.registry import config_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +46,7 @@ def _hf(kv_heads: int) -> Any:
 
 
 def _runner(hf: Any, dtype: str, backend: str, prune: bool) -> ModelRunner:
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     weights["score.weight"] = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))  # a classify head too
     weights["lm_head.weight"] = weights["lm_head.weight"] * 8  # peaked logits: each position's differ clearly
@@ -229,7 +230,7 @@ def test_pruned_lora_steps_give_the_unpruned_outputs(tmp_path: Any) -> None:
     for i, lora in enumerate(loras):
         save_adapter(Path(lora.path), seed=30 + i)
     hf = hf_tiny_llama()
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
 
     def runner(prune: bool) -> ModelRunner:
         weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}

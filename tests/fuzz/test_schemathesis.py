@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from prelude.engine.async_engine import AsyncEngine  # noqa: E402
 from prelude.entrypoints.openai.api_server import build_app  # noqa: E402
-from prelude.model.loader import load_model_files  # noqa: E402
+from prelude.model.loading.files import load_model_files  # noqa: E402
 from prelude.tokenizer.fasttoken import FastTokenizer  # noqa: E402
 from prelude.tokenizer.hf import HFTokenizer  # noqa: E402
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prelude.config import ExecutorConfig, ModelConfig
+from prelude.config import ExecutorConfig
 from prelude.executor.runner import ModelRunner
 from prelude.forward_batch import OneShotRow
 from prelude.params import PoolingParams, PoolingTask, SamplingParams
+from prelude.model.registry import config_for
 from tests.engine.near_ties import first_difference
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 
@@ -33,7 +34,7 @@ def _hf(kind: str):  # noqa: ANN202
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_bf16_logits_match_transformers(kind: str, backend: str) -> None:
     hf = _hf(kind)
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     runner = ModelRunner.create(config, weights, ExecutorConfig(device="cuda", dtype="bfloat16",
                                                                 attention_backend=backend), block_size=16)

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from prelude.model import linear
-from prelude.model.blocks_kernel import load_kernel
-from prelude.model.linear import BlocksPath, Projection
+from prelude.model.layers import linear
+from prelude.kernels.cpu.quant_gemm import load_kernel
+from prelude.model.layers.linear import BlocksPath, Projection
 
-from tests.model.test_blocks_kernel import quantized
-from tests.model.test_f32_gemm import KERNEL as AVX2_F32_KERNEL  # built for an AVX2-only CPU, any host
-from tests.model.test_f32_gemm import count_calls
+from tests.kernels.test_quant_gemm import quantized
+from tests.kernels.test_f32_gemm import KERNEL as AVX2_F32_KERNEL  # built for an AVX2-only CPU, any host
+from tests.kernels.test_f32_gemm import count_calls
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 8, 17, 33, 64, 129, 300, 1100)  # 1,100: past amx_gemm.c's own bounds
 
@@ -199,7 +199,7 @@ def test_cpu_attention_gives_a_prompt_token_the_same_bits_however_much_was_cache
 def test_top_alternatives_follow_one_order_among_exact_ties() -> None:
     """Value descending, then id ascending, whatever k and however many rows: what a row's
     top logprobs name no longer depends on the other rows of its step or their k."""
-    from prelude.model.heads import ordered_topk
+    from prelude.model.layers.heads import ordered_topk
 
     row = torch.tensor([0.5, 2.0, 1.0, 2.0, 1.0, -1.0, 1.0, 2.0]).bfloat16().float()
     vals, ids = ordered_topk(row.unsqueeze(0), 5)

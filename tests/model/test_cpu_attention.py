@@ -16,14 +16,14 @@ import subprocess
 import pytest
 import torch
 
-from prelude.model import native_lib
+from prelude.kernels.cpu import cpu_attention, native_lib
 from prelude.model.attention import cpu_backend, get_attention_backend
 from prelude.model.attention.cpu_backend import CpuAttention, load_cpu_attention
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
 from prelude.model.attention.torch_backend import TorchAttention
 
 _BACKEND = load_cpu_attention()
-_BACKEND_LIB = None if _BACKEND is None else ctypes.CDLL(str(cpu_backend.build()))
+_BACKEND_LIB = None if _BACKEND is None else cpu_attention.declare(ctypes.CDLL(str(cpu_attention.build())))
 pytestmark = pytest.mark.skipif(_BACKEND is None, reason="the C attention kernel does not build here "
                                 "(no C compiler, no AVX2+FMA, or PRELUDE_CPU_ATTENTION=0)")
 
@@ -45,7 +45,7 @@ def backend(request: pytest.FixtureRequest) -> CpuAttention:
                         f"this CPU has no AMX-BF16 (flags: {' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx'))))})"))
         return amx
     flags = tuple(f for f in native_lib.AVX2_FLAGS if f != "-ffp-contract=off")
-    return CpuAttention(ctypes.CDLL(str(native_lib.build(cpu_backend._SOURCE, flags))))
+    return CpuAttention(cpu_attention.declare(ctypes.CDLL(str(native_lib.build(cpu_attention._SOURCE, flags)))))
 
 
 def _native_instructions(flag: str, what: str) -> str:
@@ -56,7 +56,7 @@ def _native_instructions(flag: str, what: str) -> str:
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("no objdump to read the library's instructions")
-    return subprocess.run([objdump, "-d", str(cpu_backend.build())], capture_output=True, text=True).stdout
+    return subprocess.run([objdump, "-d", str(cpu_attention.build())], capture_output=True, text=True).stdout
 
 
 def test_native_build_takes_the_bf16_dot_product_where_the_cpu_has_it() -> None:
@@ -81,7 +81,7 @@ def test_amx_follows_its_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_backend.AMX_SWITCH, "0")
     assert CpuAttention(_BACKEND_LIB).amx is False
     monkeypatch.setenv(cpu_backend.AMX_SWITCH, "1")
-    ready = bool(_BACKEND_LIB.prelude_attention_amx_ready())
+    ready = _BACKEND_LIB.amx_ready
     assert CpuAttention(_BACKEND_LIB).amx == ready == CpuAttention(_BACKEND_LIB, amx=True).amx
     if "amx_bf16" not in native_lib.cpu_isa_flags():  # with it, the OS may still refuse the tiles
         assert not ready

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prelude.config import ExecutorConfig, ModelConfig
+from prelude.config import ExecutorConfig
 from prelude.forward_batch import BatchRow
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager
+from prelude.model.registry import config_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,7 +42,7 @@ def _hf_model(kind: str) -> "transformers.PreTrainedModel":
 
 
 def _ours(hf: "transformers.PreTrainedModel", block_size: int = 4, num_blocks: int = 64) -> tuple[ModelRunner, KVCacheManager]:
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     runner = ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype="float32"), block_size)
     runner.allocate_kv_cache(num_blocks)

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model import decoder_segments as eager
-from prelude.model.rope import RotaryEmbedding
+from prelude.model.layers import decoder_segments as eager
+from prelude.model.layers.rotary import RotaryEmbedding
 from tests.model.triton_interp import Run, interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
 def _fused() -> ModuleType:
-    return interpreted("prelude.model.fused_kernels")
+    return interpreted("prelude.kernels.triton.fused")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -111,7 +111,7 @@ def test_silu_mul(interp: Run, dtype: str) -> None:
 
 def check_segments_match_eager(dtype_name: str) -> None:
     """first -> between -> last over two layers' weights, fused vs eager."""
-    fused = interpreted("prelude.model.fused_segments").triton_segments()
+    fused = interpreted("prelude.model.layers.fused_segments").triton_segments()
     dtype = getattr(torch, dtype_name)
     shape, t, hidden, ff = _shape(4, 2, 16), 6, 64, 96
     size = shape.q_size + 2 * shape.kv_size
@@ -142,14 +142,14 @@ def check_model_forward_with_fused_segments() -> None:
     """The whole trunk of a tiny Qwen3 (torch attention backend) with fused vs eager segments."""
     from tests.model.test_triton_attention import Row, _tiny_qwen3_weights, make_batch
 
-    fused = interpreted("prelude.model.fused_segments").triton_segments()
+    fused = interpreted("prelude.model.layers.fused_segments").triton_segments()
     from prelude.model.attention import get_attention_backend
-    from prelude.model.llama import LlamaForCausalLM
+    from prelude.model.arch.qwen3 import Qwen3ForCausalLM
 
     cfg = ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       max_position_embeddings=128)
-    model = LlamaForCausalLM(cfg, _tiny_qwen3_weights(cfg, torch.Generator().manual_seed(1)), torch.float32,
+    model = Qwen3ForCausalLM(cfg, _tiny_qwen3_weights(cfg, torch.Generator().manual_seed(1)), torch.float32,
                              attention=get_attention_backend("torch"), prepack=False)
     rows = [Row(0, 6), Row(9, 1), Row(5, 7)]
     b = make_batch(rows, 4, 2, head_dim=16, block_size=4)
@@ -174,7 +174,7 @@ def test_model_forward_with_fused_segments(interp: Run) -> None:
 def test_fused_segments_on_cuda_match_eager() -> None:
     if os.environ.get("TRITON_INTERPRET"):
         pytest.skip("TRITON_INTERPRET is set for this process")
-    from prelude.model.fused_segments import triton_segments
+    from prelude.model.layers.fused_segments import triton_segments
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     shape, t, hidden, ff = _shape(16, 8, 128), 37, 1024, 3072

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from prelude import SamplingParams
-from prelude.executor.row_argmax import row_argmax
-from prelude.model.head_argmax import HeadArgmax, head_argmax_for, serves
-from prelude.model.linear import Projection
-from prelude.model.row_gemv import load_row_gemv
+from prelude.kernels.cpu.row_argmax import row_argmax
+from prelude.kernels.cpu.head_argmax import HeadArgmax
+from prelude.model.fast_paths.greedy_head import head_argmax_for, serves
+from prelude.model.layers.linear import Projection
+from prelude.kernels.cpu.row_gemv import load_row_gemv
 
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 

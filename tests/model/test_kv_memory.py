@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from prelude.config import Populate
-from prelude.model import kv_memory
-from prelude.model.kv_memory import populate_in_background, populate_write_works, zeroed_kv_tensors
+from prelude.model.attention import kv_memory
+from prelude.model.attention.kv_memory import populate_in_background, populate_write_works, zeroed_kv_tensors
 
 
 def test_cpu_kv_tensors_read_as_zero_and_do_not_alias() -> None:

@@ -12,24 +12,29 @@ import pytest
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model import amx_gemm, decode_routes, f32_gemm, layer_loop, linear
+from prelude.kernels.cpu import amx_gemm
+from prelude.model.fast_paths import decode_routes
+from prelude.kernels.cpu import f32_gemm
+from prelude.kernels.cpu import layer_loop
+from prelude.model.layers import linear
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.cpu_backend import load_cpu_attention
-from prelude.model.amx_gemm import load_amx_gemm
+from prelude.kernels.cpu.amx_gemm import load_amx_gemm
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows
-from prelude.model.bf16_rows import TILE_MAX_ROWS, load_bf16_rows
-from prelude.model.blocks_kernel import load_kernel
-from prelude.model.cpu_fused_kernels import load_cpu_kernels
-from prelude.model.decode_routes import RouteChoice
-from prelude.model.layer_loop import LayerLoop
-from prelude.model.decoder_segments import EAGER_SEGMENTS
-from prelude.model.fused_segments import fused_segments
-from prelude.model.ggml_blocks import GgmlBlocks
-from prelude.model.llama import LlamaForCausalLM
+from prelude.kernels.cpu.bf16_rows import TILE_MAX_ROWS, load_bf16_rows
+from prelude.kernels.cpu.quant_gemm import load_kernel
+from prelude.kernels.cpu.cpu_fused import load_cpu_kernels
+from prelude.model.fast_paths.decode_routes import RouteChoice
+from prelude.model.fast_paths.layer_loop import LayerLoop
+from prelude.model.layers.decoder_segments import EAGER_SEGMENTS
+from prelude.model.layers.fused_segments import fused_segments
+from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.model.arch.llama import describe
+from prelude.model.decoder import Decoder
 from prelude.model.read_positions import ReadPositions
 from tests.model.test_cpu_attention import Row, make_batch
-from tests.model.test_f32_gemm import KERNEL as AVX2_F32_KERNEL  # built for an AVX2-only CPU, any host
-from tests.model.test_f32_gemm import count_calls
+from tests.kernels.test_f32_gemm import KERNEL as AVX2_F32_KERNEL  # built for an AVX2-only CPU, any host
+from tests.kernels.test_f32_gemm import count_calls
 
 
 def _tile_form_runs() -> bool:
@@ -92,17 +97,19 @@ def _blocks(weights: dict[str, torch.Tensor]) -> dict[str, GgmlBlocks]:
 
 
 def _model(dtype: torch.dtype = torch.bfloat16, with_blocks: bool = False, attention: str = "cpu",
-           qwen: bool = False) -> LlamaForCausalLM:
+           qwen: bool = False) -> Decoder:
     weights = _weights(qwen=qwen)
     blocks = _blocks(weights) if with_blocks else None
     # The blocks' row bound is the tests' to set (limit_blocks), not this CPU's measurement of
     # these tiny shapes (decode_routes.choose), which may drop the blocks altogether.
     with mock.patch.object(decode_routes, "choose", lambda pairs, kernel, dtype, copies: RouteChoice(8, {}, "pinned")):
-        return LlamaForCausalLM(CFG, weights, dtype, attention=get_attention_backend(attention), prepack=True,
-                                blocks=blocks)
+        # Qwen's q/k/v biases and q/k norms together, so one model covers both C paths
+        spec = describe(CFG, qkv_bias=qwen, qk_norm=qwen)
+        return Decoder(CFG, spec, weights, dtype, attention=get_attention_backend(attention), prepack=True,
+                       blocks=blocks)
 
 
-def _projections(model: LlamaForCausalLM) -> list[linear.Projection]:
+def _projections(model: Decoder) -> list[linear.Projection]:
     return [p for layer in model.layers for p in layer.projections]
 
 
@@ -113,7 +120,7 @@ def _reads(rows: list[Row]) -> ReadPositions:
     return ReadPositions(ends, torch.ones(len(prompts), dtype=torch.int64))
 
 
-def _run(model: LlamaForCausalLM, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+def _run(model: Decoder, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
          caches: list, with_loop: bool, reads: ReadPositions | None = None, segments=None) -> torch.Tensor:  # noqa: ANN001
     """One forward on the fused C kernels' segments (or `segments`), the C loop on or off."""
     loop = model.layer_loop
@@ -125,7 +132,7 @@ def _run(model: LlamaForCausalLM, ids: torch.Tensor, positions: torch.Tensor, me
         model.layer_loop = loop
 
 
-def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segments=None,  # noqa: ANN001, ANN202
+def _forward(model: Decoder, rows: list[Row], with_driver: bool, segments=None,  # noqa: ANN001, ANN202
              reads: ReadPositions | None = None, dtype: torch.dtype = torch.bfloat16):
     """Hidden states and the K/V pools after one forward of `rows` (seeded inputs)."""
     b = make_batch(rows, HEADS, KV_HEADS, HEAD_DIM, block_size=4, dtype=dtype, seed=len(rows))
@@ -135,7 +142,7 @@ def _forward(model: LlamaForCausalLM, rows: list[Row], with_driver: bool, segmen
     return _run(model, ids, positions, b.meta, caches, with_driver, reads, segments), caches
 
 
-def _read_both_ways_equal(model: LlamaForCausalLM, rows: list[Row]) -> None:
+def _read_both_ways_equal(model: Decoder, rows: list[Row]) -> None:
     """The step with each row's last position read, then with every position read: the C
     loop's hidden states and K/V equal the Python loop's bit for bit."""
     tokens = sum(r.new for r in rows)

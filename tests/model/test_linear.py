@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prelude.model import linear, native_lib
-from prelude.model.linear import ONEDNN_CACHE_BOUNDS, PACKED_MAX_ROWS, BlocksPath, Projection, prepack_enabled
+from prelude.model.layers import linear
+from prelude.kernels.cpu import native_lib
+from prelude.model.layers.linear import ONEDNN_CACHE_BOUNDS, PACKED_MAX_ROWS, BlocksPath, Projection, prepack_enabled
 
 
 def _cpu_can_prepack_bf16() -> bool:
@@ -193,7 +194,7 @@ def test_prepack_only_for_cpu_float32_and_bfloat16(monkeypatch: pytest.MonkeyPat
 
 _GROWTH_PROBE = """
 import os, torch
-from prelude.model.linear import Projection
+from prelude.model.layers.linear import Projection
 proj = Projection(torch.randn(1536, 576), None, prepack=True)
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 proj(torch.randn(7, 576))
@@ -327,7 +328,7 @@ def test_float32_calls_off_the_steps_run_their_whole_steps_packed_where_nothing_
 
 _BF16_GROWTH_PROBE = """
 import torch
-from prelude.model.linear import Projection
+from prelude.model.layers.linear import Projection
 import sys
 proj = Projection(torch.randn(1536, 576, dtype=torch.bfloat16), None, prepack=sys.argv[1] == "packed")
 x = torch.randn(3200, 576, dtype=torch.bfloat16)

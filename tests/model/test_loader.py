@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from prelude.config import ModelConfig
-from prelude.model import loader
-from prelude.model.ggml_blocks import BLOCKS_FILE, load_blocks
-from prelude.model.loader import load_model_files
+from prelude.model.loading import files as loader
+from prelude.kernels.ggml_blocks import BLOCKS_FILE, load_blocks
+from prelude.model.loading.files import load_model_files
+from prelude.model.registry import config_for
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -61,7 +61,7 @@ def test_second_load_reads_the_cache(default_loaded: loader.LoadedModel, monkeyp
     def boom(*_a, **_k) -> None:  # noqa: ANN002, ANN003
         raise AssertionError("converted again")
 
-    monkeypatch.setattr("prelude.model.gguf_convert.convert_gguf", boom)
+    monkeypatch.setattr("prelude.model.loading.gguf_convert.convert_gguf", boom)
     again = load_model_files(None)
     assert again.model_dir == default_loaded.model_dir
     assert (again.model_dir / "model.safetensors").exists()
@@ -72,8 +72,8 @@ def test_second_load_reads_the_cache(default_loaded: loader.LoadedModel, monkeyp
 def test_a_warm_load_leaves_the_gguf_converter_unimported(default_loaded: loader.LoadedModel) -> None:
     """The cached copy is read without importing the converter (the gguf package: ~0.1 s of
     a warm start)."""
-    code = ("import sys; from prelude.model.loader import load_model_files; load_model_files(None); "
-            "print(sorted(m for m in ('gguf', 'prelude.model.gguf_convert') if m in sys.modules))")
+    code = ("import sys; from prelude.model.loading.files import load_model_files; load_model_files(None); "
+            "print(sorted(m for m in ('gguf', 'prelude.model.loading.gguf_convert') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
@@ -123,9 +123,9 @@ def test_hf_directory_loads_sharded(kind: str, tmp_path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     loaded = load_model_files(str(tmp_path))
-    assert loaded.config == ModelConfig.from_hf_dict(model.config.to_dict())
-    assert loaded.config.qk_norm == (kind == "qwen3")
-    assert loaded.config.attention_bias == (kind == "qwen2")
+    assert loaded.config == config_for(model.config.to_dict())
+    assert loaded.config.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                          "qwen3": "Qwen3ForCausalLM"}[kind]
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.weights[name], tensor), name
     assert loaded.tokenizer.encode("w3 w5") == [3, 5]
@@ -142,7 +142,7 @@ def _same_as_gguf_reader(path: Path) -> None:
     import gguf
     import numpy as np
 
-    from prelude.model.gguf_file import GgufFile
+    from prelude.model.loading.gguf_file import GgufFile
 
     ours, ref = GgufFile(path), gguf.GGUFReader(str(path))
     want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}  # GGUF.*: the header
@@ -194,7 +194,7 @@ def test_gguf_file_reads_every_value_and_tensor_type(tmp_path: Path) -> None:
 
 
 def test_gguf_file_refuses_what_is_not_gguf(tmp_path: Path) -> None:
-    from prelude.model.gguf_file import GgufFile
+    from prelude.model.loading.gguf_file import GgufFile
 
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGML" + bytes(64))

@@ -13,10 +13,11 @@ from prelude.config import ExecutorConfig, ModelConfig
 from prelude.executor.runner import ModelRunner, fused_segments_for
 from prelude.forward_batch import BatchRow
 from prelude.kv.kv_manager import KVCacheManager
-from prelude.model.decoder_segments import EAGER_SEGMENTS
-from prelude.model.linear import prepack_enabled
-from prelude.model.lora import FUSED, TARGETS, LoraBatch, LoraError, LoraSlots, LoraStep, _pieces, read_adapter
-from prelude.model.lora_cpu import load_lora_kernel
+from prelude.model.layers.decoder_segments import EAGER_SEGMENTS
+from prelude.model.layers.linear import prepack_enabled
+from prelude.model.lora.adapters import FUSED, TARGETS, LoraBatch, LoraError, LoraSlots, LoraStep, _pieces, read_adapter
+from prelude.kernels.cpu.lora_cpu import load_lora_kernel
+from prelude.model.registry import config_for
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -58,7 +59,7 @@ def save_adapter(kind: str, path: Path, seed: int, targets: tuple[str, ...] = TA
 
 def runner_for(kind: str, num_blocks: int = 64) -> tuple[ModelRunner, KVCacheManager, ModelConfig]:
     hf = hf_base(kind)
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     runner = ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype="float32"), 4)
     runner.allocate_kv_cache(num_blocks)
@@ -164,7 +165,7 @@ def test_bf16_mixed_step_through_the_c_kernels_equals_the_torch_paths(tmp_path: 
     if kernel is None:
         pytest.skip("no C compiler or no AVX2+FMA here")
     hf = hf_base("llama")
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
     runner = ModelRunner.create(config, {k: v.detach().clone() for k, v in hf.state_dict().items()},
                                 ExecutorConfig(device="cpu", dtype="bfloat16"), 4)
     runner.allocate_kv_cache(128)
@@ -229,7 +230,7 @@ def test_bad_adapters_say_why(tmp_path: Path) -> None:
 
 
 def test_slot_bytes_are_counted_before_building() -> None:
-    config = ModelConfig.from_hf_dict(hf_base("qwen3").config.to_dict())
+    config = config_for(hf_base("qwen3").config.to_dict())
     slots = LoraSlots(config, num_slots=3, max_rank=4, dtype=torch.float32, device="cpu")
     assert slots.nbytes == LoraSlots.bytes_for(config, 3, 4, torch.float32) > 0
 
@@ -238,7 +239,7 @@ def check_triton_delta(dtype_name: str) -> None:
     """The Triton kernel pair equals the CPU's grouped matmul (run under the interpreter)."""
     from tests.model.triton_interp import interpreted
 
-    kernels = interpreted("prelude.model.lora_kernels")
+    kernels = interpreted("prelude.kernels.triton.lora")
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
     slots, n_in, rank, n_out = 3, 40, 24, 70  # none a power of two: the tiles' masks are exercised
@@ -315,7 +316,8 @@ def test_avx2_build_of_the_c_kernel_keeps_its_portable_bf16_path() -> None:
     kernel says it is not there (prefill keeps the torch grouped path)."""
     import ctypes
 
-    from prelude.model import lora_cpu, native_lib
+    from prelude.kernels.cpu import lora_cpu
+    from prelude.kernels.cpu import native_lib
 
     native = load_lora_kernel()
     if native is None:
@@ -439,7 +441,7 @@ def test_slots_in_the_kernels_layout_hold_each_loaded_adapter(tmp_path: Path, dt
     if kernel is None:
         pytest.skip("no C compiler or no AVX2+FMA here")
     hf = hf_base("llama")
-    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    config = config_for(hf.config.to_dict())
     slots = LoraSlots(config, num_slots=2, max_rank=8, dtype=dtype, device="cpu")
     streamed = kernel.grouped and dtype == torch.bfloat16
     assert bool(slots.streams) == streamed and bool(slots.a) != streamed
@@ -481,7 +483,7 @@ def test_slots_in_the_kernels_layout_hold_each_loaded_adapter(tmp_path: Path, dt
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_triton_delta_on_cuda_equals_the_cpu() -> None:
-    from prelude.model.lora_kernels import lora_delta_
+    from prelude.kernels.triton.lora import lora_delta_
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(3, 64, 48, generator=gen) * 0.3

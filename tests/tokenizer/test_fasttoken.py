@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
-from prelude.model.loader import load_model_files
+from prelude.model.loading.files import load_model_files
 from prelude.tokenizer.fasttoken import FastTokenizer, Unsupported, check, compare, wrap_if_equal
 from prelude.tokenizer.fasttoken.equality import CORPUS
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 
-from prelude.model.loader import load_model_files
+from prelude.model.loading.files import load_model_files
 from prelude.tokenizer.fasttoken import FastTokenizer
 
 WHITESPACE = " \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008" \

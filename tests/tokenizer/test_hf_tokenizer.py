@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from prelude.model import loader
+from prelude.model.loading import files as loader
 from prelude.tokenizer.hf import HFTokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 
-from prelude.model.loader import load_model_files
+from prelude.model.loading.files import load_model_files
 from prelude.tokenizer.fasttoken import FastTokenizer
 from prelude.tokenizer.prefix_encode import encode_chat_prompt, encode_joined, system_turn_end
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prelude.model.loader import load_model_files
+from prelude.model.loading.files import load_model_files
 from prelude.tokenizer import hf as hf_module
 from prelude.tokenizer.fasttoken import FastTokenizer
 from prelude.tokenizer.hf import HFTokenizer

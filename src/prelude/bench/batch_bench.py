@@ -305,7 +305,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
 
     ap = argparse.ArgumentParser(prog="prelude bench batch", description=__doc__)
     ap.add_argument("--lines", type=int, default=10_000, help="judge lines")

@@ -41,7 +41,7 @@ class Workload:
     """Fresh token-id queries, items and classify prompts (exact lengths, served tokenizer)."""
 
     def __init__(self, seed: int, query_tokens: int, item_tokens: int, num_items: int, prompt_tokens: int) -> None:
-        from prelude.model.loader import load_model_files
+        from prelude.model.loading.files import load_model_files
 
         self.tok = load_model_files(None).tokenizer
         self.rng = random.Random(seed)
@@ -210,7 +210,7 @@ def prefix_encode_gain(iters: int, seed: int) -> dict[str, Any]:
     """Admission-time tokenization with and without the prefix memo, in process: a chat with
     a ~2,000-token system prompt and a short user turn (template rendered, then encoded), and
     a 300-token /v1/score query. The two ways alternate call by call; medians."""
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
     from prelude.tokenizer.prefix_encode import encode_chat_prompt, encode_joined
 
     tok = load_model_files(None).tokenizer

@@ -34,7 +34,7 @@ def write_random_adapter(path: Path, config: Any, rank: int, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from prelude.model.lora import _shapes
+    from prelude.model.lora.adapters import _shapes
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -61,7 +61,7 @@ def _loadavg() -> list[float]:
 def _runner(model: str | None, dtype: str, lora: Any, block_size: int) -> Any:
     from prelude.config import ExecutorConfig
     from prelude.executor.runner import ModelRunner
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
 
     loaded = load_model_files(model)
     runner = ModelRunner.create(loaded.config, loaded.weights, ExecutorConfig(dtype=dtype), block_size,

@@ -32,7 +32,7 @@ TEXT = (
 
 
 def _prompt_ids(n: int) -> list[int]:
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
 
     tok = load_model_files(None).tokenizer
     ids: list[int] = []

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown scenarios: {sorted(unknown)}")
     from prelude.bench.random_model import free_model_dir
     from prelude.bench.serve_bench import machine
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
 
     model_dir = str(free_model_dir())
     tok = load_model_files(model_dir).tokenizer

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--judge-only", action="store_true", help="the judge over HTTP (cache only) and in process")
     ap.add_argument("--prelude-args", default="", help="extra `prelude serve` flags for every server")
     args = ap.parse_args(argv)
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
 
     tok = load_model_files(None).tokenizer
     rng = random.Random(0)

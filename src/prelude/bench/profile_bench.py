@@ -63,8 +63,8 @@ def labelled(model: Any) -> Iterator[None]:
     """Label the model's projections, attention and fused kernels for the profiler, and undo
     it after: a class attribute for Projection (the type's __call__ is what Python calls),
     instance attributes for the attention backend and the kernel set."""
-    from prelude.model.cpu_fused_kernels import CpuFusedKernels
-    from prelude.model.linear import Projection
+    from prelude.kernels.cpu.cpu_fused import CpuFusedKernels
+    from prelude.model.layers.linear import Projection
 
     saved: list[tuple[Any, str, Any]] = []
 

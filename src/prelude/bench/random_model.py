@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from prelude.model.loader import cache_root
+from prelude.cache_dirs import cache_root
 
 _QWEN3_COMMON: dict[str, Any] = {
     "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "head_dim": 128,
@@ -93,7 +93,7 @@ def free_model_dir(root: Path | None = None) -> Path:
 
 
 def _default_vocab_llama_dir(name: str, hidden: int, root: Path | None) -> Path:
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
 
     out = (root or cache_root() / "random-models") / name
     if (out / "config.json").exists():

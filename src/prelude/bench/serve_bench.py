@@ -567,7 +567,7 @@ def machine() -> str:
 
     import torch
 
-    from prelude.model.native_lib import cpuinfo_field
+    from prelude.kernels.cpu.native_lib import cpuinfo_field
 
     cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0
@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown scenarios: {sorted(unknown)}")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
 
     tok = load_model_files(None).tokenizer
     sweep = [int(x) for x in args.sweep.split(",")]

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="bench_results/tokenizer.json")
     ap.add_argument("--quick", action="store_true", help="skip the rows above 8K characters")
     args = ap.parse_args(argv)
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
     from prelude.tokenizer.fasttoken.qwen_vocab import build_qwen_tokenizer_json
 
     targets = [("SmolLM2-135M-Instruct", load_model_files(None).model_dir / "tokenizer.json"),

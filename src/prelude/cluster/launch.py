@@ -129,7 +129,7 @@ def engine_factory(config: EngineConfig) -> EngineFactory:
 
 
 def _load_tokenizer(model: str | None) -> Tokenizer:
-    from prelude.model.loader import resolve_model_dir
+    from prelude.model.loading.files import resolve_model_dir
     from prelude.tokenizer.loading import load_tokenizer
 
     return load_tokenizer(resolve_model_dir(model)[0])

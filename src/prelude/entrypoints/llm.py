@@ -84,7 +84,7 @@ class LLM:
 
     def lora(self, name: str, path: str) -> LoraRequest:
         """A PEFT LoRA adapter to pass to `generate`, checked against the model now
-        (raises prelude.model.lora.LoraError when it does not fit)."""
+        (raises prelude.model.lora.adapters.LoraError when it does not fit)."""
         lora = LoraRequest(name, str(path), next(self._lora_ids))
         self.engine.check_adapter(lora)
         return lora

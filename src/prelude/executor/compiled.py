@@ -32,7 +32,7 @@ from typing import Callable, Protocol
 import torch
 
 from prelude.executor.device import cpu_isa_flags
-from prelude.model.decoder_segments import DecoderSegments, between, first, last
+from prelude.model.layers.decoder_segments import DecoderSegments, between, first, last
 
 logger = logging.getLogger("prelude.executor.compiled")
 

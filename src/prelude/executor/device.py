@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from prelude.model.native_lib import cpu_isa_flags
+from prelude.kernels.cpu.native_lib import cpu_isa_flags
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from prelude.config import EngineConfig
-from prelude.executor import row_argmax
 from prelude.executor.device import resolve_device
 from prelude.executor.runner import ModelRunner
-from prelude.model import amx_gemm, blocks_kernel, cpu_fused_kernels, head_argmax, layer_loop, lora_cpu
-from prelude.model.loader import load_model_files, weight_files
+from prelude.kernels.cpu import catalog
+from prelude.model.loading.files import load_model_files, weight_files
 from prelude.tokenizer.base import Tokenizer
 
 
@@ -33,9 +32,7 @@ def _build_quietly(build: Callable[[], object]) -> None:
 def _build_cpu_kernels(lora: bool) -> list[threading.Thread]:
     """Compile the CPU's C kernels (~0.6 s each, first start only) on threads while the
     checkpoint loads: the compilers run beside the GGUF conversion instead of after it."""
-    builds = (blocks_kernel.build, cpu_fused_kernels.build, row_argmax.build, head_argmax.build, layer_loop.build,
-              amx_gemm.build,
-              *((lora_cpu.build,) if lora else ()))
+    builds = [catalog.builder(name) for name in catalog.KERNELS if lora or name != "lora_cpu"]
     threads = [threading.Thread(target=_build_quietly, args=(build,), name=f"build-{build.__module__}", daemon=True)
                for build in builds]
     for t in threads:

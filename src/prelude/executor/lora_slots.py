@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from prelude.config import LoraConfig, ModelConfig
-from prelude.model.lora import LoraAdapter, LoraSlots, read_adapter
+from prelude.model.lora.adapters import LoraAdapter, LoraSlots, read_adapter
 from prelude.params import LoraRequest
 
 logger = logging.getLogger("prelude.executor.lora")

@@ -22,7 +22,7 @@ from prelude.executor.read_rows import RowRead, local_index
 from prelude.executor.sampler import argmax_only, chosen_deferred, sample_deferred
 from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import BatchOutput, HeadOutput, HeadSpec, SampleSpec
-from prelude.model import heads
+from prelude.model.layers import heads
 from prelude.model.base import Model
 from prelude.params import PoolingTask, TokenLogprob
 

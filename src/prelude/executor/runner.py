@@ -35,24 +35,25 @@ from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, pack_in
 from prelude.executor.kv_sizing import GRAPH_RESERVE_BYTES, DeviceMemory
 from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
-from prelude.executor.model_registry import build_model
+from prelude.model.registry import build_model
 from prelude.executor.outputs import CarriedTokens, LaunchedStep, OutputHeads
 from prelude.executor.read_rows import StepReads, row_read, step_reads
 from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.forward_batch import (BatchRow, DecodeBatch, ForwardBatch, HeadSpec, MixedBatch, OneShotBatch,
                                   OneShotRow, SampleSpec)
-from prelude.model.ggml_blocks import GgmlBlocks
-from prelude.model.linear import bound_onednn_caches
+from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.model.layers.linear import bound_onednn_caches
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.base import KVCaches, Model
-from prelude.model.cpu_fused_kernels import DTYPES as CPU_FUSED_DTYPES, load_cpu_kernels
-from prelude.model.decoder_segments import DecoderSegments
-from prelude.model.fused_segments import fused_segments, triton_segments
-from prelude.model.loader import cache_root, prepared_dir
-from prelude.model.native_lib import ISA_CAP_ENV, isa_capped_to_avx2
-from prelude.model.lora import LoraBatch, LoraStep
-from prelude.model.prepared import PreparedTensors
+from prelude.kernels.cpu.cpu_fused import DTYPES as CPU_FUSED_DTYPES, load_cpu_kernels
+from prelude.model.layers.decoder_segments import DecoderSegments
+from prelude.model.layers.fused_segments import fused_segments, triton_segments
+from prelude.cache_dirs import cache_root
+from prelude.model.loading.files import prepared_dir
+from prelude.kernels.cpu.native_lib import ISA_CAP_ENV, isa_capped_to_avx2
+from prelude.model.lora.adapters import LoraBatch, LoraStep
+from prelude.model.loading.prepared import PreparedTensors
 from prelude.params import LoraRequest
 
 logger = logging.getLogger("prelude.executor")
@@ -63,6 +64,11 @@ def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments 
     CUDA, over the C kernels for float32 and bfloat16 on the CPU; None (the model's own eager
     segments) when turned off or where the kernels cannot run."""
     if not config.fused_kernels or model.is_encoder:
+        return None
+    spec = getattr(model, "spec", None)
+    unlike = spec.is_plain_llama() if spec is not None else None
+    if unlike is not None:
+        logger.info("elementwise ops: eager (the fused kernels compute the Llama layer; this model has %s)", unlike)
         return None
     head_dim = int(getattr(model.config, "head_dim", 0) or 0)
     if model.device.type == "cpu":

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from prelude.executor.host_copy import HostCopy
-from prelude.executor.row_argmax import race_argmax, row_argmax
+from prelude.kernels.cpu.row_argmax import race_argmax, row_argmax
 from prelude.forward_batch import SampledToken, SampleSpec
-from prelude.model.heads import ordered_topk
+from prelude.model.layers.heads import ordered_topk
 from prelude.params import TokenLogprob
 
 

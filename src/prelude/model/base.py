@@ -3,14 +3,61 @@ encoders, heads that project only the rows asked for, and the KV layout it alloc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from prelude.config import Populate
+from prelude.kernels.ggml_blocks import GgmlBlocks
 from prelude.model.attention.metadata import AttentionMetadata
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint this engine cannot compute exactly (an unknown architecture, a config
+    field it would ignore, weights it would leave unread): refused at start, in one line."""
+
+
+class DerivedTensors(Protocol):
+    """What a build derives from its checkpoint (casts, stacks, packed copies), by key: kept
+    between starts by model/loading/prepared.py, or made every time (NothingKept)."""
+
+    path: Path | None
+
+    def tensor(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+    def blocks(self, key: str, make: Callable[[], GgmlBlocks | None]) -> GgmlBlocks | None: ...
+
+
+class NothingKept:
+    """Derived tensors made on every build, none kept."""
+
+    path: Path | None = None
+
+    def tensor(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return make()
+
+    def blocks(self, key: str, make: Callable[[], GgmlBlocks | None]) -> GgmlBlocks | None:
+        return make()
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One name a checkpoint gives its architecture (HF `architectures`), and what serves it.
+    `config_from_hf(raw, model_dir)` reads and checks the config (UnsupportedCheckpoint for
+    what it cannot compute); `build(config, weights, dtype, device, attention, max_positions,
+    prepack, blocks, prepared)` makes the model. `gguf`: llama.cpp's names for it
+    (`general.architecture`)."""
+
+    name: str
+    family: str  # the architecture file (model/arch/<family>.py)
+    config_from_hf: Callable[..., Any]
+    build: Callable[..., "Model"]
+    gguf: tuple[str, ...] = ()
 
 
 class Model(Protocol):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from prelude.model.lora import LoraStep
+    from prelude.model.lora.adapters import LoraStep
 
 
 @dataclass(frozen=True)

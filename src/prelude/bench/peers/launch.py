@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from prelude.model import native_lib
+from prelude.kernels.cpu import native_lib
 
 COMPLETIONS, CLASSIFY, EMBEDDINGS = "completions", "classify", "embeddings"
 PEER_NAMES = ("prelude", "prelude-base", "transformers", "llama.cpp", "prelude-embed", "sentence-transformers", "vllm")
@@ -97,7 +97,7 @@ def peer_spec(name: str, port: int, opts: PeerOptions) -> PeerSpec:
                 "(it compiles llama.cpp, ~4-10 min) and pass --llama-python /that/venv/bin/python")
         if not _has_module(python, "llama_cpp.server"):
             raise PeerUnavailable(f"{python} can not import llama_cpp.server")
-        from prelude.model.loader import default_model_path
+        from prelude.model.loading.files import default_model_path
 
         threads = str(opts.threads or _cores())
         # interrupt_requests defaults to True: a new request would cancel the one being
@@ -151,7 +151,7 @@ def _vllm_spec(port: int, opts: PeerOptions) -> PeerSpec:
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise PeerUnavailable(f"{opts.vllm_python} can not run vLLM's CPU build: {last[:200]}")
-    from prelude.model.loader import converted_gguf_dir, default_model_path
+    from prelude.model.loading.files import converted_gguf_dir, default_model_path
 
     model_dir = opts.model_dir or str(converted_gguf_dir(default_model_path()))
     env = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "2"), ("HF_HUB_OFFLINE", "1"),

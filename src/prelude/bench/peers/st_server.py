@@ -21,7 +21,7 @@ from fastapi import FastAPI
 def build(device: str = "cpu") -> FastAPI:
     from sentence_transformers import SentenceTransformer
 
-    from prelude.model.loader import embedded_model_path
+    from prelude.model.loading.files import embedded_model_path
 
     model_dir = embedded_model_path("all-MiniLM-L6-v2")
     # Weights load on the thread that runs every encode (torch's OpenMP team is per thread).

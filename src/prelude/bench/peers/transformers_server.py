@@ -46,7 +46,7 @@ class _TokenQueue(BaseStreamer):
 def build(dtype: str, model: str | None = None, device: str = "cpu") -> FastAPI:
     import transformers
 
-    from prelude.model.loader import load_model_files
+    from prelude.model.loading.files import load_model_files
 
     model_dir = Path(model) if model else load_model_files(None).model_dir
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))

@@ -17,7 +17,7 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
 def default_batch_dir() -> Path:
-    from prelude.model.loader import cache_root
+    from prelude.cache_dirs import cache_root
 
     return cache_root() / "batches"
 

@@ -115,7 +115,7 @@ def _alive(pid: int) -> bool:
 def _tokenizer_for(info: Any, model: str | None) -> Any:
     """`info` with a tokenizer: engines ship none (it is large, or does not pickle), so each
     HTTP process loads its own from the same files."""
-    from prelude.model.loader import resolve_model_dir
+    from prelude.model.loading.files import resolve_model_dir
     from prelude.tokenizer.loading import load_tokenizer
 
     if info.tokenizer is not None:

@@ -17,23 +17,22 @@ take (another dtype, a CUDA tensor) goes to the torch backend as well.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from prelude.model import native_lib
+from prelude.kernels.cpu.cpu_attention import (
+    MAX_HEAD_DIM,
+    OPT_ALL_WIDE,
+    OPT_AMX,
+    CpuAttentionKernel,
+    load_cpu_attention_kernel,
+)
 from prelude.model.attention.metadata import AttentionMetadata, PrefillTensors
 from prelude.model.attention.torch_backend import TorchAttention
 
-_SOURCE = Path(__file__).resolve().parent.parent / "cpu_attention.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# The shared flags without -ffp-contract=off: this kernel's a * b + c are meant as FMAs (its
-# numerics follow no eager op's roundings; an online softmax reorders them anyway).
-_FLAGS = tuple(f for f in native_lib.FLAGS if f != "-ffp-contract=off")
-MAX_HEAD_DIM = 4096  # the C side's per-row scratch
 AMX_SWITCH = "PRELUDE_CPU_AMX"
 
 
@@ -90,11 +89,6 @@ def _prefill_tensors(meta: AttentionMetadata) -> PrefillTensors | None:
     return PrefillTensors(cols[0], cols[1], cols[2], cols[3], tables, max(s.query_len for s in meta.prefills))
 
 
-# prelude_paged_attention's option bits (cpu_attention.c)
-OPT_AMX = 1
-OPT_ALL_WIDE = 2
-
-
 class CpuAttention:
     """Same protocol as TorchAttention: write new K/V, attend, return [T, Hq, D]."""
 
@@ -103,31 +97,18 @@ class CpuAttention:
     attends_tails = True  # forward(..., tail_queries=): only each prefill row's last queries
     devices = ("cpu",)
 
-    def __init__(self, lib: ctypes.CDLL, amx: bool | None = None) -> None:
+    def __init__(self, kernel: CpuAttentionKernel, amx: bool | None = None) -> None:
         """amx: None takes the AMX form where it runs (unless PRELUDE_CPU_AMX=0); False never
         takes it (the dot-product form); True takes it where it runs."""
-        i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-        self._attend = lib.prelude_paged_attention
-        self._attend.argtypes = [
-            ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,  # q, k, v
-            ptr, ptr, i64, i64, i64, i64,  # caches, strides, block size
-            i64, ptr, ptr, ptr, ptr, ptr, i64, ptr,  # prefill rows (the last: tail queries)
-            i64, ptr, ptr, ptr, i64,  # decode rows
-            ptr, ptr, i64,  # segments, slots (the KV write)
-            ptr, i64, i64,  # out
-            i64, i64, i64, f32, c_int, c_int, c_int,
-        ]
-        self._write = lib.prelude_write_kv
-        self._write.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64,
-                                c_int]
-        for fn in (self._attend, self._write):
-            fn.restype = c_int
+        self._kernel = kernel
+        self._attend = kernel.attend
+        self._write = kernel.write
         # bf16 tensors take the bf16 dot-product forms (this build has AVX512-BF16)
-        self.bf16_dot_product = bool(lib.prelude_attention_bf16_forms())
+        self.bf16_dot_product = kernel.bf16_forms
         # bf16 prefill rows take the AMX tile unit where this build has it and the OS grants it
         # (PRELUDE_CPU_AMX=0: the dot-product form, to compare the two on one machine)
         wanted = os.environ.get(AMX_SWITCH, "1") != "0" if amx is None else amx
-        self.amx = wanted and bool(lib.prelude_attention_amx_ready())
+        self.amx = wanted and kernel.amx_ready
         # Every row in the wide form, decode rows included (make_batch_invariant)
         self.all_wide = False
         self._fallback = TorchAttention()
@@ -170,7 +151,7 @@ class CpuAttention:
     @property
     def entry_point(self) -> int:
         """The address of prelude_paged_attention (layer_loop.c calls it)."""
-        return native_lib.address(self._attend)
+        return self._kernel.attend_address
 
     def row_arguments(self, meta: AttentionMetadata) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
         """The call's row arguments for `meta` (its prefill rows; its decode rows, segments
@@ -253,13 +234,7 @@ class CpuAttention:
         return out
 
 
-def build() -> Path:
-    """Compile the library into the cache unless it is there (`make install` calls this)."""
-    return native_lib.build(_SOURCE, _FLAGS)
-
-
 def load_cpu_attention() -> CpuAttention | None:
     """The backend, built on first use on this machine; None where the kernel cannot run."""
-    lib = native_lib.load(_SOURCE, "PRELUDE_CPU_ATTENTION", "CPU paged attention (torch SDPA serves instead)",
-                          _FLAGS)
-    return None if lib is None else CpuAttention(lib)
+    kernel = load_cpu_attention_kernel()
+    return None if kernel is None else CpuAttention(kernel)

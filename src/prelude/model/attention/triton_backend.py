@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
-from prelude.model.attention.triton_kernels import (
+from prelude.kernels.triton.attention import (
     PrefillRows,
     decode_num_splits,
     paged_decode,

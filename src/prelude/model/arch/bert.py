@@ -1,0 +1,234 @@
+"""BERT-style bidirectional encoders (sentence embeddings, cross-encoder rerankers).
+
+Encoders have no KV cache and no generation: every request is OneShot. Handles
+`BertModel` checkpoints (sentence-transformers layout, pooling from 1_Pooling/) and
+`BertForSequenceClassification` (pooler + classifier head).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from prelude.model.attention.metadata import AttentionMetadata
+from prelude.config import Populate
+from prelude.model.arch import hf_config
+from prelude.model.base import Architecture, KVCaches, UnsupportedCheckpoint
+
+# Tensors some checkpoints carry that no forward reads (position id buffers)
+_NEVER_READ = ("embeddings.position_ids",)
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    id2label: tuple[str, ...]
+    default_pooling: str  # from sentence-transformers' pooling config when present
+    default_normalize: bool
+    architecture: str = "BertModel"  # HF `architectures` (model/registry.py)
+
+    @staticmethod
+    def from_dir(model_dir: Path, cfg: dict[str, Any]) -> "EncoderConfig":
+        pooling, normalize = "cls", False
+        pool_cfg = model_dir / "1_Pooling" / "config.json"
+        if pool_cfg.exists():
+            pc = json.loads(pool_cfg.read_text())
+            pooling = "mean" if pc.get("pooling_mode_mean_tokens") else "cls"
+        max_len = int(cfg.get("max_position_embeddings", 512))
+        st_cfg = model_dir / "sentence_bert_config.json"
+        if st_cfg.exists():  # sentence-transformers truncates there: inputs beyond it are refused
+            max_len = min(max_len, int(json.loads(st_cfg.read_text()).get("max_seq_length", max_len)))
+        modules = model_dir / "modules.json"
+        if modules.exists():
+            normalize = any(m.get("type", "").endswith("Normalize") for m in json.loads(modules.read_text()))
+        from prelude.config import _is_classifier, _labels
+
+        return EncoderConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            max_position_embeddings=max_len,
+            type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            hidden_act=str(cfg.get("hidden_act", "gelu")),
+            id2label=_labels(cfg) if _is_classifier(cfg) else (),
+            default_pooling=pooling,
+            default_normalize=normalize,
+            architecture=str((cfg.get("architectures") or ["BertModel"])[0]),
+        )
+
+
+_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+
+def _config(raw: dict[str, Any], model_dir: Path | None = None) -> EncoderConfig:
+    name = str((raw.get("architectures") or ["BertModel"])[0])
+    hf_config.require(name, raw, "hidden_act", _ACTIVATIONS, "gelu")
+    hf_config.require(name, raw, "position_embedding_type", ("absolute",), "absolute")
+    hf_config.refuse_unhandled(name, raw)
+    return EncoderConfig.from_dir(model_dir if model_dir is not None else Path("/nonexistent"), raw)
+
+
+def _act(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "gelu":
+        return F.gelu(x)
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+class BertEncoder:
+    is_encoder = True
+    computes_read_positions = False  # bidirectional: every layer reads every position
+    can_generate = False
+
+    def __init__(
+        self, config: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        w = {k.removeprefix("bert."): v.to(dtype=dtype, device=self.device) for k, v in weights.items()
+             if k.removeprefix("bert.") not in _NEVER_READ}
+        _check_names(config, w)
+        self.w = w
+        self.default_pooling = config.default_pooling
+        self.layers = range(config.num_hidden_layers)
+        self.has_pooler = "pooler.dense.weight" in w
+        self.has_classifier = "classifier.weight" in w
+        # q, k and v of a layer as one projection (moved out of `w`, not copied twice).
+        attn = "encoder.layer.{}.attention.self.{}."
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.cat([w.pop(attn.format(i, n) + "weight") for n in ("query", "key", "value")]),
+             torch.cat([w.pop(attn.format(i, n) + "bias") for n in ("query", "key", "value")]))
+            for i in self.layers
+        ]
+
+    def _ln(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.config.layer_norm_eps)
+
+    def _lin(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        return F.linear(x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Each row (a `meta.prefills` slice) attends bidirectionally to itself; returns
+        flattened hidden [T, H]. No KV is kept: `kv_caches` is empty.
+
+        Projections run once over every token of every row; attention runs on the rows
+        padded to the longest, keys masked (one SDPA per layer). Running the rows one by
+        one made 20 short texts cost 20 small forwards: 2x slower than sentence-transformers."""
+        cfg = self.config
+        dev = input_ids.device
+        lens = [row.query_len for row in meta.prefills]
+        batch, longest = len(lens), max(lens)
+        ids = input_ids
+        types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+        # Token i of row b sits at b * longest + i in the padded layout.
+        padded_at = torch.cat([torch.arange(n, device=dev) + b * longest for b, n in enumerate(lens)])
+        row_lens = torch.tensor(lens, device=dev)
+        keys_valid = (torch.arange(longest, device=dev)[None, :] < row_lens[:, None])[:, None, None, :]  # [B,1,1,L]
+        h = (
+            self.w["embeddings.word_embeddings.weight"][ids]
+            + self.w["embeddings.position_embeddings.weight"][positions]
+            + self.w["embeddings.token_type_embeddings.weight"][types]
+        )
+        h = self._ln(h, "embeddings.LayerNorm")
+        heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+        for i in self.layers:
+            p = f"encoder.layer.{i}."
+            qkv = F.linear(h, self.qkv[i][0], self.qkv[i][1]).view(-1, 3, heads, dim)
+            grid = qkv.new_zeros(batch * longest, 3, heads, dim)
+            grid[padded_at] = qkv
+            q, k, v = grid.view(batch, longest, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)  # [B, heads, L, dim]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=keys_valid)
+            a = a.transpose(1, 2).reshape(batch * longest, -1)[padded_at]
+            h = self._ln(self._lin(a, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
+            m = _act(cfg.hidden_act, self._lin(h, p + "intermediate.dense"))
+            h = self._ln(self._lin(m, p + "output.dense") + h, p + "output.LayerNorm")
+        return h
+
+    @torch.inference_mode()
+    def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:
+        """Cross-encoder / classifier head on the [CLS] token -> [labels] (float32)."""
+        if not self.has_classifier:
+            raise RuntimeError("this encoder has no classification head")
+        cls = hidden_row[0]
+        if self.has_pooler:
+            cls = torch.tanh(self._lin(cls, "pooler.dense"))
+        return self._lin(cls, "classifier").float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder model has no language-model head")
+
+    def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
+        raise RuntimeError("an encoder model has no language-model head")
+
+    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder model has no language-model head")
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          populate: Populate = "off") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return []
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 1
+
+    def make_packed_copies(self) -> int:
+        return 0  # its projections are plain F.linear calls
+
+
+def _check_names(config: EncoderConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Refuse tensors the forward would not read, and missing ones, by name."""
+    per_layer = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+                 "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+    expected = {f"embeddings.{n}.weight" for n in ("word_embeddings", "position_embeddings", "token_type_embeddings")}
+    expected |= {"embeddings.LayerNorm.weight", "embeddings.LayerNorm.bias"}
+    expected |= {f"encoder.layer.{i}.{n}.{kind}" for i in range(config.num_hidden_layers) for n in per_layer
+                 for kind in ("weight", "bias")}
+    optional = {f"{n}.{kind}" for n in ("pooler.dense", "classifier") for kind in ("weight", "bias")}
+    missing = sorted(expected - weights.keys())
+    unread = sorted(weights.keys() - expected - optional)
+    if missing:
+        raise UnsupportedCheckpoint(f"architecture {config.architecture}: the checkpoint has no tensor {missing[0]}")
+    if unread:
+        raise UnsupportedCheckpoint(f"architecture {config.architecture}: the checkpoint's tensors "
+                                    f"{', '.join(unread[:3])} are not read by this architecture")
+
+
+def _build(config: EncoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+           **_unused: Any) -> BertEncoder:
+    return BertEncoder(config, weights, dtype, device)  # bidirectional, no paged KV: no attention backend
+
+
+ARCHITECTURES = tuple((Architecture(name, "bert", _config, _build), types)
+                      for name, types in (("BertModel", ("bert",)), ("BertForSequenceClassification", ())))

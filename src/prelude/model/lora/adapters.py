@@ -1,0 +1,486 @@
+"""LoRA adapters beside one copy of the base weights: PEFT files in, stacked slots, and
+the per-forward delta of every row's own adapter.
+
+An adapter (PEFT's `adapter_config.json` + `adapter_model.safetensors`) adds
+`scaling * B (A x)` to some of q/k/v/o/gate/up/down. Prelude fuses q/k/v and gate/up into
+one projection each, so the delta of a fused projection is the concatenation of its
+targets' deltas: its slot holds the targets' A side by side ([in, k R]) and their B as a
+block diagonal ([k R, out]), so one shrink and one expand serve the fused projection.
+
+Resident adapters sit in `LoraSlots`: for each layer and fused projection, A as
+[slots, in, k R] and B as [slots, k R, out] (the scaling folded into B; ranks below
+`max_rank` are zero-padded, which adds nothing); in bf16 on an AVX512-BF16 CPU only in the
+C kernels' own layout instead (lora_cpu.StreamLayout, B's zero blocks left out). A forward gets a `LoraStep` (the slots
+and this batch's per-token slot index, -1 for the base) as an explicit argument; it wraps
+each projection operand so that the decoder's `linear(...)` call sites add the delta.
+Without a LoraStep the forward is the plain one: no extra op.
+
+On the CPU, two ways, never a loop over rows (measured on the 2-core EPYC, one thread, a
+576 -> 960 projection with 4 adapters of rank 16 on q/k/v):
+- few tokens (decode, <= DENSE_MAX_TOKENS): one call of a C kernel (lora_cpu.c) in which
+  every token reads its own slot (bf16, 4 tokens: 15 us; on an AVX512-BF16 CPU from the
+  StreamLayout slots: each token's A and B one sequential stream, a decode step's deltas
+  ~25% faster than row-major slots); without it, every slot at once
+  on oneDNN-prepacked copies: x @ A as [in, slots k R], masked to each token's own
+  slot, then one expand-and-add with B viewed [slots k R, out] (three calls, ~35 us; with
+  aten's unpacked bf16 matmuls 44 us, and 136 us as one shrink and expand per adapter);
+- more tokens (prefill), bf16 on an AVX512-BF16 CPU: one call of the grouped C kernel
+  (lora_cpu.c's lora_sgmv): tokens grouped by slot, each slot's A and B's diagonal blocks
+  repacked once per call into vdpbf16ps pairs, tiles of 8 tokens sharing them (the default
+  model's 7 projections x 4 adapters x 128 tokens, one layer: 1.15 -> 0.58 ms, one thread);
+- otherwise (float32, or no AVX512-BF16): grouped by adapter, one shrink and one expand
+  per distinct adapter over its rows (a view when contiguous, else an index).
+On CUDA a Triton kernel pair (lora_kernels.py) reads the per-token slot index, so a
+captured CUDA graph takes the index as an input like the token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from prelude.config import ModelConfig
+from prelude.model.layers.decoder_segments import HeadWeights, Linear, TailWeights, linear
+from prelude.model.layers.linear import bound_onednn_caches, prepack_enabled
+from prelude.kernels.cpu.lora_cpu import CPU_KERNEL_DTYPES, SlotOperands, StreamLayout, load_lora_kernel
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Prelude's fused projections and the PEFT targets they hold, in output order.
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+# Sequence-classification heads a PEFT adapter may carry in `modules_to_save`.
+HEAD_MODULES = ("score", "classifier")
+DENSE_MAX_TOKENS = 32  # CPU forwards of at most this many tokens take the masked all-slots path
+_LORA_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served on this base (the server answers 400)."""
+
+
+def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of every target module."""
+    h, i = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter's weights on the host, checked against the base config."""
+
+    name: str
+    path: Path
+    rank: int  # the largest rank of its modules
+    # (layer, target) -> (A [r, in], B scaled [out, r]), float32
+    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    head: torch.Tensor | None = None  # a modules_to_save classification head [labels, hidden]
+    labels: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + (
+            self.head.nbytes if self.head is not None else 0)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise LoraError(f"adapter path {str(path)!r} is not a directory")
+    missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (path / f).is_file()]
+    if missing:
+        raise LoraError(f"adapter {str(path)!r} lacks {', '.join(missing)} (PEFT's format)")
+    try:
+        with open(path / ADAPTER_CONFIG, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoraError(f"cannot read {ADAPTER_CONFIG}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{ADAPTER_CONFIG} is not a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    for unsupported in ("use_dora", "rank_pattern", "alpha_pattern"):
+        if cfg.get(unsupported):
+            raise LoraError(f"{unsupported} adapters are not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoraError("adapters that train biases (bias != 'none') are not supported")
+    return cfg
+
+
+def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """Load and check a PEFT LoRA adapter; LoraError says what does not fit."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    cfg = _read_config(path)
+    targets = cfg.get("target_modules") or []
+    if isinstance(targets, list):
+        unknown = sorted(set(map(str, targets)) - set(TARGETS))
+        if unknown:
+            raise LoraError(f"unknown target module(s) {', '.join(unknown)}; supported: {', '.join(TARGETS)}")
+    try:
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except (SafetensorError, OSError) as e:
+        raise LoraError(f"cannot read {ADAPTER_WEIGHTS}: {e}") from None
+    alpha = cfg.get("lora_alpha", cfg.get("r", 8))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
+        raise LoraError(f"lora_alpha must be a positive finite number, got {alpha!r}")
+    rslora = bool(cfg.get("use_rslora", False))
+    shapes = _shapes(config)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    head = None
+    for key, t in tensors.items():
+        m = _LORA_KEY.search(key)
+        if m is None:
+            module = key.split(".")[-2] if key.count(".") else key
+            if module in HEAD_MODULES and key.endswith(".weight"):
+                head = t.float()
+                continue
+            if module in HEAD_MODULES and key.endswith(".bias"):
+                raise LoraError(f"a {module} head with a bias is not supported")
+            raise LoraError(f"unknown tensor {key!r}: adapters may target {', '.join(TARGETS)} only")
+        layer, target, side = int(m.group(1)), m.group(2), m.group(3)
+        if target not in shapes:
+            raise LoraError(f"unknown target module {target!r}; supported: {', '.join(TARGETS)}")
+        if layer >= config.num_hidden_layers:
+            raise LoraError(f"tensor {key!r} is for layer {layer}; the base has {config.num_hidden_layers}")
+        halves.setdefault((layer, target), {})[side] = t.float()
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for (layer, target), ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"layer {layer} {target} has lora_{''.join(ab)} only")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shapes[target]
+        r = a.shape[0] if a.dim() == 2 else 0
+        if r < 1 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
+            raise LoraError(f"layer {layer} {target}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
+                            f"the base's {fan_out}x{fan_in} projection")
+        if r > max_rank:
+            raise LoraError(f"rank {r} is over --max-lora-rank {max_rank}")
+        scaling = alpha / (math.sqrt(r) if rslora else r)
+        weights[(layer, target)] = (a.contiguous(), (b * scaling).contiguous())
+        rank = max(rank, r)
+    if head is not None and (head.dim() != 2 or head.shape[1] != config.hidden_size):
+        raise LoraError(f"the adapter's head {tuple(head.shape)} does not fit hidden size {config.hidden_size}")
+    if not weights and head is None:
+        raise LoraError(f"adapter {str(path)!r} holds no LoRA weights")
+    labels = _head_labels(cfg, head)
+    return LoraAdapter(name, path, rank, weights, head, labels)
+
+
+def _head_labels(cfg: dict[str, Any], head: torch.Tensor | None) -> tuple[str, ...]:
+    if head is None:
+        return ()
+    id2label = cfg.get("id2label") or {}
+    if not isinstance(id2label, dict):
+        raise LoraError(f"id2label must map class indices to labels, got {type(id2label).__name__}")
+    return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(head.shape[0]))
+
+
+def _pieces(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    """Per fused projection: its input size and its targets' output sizes."""
+    shapes = _shapes(config)
+    return {p: (shapes[ts[0]][0], [shapes[t][1] for t in ts]) for p, ts in FUSED.items()}
+
+
+def _stream_layouts(pieces: dict[str, tuple[int, list[int]]], max_rank: int,
+                    dtype: torch.dtype) -> dict[str, StreamLayout] | None:
+    """Every fused projection's StreamLayout, or None where the C kernels take row-major
+    slots (the kernel built without AVX512-BF16, float32, or a projection too wide)."""
+    kernel = load_lora_kernel()
+    if kernel is None:
+        return None
+    layouts = {p: kernel.stream_layout(dtype, fan_in, len(outs) * max_rank,
+                                       [sum(outs[:j]) for j in range(len(outs) + 1)])
+               for p, (fan_in, outs) in pieces.items()}
+    return None if any(layout is None for layout in layouts.values()) else layouts  # type: ignore[return-value]
+
+
+class LoraSlots:
+    """`num_slots` resident adapters' stacked A/B per layer and fused projection (device
+    memory the executor owns; `nbytes` is counted in its budget)."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError("LoRA needs at least one slot and a rank of at least 1")
+        self.config = config
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._pieces = _pieces(config)
+        self.heads: list[torch.Tensor | None] = [None] * num_slots
+        # The all-slots path's operands reordered once for oneDNN (as model/linear.py's
+        # Projection does for decode-sized calls): unpacked, these small bf16 matmuls took
+        # ~400 us per call in the profiler (the step 1.53x the base's; packed 1.33x). Made
+        # on first use after a load.
+        # The C kernel serves decode where it loads; the packed copies are its fallback.
+        self.kernel = load_lora_kernel() if self.device.type == "cpu" and dtype in CPU_KERNEL_DTYPES else None
+        self.prepack = self.kernel is None and prepack_enabled(dtype, self.device)
+        self._packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Each fused projection's target column bounds (B is block diagonal): the C kernel
+        # reads only the nonzero blocks (q/k/v: a third of B, gate/up: half).
+        self.columns = {p: torch.tensor([sum(outs[:j]) for j in range(len(outs) + 1)], dtype=torch.int32)
+                        for p, (_, outs) in self._pieces.items()}
+        # The slots, either way the kernels read them:
+        # - on an AVX512-BF16 CPU in bf16, only in the C kernels' StreamLayout, streams[(layer,
+        #   proj)] [S, stride] (each token's A and B one sequential stream; B's zero blocks
+        #   not kept); torch's paths get row-major copies from `row_major` (a fallback);
+        # - otherwise row-major, a[layer][proj] [S, in, k R] and b[layer][proj] [S, k R, out]
+        #   (a slot's A and B contiguous: the C kernel and the grouped path read one block).
+        layouts = _stream_layouts(self._pieces, max_rank, dtype) if self.kernel is not None else None
+        self.streams: dict[tuple[int, str], tuple[StreamLayout, torch.Tensor]] = {}
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for layer in range(config.num_hidden_layers):
+            if layouts is not None:
+                for p, layout in layouts.items():
+                    self.streams[(layer, p)] = (layout, torch.zeros(num_slots, layout.stride, dtype=dtype))
+                continue
+            a, b = {}, {}
+            for p, (fan_in, outs) in self._pieces.items():
+                width = len(outs) * max_rank
+                a[p] = torch.zeros(num_slots, fan_in, width, dtype=dtype, device=self.device)
+                b[p] = torch.zeros(num_slots, width, sum(outs), dtype=dtype, device=self.device)
+            self.a.append(a)
+            self.b.append(b)
+        # What the kernel's calls pass, per layer and projection (None where it does not fit).
+        self.operands: dict[tuple[int, str], SlotOperands | None] = {}
+        if self.kernel is not None:
+            for layer in range(config.num_hidden_layers):
+                for p in self._pieces:
+                    if self.streams:
+                        layout, streams = self.streams[(layer, p)]
+                        self.operands[(layer, p)] = self.kernel.stream_operands(layout, streams, self.columns[p])
+                    else:
+                        self.operands[(layer, p)] = self.kernel.operands(self.a[layer][p], self.b[layer][p],
+                                                                         self.columns[p])
+
+    @property
+    def nbytes(self) -> int:
+        return LoraSlots.bytes_for(self.config, self.num_slots, self.max_rank, self.dtype, self.device)
+
+    @staticmethod
+    def bytes_for(config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> int:
+        """Device bytes of a LoraSlots, before building one (the memory budget): the slots,
+        and their oneDNN copies where the CPU prepacks."""
+        pieces = _pieces(config)
+        device = torch.device(device)
+        kernel = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and load_lora_kernel() is not None
+        layouts = _stream_layouts(pieces, max_rank, dtype) if kernel else None
+        if layouts is not None:
+            per_layer = sum(layout.stride for layout in layouts.values())
+        else:
+            copies = 2 if not kernel and prepack_enabled(dtype, device) else 1
+            per_layer = copies * sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in pieces.values())
+        return per_layer * config.num_hidden_layers * num_slots * dtype.itemsize
+
+    def row_major(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A projection's slots as A [S, in, k R] and block-diagonal B [S, k R, out]: the
+        slots themselves, or made from the StreamLayout (torch's paths, a fallback)."""
+        if not self.streams:
+            return self.a[layer][proj], self.b[layer][proj]
+        layout, streams = self.streams[(layer, proj)]
+        return layout.unpack(streams)
+
+    def packed(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """oneDNN copies of a projection's A [slots k R, in] and B [out, slots k R] (None
+        where the CPU does not prepack)."""
+        key = (layer, proj)
+        found = self._packed.get(key)
+        if found is None and self.prepack:
+            bound_onednn_caches()
+            a, b = self.row_major(layer, proj)
+            try:
+                found = self._packed[key] = (
+                    torch.ops.mkldnn._reorder_linear_weight(a.transpose(1, 2).reshape(-1, a.shape[1]), None),
+                    torch.ops.mkldnn._reorder_linear_weight(b.flatten(0, 1).t().contiguous(), None))
+            except (RuntimeError, AttributeError):  # op missing, or no bf16 reorder on this CPU
+                self.prepack = False
+        return found
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Write `adapter` into `slot` (replacing what was there)."""
+        if adapter.rank > self.max_rank:
+            raise LoraError(f"rank {adapter.rank} is over --max-lora-rank {self.max_rank}")
+        self.clear(slot)  # (drops the packed copies too)
+        r = self.max_rank
+        staged: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # row-major, for the streams
+        for (layer, target), (a, b) in adapter.weights.items():
+            proj = next(p for p, ts in FUSED.items() if target in ts)
+            j = FUSED[proj].index(target)
+            fan_in, outs = self._pieces[proj]
+            off = sum(outs[:j])
+            rank = a.shape[0]
+            if self.streams:
+                if (layer, proj) not in staged:
+                    staged[(layer, proj)] = (torch.zeros(fan_in, len(outs) * r, dtype=self.dtype),
+                                             torch.zeros(len(outs) * r, sum(outs), dtype=self.dtype))
+                a_slot, b_slot = staged[(layer, proj)]
+            else:
+                a_slot, b_slot = self.a[layer][proj][slot], self.b[layer][proj][slot]
+            a_slot[:, j * r : j * r + rank].copy_(a.t())
+            b_slot[j * r : j * r + rank, off : off + outs[j]].copy_(b.t())
+        for key, (a_slot, b_slot) in staged.items():
+            layout, streams = self.streams[key]
+            streams[slot].copy_(layout.pack(a_slot, b_slot))
+        self.heads[slot] = None if adapter.head is None else adapter.head.to(self.dtype).to(self.device)
+
+    def clear(self, slot: int) -> None:
+        for layer in (*self.a, *self.b):
+            for t in layer.values():
+                t[slot].zero_()
+        for _, streams in self.streams.values():
+            streams[slot].zero_()
+        self.heads[slot] = None
+        self._packed.clear()
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    """This forward's adapter per token: `token_slots` [T] on the device (-1: the base);
+    on the CPU, either `one_hot` [T, slots] (few tokens: the masked all-slots path) or each
+    slot's rows for the grouped path (a slice when contiguous, else an index tensor)."""
+
+    token_slots: torch.Tensor
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+    one_hot: torch.Tensor | None = None
+    device_index: bool = False  # only `token_slots` is valid (a captured graph's static input)
+    _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    @staticmethod
+    def on_device(token_slots: torch.Tensor) -> "LoraBatch":
+        """A batch that reads only the per-token index, whatever values it holds when the
+        forward runs (a captured graph's static input): the Triton kernels on CUDA, the C
+        kernel on a CPU."""
+        return LoraBatch(token_slots, (), None, device_index=True)
+
+    @staticmethod
+    def build(row_slots: Sequence[int], row_lens: Sequence[int], device: torch.device | str,
+              num_slots: int = 0) -> "LoraBatch | None":
+        """From each row's slot (-1: base) and token count; None when every row is the base
+        (the plain forward). `num_slots`: the resident slots (the all-slots path's width)."""
+        if all(s < 0 for s in row_slots):
+            return None
+        device = torch.device(device)
+        per_token = [s for s, n in zip(row_slots, row_lens) for _ in range(n)]
+        token_slots = torch.tensor(per_token, dtype=torch.long)
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        if device.type == "cpu" and num_slots > 0 and len(per_token) <= DENSE_MAX_TOKENS:
+            one_hot = torch.zeros(len(per_token), num_slots)
+            rows = [i for i, s in enumerate(per_token) if s >= 0]
+            one_hot[rows, [per_token[i] for i in rows]] = 1.0
+            return LoraBatch(token_slots, (), one_hot)
+        if device.type == "cpu":
+            start = 0
+            spans: dict[int, list[tuple[int, int]]] = {}
+            for s, n in zip(row_slots, row_lens):
+                if s >= 0 and n:
+                    spans.setdefault(s, []).append((start, start + n))
+                start += n
+            for s, runs in spans.items():
+                if all(a == b for (_, b), (a, _) in zip(runs, runs[1:])):  # one contiguous run
+                    groups.append((s, slice(runs[0][0], runs[-1][1])))
+                else:
+                    groups.append((s, torch.cat([torch.arange(a, b) for a, b in runs])))
+        return LoraBatch(token_slots.to(device, non_blocking=True), tuple(groups))
+
+    def delta_into(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """out[t] += (x[t] @ a[slot t]) @ b[slot t] for every token of an adapter (a:
+        [slots, in, k R], b: [slots, k R, out]; `packed`: their oneDNN copies, see
+        LoraSlots.packed); returns out, or a new tensor holding the sum."""
+        if out.device.type == "cuda":
+            from prelude.kernels.triton.lora import lora_delta_
+
+            return lora_delta_(out, x, a, b, self.token_slots)
+        assert not self.device_index, "a graph's adapter index needs the C kernel on a CPU"
+        if self.one_hot is not None:
+            mask = self._mask(a.shape[2], x.dtype)
+            if packed is not None:
+                lp = torch.ops.mkldnn._linear_pointwise
+                shrunk = lp(x.contiguous(), packed[0], None, "none", [], "").mul_(mask)
+                return lp.binary(shrunk, out.contiguous(), packed[1], None, "add")
+            return out.addmm_((x @ a.permute(1, 0, 2).reshape(a.shape[1], -1)).mul_(mask), b.flatten(0, 1))
+        for slot, rows in self.groups:
+            if isinstance(rows, slice):
+                out[rows].addmm_(x[rows] @ a[slot], b[slot])
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a[slot]) @ b[slot])
+        return out
+
+    def _mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, slots * width]: 1 on the columns of each token's own slot (made once per
+        forward and projection width)."""
+        mask = self._masks.get((width, dtype))
+        if mask is None:
+            assert self.one_hot is not None
+            mask = self._masks[(width, dtype)] = self.one_hot.to(dtype).repeat_interleave(width, dim=1)
+        return mask
+
+
+class LoraLinear:
+    """A projection operand plus this batch's adapters: what `linear(x, w)` calls."""
+
+    __slots__ = ("base", "bias", "slots", "layer", "proj", "batch", "decode")
+
+    def __init__(self, base: Linear, bias: torch.Tensor | None, slots: LoraSlots, layer: int, proj: str,
+                 batch: LoraBatch) -> None:
+        self.base, self.bias, self.slots, self.layer, self.proj, self.batch = base, bias, slots, layer, proj, batch
+        # A few-token call's C kernel and operands, found once a step: decode makes ~120
+        # calls, each ~45 us of base projection, where every microsecond of Python shows.
+        kernel = slots.kernel
+        ops = slots.operands.get((layer, proj)) if kernel is not None else None
+        few = batch.one_hot is not None or batch.device_index
+        self.decode = (kernel, ops) if few and ops is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x, self.base, self.bias)
+        if self.decode is not None:
+            kernel, ops = self.decode
+            if x.dtype == out.dtype == ops.dtype:
+                return kernel.decode_(out, x if x.stride(-1) == 1 else x.contiguous(), self.batch.token_slots, ops)
+        s, layer, proj, batch = self.slots, self.layer, self.proj, self.batch
+        kernel = s.kernel
+        if kernel is not None and out.dtype == x.dtype and batch.one_hot is None and not batch.device_index:
+            ops = s.operands.get((layer, proj))
+            if ops is not None and ops.dtype == x.dtype and kernel.grouped and x.dtype == torch.bfloat16:
+                return kernel.run_(out, x if x.stride(-1) == 1 else x.contiguous(), batch.token_slots, ops,
+                                   grouped=True)
+        a, b = s.row_major(layer, proj)
+        packed = s.packed(layer, proj) if batch.one_hot is not None else None
+        return batch.delta_into(out, x, a, b, packed)
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    """What a forward needs for adapters: the resident slots and this batch's index."""
+
+    slots: LoraSlots
+    batch: LoraBatch
+
+    def head(self, layer: int, w: HeadWeights) -> HeadWeights:
+        return w._replace(qkv=LoraLinear(w.qkv, w.qkv_bias, self.slots, layer, "qkv", self.batch), qkv_bias=None)
+
+    def tail(self, layer: int, w: TailWeights) -> TailWeights:
+        s, batch = self.slots, self.batch
+        return w._replace(o_proj=LoraLinear(w.o_proj, None, s, layer, "o_proj", batch),
+                          gate_up=LoraLinear(w.gate_up, None, s, layer, "gate_up", batch),
+                          down=LoraLinear(w.down, None, s, layer, "down", batch))
