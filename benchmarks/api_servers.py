@@ -116,7 +116,7 @@ def _run_one(count: int, model: str, prompts: list[str], args: argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prelude.bench.random_model import tiny_llama_dir
+    from prelude.testing.random_model import tiny_llama_dir
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.api_servers", description=__doc__.split("\n\n")[0])
     p.add_argument("--counts", default="0,1,2", help="0 = one process (the default); N = --api-server-count N")

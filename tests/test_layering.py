@@ -14,6 +14,8 @@ FORBIDDEN = {
     "kv": ("prelude.engine", "prelude.executor", "prelude.entrypoints", "prelude.model"),
     "engine": ("prelude.entrypoints", "prelude.model"),
     "tokenizer": ("prelude.engine", "prelude.executor", "prelude.entrypoints", "prelude.model"),
+    # a helper the tests and benchmarks share: it builds checkpoints, it serves nothing
+    "testing": ("prelude.engine", "prelude.executor", "prelude.entrypoints", "prelude.bench", "prelude.cluster"),
 }
 LEAVES = ("params.py", "forward_batch.py", "config.py")
 

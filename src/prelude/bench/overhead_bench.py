@@ -1,7 +1,7 @@
 """`prelude bench overhead`: the serving path itself, on a model whose forward is free.
 
 The model is a 2-layer, hidden-128 random Llama with SmolLM2's tokenizer and vocabulary
-(random_model.free_model_dir), float32: what is timed is the server around the forward.
+(prelude.testing.random_model.free_model_dir), float32: what is timed is the server around the forward.
 Each peer serves the same directory, alone (started, measured, stopped), and the peers
 alternate round by round; every figure is the median over the rounds.
 
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = set(args.scenarios.split(","))
     if unknown := scenarios - set(SCENARIOS):
         ap.error(f"unknown scenarios: {sorted(unknown)}")
-    from prelude.bench.random_model import free_model_dir
+    from prelude.testing.random_model import free_model_dir
     from prelude.bench.serve_bench import machine
     from prelude.model.loader import load_model_files
 

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         result = asyncio.run(run_soak(args.url, spec, progress=True))
     else:
-        from prelude.bench.random_model import tiny_llama_dir
+        from prelude.testing.random_model import tiny_llama_dir
         from prelude.bench.server_proc import free_port
 
         port = free_port()
