@@ -305,7 +305,7 @@ def _import_server() -> None:
     from prelude.heap import freeze_imports
 
     # FastAPI imports pydantic.v1 when it analyzes the first route's parameters (its check
-    # for v1 models): 55-90 ms that would follow the engine's build, now beside it.
+    # for v1 models): work that would follow the engine's build, now beside it.
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
