@@ -1,9 +1,9 @@
 """No adapter loaded vs main: the decoder forward before LoRA (99c8555's loop, copied here) vs
 now (lora=None): same runner, same 4-row decode batch, alternated, medians; and the profiler's op
-counts of both. Run: PYTHONPATH=src python scripts/lora_no_change.py [dtype] [trials]"""
+counts of both. Run from the repository root: python -m scripts.lora_no_change [dtype] [trials]"""
 import statistics, sys, time, types
 import torch
-from prelude.bench.lora_bench import _runner, _batches
+from benchmarks.lora import _runner, _batches
 from prelude.model.layers.decoder_segments import EAGER_SEGMENTS
 
 def old_forward(self, input_ids, positions, meta, kv_caches, token_type_ids=None, segments=EAGER_SEGMENTS):

@@ -66,7 +66,7 @@ def _run_python(code: str) -> None:
 def test_readme_requests_run_against_a_server() -> None:
     """The curl and `openai` blocks against a served tiny random Llama with the default
     model's tokenizer and chat template (the blocks name no model: they work with any)."""
-    from prelude.bench.random_model import tiny_llama_dir
+    from prelude.testing.random_model import tiny_llama_dir
     from prelude.bench.server_proc import prelude_server
 
     curls = [c for block in _blocks("bash") for c in _commands(block) if c.startswith("curl ")]

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from prelude.bench.random_model import random_model_dir
+from prelude.testing.random_model import random_model_dir
 from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
 from prelude.forward_batch import OneShotRow

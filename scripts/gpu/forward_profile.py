@@ -5,7 +5,7 @@ c: 4 x 128-in/32-out decode steps; b: the 4B 32 x 512-token forward and its kern
 import cProfile, pstats, statistics, sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile
-from prelude.bench.random_model import random_model_dir
+from prelude.testing.random_model import random_model_dir
 from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
 from prelude.forward_batch import OneShotRow

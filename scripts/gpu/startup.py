@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-from prelude.bench.random_model import random_model_dir
+from prelude.testing.random_model import random_model_dir
 
 ap = argparse.ArgumentParser()
 ap.add_argument("name")

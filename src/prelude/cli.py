@@ -305,7 +305,7 @@ def _import_server() -> None:
     from prelude.heap import freeze_imports
 
     # FastAPI imports pydantic.v1 when it analyzes the first route's parameters (its check
-    # for v1 models): 55-90 ms that would follow the engine's build, now beside it.
+    # for v1 models): work that would follow the engine's build, now beside it.
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -446,10 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tokenizer-bench", help="fasttoken vs HF tokenizers", add_help=False)
     # add_help=False: `prelude bench profile --help` reaches the benchmark's own parser.
     bench = sub.add_parser("bench", add_help=False,
-                           help="benchmarks: oneshot | prefix | sched | serve | soak | cluster | simulate | "
-                                "decisions | profile | overhead | attention | batch | lora")
-    bench.add_argument("which", nargs="?", choices=["oneshot", "prefix", "sched", "serve", "soak", "cluster", "simulate",
-                                         "decisions", "profile", "overhead", "attention", "batch", "lora"])
+                           help="benchmarks: serve | batch | overhead | profile | oneshot | prefix | sched | "
+                                "decisions | soak | cluster | simulate")
+    # kernel micro-benchmarks are lab instruments outside the package: `python -m benchmarks.<name>`
+    bench.add_argument("which", nargs="?", choices=["serve", "batch", "overhead", "profile", "oneshot", "prefix", "sched",
+                                                    "decisions", "soak", "cluster", "simulate"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "tokenizer-bench":
         from prelude.bench.tokenizer_bench import main as tokenizer_bench
@@ -479,10 +480,6 @@ def main(argv: list[str] | None = None) -> int:
             from prelude.bench.profile_bench import main as bench_main
         elif args.which == "overhead":
             from prelude.bench.overhead_bench import main as bench_main
-        elif args.which == "attention":
-            from prelude.bench.attention_bench import main as bench_main
-        elif args.which == "lora":
-            from prelude.bench.lora_bench import main as bench_main
         else:
             from prelude.bench.oneshot_bench import main as bench_main
         return bench_main(rest)

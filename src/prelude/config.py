@@ -96,9 +96,9 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides the memory budget when set (tests)
     enable_prefix_caching: bool = True
     max_cached_blocks: int | None = None  # unreferenced cached blocks kept at most (None: no cap)
-    # The CPU pool's pages faulted in ahead (model/kv_memory.py) instead of ~2.5 us of a page
-    # fault on every first write of a 4 KiB page while serving: "start" costs start-up ~0.3-0.6 s
-    # for 1 GiB, "background" a thread beside the rest of start-up. `prelude serve` takes
+    # The CPU pool's pages faulted in ahead (model/kv_memory.py) instead of a page fault on
+    # every first write of a 4 KiB page while serving: "start" adds the faults to start-up,
+    # "background" runs them on a thread beside the rest of start-up. `prelude serve` takes
     # "background", run-batch "start"; the offline LLM and tests leave it "off".
     populate_kv: Populate = "off"
 
@@ -181,7 +181,7 @@ class ExecutorConfig:
     # CPU decoders in bf16: make the projections' packed copies while loading, not on their
     # first calls (every bf16 call past the few-row routes takes one, so any prompt makes
     # them all): amx_gemm.c's before ready, oneDNN's on a thread (model.make_packed_copies);
-    # a serving engine's first prompt then does not pay ~0.16 s of reorders (SmolLM2).
+    # a serving engine's first prompt then does not pay for the reorders.
     pack_at_start: bool = False
     # CPU decoders: one GEMM route for every row count (model.make_batch_invariant), so a
     # request's greedy tokens do not depend on what shares its steps (run-batch's default:

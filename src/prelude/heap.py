@@ -3,27 +3,22 @@ builds (collection_paused_for_startup), the start-up objects kept out of its ful
 (freeze_startup_heap), and the C heap's free pages handed back during a long job
 (NativeHeapTrim).
 
-A served process holds ~220k Python objects from start-up (the model's modules, the
-tokenizer, FastAPI's routes, pydantic's schemas) that never become garbage. CPython's
-full (generation 2) collection walks all of them: 160-630 ms a pass on the 2-core
-Zen 5 under the free model's benchmark, every few seconds of load, with the GIL held,
-so the event loop and the engine thread both stop. Where such a pass landed decided a
-scenario's figures (`bench overhead`'s 8-prompt requests read 5.4 or 9-10 ms of server
-CPU a request depending on the load generator's client, which only moved the pass in or
-out of that scenario's window). Freezing the start-up heap (gc.freeze: the objects move
+A served process holds a few hundred thousand Python objects from start-up (the model's
+modules, the tokenizer, FastAPI's routes, pydantic's schemas) that never become garbage.
+CPython's full (generation 2) collection walks all of them, every few seconds of load,
+with the GIL held, so the event loop and the engine thread both stop for a pass far longer
+than a small model's request. Freezing the start-up heap (gc.freeze: the objects move
 to a permanent generation the collector never walks) leaves a full pass only the
 objects made since.
 
 Before that, while start-up imports torch, FastAPI and the routes, the collector runs its
-passes over that same growing heap, none of which finds much: importing the engine and
-the server took 2.21-3.09 s with it paused against 2.60-3.72 s without (three alternated
-pairs on the Emerald Rapids VM). So start-up pauses it, and freeze_startup_heap, once
-everything is loaded, collects once, freezes and resumes it. That one collection still
-walks the whole heap (0.15-0.3 s there, with the GIL held); freeze_imports, called once
-the modules are imported, freezes them without a pass, so the collection at ready walks
-only what loading built since (~10 ms). The price: what the imports left unreachable is
-frozen with them, 7.3k objects of 0.74 MB (measured after importing the engine and the
-server), for the life of the process.
+passes over that same growing heap, none of which finds much, and start-up is slower for
+them. So start-up pauses it, and freeze_startup_heap, once everything is loaded, collects
+once, freezes and resumes it. That one collection still walks the whole heap with the GIL
+held; freeze_imports, called once the modules are imported, freezes them without a pass,
+so the collection at ready walks only what loading built since. The price: what the
+imports left unreachable (a few thousand objects, under a megabyte) is frozen with them
+for the life of the process.
 """
 
 from __future__ import annotations
@@ -68,8 +63,8 @@ def freeze_startup_heap() -> int:
 class NativeHeapTrim:
     """Hands the C heap's free pages back to the system at most every `every_s` seconds
     (glibc's malloc_trim; a no-op elsewhere). A long job's torch/oneDNN temporaries come
-    and go in glibc's per-thread arenas, whose freed pages stay resident: a 100,000-line
-    embeddings job's RSS stepped up ~110 MiB that way and never came back down."""
+    and go in glibc's per-thread arenas, whose freed pages stay resident: a long embeddings
+    job's RSS steps up that way and never comes back down."""
 
     def __init__(self, every_s: float = 5.0) -> None:
         self.every_s = every_s

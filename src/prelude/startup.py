@@ -139,8 +139,8 @@ def _gguf_context(path: Path, model: str | None) -> int | None:
         raise StartupError(f"--model {model}: {path.name} is a file but not a .gguf; pass a .gguf file "
                            "or a HF model directory (config.json + *.safetensors)")
     # A GGUF an earlier start converted was readable and supported then: its copy's
-    # config.json says the context without reading the GGUF's header (~0.1 s for SmolLM2's
-    # vocabulary, and 40 ms importing the gguf package).
+    # config.json says the context without reading the GGUF's header (its whole vocabulary)
+    # or importing the gguf package.
     converted = cached_gguf_dir(path)
     if converted is not None:
         return _hf_dir_context(converted)

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow  # three start-ups of a real process (~1-2 min on 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from prelude.bench.random_model import tiny_llama_dir
+    from prelude.testing.random_model import tiny_llama_dir
 
     return tiny_llama_dir(tmp_path_factory.mktemp("models"))
 

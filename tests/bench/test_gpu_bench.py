@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prelude.bench.gpu_bench import baseline_env, gpu_goals, graph_floor
-from prelude.bench.random_model import SHAPES, random_model_dir
+from prelude.testing.random_model import SHAPES, random_model_dir
 
 
 def test_random_model_dir_loads_and_generates(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from prelude.bench.random_model import tiny_llama_dir
+from prelude.testing.random_model import tiny_llama_dir
 from prelude.bench.server_proc import free_port
 
 KEY = "sk-multiproc"

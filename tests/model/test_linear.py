@@ -150,7 +150,7 @@ def test_a_rows_output_is_the_same_bits_at_every_decode_row_count(dtype: torch.d
     """Up to PACKED_MAX_ROWS rows a row's output does not depend on the rows beside it (the
     packed kernel's; MKL's F.linear differs by row count and thread count), so identical
     requests batched differently answer identically. Small weights included: there
-    F.linear is faster, and taking it broke this (docs/benchmarks.md, tenth session)."""
+    F.linear is faster, and taking it broke this (docs/benchmarks.md, "Tried and not kept")."""
     if dtype == torch.bfloat16 and not _cpu_can_prepack_bf16():
         pytest.skip("this CPU cannot prepack bf16 weights (needs AVX-512)")
     torch.manual_seed(0)

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = ["--dtype", args.dtype, *args.flags.split()]
     served_dir = model_dir  # the weights every runner serves (the judge file needs only the tokenizer)
     if args.free_model:
-        from prelude.bench.random_model import free_model_dir
+        from prelude.testing.random_model import free_model_dir
 
         served_dir = free_model_dir()
         flags += ["--model", str(served_dir), "--served-model-name", MODEL_NAME]

@@ -27,7 +27,7 @@ import torch
 from prelude.bench.loadgen import LoadSpec, completion_sender, percentile, run_load, summarize
 from prelude.bench.peers.launch import path_first
 from prelude.bench.prompts import exact_prompt
-from prelude.bench.random_model import random_model_dir
+from prelude.testing.random_model import random_model_dir
 from prelude.bench.results import write_json
 from prelude.bench.server_proc import free_port, server_process
 

@@ -1,6 +1,6 @@
 """The load generators' HTTP client, one choice for every peer of a run: "raw" (bench/raw_http.py,
-the default) or "httpx" (what figures before 2026-11-24 12:00 UTC used). On a 2-core machine
-httpx's 1-3.5 ms of CPU a request is taken from whichever server is measured."""
+the default) or "httpx". On a 2-core machine httpx's CPU a request, several times the raw
+client's, is taken from whichever server is measured."""
 
 from __future__ import annotations
 

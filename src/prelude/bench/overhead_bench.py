@@ -1,7 +1,7 @@
 """`prelude bench overhead`: the serving path itself, on a model whose forward is free.
 
 The model is a 2-layer, hidden-128 random Llama with SmolLM2's tokenizer and vocabulary
-(random_model.free_model_dir), float32: what is timed is the server around the forward.
+(prelude.testing.random_model.free_model_dir), float32: what is timed is the server around the forward.
 Each peer serves the same directory, alone (started, measured, stopped), and the peers
 alternate round by round; every figure is the median over the rounds.
 
@@ -21,8 +21,8 @@ follows the load of the last half second, executor/spare_cores.py).
 The load generator runs in a process of its own (overhead_loadgen.py) and reports its
 own CPU time per request and its share of a core, printed beside every figure: a client
 near a whole core is what saturates, not the server. Its HTTP client is bench/raw_http.py
-(--client raw): with httpx (--client httpx) it held a whole core of this 2-core machine at
-c=64, taken from whichever server it measured. The server's CPU per request is
+(--client raw): httpx (--client httpx) can hold a whole core of a 2-core machine at c=64,
+taken from whichever server it measures. The server's CPU per request is
 printed whole and for its main thread alone (Prelude's HTTP event loop; the rest is the
 engine thread, OpenMP workers and child processes).
 Peers: prelude; prelude-base (the same from --baseline-src, for old vs new in one run);
@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the default request counts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client", choices=CLIENT_KINDS, default="raw",
-                    help="the load generator's HTTP client: raw (bench/raw_http.py, ~5x less CPU a request) or "
-                         "httpx (what figures before 2026-11-24 12:00 UTC used)")
+                    help="the load generator's HTTP client: raw (bench/raw_http.py, a fraction of httpx's CPU "
+                         "a request) or httpx")
     ap.add_argument("--warmup-s", type=float, default=1.5,
                     help="seconds of each scenario's own load before its timed requests (discarded)")
     ap.add_argument("--out", default="bench_results/overhead", help="path stem for .json and .png")
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = set(args.scenarios.split(","))
     if unknown := scenarios - set(SCENARIOS):
         ap.error(f"unknown scenarios: {sorted(unknown)}")
-    from prelude.bench.random_model import free_model_dir
+    from prelude.testing.random_model import free_model_dir
     from prelude.bench.serve_bench import machine
     from prelude.model.loading.files import load_model_files
 

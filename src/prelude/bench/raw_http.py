@@ -1,9 +1,8 @@
 """A lean HTTP/1.1 client for `prelude bench overhead`'s load generator.
 
 httpx's per-request cost (request building, header models, its connection pool's state
-machine) measured 2-3.5 ms of CPU a request at c=32-64: the load generator then held a
-whole core of this 2-core machine, about as much as the server it measured, and both
-peers lost that core to it. This client keeps one keep-alive connection per in-flight
+machine) is high enough that at c=32-64 the load generator holds a whole core of a 2-core
+machine, about as much as the server it measures, and every peer loses that core to it. This client keeps one keep-alive connection per in-flight
 request (asyncio streams), writes a prepared request in one write and parses only what a
 loopback benchmark needs: the status, Content-Length or chunked bodies, `Connection:
 close`. Loopback benchmarks only: no TLS, proxies, redirects or compression.

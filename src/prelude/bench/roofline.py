@@ -1,8 +1,8 @@
 """The machine's GEMM roofline for a prompt forward: what the CPU's matrix multiply can
 do, independent of any serving engine's kernels.
 
-A 512-token prefill of a small decoder is almost all GEMMs (~85% of its time here, the
-rest is attention and pointwise ops), so the best GEMM rate measured at the model's own
+A 512-token prefill of a small decoder is almost all GEMMs (the rest is attention and
+pointwise ops), so the best GEMM rate measured at the model's own
 layer shapes, divided by a request's FLOPs, bounds the requests/s any engine can reach on
 this machine in this dtype. Prelude's own eager forward (bench/ceiling.py) is reported
 next to it: it is one engine's kernels, not the machine's limit.

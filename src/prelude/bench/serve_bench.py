@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--client", choices=CLIENT_KINDS, default="raw",
                     help="the load generator's HTTP client, for every peer alike: raw (bench/raw_http.py, a fraction "
-                         "of httpx's CPU a request) or httpx (what runs before 2026-11-24 14:00 used)")
+                         "of httpx's CPU a request) or httpx")
     args = ap.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
     if unknown := scenarios - set(SCENARIOS):

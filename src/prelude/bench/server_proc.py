@@ -74,9 +74,8 @@ def process_tree(pid: int) -> list[int]:
 @contextmanager
 def frozen(pids: list[int]) -> Iterator[None]:
     """The processes `pids` and their descendants stopped (SIGSTOP) for the block, resumed
-    after: each server measured alone. An idle vLLM CPU server still wakes ~1% of a core,
-    and those wake-ups stall a measured server's two-thread OpenMP team at its barriers:
-    an in-process 512-token prefill measured 6-10% slower with an idle vLLM up than without."""
+    after: each server measured alone. An idle vLLM CPU server still wakes now and then,
+    and those wake-ups stall a measured server's two-thread OpenMP team at its barriers."""
     tree = [q for p in pids if p for q in process_tree(p)]
     stopped = []
     try:

@@ -277,14 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="bench_results/soak.json")
     p.add_argument("--tiny", action="store_true",
                    help="serve a tiny random-weight Llama with the default model's tokenizer and chat template "
-                        "(the server's own work at ~10x the request rate of the default model)")
+                        "(the server's own work at many times the default model's request rate)")
     p.add_argument("server_args", nargs="*", help="extra `prelude serve` flags (after --)")
     args = p.parse_args(argv)
     spec = SoakSpec(args.requests, args.concurrency, args.cancel_fraction, args.seed)
     if args.url:
         result = asyncio.run(run_soak(args.url, spec, progress=True))
     else:
-        from prelude.bench.random_model import tiny_llama_dir
+        from prelude.testing.random_model import tiny_llama_dir
         from prelude.bench.server_proc import free_port
 
         port = free_port()

@@ -3,9 +3,8 @@ abandoned ends even when Ray's cancel missed it.
 
 The front cancels a replica call it no longer reads with `ray.cancel`. Ray delivers that
 as an asyncio cancel only once the call's coroutine exists: a cancel that arrives while
-the call still waits to start is lost (ray-project/ray#52628; seen here on Ray 2.60 under
-load, a decode call starting ~20 s after its stream was abandoned and then decoding all
-of its tokens for no one). So the front also sends `abandon(ticket)`: it cancels the task
+the call still waits to start is lost (ray-project/ray#52628): under load a decode call
+can start long after its stream was abandoned and then decode all of its tokens for no one. So the front also sends `abandon(ticket)`: it cancels the task
 of a call that runs, as Ray's cancel would have (the call's cleanup aborts its request),
 and marks a ticket whose call has not begun, which then ends before it submits anything.
 A ticket names one call, not a request: a request that runs again (a lost hand-off, a

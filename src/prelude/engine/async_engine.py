@@ -57,7 +57,7 @@ class AsyncEngine:
 
         Prefer the factory: torch's OpenMP thread team belongs to the thread that first
         runs parallel work, and a forward issued from another thread than the one that
-        loaded the weights was measured ~30% slower here (128-token prefill, 2 cores).
+        loaded the weights runs slower.
         `while_building` runs on the calling thread while the factory builds (the server's
         own imports: much of a build is torch work that leaves the GIL free).
         """
@@ -336,7 +336,7 @@ class AsyncEngine:
         thread serializes and sends them alongside. Handed over at the end of the step,
         the HTTP thread's Python took the GIL from the next step's trunk, which releases it
         at every torch op, and the two ran one after the other. A held increment arrives
-        one trunk later (~0.4 ms on the free model) and so does every later one: the time
+        one trunk later and so does every later one: the time
         between tokens is what drops; the first token and the last are never held."""
         self._drain_inbox()
         if not self.engine.has_unfinished():
@@ -366,8 +366,8 @@ class AsyncEngine:
             self._deliver(handoff.request_id, handoff)
         if self.engine.idle and not outputs:
             # The policy holds work back (a batching window): nap briefly, or until news; a
-            # OneShot gather's hold no longer than it lasts (a lone long prompt's hold of
-            # 0.4 ms on a GPU took the whole 2 ms nap: +2 ms at c=1, 512-token prompts)
+            # OneShot gather's hold no longer than it lasts (on a GPU a lone long prompt's
+            # hold is a fraction of the nap, which would otherwise delay it by a whole nap)
             hold_s = self.engine.hold_s
             self._wake.wait(timeout=min(NAP_S, hold_s) if hold_s > 0 else NAP_S)
             self._wake.clear()

@@ -144,7 +144,7 @@ class GrammarCompiler:
         m = llguidance.LLMatcher(tok, grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"invalid {spec.kind} constraint: {m.get_error()}")
-        # The first mask (~0.1 ms, kept for the first step): where no token and no end can
+        # The first mask (kept for the first step): where no token and no end can
         # start the text (a regex like [^\s\S]), the request would end at once with "".
         m.compute_bitmask()
         if m.is_error():

@@ -20,8 +20,8 @@ prefix, sent at once after a pause) reaches the engine one request at a time as 
 thread parses them; a step started with the first few ran the rest a step later (the
 1,024-token shared prefix's leader with 6 of its 15 peers, then the other 9). So while
 nothing is expected: while OneShot requests wait, the step holds while they keep coming
-(no gap above GAP_S or 2% of the step they would make: the front parsed a fresh server's
-first 1,088-token prompts 3.5-11 ms apart) for at most 5% of that step (its prompt tokens,
+(no gap above GAP_S or 2% of the step they would make: the front parses a burst's prompts
+a few milliseconds apart) for at most 5% of that step (its prompt tokens,
 at most a step's budget, at the last OneShot step's time per token) and the cap. A lone
 request waits only with a prompt of LONE_MIN_TOKENS or more (a shared prefix that long
 is worth its peers' company: the engine thread took the first request of such a wave
@@ -37,8 +37,7 @@ from typing import Sequence
 from prelude.engine.request import Request
 
 # Once the burst started, a quieter stretch than this ends it: GAP_S, or a fraction of the
-# step on a machine so busy that the HTTP work of one request takes longer (measured on a
-# 2-core machine at load 25: answers came back 140 ms after a 14 s step, 35-50 ms apart).
+# step on a machine so busy that the HTTP work of one request takes longer than GAP_S.
 GAP_S = 0.005
 GAP_FRACTION = 0.02
 STEP_FRACTION = 0.05  # the longest hold, as a fraction of the last OneShot step's duration

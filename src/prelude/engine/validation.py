@@ -64,8 +64,8 @@ def validate_request(
     n_prompt = len(prompt_token_ids)
     if n_prompt == 0:
         raise InvalidRequestError("the prompt is empty")
-    # min/max scan at C speed (a 1K-token judge prompt: the Python loop was ~5% of a batch
-    # line's host work); the slow scan only names the first bad id.
+    # min/max scan at C speed (a Python loop over a long prompt was a visible share of a
+    # batch line's host work); the slow scan only names the first bad id.
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= rules.vocab_size:
         bad = next(t for t in prompt_token_ids if not 0 <= t < rules.vocab_size)
         raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {rules.vocab_size})")

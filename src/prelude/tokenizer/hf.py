@@ -54,7 +54,7 @@ class HFTokenizer:
     ) -> None:
         """`tokenizer`: loaded, or its tokenizer.json, read at first use. fasttoken's delegate
         (chat template, BOS/EOS) takes the path and its `token_to_id`, and so never reads the
-        file unless a panic in fasttoken's core falls back to it: ~0.15 s of every start."""
+        file unless a panic in fasttoken's core falls back to it, and no start pays for it."""
         self._path = tokenizer if isinstance(tokenizer, Path) else None
         self._tok = None if isinstance(tokenizer, Path) else self._serving(tokenizer)
         self._tok_lock = threading.Lock()

@@ -52,7 +52,7 @@ def build(dtype: str, model: str | None = None, device: str = "cpu") -> FastAPI:
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     # One worker thread loads the weights and runs every forward: generate is not safe to
     # run concurrently, and torch's OpenMP team belongs to the thread that first used it
-    # (a forward from a fresh thread was ~30% slower here). A strong baseline, not a straw man.
+    # (a forward from another thread runs slower). A strong baseline, not a straw man.
     worker = ThreadPoolExecutor(max_workers=1)
     model = worker.submit(
         lambda: transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()

@@ -1,10 +1,9 @@
 """The wire between the HTTP processes and the engine process: msgspec MessagePack frames
 on a Unix stream socket, one connection per HTTP process.
 
-Measured on this machine (docs/multiproc.md): a 1.2 kB round trip between two processes
-takes ~15 us over an asyncio Unix socket and ~100 us over pyzmq's ipc transport (its I/O
-threads add two hops per side); msgspec encodes and decodes a 128-token Request in ~6 us
-where pickle takes ~17 us. Frames are a 4-byte little-endian length, then the payload.
+A round trip over an asyncio Unix socket is several times shorter than over pyzmq's ipc
+transport (its I/O threads add two hops per side), and msgspec encodes and decodes a
+Request in about a third of pickle's time (docs/multiproc.md). Frames are a 4-byte little-endian length, then the payload.
 The engine's first frame on a new connection is the pickled ReplicaInfo (sent once).
 """
 

@@ -173,7 +173,7 @@ def build_app(
         the answer gets no body (and is logged as a cancel, not an error)."""
         mark("http_parse_validate")
         lora = adapters.resolve(body.model)  # 404 for an unknown name
-        check_unknown_fields(body, request.scope["path"])  # (request.url builds a URL object: ~5 us)
+        check_unknown_fields(body, request.scope["path"])  # (request.url would build a URL object)
         ticket = gate.enter()  # 429 / 503 before any work
         record = request_record(request.state)
         gated = GatedEngine(engine, ticket, limits.request_timeout_s, record, lora,
@@ -256,8 +256,8 @@ def build_app(
 
 def _engine_routes_first(app: FastAPI) -> None:
     """Move the model-running POST routes to the front of the router. Starlette tries the
-    routes in order, a regex match each: /v1/completions came after 22 others (docs,
-    files, batches, probes), ~15 us a request. No two routes share a path pattern, so
+    routes in order, a regex match each: /v1/completions came after some twenty others
+    (docs, files, batches, probes), a cost on every request. No two routes share a path pattern, so
     which one answers a request does not change (a wrong method still finds its 405)."""
     app.router.routes.sort(key=lambda route: getattr(route, "path", None) not in ROUTES)  # stable
 

@@ -30,8 +30,8 @@ async def until_disconnect(work: Awaitable[T], http_request: HTTPRequest | Stays
     A listener waits on the request's ASGI `receive()`: once the body is read, the server
     answers it only when the client disconnects (or the response is complete), so nothing
     runs while the client stays, and a disconnect cancels the work at once. (Polling
-    `is_disconnected()` from a timer every 0.1 s cost a task and a timer a poll: at c=16
-    judge requests, a quarter of the event loop's time.)"""
+    `is_disconnected()` from a timer cost a task and a timer a poll: under concurrent
+    short requests, a large share of the event loop's time.)"""
     if http_request is None or isinstance(http_request, StaysConnected):
         return await work
     task = asyncio.ensure_future(work)

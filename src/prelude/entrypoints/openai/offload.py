@@ -78,7 +78,7 @@ def _validation_error(errors: list[Any]) -> RequestValidationError:
 def _yielding_int(digits: str) -> int:
     # json's C scanner holds the GIL through a whole document; a Python-level hook per
     # integer gives the interpreter a switch point per token id, so the event loop gets
-    # the GIL back every switch interval (a 256K-id body parses ~2.5x slower, on this thread).
+    # the GIL back every switch interval (a long id list parses slower, on this thread).
     return int(digits)
 
 
@@ -152,8 +152,8 @@ class OffLoopBodyRoute(APIRoute):
 
     A small valid JSON body of an endpoint that only takes it and the Request
     (`_direct_params`) goes straight to the endpoint: FastAPI's generic handler (content
-    type through email.message, dependency solving, telemetry hooks) cost ~90 us of the
-    ~300 before a 128/1 completion reached the engine. Everything else (bad JSON, an
+    type through email.message, dependency solving, telemetry hooks) was a large part of
+    the time before a short completion reached the engine. Everything else (bad JSON, an
     invalid body, other content types, dependency overrides, FastAPI's telemetry on)
     takes FastAPI's handler, so its errors and answers stay its own."""
 

@@ -147,7 +147,7 @@ class DetokenizeRequest(RequestBody):
 
 # list[int] before list[str]: pydantic's smart union picks the same member either way, but
 # tries members in order, and a long token-id list tried as list[str] first collects one
-# error per id (10x the validation time of a 256K-id prompt, all of it holding the GIL).
+# error per id (many times the validation time of a long prompt, all of it holding the GIL).
 EmbeddingInput = str | list[int] | list[str] | list[list[int]]
 
 

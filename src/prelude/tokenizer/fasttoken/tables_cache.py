@@ -1,10 +1,10 @@
 """fasttoken's vocabulary tables kept on disk beside its equality verdict, so a later start
 skips reading tokenizer.json's JSON, checking its merges and computing each entry's bytes.
 
-For the default model's 49k entries that work took ~0.2 s of every start, with the GIL
-held while the server's modules import beside it; with the tables read from this file
-(marshal: plain dicts, lists and bytes) the whole FastTokenizer builds in 0.09 s instead of
-0.28 (alternated in one process). The file is named by the tokenizer.json's content
+For a vocabulary of tens of thousands of entries that work is a noticeable part of every
+start, with the GIL held while the server's modules import beside it; the tables read from
+this file (marshal: plain dicts, lists and bytes) build the FastTokenizer in a fraction of
+that. The file is named by the tokenizer.json's content
 hash and the versions its verdict is keyed on (equality.py), so a changed tokenizer or
 fasttoken gets new tables; one that cannot be read is built again and rewritten.
 """

@@ -134,7 +134,7 @@ def judge_shape(spec: str) -> tuple[int, int, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="prelude bench attention")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.attention")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)

@@ -1,4 +1,4 @@
-"""`prelude bench lora`: what serving LoRA adapters costs a step.
+"""`python -m benchmarks.lora`: what serving LoRA adapters costs a step.
 
 In process (no HTTP, no scheduler: the cost under test is the forward), the default model
 (or --model) in one runner with `--adapters` random PEFT adapters of rank `--rank` on all
@@ -199,7 +199,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="prelude bench lora", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lora", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: the embedded default model)")
     p.add_argument("--dtypes", default="auto", help="comma-separated: auto, float32, bfloat16")
     p.add_argument("--adapters", type=int, default=4)
@@ -235,3 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "torch_threads": torch.get_num_threads(), "results": results})
     print(f"wrote {plot(results, out.with_suffix('.png'))}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

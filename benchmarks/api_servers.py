@@ -2,7 +2,7 @@
 completions of text prompts at c=1 (E2E p50) and c=32 (req/s), on a free model so that what
 is timed is the serving path. Configurations alternate round by round; medians over rounds.
 
-    python -m prelude.bench.api_servers_bench --counts 0,1,2 --rounds 3 --out /tmp/api_servers
+    python -m benchmarks.api_servers --counts 0,1,2 --rounds 3 --out /tmp/api_servers
 
 `0` is the default single process. The load generator is this process: raw HTTP/1.1 on
 keep-alive connections (no client library), a few microseconds per request, so it is not
@@ -116,15 +116,15 @@ def _run_one(count: int, model: str, prompts: list[str], args: argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prelude.bench.random_model import tiny_llama_dir
+    from prelude.testing.random_model import tiny_llama_dir
 
-    p = argparse.ArgumentParser(prog="api_servers_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.api_servers", description=__doc__.split("\n\n")[0])
     p.add_argument("--counts", default="0,1,2", help="0 = one process (the default); N = --api-server-count N")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default=None, help="default: the tiny random Llama (2 layers, hidden 64, the default model's vocabulary)")
     p.add_argument("--c1-requests", type=int, default=300)
     p.add_argument("--c32-requests", type=int, default=1500)
-    p.add_argument("--out", default="/tmp/api_servers_bench")
+    p.add_argument("--out", default="bench_results/api_servers")
     args = p.parse_args(argv)
     model = args.model or str(tiny_llama_dir())
     prompts = _prompts(Path(model), 64 + args.c1_requests + args.c32_requests, 128, seed=0)

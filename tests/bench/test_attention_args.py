@@ -1,12 +1,12 @@
-"""`prelude bench attention --judge`: several shapes a run, and a clear usage error (not a
+"""`python -m benchmarks.attention --judge`: several shapes a run, and a clear usage error (not a
 traceback) for a spec it cannot read."""
 
 from __future__ import annotations
 
 import pytest
 
-from prelude.bench import attention_bench
-from prelude.bench.attention_bench import judge_shape
+from benchmarks import attention as attention_bench
+from benchmarks.attention import judge_shape
 
 
 def test_judge_shape_reads_rows_prefix_and_new() -> None:
