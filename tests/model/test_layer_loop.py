@@ -31,7 +31,7 @@ from prelude.model.layers.fused_segments import fused_segments
 from prelude.kernels.ggml_blocks import GgmlBlocks
 from prelude.model.arch.llama import describe
 from prelude.model.decoder import Decoder
-from prelude.model.layers.read_positions import ReadPositions
+from prelude.model.read_positions import ReadPositions
 from tests.model.test_cpu_attention import Row, make_batch
 from tests.kernels.test_f32_gemm import KERNEL as AVX2_F32_KERNEL  # built for an AVX2-only CPU, any host
 from tests.kernels.test_f32_gemm import count_calls

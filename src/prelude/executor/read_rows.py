@@ -20,7 +20,7 @@ import torch
 from prelude.executor import label_heads
 from prelude.executor.inputs import pack_int64
 from prelude.forward_batch import HeadSpec, SampleSpec
-from prelude.model.layers.read_positions import ReadPositions
+from prelude.model.read_positions import ReadPositions
 from prelude.params import PoolingTask
 
 # The positions of a row's computed tokens that the heads read, ascending; None: every one.

@@ -27,7 +27,7 @@ from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.base import DerivedTensors, KVCaches, NothingKept, UnsupportedCheckpoint
 from prelude.model.spec import DecoderSpec, LayerSpec
-from prelude.model.layers.read_positions import ReadPositions
+from prelude.model.read_positions import ReadPositions
 from prelude.model.layers.decoder_segments import (
     EAGER_SEGMENTS,
     DecoderSegments,

@@ -44,7 +44,7 @@ from prelude.kernels.cpu.bf16_rows import TILE_MAX_ROWS
 from prelude.kernels.cpu.cpu_fused import CpuFusedKernels, load_cpu_kernels
 from prelude.kernels.ggml_blocks import KINDS
 from prelude.model.layers.linear import Projection
-from prelude.model.layers.read_positions import ReadPositions
+from prelude.model.read_positions import ReadPositions
 
 logger = logging.getLogger("prelude.model.fast_paths.layer_loop")
 
