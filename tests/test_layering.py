@@ -16,8 +16,8 @@ _MODEL_TOP = ("prelude.model.arch", "prelude.model.registry", "prelude.model.loa
 # package (folder under src/prelude) -> packages it must not import (at any depth of its own modules)
 FORBIDDEN = {
     "kernels": _ABOVE_KERNELS,
-    "model/layers": (*_MODEL_TOP, "prelude.model.fast_paths", "prelude.model.lora.adapters", "prelude.model.read_positions"),
-    "model/attention": (*_MODEL_TOP, "prelude.model.fast_paths", "prelude.model.lora.adapters", "prelude.model.layers"),
+    "model/layers": (*_MODEL_TOP, "prelude.model.fast_paths", "prelude.model.lora", "prelude.model.read_positions"),
+    "model/attention": (*_MODEL_TOP, "prelude.model.fast_paths", "prelude.model.lora", "prelude.model.layers"),
     "model/fast_paths": _MODEL_TOP,
     "model/lora": (*_MODEL_TOP, "prelude.model.fast_paths"),
     "model/arch": ("prelude.model.loading", "prelude.model.registry"),
