@@ -23,6 +23,7 @@ from prelude.engine.handoff import KVHandoff, resumable_copy
 from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
+from prelude.params import EmbedSetup
 from prelude.engine.request import (
     ExecClass,
     FinishReason,
@@ -169,7 +170,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, vocab_size=self.info.vocab_size, eos_token_ids=self.eos_token_ids,
             can_generate=self.can_generate, force_paged=sched.force_paged, labels=self.labels,
             default_pooling=self.info.default_pooling, default_ttft_slo_ms=sched.default_ttft_slo_ms,
-            lora_enabled=self.runner.adapters is not None,
+            lora_enabled=self.runner.adapters is not None, embed=self.info.embed,
         )
 
     @property
@@ -184,6 +185,10 @@ class LLMEngine:
     @property
     def is_encoder(self) -> bool:
         return self.info.is_encoder
+
+    @property
+    def embed_setup(self) -> EmbedSetup:
+        return self.info.embed
 
     # --- requests -------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prelude.params import EmbedSetup
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -20,3 +22,4 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     device: str
     dtype: str
+    embed: EmbedSetup  # what its embeddings are (prompts, size, Matryoshka sizes)

@@ -23,6 +23,7 @@ from prelude.executor.sampler import argmax_only, chosen_deferred, sample_deferr
 from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import BatchOutput, HeadOutput, HeadSpec, SampleSpec
 from prelude.model.layers import heads
+from prelude.model.layers.pooler import Pooler
 from prelude.model.base import Model
 from prelude.params import PoolingTask, TokenLogprob
 
@@ -59,9 +60,11 @@ class CarriedTokens:
 class OutputHeads:
     """A model's output projections for one step's rows (the trunk's hidden states in)."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, pooler: Pooler | None = None, default_pooling: str | None = None) -> None:
         self.model = model
         self.device = model.device
+        self.pooler = pooler or Pooler(device=model.device)  # a sentence-transformers folder's Dense layers
+        self.default_pooling = default_pooling or model.default_pooling
 
     def launch(
         self,
@@ -132,8 +135,8 @@ class OutputHeads:
             scores = copy.add(self.model.classify(hidden) if classify_head is None
                               else F.linear(hidden[-1], classify_head).float())
         elif p is not None:
-            pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
-            embedding = copy.add(heads.normalize(pooled) if p.normalize else pooled)
+            embedding = copy.add(self.pooler(hidden, p.pooling or self.default_pooling, p.skip_tokens, p.dimensions,
+                                             p.normalize))
 
         def build() -> HeadOutput:
             prompt_lps: list[TokenLogprob | None] | None = None

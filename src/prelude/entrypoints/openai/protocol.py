@@ -157,8 +157,12 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-    pooling: Literal["last", "mean", "cls"] | None = None
-    normalize: bool = True
+    pooling: Literal["last", "mean", "cls", "max"] | None = None
+    # None: as the model's folder says (its Normalize module), normalized without a folder
+    normalize: bool | None = None
+    # sentence-transformers' name of a prompt in the model's config_sentence_transformers.json
+    # (None: its default prompt, if any), prepended to each text input
+    prompt_name: str | None = None
 
 
 class ClassifyRequest(RequestBody):

@@ -12,7 +12,7 @@ import math
 import struct
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from starlette.requests import Request as HTTPRequest
@@ -24,6 +24,7 @@ from prelude.entrypoints.openai.disconnect import until_disconnect
 from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.limits import limits_of
 from prelude.entrypoints.openai.offload import off_loop_if_large
+from prelude.params import EmbedSetup
 from prelude.entrypoints.openai.protocol import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -146,12 +147,49 @@ def _label_token_ids(engine: EngineClient, labels: list[str]) -> tuple[int, ...]
     return ids
 
 
+def _prompt_text(setup: EmbedSetup | None, name: str | None) -> str | None:
+    """The prompt a request's texts start with: `prompt_name`'s, else the model's default."""
+    if setup is None:
+        if name is not None:
+            raise APIError("prompt_name: this model has no prompts", param="prompt_name")
+        return None
+    try:
+        return setup.prompt(name)
+    except KeyError:
+        names = ", ".join(n for n, _ in setup.prompts) or "none"
+        raise APIError(f"prompt_name {name!r} is not one of this model's prompts ({names})",
+                       param="prompt_name") from None
+
+
+def _prompt_tokens(engine: EngineClient, prompt: str, ids: list[int]) -> int:
+    """How many leading tokens of `ids` (prompt + text) are the prompt's: the tokens it
+    shares with the prompt encoded alone (a trailing special token such as EOS, which the
+    text's encoding has at its end only, is not shared)."""
+    alone = engine.tokenizer.encode(prompt, add_special_tokens=True)
+    n = 0
+    while n < min(len(alone), len(ids)) and alone[n] == ids[n]:
+        n += 1
+    return n
+
+
 async def create_embeddings(engine: EngineClient, req: EmbeddingRequest, http: HTTPRequest) -> dict[str, Any]:
+    setup: EmbedSetup | None = getattr(engine, "embed_setup", None)
     if req.dimensions is not None:
-        raise APIError("dimensions is not supported: this model has a fixed embedding size", param="dimensions")
-    prompts = await _tokenized(http, engine, _input_list(req.input, "input"))
-    pooling = PoolingParams(PoolingTask.EMBED, pooling=req.pooling, normalize=req.normalize)
-    outs = await encode_all(engine, f"embd-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+        why = setup.check_dimensions(req.dimensions) if setup is not None else "this model has a fixed embedding size"
+        if why is not None:
+            raise APIError(why, param="dimensions")
+    items = _input_list(req.input, "input")
+    prompt = _prompt_text(setup, req.prompt_name)
+    if prompt:  # text inputs only: token ids are taken as they are
+        items = [prompt + item if isinstance(item, str) else item for item in items]
+    prompts = await _tokenized(http, engine, items)
+    normalize = req.normalize if req.normalize is not None else (setup.normalize if setup is not None else True)
+    base = PoolingParams(PoolingTask.EMBED, pooling=req.pooling, normalize=normalize, dimensions=req.dimensions)
+    poolings = [base] * len(prompts)
+    if prompt and setup is not None and not setup.include_prompt:  # the prompt's tokens are left out of the pool
+        poolings = [replace(base, skip_tokens=_prompt_tokens(engine, prompt, ids)) if isinstance(item, str) else base
+                    for item, ids in zip(items, prompts)]
+    outs = await encode_all(engine, f"embd-{uuid.uuid4().hex}", prompts, poolings, http)
     data = []
     for i, out in enumerate(outs):
         vec = list(out.embedding or ())
