@@ -172,6 +172,9 @@ class ClassifyRequest(RequestBody):
     # How a label's token logprobs combine: their sum (the label's logprob) or their mean.
     normalize: Literal["sum", "mean"] = "sum"
     use_chat_template: bool = False  # wrap each input as a user turn of the chat template
+    # What turns a head's outputs into `probs` (None: sigmoid for one output, softmax for
+    # several, softmax over candidate labels); "none": the raw logits (labels: logprobs)
+    activation: Literal["softmax", "sigmoid", "none"] | None = None
     user: str | None = None
 
 
@@ -226,4 +229,5 @@ class RerankRequest(RequestBody):
 class RewardRequest(RequestBody):
     model: str | None = None
     input: str | list[int] | list[str] | list[list[int]]
+    activation: Literal["sigmoid", "none"] = "none"  # the score as the head gives it, or its sigmoid
     user: str | None = None

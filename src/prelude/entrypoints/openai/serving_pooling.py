@@ -50,7 +50,19 @@ def _softmax(xs: Sequence[float]) -> list[float]:
 
 
 def _sigmoid(x: float) -> float:
+    if x < 0:  # exp of a large positive number overflows
+        e = math.exp(x)
+        return e / (1.0 + e)
     return 1.0 / (1.0 + math.exp(-x))
+
+
+def _activated(scores: Sequence[float], activation: str) -> list[float]:
+    """A head's outputs through `activation`: softmax over them, a sigmoid of each, or as they are."""
+    if activation == "softmax":
+        return _softmax(scores)
+    if activation == "sigmoid":
+        return [_sigmoid(s) for s in scores]
+    return list(scores)
 
 
 def _input_list(value: Any, param: str) -> list[str | list[int]]:
@@ -217,15 +229,18 @@ async def create_classification(engine: EngineClient, req: ClassifyRequest, http
         names = list(engine.labels)
         pooling = PoolingParams(PoolingTask.CLASSIFY)
     outs = await encode_all(engine, f"classify-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    activation = req.activation or ("softmax" if lengths is not None or len(names) > 1 else "sigmoid")
+    if activation == "softmax" and len(names) == 1:
+        raise APIError("activation softmax over one output is always 1: use sigmoid or none", param="activation")
+    if activation == "sigmoid" and lengths is not None:
+        raise APIError("activation sigmoid does not apply to candidate labels (their scores are logprobs): use "
+                       "softmax or none", param="activation")
     data = []
     for i, out in enumerate(outs):
         scores = list(out.scores or ())
         if lengths is not None and req.normalize == "mean":
             scores = [v / n for v, n in zip(scores, lengths)]
-        if lengths is not None:
-            probs = _softmax(scores)
-        else:
-            probs = [_sigmoid(scores[0])] if len(scores) == 1 else _softmax(scores)
+        probs = _activated(scores, activation)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": i, "label": names[best], "probs": probs, "num_classes": len(probs)})
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -238,7 +253,8 @@ async def create_reward(engine: EngineClient, req: RewardRequest, http: HTTPRequ
     prompts = await _tokenized(http, engine, _input_list(req.input, "input"))
     pooling = PoolingParams(PoolingTask.CLASSIFY)
     outs = await encode_all(engine, f"reward-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
-    data = [{"index": i, "object": "reward", "score": (out.scores or (0.0,))[0]} for i, out in enumerate(outs)]
+    data = [{"index": i, "object": "reward", "score": _activated(out.scores or (0.0,), req.activation)[0]}
+            for i, out in enumerate(outs)]
     return {"id": f"reward-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": engine.model_name, "data": data, "usage": _usage(prompts)}
 
