@@ -152,6 +152,10 @@ class AsyncEngine:
     def embed_setup(self) -> EmbedSetup:
         return self.engine.embed_setup
 
+    @property
+    def score_template(self) -> str | None:
+        return self.engine.score_template
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: LoraRequest | None = None
     ) -> AsyncIterator[RequestOutput]:

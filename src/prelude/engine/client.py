@@ -54,6 +54,11 @@ class EngineClient(Protocol):
         """What the model's embeddings are: prompts, size, Matryoshka sizes (None: unknown)."""
         ...
 
+    @property
+    def score_template(self) -> str | None:
+        """A token reranker's prompt template, which /v1/score and /v1/rerank apply."""
+        ...
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:

@@ -171,6 +171,7 @@ class LLMEngine:
             can_generate=self.can_generate, force_paged=sched.force_paged, labels=self.labels,
             default_pooling=self.info.default_pooling, default_ttft_slo_ms=sched.default_ttft_slo_ms,
             lora_enabled=self.runner.adapters is not None, embed=self.info.embed,
+            score_template=self.info.score_template,
         )
 
     @property
@@ -189,6 +190,10 @@ class LLMEngine:
     @property
     def embed_setup(self) -> EmbedSetup:
         return self.info.embed
+
+    @property
+    def score_template(self) -> str | None:
+        return self.info.score_template
 
     # --- requests -------------------------------------------------------------------
 

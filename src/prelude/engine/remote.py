@@ -100,6 +100,10 @@ class ValidatingFront:
     def embed_setup(self) -> EmbedSetup | None:
         return self.info.rules.embed
 
+    @property
+    def score_template(self) -> str | None:
+        return self.info.rules.score_template
+
     def _prepare(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None,
         lora: LoraRequest | None = None,

@@ -36,6 +36,7 @@ class RequestRules:
     default_ttft_slo_ms: float | None = None
     lora_enabled: bool = False  # adapter slots exist (--max-loras)
     embed: EmbedSetup | None = None  # what the model's embeddings are (None: nothing checked)
+    score_template: str | None = None  # a token reranker's prompt template (the score routes apply it)
 
 
 def validate_request(

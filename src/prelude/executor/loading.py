@@ -51,7 +51,8 @@ def load_runner(config: EngineConfig) -> LoadedRunner:
         max_pos = max(max_pos, config.scheduler.max_model_len)
     runner = ModelRunner.create(loaded.config, loaded.weights, config.executor, config.cache.block_size, max_pos,
                                 blocks=loaded.blocks, lora=config.lora, checkpoint_files=weight_files(loaded.model_dir),
-                                sentence=loaded.sentence, matryoshka=loaded.matryoshka)
+                                sentence=loaded.sentence, matryoshka=loaded.matryoshka,
+                                score_template=loaded.score_template)
     loaded.weights.clear()  # the runner holds the device copy; drop the host one
     loaded.blocks.clear()
     return LoadedRunner(runner, loaded.tokenizer, loaded.name)

@@ -23,3 +23,4 @@ class ModelInfo:
     device: str
     dtype: str
     embed: EmbedSetup  # what its embeddings are (prompts, size, Matryoshka sizes)
+    score_template: str | None = None  # a token reranker's prompt template for the score routes

@@ -120,10 +120,11 @@ class ModelRunner:
 
     def __init__(self, model: Model, block_size: int, config: ExecutorConfig | None = None,
                  lora: LoraConfig | None = None, sentence: SentenceModules | None = None,
-                 matryoshka: tuple[int, ...] | None = None) -> None:
+                 matryoshka: tuple[int, ...] | None = None, score_template: str | None = None) -> None:
         """`sentence`: the checkpoint's sentence-transformers modules (pooling, Dense layers,
         Normalize, prompts); `matryoshka`: the sizes its config declares vectors may be cut
-        to (model/sentence_modules.py)."""
+        to (model/sentence_modules.py); `score_template`: a token reranker's prompt template
+        (model/loading/token_scorer.py)."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -151,6 +152,7 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(model.dtype).removeprefix("torch."),
             embed=embed_setup(sentence, int(cfg.hidden_size), matryoshka),
+            score_template=score_template,
         )
         segments = fused_segments_for(model, self.config)  # once: it logs what it picked
         self.forwards: ForwardProvider = self._forward_provider(segments)
@@ -253,6 +255,7 @@ class ModelRunner:
         checkpoint_files: Sequence[Path] = (),
         sentence: SentenceModules | None = None,
         matryoshka: tuple[int, ...] | None = None,
+        score_template: str | None = None,
     ) -> "ModelRunner":
         """Build the model on the configured device from host weights (which the caller
         drops afterwards: no host copy of a GPU model is kept). `blocks`: a GGUF's
@@ -295,7 +298,7 @@ class ModelRunner:
             if made := model.make_packed_copies():
                 logger.info("%d projections' packed copies: amx_gemm.c's ready at start (%.2f s), oneDNN's by a thread "
                             "meanwhile, not by the first prompt", made, time.perf_counter() - start)
-        return cls(model, block_size, config, lora, sentence, matryoshka)
+        return cls(model, block_size, config, lora, sentence, matryoshka, score_template)
 
     def limit_sampled_vocab(self, emittable: int) -> None:
         """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""

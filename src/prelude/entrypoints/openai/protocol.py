@@ -187,6 +187,8 @@ class ScoreRequest(RequestBody):
     text_1: str | list[str] | None = None
     text_2: str | list[str] | None = None
     template: str | None = None
+    # a token reranker's task text inside its own template (Qwen3-Reranker's <Instruct>)
+    instruction: str | None = None
     user: str | None = None
     # SGLang's shape
     query: str | list[int] | None = None
@@ -223,6 +225,7 @@ class RerankRequest(RequestBody):
     top_n: int | None = Field(default=None, ge=0)
     return_documents: bool = True
     template: str | None = None
+    instruction: str | None = None  # a token reranker's task text inside its own template
     user: str | None = None
 
 

@@ -23,6 +23,7 @@ from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput, Sa
 from prelude.entrypoints.openai.disconnect import until_disconnect
 from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.limits import limits_of
+from prelude.entrypoints.openai import score_templates
 from prelude.entrypoints.openai.offload import off_loop_if_large
 from prelude.params import EmbedSetup
 from prelude.entrypoints.openai.protocol import (
@@ -259,18 +260,33 @@ async def create_reward(engine: EngineClient, req: RewardRequest, http: HTTPRequ
             "model": engine.model_name, "data": data, "usage": _usage(prompts)}
 
 
+def _check_template(template: str) -> None:
+    if "{query}" not in template or "{document}" not in template:
+        raise APIError("template must contain {query} and {document}", param="template")
+
+
 async def relevance_scores(
-    engine: EngineClient, pairs: list[tuple[str, str]], template: str | None, http: HTTPRequest
+    engine: EngineClient, pairs: list[tuple[str, str]], template: str | None, http: HTTPRequest,
+    instruction: str | None = None,
 ) -> tuple[list[float], list[list[int]]]:
-    """Cross-encoder head scores, or for a causal LM P("yes") under a template."""
+    """Cross-encoder head scores (a token reranker's under its own template: its head is
+    made from its yes/no rows at load), or for a causal LM P("yes") under a template."""
     if engine.labels:
         encode_pair = getattr(engine.tokenizer, "encode_pair", None)
+        own = score_templates.TEMPLATES.get(getattr(engine, "score_template", None) or "")
+        if template is not None:
+            _check_template(template)
         prompts, poolings = [], []
         for q, d in pairs:
-            if engine.is_encoder and encode_pair is not None:
+            types = None
+            if template is not None:
+                ids = engine.tokenizer.encode(template.replace("{query}", q).replace("{document}", d))
+            elif own is not None:
+                ids = own(engine.tokenizer, q, d, instruction)
+            elif engine.is_encoder and encode_pair is not None:
                 ids, types = encode_pair(q, d)
             else:
-                ids, types = engine.tokenizer.encode(q + "\n" + d), None
+                ids = engine.tokenizer.encode(q + "\n" + d)
             prompts.append(ids)
             poolings.append(PoolingParams(PoolingTask.CLASSIFY, token_type_ids=tuple(types) if types else None))
         outs = await encode_all(engine, f"score-{uuid.uuid4().hex}", prompts, poolings, http)
@@ -282,8 +298,7 @@ async def relevance_scores(
     if not engine.can_generate:
         raise APIError("this model has neither a score head nor a language-model head")
     tmpl = template or DEFAULT_SCORE_TEMPLATE
-    if "{query}" not in tmpl or "{document}" not in tmpl:
-        raise APIError("template must contain {query} and {document}", param="template")
+    _check_template(tmpl)
     labels = _label_token_ids(engine, ["yes", "no"])
     prompts = []
     for q, d in pairs:
@@ -308,7 +323,7 @@ async def create_score(engine: EngineClient, req: ScoreRequest, http: HTTPReques
     if len(first) != len(second):
         raise APIError("text_1 must be one text or as many texts as text_2", param="text_1")
     limits_of(http).check_inputs(len(second), "text_2")
-    scores, prompts = await relevance_scores(engine, list(zip(first, second)), req.template, http)
+    scores, prompts = await relevance_scores(engine, list(zip(first, second)), req.template, http, req.instruction)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": engine.model_name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -328,7 +343,8 @@ async def create_rerank(engine: EngineClient, req: RerankRequest, http: HTTPRequ
         raise APIError("documents must not be empty", param="documents")
     limits_of(http).check_inputs(len(req.documents), "documents")
     docs = [_document_text(d, i) for i, d in enumerate(req.documents)]
-    scores, prompts = await relevance_scores(engine, [(req.query, d) for d in docs], req.template, http)
+    scores, prompts = await relevance_scores(engine, [(req.query, d) for d in docs], req.template, http,
+                                             req.instruction)
     order = sorted(range(len(docs)), key=lambda i: scores[i], reverse=True)
     if req.top_n:  # None or 0: every document (as vLLM and Cohere's API)
         order = order[: req.top_n]

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from prelude.cache_dirs import cache_root
 from prelude.config import ModelConfig
 from prelude.model.arch.bert import EncoderConfig
+from prelude.model.loading import token_scorer
 from prelude.model.registry import config_for
 from prelude.model.sentence_modules import SentenceModules, matryoshka_dimensions, read_sentence_modules
 from prelude.kernels.ggml_blocks import BLOCKS_FILE, GgmlBlocks, load_blocks
@@ -49,6 +50,7 @@ class LoadedModel:
     blocks: dict[str, GgmlBlocks]  # a GGUF's block-format projections by HF name ({} for others)
     sentence: SentenceModules | None = None  # a sentence-transformers folder's modules
     matryoshka: tuple[int, ...] | None = None  # sizes its vectors may be cut to (sentence_modules.py)
+    score_template: str | None = None  # a token reranker's prompt template (token_scorer.py)
 
 
 def default_model_path() -> Path:
@@ -188,17 +190,20 @@ def load_model_files(model: str | None, hf_overrides: Mapping[str, Any] | None =
     model_dir, name = resolve_model_dir(model)
     with open(model_dir / "config.json", encoding="utf-8") as f:
         raw = {**json.load(f), **(hf_overrides or {})}
-    config = config_for(raw, model_dir)
+    config = config_for(token_scorer.as_token_classifier(raw), model_dir)
     weights = base_model_names(load_weights(model_dir))
+    tokenizer = load_tokenizer(model_dir)
+    token_scorer.add_score_head(raw, weights, tokenizer)
     return LoadedModel(
         config=config,
         weights=weights,
-        tokenizer=load_tokenizer(model_dir),
+        tokenizer=tokenizer,
         model_dir=model_dir,
         name=name,
         blocks=load_blocks(model_dir / BLOCKS_FILE),
         sentence=read_sentence_modules(model_dir, int(config.hidden_size)),
         matryoshka=matryoshka_dimensions(raw),
+        score_template=token_scorer.score_template(raw),
     )
 
 
