@@ -359,7 +359,7 @@ class LLMEngine:
     def _fail_step(self, plan: ScheduleResult) -> list[str]:
         """Release everything a failed step held and drop its requests; their ids."""
         self.scheduler.end_step(plan, ok=False)
-        failed = [req.request_id for req in plan.oneshot if self._requests.get(req.request_id) is req]
+        failed = [req.request_id for req in plan.oneshot + plan.chunked if self._requests.get(req.request_id) is req]
         failed += [rid for rid in plan.scheduled if rid in self._requests]
         for rid in failed:
             self.abort(rid)

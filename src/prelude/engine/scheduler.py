@@ -61,6 +61,9 @@ class ScheduleResult:
     scheduled: dict[str, int] = field(default_factory=dict)  # request_id -> tokens computed this step
     preempted: list[Request] = field(default_factory=list)
     oneshot: list[Request] = field(default_factory=list)  # requests of the step's OneShot rows
+    # OneShot requests longer than a step whose row here is a chunk: it computes and
+    # publishes prompt blocks only; they stay waiting and go on from the cache
+    chunked: list[Request] = field(default_factory=list)
     adapters: set[int] = field(default_factory=set)  # LoRA adapters (ids) the step's rows run with
     # Rows scheduled ahead (overlap): their input is the token the step in flight samples
     # for the same request. Request ids, in row order.
@@ -219,6 +222,7 @@ class Scheduler:
         # the bound it started from (a low-priority OneShot row over it may go alone).
         self._low_priority_left: int | None = None
         self._low_priority_cap: int | None = None
+        self._chunking: set[str] = set()  # OneShot requests whose chunk is in a step not yet ended
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -270,6 +274,7 @@ class Scheduler:
                     self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens, namespace(req))
         if ok and plan.oneshot:
             self.gather.step_ended(len(plan.oneshot), len(self.oneshot_waiting), time.monotonic())
+        self._chunking.difference_update(r.request_id for r in plan.chunked)
         for row in plan.oneshot_rows:
             if ok:
                 self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks),
@@ -373,8 +378,10 @@ class Scheduler:
         """OneShot rows of one head group within `budget` prompt tokens and `memory`
         activation bytes, in policy order; `first_goes`: the first request goes even
         alone over budget (the turn that guarantees OneShot work progresses)."""
-        ordered = self._normal_first(
-            self.policy.prefill.order(self.oneshot_waiting, now, lambda r: r.num_prompt_tokens))
+        ordered = self._normal_first(self.policy.prefill.order(
+            [r for r in self.oneshot_waiting if r.request_id not in self._chunking], now, lambda r: r.num_prompt_tokens))
+        if not ordered:
+            return [], []
         group = oneshot_group(ordered[0])
         bs = self.kv.block_size
         rows: list[OneShotRow] = []
@@ -398,6 +405,17 @@ class Scheduler:
             mem = self.activation_bytes(req, n)
             if self._low_priority_tokens(req, n, alone=first_goes and not taken) < n:
                 continue  # low-priority work over this step's bound waits; normal rows may still fit
+            if n > budget and not riding and self._chunkable(req) and self._adapter_fits(req, result):
+                chunk = self._chunk_row(req, prefix, budget)
+                if chunk is not None:
+                    computed = len(chunk.token_ids) - chunk.num_cached
+                    rows.append(chunk)
+                    result.chunked.append(req)
+                    self._chunking.add(req.request_id)
+                    self._took_low_priority(req, computed)
+                    budget -= computed
+                    memory -= self.activation_bytes(req, computed)
+                    continue
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
             if not riding and self._defer(req, key, leaders):
@@ -434,6 +452,32 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.scheduled_time = req.scheduled_time or now
         return rows, taken
+
+    def _chunkable(self, req: Request) -> bool:
+        """A OneShot prompt longer than a step may run in chunks where its head reads its
+        last position only (last-token pooling, classify/reward heads, label scores of an
+        unpacked prompt): each chunk publishes its blocks to the prefix cache, and the rest
+        of the prompt goes on from there, as any request that hits the cache."""
+        return (self.kv.prefix is not None and reuses_prefix(req) and req.params.prompt_logprobs is None
+                and not (req.pooling is not None and req.pooling.item_lens))
+
+    def _chunk_row(self, req: Request, prefix: list[int], budget: int) -> OneShotRow | None:
+        """A row computing the next whole blocks of `req`'s prompt after its cached `prefix`
+        within `budget` tokens, publishing them, with no head; None where no whole block fits
+        or the pool has no room for them (the prompt then runs whole, alone)."""
+        bs = self.kv.block_size
+        blocks = min(budget // bs, (req.num_prompt_tokens - 1) // bs - len(prefix))
+        if blocks < 1:
+            return None
+        publish, _ = self.kv.hold_for_step(prefix, blocks)
+        if not publish:
+            self.kv.drop_step(prefix, [])
+            return None
+        n_cached = len(prefix) * bs
+        end = n_cached + len(publish) * bs
+        self.kv.record(n_cached, end - n_cached)
+        return OneShotRow(req.request_id, req.prompt_token_ids[:end], None, None, num_cached=n_cached,
+                          prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora)
 
     def _oneshot_budget(self) -> int:
         return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
