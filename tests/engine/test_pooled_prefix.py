@@ -96,3 +96,28 @@ def test_a_prompt_longer_than_a_step_runs_in_chunks(qwen3: Any, reward_model: An
     field = "embedding" if task == "embed" else "scores"
     got, want = torch.tensor(getattr(out, field)), torch.tensor(getattr(whole["x"], field))
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("method", "skip"), [("mean", 0), ("mean", 70), ("max", 0), ("max", 130)])
+def test_mean_and_max_pooling_run_in_chunks_with_a_running_pool(qwen3: Any, method: str, skip: int) -> None:
+    """A causal model's mean (or max) pool of a prompt longer than a step: each chunk adds
+    its rows to a running pool (the prompt's first `skip` tokens left out, across chunk
+    boundaries), the last chunk finishes it; equal to the whole prompt pooled at once."""
+    long = (INSTRUCTION * 4)[:250]
+    pooling = PoolingParams(PoolingTask.EMBED, pooling=method, normalize=True, skip_tokens=skip)
+    whole = run(tiny_engine(qwen3, prefix_caching=False, max_num_batched_tokens=512), [("x", long, NO_GEN, pooling)])
+    engine = tiny_engine(qwen3, max_num_batched_tokens=64)
+    engine.add_request("x", long, NO_GEN, pooling)
+    outs, steps = [], 0
+    while engine.has_unfinished():
+        outs += engine.step()
+        steps += 1
+    engine.check_integrity()
+    assert steps == 4
+    (out,) = outs
+    got, want = torch.tensor(out.embedding), torch.tensor(whole["x"].embedding)
+    assert (got - want).abs().max().item() < 1e-5
+    with torch.no_grad():  # and the pool is transformers' hidden states', from `skip` on
+        hidden = qwen3.model(torch.tensor([long])).last_hidden_state[0, skip:]
+    ref = hidden.mean(0) if method == "mean" else hidden.amax(0)
+    assert (got - torch.nn.functional.normalize(ref, dim=0)).abs().max().item() < 1e-4

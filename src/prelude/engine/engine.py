@@ -378,6 +378,12 @@ class LLMEngine:
         outputs = [] if isinstance(plan.batch, OneShotBatch) else self._postprocess_paged(plan, result, now)
         if plan.oneshot_rows:  # a OneShot step, or the OneShot rows of a fused step
             outputs += self._postprocess_oneshot(plan.oneshot, result, now)
+        if plan.chunked:  # chunks of prompts longer than a step: a running pool goes on
+            ends = {row.request_id: len(row.token_ids) for row in plan.oneshot_rows}
+            for req in plan.chunked:
+                head = result.heads.get(req.request_id)
+                if head is not None and head.pooled is not None:
+                    req.pooled, req.pooled_upto = tuple(head.pooled), ends[req.request_id]
         return outputs
 
     def _postprocess_oneshot(self, requests: list[Request], result: BatchOutput, now: float) -> list[RequestOutput]:

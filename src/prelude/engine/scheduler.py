@@ -34,7 +34,7 @@ then finds nothing of theirs in flight). Alone, they run at full steps.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from prelude.config import SchedulerConfig
@@ -99,6 +99,12 @@ def reuses_prefix(req: Request) -> bool:
     return req.pooling is None or req.pooling.task.value != "embed" or req.pooling.pooling == "last"
 
 
+def pools_running(req: Request) -> bool:
+    """Mean or max pooling: pooled in chunks through a running pool (HeadSpec.pooled_before)."""
+    p = req.pooling
+    return p is not None and p.task.value == "embed" and p.pooling in ("mean", "max")
+
+
 # A peer of a request that is computing a cold shared prefix waits at most this many
 # steps for it to land in the cache, then computes whatever is still missing.
 MAX_DEFER_STEPS = 1
@@ -151,10 +157,15 @@ def shareable_tokens(req: Request) -> list[int]:
     return req.prompt_token_ids
 
 
-def head_spec(req: Request) -> HeadSpec | None:
+def head_spec(req: Request, chunk: bool = False) -> HeadSpec | None:
+    """`chunk`: the head of a chunk of a running pool (it returns the pool so far)."""
     if req.head_done or (req.pooling is None and req.params.prompt_logprobs is None):
         return None
-    return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=req.pooling)
+    pooling = req.pooling
+    if req.pooled_upto and pooling is not None:  # the prompt's tokens still to skip, after those pooled
+        pooling = replace(pooling, skip_tokens=max(0, pooling.skip_tokens - req.pooled_upto))
+    return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=pooling, pooled_before=req.pooled,
+                    pool_chunk=chunk)
 
 
 def sample_spec(req: Request, pending: int = 0) -> SampleSpec | None:
@@ -305,7 +316,14 @@ class Scheduler:
         return n * per_token
 
     def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
-        return self.kv.match(tokens, namespace(req)) if reuses_prefix(req) else []
+        if reuses_prefix(req):
+            return self.kv.match(tokens, namespace(req))
+        if req.pooled_upto:  # a running pool goes on after the blocks its chunks published
+            found = self.kv.match(tokens, namespace(req))[: req.pooled_upto // self.kv.block_size]
+            if len(found) * self.kv.block_size == req.pooled_upto:
+                return found
+            req.pooled_upto, req.pooled = 0, None  # some were evicted: pool again from the start
+        return []
 
     def _adapter_fits(self, req: Request, result: ScheduleResult) -> bool:
         """Whether the request's adapter fits the step: a step holds at most `max_loras`
@@ -457,9 +475,10 @@ class Scheduler:
         """A OneShot prompt longer than a step may run in chunks where its head reads its
         last position only (last-token pooling, classify/reward heads, label scores of an
         unpacked prompt): each chunk publishes its blocks to the prefix cache, and the rest
-        of the prompt goes on from there, as any request that hits the cache."""
-        return (self.kv.prefix is not None and reuses_prefix(req) and req.params.prompt_logprobs is None
-                and not (req.pooling is not None and req.pooling.item_lens))
+        of the prompt goes on from there, as any request that hits the cache. Mean and max
+        pooling too: each chunk adds its rows to a running pool."""
+        return (self.kv.prefix is not None and (reuses_prefix(req) or pools_running(req))
+                and req.params.prompt_logprobs is None and not (req.pooling is not None and req.pooling.item_lens))
 
     def _chunk_row(self, req: Request, prefix: list[int], budget: int) -> OneShotRow | None:
         """A row computing the next whole blocks of `req`'s prompt after its cached `prefix`
@@ -476,7 +495,8 @@ class Scheduler:
         n_cached = len(prefix) * bs
         end = n_cached + len(publish) * bs
         self.kv.record(n_cached, end - n_cached)
-        return OneShotRow(req.request_id, req.prompt_token_ids[:end], None, None, num_cached=n_cached,
+        head = head_spec(req, chunk=True) if pools_running(req) else None
+        return OneShotRow(req.request_id, req.prompt_token_ids[:end], None, head, num_cached=n_cached,
                           prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora)
 
     def _oneshot_budget(self) -> int:

@@ -30,6 +30,29 @@ def pool(hidden: torch.Tensor, method: str, skip: int = 0) -> torch.Tensor:
     raise ValueError(f"unknown pooling {method!r}")
 
 
+def running_pool(hidden: torch.Tensor, skip: int, before: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk's contribution to a mean or max pool, added to `before`: [count, sums [H],
+    maxima [H]] (float32), the rows from `skip` on; a running pool across chunks instead of
+    a second pass over the whole sequence."""
+    rows = hidden[skip:].float()
+    width = hidden.shape[1]
+    own = torch.cat([torch.tensor([float(rows.shape[0])], device=hidden.device), rows.sum(0),
+                     rows.amax(0) if rows.shape[0] else torch.full((width,), float("-inf"), device=hidden.device)])
+    if before is None:
+        return own
+    return torch.cat([own[: 1 + width] + before[: 1 + width], torch.maximum(own[1 + width:], before[1 + width:])])
+
+
+def pooled_value(running: torch.Tensor, method: str) -> torch.Tensor:
+    """The mean or max of a running pool."""
+    width = (running.shape[0] - 1) // 2
+    if method == "mean":
+        return running[1 : 1 + width] / running[0].clamp(min=1.0)
+    if method == "max":
+        return running[1 + width:]
+    raise ValueError(f"pooling {method!r} has no running form")
+
+
 class Pooler:
     """The pooled head of a model: its Dense layers on its device, float32."""
 
@@ -39,10 +62,14 @@ class Pooler:
                       for d in dense]
 
     def __call__(self, hidden: torch.Tensor, method: str, skip: int = 0, dimensions: int | None = None,
-                 normalize: bool = False) -> torch.Tensor:
+                 normalize: bool = False, before: torch.Tensor | None = None) -> torch.Tensor:
         """[n, H] -> the sentence embedding [D] (float32), cut to `dimensions` first and
-        normalized after (a cut of a normalized vector, normalized again, is the same)."""
-        vec = pool(hidden, method, skip)
+        normalized after (a cut of a normalized vector, normalized again, is the same).
+        `before`: the running pool of the sequence's earlier chunks (mean, max)."""
+        if before is None:
+            vec = pool(hidden, method, skip)
+        else:
+            vec = pooled_value(running_pool(hidden, skip, before), method)
         for weight, bias, act in self.dense:
             vec = act(F.linear(vec, weight, bias))
         if dimensions is not None:
