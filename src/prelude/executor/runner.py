@@ -41,7 +41,7 @@ from prelude.executor.read_rows import StepReads, row_read, step_reads
 from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.forward_batch import (BatchRow, DecodeBatch, ForwardBatch, HeadSpec, MixedBatch, OneShotBatch,
                                   OneShotRow, SampleSpec)
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.layers.linear import bound_onednn_caches
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
@@ -230,7 +230,7 @@ class ModelRunner:
         config: ExecutorConfig,
         block_size: int,
         max_positions: int | None = None,
-        blocks: Mapping[str, GgmlBlocks] | None = None,
+        blocks: Mapping[str, GgmlQuants] | None = None,
         lora: LoraConfig | None = None,
         checkpoint_files: Sequence[Path] = (),
     ) -> "ModelRunner":

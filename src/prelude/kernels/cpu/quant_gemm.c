@@ -7,7 +7,7 @@
  * result equals x . W^T over the float32 weights the prefill GEMMs use up to float32
  * rounding of the sums (the order differs, as it does between any two GEMM libraries).
  *
- * Layout (see ggml_blocks.py): qs [N, K/2] (4-bit: in each 16-byte block, byte j holds
+ * Layout (see kernels/ggml_quants.py): qs [N, K/2] (4-bit: in each 16-byte block, byte j holds
  * element j in its low nibble and element j + 16 in its high nibble) or [N, K] (int8);
  * d, m [N, K/32] float32 (m only for Q4_1). Built with -mavx2 -mfma -ffp-contract=off.
  */

@@ -35,8 +35,8 @@ from prelude.kernels.cpu import native_lib
 from prelude.kernels.cpu.amx_gemm import AmxGemm
 from prelude.kernels.cpu.f32_gemm import F32Gemm
 from prelude.kernels.cpu.bf16_rows import Bf16Rows
-from prelude.kernels.cpu.quant_gemm import BlocksKernel
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.cpu.quant_gemm import QuantKernel
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.layers.linear import dense_linear, own_gemm_kernel, tile_rows_kernel
 
 logger = logging.getLogger("prelude.model.fast_paths.decode_routes")
@@ -78,7 +78,7 @@ def crossover(ms: dict[int, tuple[float, float]]) -> int:
     return best
 
 
-def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.dtype) -> Path:
+def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlQuants]], dtype: torch.dtype) -> Path:
     here = Path(__file__).resolve().parents[2]  # the prelude package
     key = [str(dtype), torch.__version__, ",".join(sorted(native_lib.cpu_isa_flags())),
            str(torch.get_num_threads())]
@@ -88,9 +88,9 @@ def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.d
     return cache_root() / "kernels" / f"decode-routes-{digest}.json"
 
 
-def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequence[torch.Tensor],
+def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlQuants]], packed: Sequence[torch.Tensor],
                tiles: Sequence[Bf16Rows | None], gemms: Sequence[tuple[AmxGemm | F32Gemm, torch.Tensor] | None],
-               kernel: BlocksKernel, dtype: torch.dtype, rows: int) -> tuple[float, float]:
+               kernel: QuantKernel, dtype: torch.dtype, rows: int) -> tuple[float, float]:
     """(blocks, dense) ms of CPU time for one call of every projection at `rows` rows."""
     xs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w, _ in pairs}}
 
@@ -112,7 +112,7 @@ def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequenc
     return 1000 * min(times["blocks"]), 1000 * min(times["dense"])
 
 
-def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel, dtype: torch.dtype,
+def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlQuants]], kernel: QuantKernel, dtype: torch.dtype,
              gemm_copies: Sequence[Callable[[], torch.Tensor | None]] | None) -> dict[int, tuple[float, float]]:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w, _ in pairs]
     tiles = [tile_rows_kernel(w) for w, _ in pairs]  # what each projection's dense calls take
@@ -139,7 +139,7 @@ def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKer
     return ms
 
 
-def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel, dtype: torch.dtype,
+def choose(pairs: Sequence[tuple[torch.Tensor, GgmlQuants]], kernel: QuantKernel, dtype: torch.dtype,
            gemm_copies: Sequence[Callable[[], torch.Tensor | None]] | None = None) -> RouteChoice:
     """The row counts the blocks serve, for the projections `pairs` (dense weight in
     `dtype`, its blocks): from the cache, else measured now and cached. `gemm_copies`: per

@@ -49,7 +49,7 @@ from prelude.kernels.cpu.layer_loop import (
 from prelude.model.attention.cpu_backend import CpuAttention
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.kernels.cpu.cpu_fused import CpuFusedKernels, load_cpu_kernels
-from prelude.kernels.ggml_blocks import KINDS
+from prelude.kernels.ggml_quants import KINDS
 from prelude.model.layers.linear import C_ROUTES, Projection
 from prelude.model.read_positions import ReadPositions
 

@@ -48,10 +48,10 @@ took 12.2-14.1 ms against oneDNN's 16.6-22.7 at 1-16 rows, 23.5-26.2 vs 31.0-34.
 (alternated, two threads; at 48 rows oneDNN was ahead).
 
 A GGUF checkpoint's projections can also come in their stored block format (Q4_0, Q4_1,
-Q8_0: model/ggml_blocks.py). Few-row calls then read the blocks (model/blocks_kernel.py:
+Q8_0: model/ggml_quants.py). Few-row calls then read the blocks (model/blocks_kernel.py:
 float32 rows on any AVX2 CPU, bf16 rows on an AVX512-BF16 one): 5-8x fewer bytes, the
 same weights. The blocks' work grows with every row, so up to how many rows they pay is
-measured per CPU and dtype (decode_routes.py; BlocksPath.max_rows). On the AVX2 EPYC,
+measured per CPU and dtype (decode_routes.py; QuantPath.max_rows). On the AVX2 EPYC,
 SmolLM2-135M's projections and head per decode step (alternated medians): 1 row 32.2 ->
 11.0 ms, 4 rows 40.1 -> 20.2 ms, 8 rows 43.8 -> 38.2 ms, 16 rows 59.4 -> 78.6 ms. On the
 AVX512-BF16 Zen 5 in bf16 (one thread's CPU time): 1 row 12.2 -> 6.6 ms, 4 rows 12.7 ->
@@ -73,9 +73,9 @@ import torch.nn.functional as F
 from prelude.kernels.cpu import native_lib
 from prelude.kernels.cpu.amx_gemm import AmxGemm, load_amx_gemm
 from prelude.kernels.cpu.bf16_rows import TILE_MAX_ROWS, Bf16Rows, load_bf16_rows
-from prelude.kernels.cpu.quant_gemm import BlocksKernel
+from prelude.kernels.cpu.quant_gemm import QuantKernel
 from prelude.kernels.cpu.f32_gemm import F32Gemm, load_f32_gemm
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.kernels.cpu.row_gemv import BLOCKED_MAX_ROWS, RowGemv, load_row_gemv
 
 
@@ -103,7 +103,7 @@ PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the
 # cost more than the steps save (130 rows, two threads, its four shapes: MKL 0.215 ms, cut
 # 0.274), over SmolLM2's (576 x 576 and up) the cut halves the time (5.14 -> 2.78 ms).
 PIECES_MIN_WEIGHT = 1 << 18
-BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
+QUANT_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 entries each). Every bf16
 # GEMM goes through oneDNN, packed or not (F.linear too), and each row count is a new
 # kernel that holds its own scratch memory, ~2.8 KiB per row for a 576x1536 weight (1,000
@@ -156,23 +156,23 @@ C_ROUTE_SLOTS = 3  # layer_loop.c's Proj holds this many (upto, via) intervals
 
 
 @dataclass(frozen=True)
-class BlocksPath:
+class QuantPath:
     """A projection's GGUF blocks, the kernel that reads them, and the most rows a call may
     have to read them (decode_routes.py measures where they stop paying on this CPU)."""
 
-    blocks: GgmlBlocks
-    kernel: BlocksKernel
-    max_rows: int = BLOCKS_MAX_ROWS
+    blocks: GgmlQuants
+    kernel: QuantKernel
+    max_rows: int = QUANT_MAX_ROWS
 
 
 class Projection:
-    """A frozen linear layer over `weight` [out, in]. Calls of at most BLOCKS_MAX_ROWS rows
+    """A frozen linear layer over `weight` [out, in]. Calls of at most QUANT_MAX_ROWS rows
     read `blocks` where given; prepacked, bf16 calls of up to TILE_MAX_ROWS rows take the
     tile form on an AMX CPU (tile_rows_take), and a oneDNN copy serves the rest of the calls
     whose row count packed_rows takes (float32 pads some up)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False,
-                 blocks: BlocksPath | None = None, head: bool = False) -> None:
+                 blocks: QuantPath | None = None, head: bool = False) -> None:
         if blocks is not None and (blocks.blocks.out_features, blocks.blocks.in_features) != tuple(weight.shape):
             raise ValueError(f"blocks of {blocks.blocks.out_features}x{blocks.blocks.in_features} for a weight "
                              f"of {tuple(weight.shape)}")

@@ -27,7 +27,7 @@ from prelude.cache_dirs import cache_root
 from prelude.config import ModelConfig
 from prelude.model.arch.bert import EncoderConfig
 from prelude.model.registry import config_for
-from prelude.kernels.ggml_blocks import BLOCKS_FILE, GgmlBlocks, load_blocks
+from prelude.kernels.ggml_quants import BLOCKS_FILE, GgmlQuants, load_blocks
 from prelude.tokenizer.base import Tokenizer
 from prelude.tokenizer.loading import load_tokenizer
 
@@ -44,7 +44,7 @@ class LoadedModel:
     tokenizer: Tokenizer  # fasttoken when it passed its equality gate, else HF tokenizers
     model_dir: Path
     name: str
-    blocks: dict[str, GgmlBlocks]  # a GGUF's block-format projections by HF name ({} for others)
+    blocks: dict[str, GgmlQuants]  # a GGUF's block-format projections by HF name ({} for others)
 
 
 def default_model_path() -> Path:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 
 logger = logging.getLogger("prelude.model.loading.prepared")
 
@@ -46,7 +46,7 @@ MIN_CHECKPOINT_BYTES = 128 << 20
 KEEP_OTHER_CODE = 1
 _FOLDER = "\x00folder"  # metadata: the checkpoint's folder, so a save can drop files of deleted ones
 # The modules whose code decides each entry's bits: a change to any of them is a new file.
-_DERIVING_CODE = ("model/arch/llama.py", "kernels/ggml_blocks.py", "model/loading/prepared.py", "kernels/cpu/amx_gemm.py",
+_DERIVING_CODE = ("model/decoder.py", "kernels/ggml_quants.py", "model/loading/prepared.py", "kernels/cpu/amx_gemm.py",
                   "kernels/cpu/amx_gemm.c")  # under the prelude package
 
 
@@ -98,7 +98,7 @@ class PreparedTensors:
         self._used[key] = found
         return found
 
-    def blocks(self, key: str, make: Callable[[], GgmlBlocks | None]) -> GgmlBlocks | None:
+    def blocks(self, key: str, make: Callable[[], GgmlQuants | None]) -> GgmlQuants | None:
         """The block-format entry `key` (None is an answer too): the file's, else `make()`."""
         kind = self._kinds.get(key)
         parts = {p: self._stored[f"{key}.{p}"] for p in ("qs", "d", "m") if f"{key}.{p}" in self._stored}
@@ -118,7 +118,7 @@ class PreparedTensors:
         if kind == "none":
             return None
         self._used |= {f"{key}.{p}": t for p, t in parts.items()}
-        return GgmlBlocks(kind, parts["qs"], parts["d"], parts.get("m"))
+        return GgmlQuants(kind, parts["qs"], parts["d"], parts.get("m"))
 
     def save(self) -> bool:
         """Write the entries this build used, when it derived any (atomically: a reader never
@@ -234,7 +234,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGN == 0 else t.clone()
 
 
-def _block_parts(blocks: GgmlBlocks) -> dict[str, torch.Tensor]:
+def _block_parts(blocks: GgmlQuants) -> dict[str, torch.Tensor]:
     parts = {"qs": blocks.qs, "d": blocks.d}
     if blocks.m is not None:
         parts["m"] = blocks.m

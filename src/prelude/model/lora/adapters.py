@@ -46,7 +46,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model.layers.decoder_segments import HeadWeights, Linear, TailWeights, linear
+from prelude.model.layers.decoder_segments import PreAttention, Linear, PostAttention, linear
 from prelude.model.layers.linear import bound_onednn_caches, prepack_enabled
 from prelude.kernels.cpu.lora_cpu import CPU_KERNEL_DTYPES, SlotOperands, StreamLayout, load_lora_kernel
 
@@ -476,10 +476,10 @@ class LoraStep:
     slots: LoraSlots
     batch: LoraBatch
 
-    def head(self, layer: int, w: HeadWeights) -> HeadWeights:
+    def pre_attention(self, layer: int, w: PreAttention) -> PreAttention:
         return w._replace(qkv=LoraLinear(w.qkv, w.qkv_bias, self.slots, layer, "qkv", self.batch), qkv_bias=None)
 
-    def tail(self, layer: int, w: TailWeights) -> TailWeights:
+    def post_attention(self, layer: int, w: PostAttention) -> PostAttention:
         s, batch = self.slots, self.batch
         return w._replace(o_proj=LoraLinear(w.o_proj, None, s, layer, "o_proj", batch),
                           gate_up=LoraLinear(w.gate_up, None, s, layer, "gate_up", batch),
