@@ -6,7 +6,7 @@
  * this forward's k/v tensors) and decode rows (one query over the pool), GQA, float32 or
  * bf16 tensors. The math is float32 inside, softmax online (running max and sum per query,
  * rescaled per key tile) in the log2 domain. The same semantics as the Triton kernels of
- * triton_kernels.py, including the multi-item segment mask.
+ * kernels/triton/attention.py, including the multi-item segment mask.
  *
  * Work items are (row, KV head, query tile); each one loads a key tile once for all the
  * query heads that share its KV head. Two inner forms:
