@@ -6,9 +6,9 @@
  *
  * Short prompts' projections (model/layers/linear.py sends calls of 33..128 rows here):
  * weights of a few MB at most, streamed from memory once a call, on which oneDNN's packed
- * kernels reach a fraction of the tile unit's rate from L1. Here A is 16 rows of x straight from x (its row stride),
- * B the packed weight, and a 32 x 32 block of y sits in four C tiles (2 A x 2 B: every
- * tile loaded feeds two products). The k loop runs in slabs of KC_CHUNKS x 32 so one slab
+ * kernels reach a fraction of the tile unit's rate from L1. Here A is 16 rows of x
+ * straight from x (its row stride), B the packed weight, and a 32 x 32 block of y sits in
+ * four C tiles (2 A x 2 B: every tile loaded feeds two products). The k loop runs in slabs of KC_CHUNKS x 32 so one slab
  * of a 32-output pair's weight (18 KB) and of a 32-row block of x fit L1 together while
  * the slab passes over ROW_CHUNK rows; the four C tiles wait in a per-thread buffer
  * between slabs (float32 stores and loads: exact). The next pair's weight is prefetched
