@@ -286,8 +286,9 @@ class Decoder:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
         a packed copy, make them now: amx_gemm.c's here (calls past the few-row routes up to
         its max_rows, and the C layer loop read them), oneDNN's on a thread where a call can
-        take them (longer calls: work a serving engine's start no longer waits for; the first forward waits for the rest, so a process's memory
-        holds them all from its first answer on). Returns how many projections have them. In
+        take them (longer calls: work a serving engine's start no longer waits for; the
+        first forward waits for the rest, so a process's memory holds them all from its
+        first answer on). Returns how many projections have them. In
         float32 only f32_gemm.c's (a CPU without AVX-512): oneDNN's serve decode sizes and
         calls from a 128-row step up, so a server that scores short texts never needs them,
         and the first call that does makes them."""
