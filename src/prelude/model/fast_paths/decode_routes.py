@@ -155,13 +155,15 @@ def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKerne
         data = json.loads(path.read_text())
         ms = {int(r): (float(b), float(d)) for r, (b, d) in data["ms"].items()}
         cached = RouteChoice(int(data["blocks_max_rows"]), ms, "cached")
-        logger.debug("decode routes of %d projections in %s (cached): %s", len(pairs), dtype, cached.figures())
+        logger.debug("decode routes of %d projection(s) in %s (cached): %s", len(pairs),
+                     str(dtype).removeprefix("torch."), cached.figures())
         return cached
     except (OSError, ValueError, KeyError, TypeError):
         pass
     ms = _measure(pairs, kernel, dtype, gemm_copies)
     choice = RouteChoice(crossover(ms), ms, "measured")
-    logger.debug("decode routes of %d projections in %s (measured): %s", len(pairs), dtype, choice.figures())
+    logger.debug("decode routes of %d projection(s) in %s (measured): %s", len(pairs),
+                 str(dtype).removeprefix("torch."), choice.figures())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
