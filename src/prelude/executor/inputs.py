@@ -24,12 +24,12 @@ _PAD = (0,) * _ALIGN
 def pack_int64(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor]:
     """Copy several int lists to the device in one transfer; returns one view per list.
     Each view starts 16-byte aligned: Triton specializes kernels on a pointer's 16-byte
-    alignment, so an odd offset would compile another variant mid-request (~1 s on an H100)
+    alignment, so an odd offset would compile another variant mid-request (a pause of about a second)
     instead of reusing the one compiled for the graphs' static buffers.
 
     The values go through an `array('q')` and `torch.frombuffer` (which keeps the array
-    alive): `torch.tensor` of a Python list converts element by element, ~25 us for a
-    128-token row's ids and positions against ~6 here."""
+    alive): `torch.tensor` of a Python list converts element by element, several times
+    slower for a prompt's ids and positions."""
     buf = array("q")
     spans: list[tuple[int, int]] = []
     for p in parts:

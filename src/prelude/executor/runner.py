@@ -60,7 +60,7 @@ logger = logging.getLogger("prelude.executor")
 
 
 def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments | None:
-    """The fused segments (model/fused_segments.py) for a decoder: over the Triton kernels on
+    """The fused segments (model/layers/fused_segments.py) for a decoder: over the Triton kernels on
     CUDA, over the C kernels for float32 and bfloat16 on the CPU; None (the model's own eager
     segments) when turned off or where the kernels cannot run."""
     if not config.fused_kernels or model.is_encoder:
@@ -238,7 +238,7 @@ class ModelRunner:
         drops afterwards: no host copy of a GPU model is kept). `blocks`: a GGUF's
         block-format projections, which CPU decode reads where it can. `checkpoint_files`:
         the files `weights` and `blocks` were read from; on a CPU what the build derives from
-        them is kept on disk for the next start (model/prepared.py); () keeps nothing."""
+        them is kept on disk for the next start (model/loading/prepared.py); () keeps nothing."""
         device = resolve_device(config.device)
         if device.type == "cpu":  # before any of the model's GEMMs (encoders call F.linear directly)
             bound_onednn_caches()
@@ -435,7 +435,8 @@ class ModelRunner:
     def heads_outweigh_trunk(self, tokens: int, sampled: int) -> bool:
         """Whether, on a CPU, a step's LM head over its `sampled` rows has at least the
         multiply-adds of its trunk over `tokens` (decode of a small model with a large
-        vocabulary: the free model's head is ~20x its trunk a row, SmolLM2-135M's ~0.3x)."""
+        vocabulary: the free model's head outweighs its trunk many times over a row,
+        SmolLM2-135M's is a fraction of it)."""
         threads = self.step_threads
         return (self.device.type == "cpu" and sampled > 0
                 and sampled * threads.flops_per_logit_row >= tokens * threads.flops_per_token > 0)

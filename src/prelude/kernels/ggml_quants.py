@@ -3,7 +3,7 @@
 A GGUF checkpoint is converted once into float32 safetensors (what prefill GEMMs and
 every other engine read), and its quantized projections are also kept as they were
 stored, repacked into three plain arrays per weight: few-row calls (decode) read those
-through model/blocks_kernel.py, 5-8x fewer bytes than float32. Expanded, a block equals
+through kernels/cpu/quant_gemm.py, far fewer bytes than float32. Expanded, a block equals
 gguf's own dequantization bit for bit (`dequantize`), so both copies hold the same weights.
 
 Stored beside the converted model as BLOCKS_FILE, with tensor names

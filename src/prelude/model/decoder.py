@@ -66,7 +66,7 @@ class CastWeights(Mapping[str, torch.Tensor]):
     """A checkpoint's tensors in the model's dtype and on its device, each converted at its
     first read; `stacked` converts pieces straight into one fused tensor. A bf16 start of
     SmolLM2-135M had cast every float32 tensor and then copied q/k/v and gate/up again into
-    their fused weights (`torch.cat`, ~0.1 s of its start-up); the values are the same (one
+    their fused weights (`torch.cat`, a visible share of its start-up); the values are the same (one
     rounding of each float32 value either way). Casts and stacks come from `prepared` where
     an earlier start kept them."""
 
@@ -180,7 +180,7 @@ class Decoder:
         blocks: Mapping[str, GgmlQuants] | None = None,
         prepared: DerivedTensors | None = None,
     ) -> None:
-        """`prepared`: what an earlier start derived from these weights (model/prepared.py);
+        """`prepared`: what an earlier start derived from these weights (model/loading/prepared.py);
         this build's casts, stacks and stacked blocks are read from it or made and kept in it."""
         self.config = config
         self.spec = spec
@@ -276,7 +276,7 @@ class Decoder:
 
     def _adopt_amx_copies(self, prepared: DerivedTensors) -> None:
         """amx_gemm.c's copies from the prepared file (made and kept there the first time):
-        ~0.1-0.16 s of a bf16 start on an AMX CPU, where the C layer loop takes them at
+        a visible share of a bf16 start on an AMX CPU, where the C layer loop takes them at
         build. Keyed by the projection's place in the model and its shape (the digested code
         fixes the order)."""
         for i, p in enumerate(self._projections()):
@@ -286,9 +286,9 @@ class Decoder:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
         a packed copy, make them now: amx_gemm.c's here (calls past the few-row routes up to
         its max_rows, and the C layer loop read them), oneDNN's on a thread where a call can
-        take them (longer calls: ~0.15-0.25 s for SmolLM2-135M that a serving engine's start
-        no longer waits for; the first forward waits for the rest, so a process's memory
-        holds them all from its first answer on). Returns how many projections have them. In
+        take them (longer calls: work a serving engine's start no longer waits for; the
+        first forward waits for the rest, so a process's memory holds them all from its
+        first answer on). Returns how many projections have them. In
         float32 only f32_gemm.c's (a CPU without AVX-512): oneDNN's serve decode sizes and
         calls from a 128-row step up, so a server that scores short texts never needs them,
         and the first call that does makes them."""

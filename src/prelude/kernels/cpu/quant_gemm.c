@@ -1,8 +1,8 @@
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias) with W kept in GGUF's 32-weight blocks
  * (Q4_0, Q4_1, Q8_0), for the few-row calls of decode (AVX2 + FMA, OpenMP over N).
  *
- * Decode on a CPU reads every weight once per step: float32 weights make it memory-bound
- * (SmolLM2-135M: 540 MB per step). The blocks are 5-8x smaller. A block's contribution is
+ * Decode on a CPU reads every weight once per step: float32 weights make it memory-bound.
+ * The blocks take a quarter to a seventh of float32's bytes. A block's contribution is
  * d * (x . q) + m * sum(x) (gguf's dequantization, d * q + m, distributed), so the
  * result equals x . W^T over the float32 weights the prefill GEMMs use up to float32
  * rounding of the sums (the order differs, as it does between any two GEMM libraries).

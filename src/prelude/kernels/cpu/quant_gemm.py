@@ -1,5 +1,5 @@
 """The few-row GEMM over GGUF blocks (quant_gemm.c), built once per machine
-(model/native_lib.py) and called through ctypes: float32 activations on any AVX2+FMA CPU,
+(kernels/cpu/native_lib.py) and called through ctypes: float32 activations on any AVX2+FMA CPU,
 bf16 activations where the CPU has AVX512-BF16 (`QuantKernel.bf16`). Without a compiler
 or an AVX2+FMA CPU, `load_kernel()` returns None and projections keep their dense path.
 """

@@ -1,7 +1,8 @@
 """The decoder's segments (see decoder_segments.py) on fused elementwise kernels: the same
 math, the same signatures, four kernel calls per layer instead of ~25 ops. Built over
-either kernel set with the same four functions: the Triton kernels (fused_kernels.py, CUDA,
-captured by the CUDA graphs) or the C kernels (cpu_fused_kernels.py, float32 on the CPU).
+either kernel set with the same four functions: the Triton kernels (kernels/triton/fused.py,
+CUDA, captured by the CUDA graphs) or the C kernels (kernels/cpu/cpu_fused.py, float32 and
+bfloat16 on the CPU).
 The executor picks them (ExecutorConfig.fused_kernels)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from prelude.model.layers.decoder_segments import QKV, DecoderSegments, PreAtten
 
 
 class ElementwiseKernels(Protocol):
-    """What a fused kernel set provides (fused_kernels.py's module functions, or
+    """What a fused kernel set provides (kernels/triton/fused.py's module functions, or
     CpuFusedKernels' methods)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...

@@ -111,8 +111,8 @@ def cached_gguf_dir(gguf_path: Path) -> Path | None:
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached HF-style directory of a GGUF, converting it (atomically) on first use."""
-    # imported only where a conversion runs: the gguf package is 36-98 ms here of a
-    # warm start that reads the cached copy
+    # imported only where a conversion runs: importing the gguf package would be a visible
+    # share of a warm start that reads the cached copy
     target = _converted_target(gguf_path)
     if (target / "config.json").exists():
         if not (target / BLOCKS_FILE).exists():  # converted before blocks were kept
@@ -149,7 +149,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def prepared_dir() -> Path:
-    """Where the prepared weights of every checkpoint are kept (model/prepared.py)."""
+    """Where the prepared weights of every checkpoint are kept (model/loading/prepared.py)."""
     return cache_root() / "prepared"
 
 

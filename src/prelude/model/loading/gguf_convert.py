@@ -1,6 +1,6 @@
 """Convert a GGUF file (llama / qwen2 / qwen3 architectures) into an HF-style directory.
 
-The file is read with model/gguf_file.py; tensors are dequantized to float32 (Q4_0, Q4_1 and
+The file is read with model/loading/gguf_file.py; tensors are dequantized to float32 (Q4_0, Q4_1 and
 Q8_0 from their blocks, other types with the `gguf` package); llama.cpp's tensor names
 map to HF names, and the rotary row permutation that llama.cpp's converter applies to
 llama-architecture q/k projections is undone. The tokenizer is rebuilt from the GGUF's
@@ -203,7 +203,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name in blocks:  # expanded from its blocks: bit-equal to gguf's dequantizer, ~5x faster
+        if name in blocks:  # expanded from its blocks: bit-equal to gguf's dequantizer, and faster
             weights[name] = blocks[name].dequantize().contiguous()
             continue
         array = gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)

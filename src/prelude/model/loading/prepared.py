@@ -1,9 +1,9 @@
 """Tensors a decoder's build derives from its checkpoint, kept on disk between starts.
 
-A bf16 start of SmolLM2-135M cast every float32 tensor, stacked q/k/v and gate/up into
-fused weights and stacked their GGUF blocks alike: ~0.3 s alone, ~0.6 s in a server,
-where the HTTP modules import on the other thread meanwhile and the build is the start's
-critical path. The first start writes what it derived into one safetensors file; later
+A bf16 start casts every float32 tensor, stacks q/k/v and gate/up into fused weights and
+stacks their GGUF blocks alike, and in a server, where the HTTP modules import on the
+other thread meanwhile, that build is the start's critical path. The first start writes
+what it derived into one safetensors file; later
 starts map that file (pages read on first touch, shared with the page cache) and derive
 nothing.
 
@@ -187,7 +187,7 @@ def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     """A safetensors file whose every tensor starts on a 64-byte boundary of the file (and so
     of a mapping of it). safetensors' own writer packs tensors at 8 bytes: a mapped bf16
     weight then splits every 64-byte load over two cache lines, and the kernels that read
-    plain weights (few-row projections, the head) ran up to ~1.2x slower. The format allows
+    plain weights (few-row projections, the head) ran measurably slower. The format allows
     no holes, so a gap is a named uint8 filler, which readers skip."""
     header: dict[str, object] = {"__metadata__": metadata}
     layout: list[torch.Tensor | int] = []  # tensors, and filler byte counts between them
