@@ -14,7 +14,7 @@ from prelude.config import PolicyConfig, SchedulerConfig
 from prelude.engine.validation import RequestRules, validate_request
 from prelude.engine.policies import make_policy
 from prelude.engine.policies.laps import LAPSPrefill, StepTimeModel
-from prelude.engine.request import Request, RequestStatus
+from prelude.engine.request import Request
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.kv.kv_manager import KVCacheManager
 
@@ -50,8 +50,7 @@ def fake_execute(s: Scheduler, plan: ScheduleResult, finished: list[str]) -> Non
         if rid in samples:
             req.output_token_ids.append(7)
             if len(req.output_token_ids) >= req.max_output_tokens:
-                s.remove(req)
-                req.status = RequestStatus.FINISHED
+                s.finish(req)
                 finished.append(rid)
     s.kv.check_integrity()
 

@@ -30,7 +30,6 @@ from prelude.engine.request import (
     PoolingParams,
     Request,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
@@ -230,7 +229,8 @@ class LLMEngine:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         needs_forward = req.max_output_tokens > 0 or req.pooling is not None or req.params.prompt_logprobs is not None
         if not needs_forward:
-            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+            req.finish_reason = FinishReason.LENGTH
+            self.scheduler.finish(req)  # never queued: only its status changes
             self._ready.append(emit(req, new_stream(self.tokenizer, req), 0, finished=True))
             return
         self._requests[req.request_id] = req
@@ -260,8 +260,8 @@ class LLMEngine:
         if req is None:
             return False
         self._streams.pop(request_id, None)  # OneShot requests never had one
-        self.scheduler.remove(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+        self.scheduler.finish(req)
+        req.finish_reason = FinishReason.ABORT
         return True
 
     def has_unfinished(self) -> bool:
@@ -383,7 +383,7 @@ class LLMEngine:
                 sampled.token_id if sampled else None, sampled.logprob if sampled else None,
                 result.heads.get(req.request_id),
             ))
-            req.status = RequestStatus.FINISHED
+            self.scheduler.finish(req)
             del self._requests[req.request_id]
             self._record_finished(req)
         return outputs
@@ -430,8 +430,7 @@ class LLMEngine:
             resumable_copy(req), req.num_computed_tokens, self.block_size, self.runner.read_kv_blocks(blocks),
             exported_at=time.monotonic()))
         self.handoff_counts["exported"] += 1
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED  # not recorded here: the decode engine records the whole request
+        self.scheduler.finish(req)  # not recorded here: the decode engine records the whole request
         del self._requests[req.request_id]
         del self._streams[req.request_id]
 
@@ -488,8 +487,7 @@ class LLMEngine:
             self.scheduler.add(req)
 
     def _finish(self, req: Request) -> None:
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
+        self.scheduler.finish(req)
         req.finish_time = time.monotonic()
         self._record_finished(req)
         del self._requests[req.request_id]

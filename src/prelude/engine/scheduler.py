@@ -249,7 +249,7 @@ class Scheduler:
 
     def computed_blocks(self, request: Request) -> list[int]:
         """The blocks holding the request's computed tokens, in table order (a hand-off
-        copies them out before `remove` lets go of them)."""
+        copies them out before `finish` lets go of them)."""
         return self.kv.block_table(request.request_id)[: blocks_needed(request.num_computed_tokens, self.kv.block_size)]
 
     def end_step(self, plan: ScheduleResult, ok: bool, now: float | None = None) -> None:
@@ -279,12 +279,15 @@ class Scheduler:
             else:
                 self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks), row.copy_from)
 
-    def remove(self, request: Request) -> None:
-        """Take a request out of the queues and free its blocks (finish or abort)."""
+    def finish(self, request: Request) -> None:
+        """The request's life in this engine ends (it finished, was aborted or handed off):
+        out of the queues, its blocks freed, its status FINISHED. The scheduler is the one
+        writer of `Request.status`; the engine ends a request only through here."""
         for queue in (self.running, self.waiting, self.oneshot_waiting):
             if request in queue:
                 queue.remove(request)
         self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.oneshot_waiting)
