@@ -45,7 +45,7 @@ def fake_execute(s: Scheduler, plan: ScheduleResult, finished: list[str]) -> Non
     rows = plan.batch.rows if plan.batch is not None else ()
     samples = {r.request_id for r in rows if r.sample is not None}
     for rid, n in plan.scheduled.items():
-        req = next(r for r in s.running if r.request_id == rid)
+        req = next(r for r in s.admitted if r.request_id == rid)
         req.num_computed_tokens += n
         if rid in samples:
             req.output_token_ids.append(7)

@@ -508,7 +508,10 @@ class LLMEngine:
         """Counters for /metrics and logs (read on the engine thread or between steps)."""
         st = self.kv.stats
         return {
-            "requests_running": len(self.scheduler.running),
+            # vLLM's num_requests_running: every request being computed, OneShot rows in flight included
+            "requests_running": len(self.scheduler.admitted) + len(self.scheduler.oneshot_admitted),
+            "requests_running_paged": len(self.scheduler.admitted),
+            "requests_running_oneshot": len(self.scheduler.oneshot_admitted),
             "requests_waiting": len(self.scheduler.waiting) + len(self.scheduler.oneshot_waiting),
             "requests_waiting_paged": len(self.scheduler.waiting),
             "requests_waiting_oneshot": len(self.scheduler.oneshot_waiting),

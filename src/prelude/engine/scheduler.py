@@ -4,9 +4,9 @@ Two queues with separate accounting:
 - OneShot requests wait in their own queue and are admitted by prompt tokens and an
   activation-memory estimate, grouped by output head; they get no block table and
   no KV reservation. A step with OneShot work is a `OneShotBatch`.
-- Paged requests: running requests first (decode rows and unfinished prompt chunks),
+- Paged requests: admitted requests first (decode rows and unfinished prompt chunks),
   in policy order, each getting the tokens it still needs up to the token budget;
-  when the KV pool has no room, the policy's last running request is preempted (its
+  when the KV pool has no room, the policy's last admitted request is preempted (its
   blocks freed, to be recomputed later). Then waiting requests are admitted in policy
   order while the token budget, `max_num_seqs` and the KV pool (minus a small
   watermark kept for running decodes) allow. Long prompts are chunked by the budget,
@@ -205,8 +205,11 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        # Admitted Paged requests (status RUNNING): they hold KV blocks until they finish or
+        # are preempted. `oneshot_admitted`: OneShot requests taken into a step, until it ends.
+        self.admitted: list[Request] = []
         self.oneshot_waiting: list[Request] = []
+        self.oneshot_admitted: set[Request] = set()  # Requests hash by identity
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self._last_was_oneshot = False
@@ -232,7 +235,7 @@ class Scheduler:
     def adopt(self, request: Request, num_computed: int, write: Callable[[list[int]], None]) -> bool:
         """A request whose first `num_computed` tokens another engine computed (a KV
         hand-off): blocks for them, filled by `write(block_table)`, and a place among the
-        running requests. It bypasses `max_num_seqs` (the sender's cap on hand-offs bounds
+        admitted requests. It bypasses `max_num_seqs` (the sender's cap on hand-offs bounds
         this) but keeps the watermark admissions keep; False (nothing taken) when the pool
         has no room. If `write` raises, the blocks are freed before the error goes on."""
         if not self.kv.allocate(request.request_id, num_computed, reserve=self.watermark_blocks):
@@ -244,7 +247,7 @@ class Scheduler:
             raise
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self.admitted.append(request)
         return True
 
     def computed_blocks(self, request: Request) -> list[int]:
@@ -258,13 +261,13 @@ class Scheduler:
         the OneShot rows' full prompt blocks are published; on failure nothing is
         published (the blocks may hold partial KV). Either way the OneShot rows' holds
         end here. A request aborted while its step was in flight is skipped: it left
-        `running` and its blocks are already free."""
+        `admitted` and its blocks are already free."""
         if plan.has_normal:
             self._normal_step_end = time.monotonic() if now is None else now
         if ok:
-            running = {r.request_id: r for r in self.running}
+            admitted = {r.request_id: r for r in self.admitted}
             for request_id, n in plan.scheduled.items():
-                req = running.get(request_id)
+                req = admitted.get(request_id)
                 if req is None:
                     continue
                 req.num_computed_tokens += n
@@ -283,14 +286,19 @@ class Scheduler:
         """The request's life in this engine ends (it finished, was aborted or handed off):
         out of the queues, its blocks freed, its status FINISHED. The scheduler is the one
         writer of `Request.status`; the engine ends a request only through here."""
-        for queue in (self.running, self.waiting, self.oneshot_waiting):
+        if request.exec_class is ExecClass.ONESHOT:
+            self.oneshot_admitted.discard(request)
+            queues: tuple[list[Request], ...] = (self.oneshot_waiting,)
+        else:
+            queues = (self.admitted, self.waiting)
+        for queue in queues:
             if request in queue:
                 queue.remove(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.FINISHED
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.oneshot_waiting)
+        return bool(self.waiting or self.admitted or self.oneshot_waiting)
 
     # --- OneShot ----------------------------------------------------------------------
 
@@ -325,8 +333,8 @@ class Scheduler:
         cap = self.config.low_priority_step_tokens
         normal_prompt = any(not r.low_priority for r in self.oneshot_waiting) or any(
             not r.low_priority for r in self.waiting) or any(
-            not r.low_priority and not is_decoding(r) for r in self.running)
-        normal_running = normal_prompt or any(not r.low_priority for r in self.running)
+            not r.low_priority and not is_decoding(r) for r in self.admitted)
+        normal_running = normal_prompt or any(not r.low_priority for r in self.admitted)
         if normal_running:
             self._normal_at = now
         if cap is None:
@@ -436,6 +444,7 @@ class Scheduler:
             memory -= mem
         for req in taken:
             self.oneshot_waiting.remove(req)
+            self.oneshot_admitted.add(req)
             req.status = RequestStatus.RUNNING
             req.scheduled_time = req.scheduled_time or now
         return rows, taken
@@ -496,7 +505,7 @@ class Scheduler:
         return min(need, budget)
 
     def _preempt(self, victim: Request, result: ScheduleResult) -> None:
-        self.running.remove(victim)
+        self.admitted.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -564,12 +573,12 @@ class Scheduler:
             finally:
                 self._busy = {}
         result.has_normal = any(not r.low_priority for r in result.oneshot) or any(
-            not r.low_priority for r in self.running if r.request_id in result.scheduled)
+            not r.low_priority for r in self.admitted if r.request_id in result.scheduled)
         return result
 
     def _schedule(self, now: float, sampling: frozenset[str]) -> ScheduleResult:
         busy = self._busy
-        decode_work = bool(self.waiting or self.running)
+        decode_work = bool(self.waiting or self.admitted)
         fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
         if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
             hold_s = 0.0 if decode_work or self._oneshot_step_full() else \
@@ -588,10 +597,10 @@ class Scheduler:
         # Requests in flight decode ahead or wait; they are never preempted (their step
         # still writes their blocks).
         max_len = self.config.max_model_len or 0
-        ahead = {r.request_id for r in self.running if r.request_id in busy and r.request_id in sampling
+        ahead = {r.request_id for r in self.admitted if r.request_id in busy and r.request_id in sampling
                  and (not max_len or runs_ahead(r, max_len))}
-        decoding = [r for r in self.running if (r.request_id not in busy and is_decoding(r)) or r.request_id in ahead]
-        prefilling = [r for r in self.running if r.request_id not in busy and not is_decoding(r)]
+        decoding = [r for r in self.admitted if (r.request_id not in busy and is_decoding(r)) or r.request_id in ahead]
+        prefilling = [r for r in self.admitted if r.request_id not in busy and not is_decoding(r)]
         order = self.policy.decode.order(decoding, now)
         slots = self.config.max_decode_batch or len(order)
         victims = by_arrival(prefilling) + [r for r in order if r.request_id not in busy]
@@ -622,8 +631,8 @@ class Scheduler:
             result.scheduled[req.request_id] = 1
             served.append(req)
             budget -= 1
-        served_set, running_set = set(served), set(self.running)  # Requests hash by identity
-        self.policy.decode.on_step(served, [r for r in decoding if r not in served_set and r in running_set], now)
+        served_set, admitted_set = set(served), set(self.admitted)  # Requests hash by identity
+        self.policy.decode.on_step(served, [r for r in decoding if r not in served_set and r in admitted_set], now)
 
         # 2. Prompt work (in-progress chunks and waiting prompts), in the prefill policy's
         # order; in a fused step, OneShot prompts share what the decodes left, taking turns
@@ -666,7 +675,7 @@ class Scheduler:
 
     def _schedule_prefills(self, now: float, budget: int, rows: list[BatchRow], result: ScheduleResult) -> int:
         """Prompt rows within `budget`, appended to `rows`; returns the tokens they take."""
-        in_progress = [r for r in self.running if not is_decoding(r) and r.request_id not in self._busy]
+        in_progress = [r for r in self.admitted if not is_decoding(r) and r.request_id not in self._busy]
         candidates = in_progress + self.waiting
         if not candidates:
             return 0
@@ -692,7 +701,7 @@ class Scheduler:
                 if not self._allocate_or_preempt(req, req.num_computed_tokens + n, later_running, result):
                     continue
             else:
-                if len(self.running) >= self.config.max_num_seqs:
+                if len(self.admitted) >= self.config.max_num_seqs:
                     continue
                 cap = choice.max_tokens
                 if req.low_priority and self._low_priority_left is not None:
@@ -725,7 +734,7 @@ class Scheduler:
         n = self._tokens_for(req, min(budget, cap or budget), first)
         # the watermark spares running decodes a preemption: with none running it would only
         # keep a pool of up to 100 blocks from ever admitting a request that needs all of it
-        reserve = self.watermark_blocks if self.running else 0
+        reserve = self.watermark_blocks if self.admitted else 0
         if n == 0 or not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=reserve):
             if prefix:  # not admitted after all: let go of the attached prefix
                 self.kv.free(req.request_id)
@@ -734,7 +743,7 @@ class Scheduler:
         if req.num_preemptions == 0:
             self.kv.record(len(prefix) * self.kv.block_size, req.num_prompt_tokens - len(prefix) * self.kv.block_size)
         self.waiting.remove(req)
-        self.running.append(req)
+        self.admitted.append(req)
         req.status = RequestStatus.RUNNING
         req.scheduled_time = req.scheduled_time or time.monotonic()
         return n
