@@ -209,9 +209,9 @@ class EngineConfig:
     seed: int = 0
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     # Overlap: while step N is in flight, step N+1 is scheduled around it and launched, and
-    # only then is N post-processed (Scheduler.schedule(in_flight=...) decides): decode rows
-    # of N's sampling requests go one position ahead, their input tokens copied from N's
-    # sampled ids on the device; rows needing the token on the host (grammar, penalties)
+    # only then is N post-processed (Scheduler.schedule(in_flight=...) decides): N's sampling
+    # requests get carried rows, decode rows one position further whose input tokens are
+    # copied from N's sampled ids on the device; rows needing the token on the host (grammar, penalties)
     # wait a step; new prompts and OneShot rows go as usual. None: on with CUDA.
     overlap: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -281,10 +281,10 @@ class LLMEngine:
         Overlap is a choice (`EngineConfig.overlap`, on with CUDA): `launch` returns while
         the device computes, and the step stays in flight into the next iteration. That
         iteration schedules the next step before the one in flight has been read: its
-        decode rows one position further, their inputs the tokens the step in flight
-        samples, copied on the device (`plan.carried`); new prompts and OneShot rows as
+        carried rows, decode rows one position further whose inputs are the carried tokens
+        (sampled by the step in flight, copied on the device: `plan.carried`); new prompts and OneShot rows as
         usual. Only then is the step in flight post-processed, so a stop string, a stop
-        token or an abort is seen one step late and the row scheduled ahead is dropped.
+        token or an abort is seen one step late and the carried row is dropped.
         Rows that need the token on the host first (a grammar's mask, penalties) wait."""
         outputs, self._ready = self._ready, []
         failed: list[str] = []

@@ -63,8 +63,8 @@ class ScheduleResult:
     preempted: list[Request] = field(default_factory=list)
     oneshot: list[Request] = field(default_factory=list)  # requests of the step's OneShot rows
     adapters: set[int] = field(default_factory=set)  # LoRA adapters (ids) the step's rows run with
-    # Rows scheduled ahead (overlap): their input is the token the step in flight samples
-    # for the same request. Request ids, in row order.
+    # Carried rows (decode overlap): their input is the carried token, which the step in
+    # flight samples for the same request. Request ids, in row order.
     carried: list[str] = field(default_factory=list)
     has_normal: bool = False  # the step has rows of normal (not low-priority) requests
     # No batch because OneShot gathering holds it: how long the hold lasts at most if
@@ -156,25 +156,25 @@ def head_spec(req: Request) -> HeadSpec | None:
     return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=req.pooling)
 
 
-def sample_spec(req: Request, pending: int = 0) -> SampleSpec | None:
-    """`pending`: tokens sampled by a step still in flight, not yet in output_token_ids
-    (a row scheduled ahead); they count toward the output position the seed mixes in."""
-    if len(req.output_token_ids) + pending >= req.max_output_tokens:
+def sample_spec(req: Request, carried: int = 0) -> SampleSpec | None:
+    """`carried`: tokens sampled by the step in flight, not yet in output_token_ids (a
+    carried row); they count toward the output position the seed mixes in."""
+    if len(req.output_token_ids) + carried >= req.max_output_tokens:
         return None  # nothing (more) to generate: a head-only request
     # The token lists are shared, not copied: the batch is consumed before
     # postprocessing appends the next token.
     mask = req.grammar.bitmask() if req.grammar is not None else None  # structured outputs: allowed tokens
-    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed, mask, pending)
+    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed, mask, carried)
 
 
-# The input id of a row scheduled ahead: its real token is sampled by the step in flight
-# and copied into the inputs on the device (ModelRunner.launch's `carried`).
-PENDING_TOKEN = 0
+# The input id a carried row is built with: its real token, the carried token, is sampled by
+# the step in flight and copied into the inputs on the device (ModelRunner.launch's `carried`).
+CARRIED_TOKEN_PLACEHOLDER = 0
 
 
-def runs_ahead(req: Request, max_model_len: int) -> bool:
-    """Whether a request whose step is in flight (sampling its next token) may have its
-    next decode row scheduled before that token is known. Rows whose next step needs the
+def can_carry(req: Request, max_model_len: int) -> bool:
+    """Whether a request whose step is in flight (sampling its next token) may get a
+    carried row: its next decode row, scheduled before that token is on the host. Rows whose next step needs the
     token on the host opt out and wait one step: a grammar (the mask follows the token),
     penalties (they count output tokens), a hand-off (it ends after the first token).
     The in-flight token must not be its last (max_tokens, the context)."""
@@ -214,7 +214,7 @@ class Scheduler:
         self.hidden_size = hidden_size
         self._last_was_oneshot = False
         self._oneshot_turn = True  # fused steps: OneShot prompts go before paged prompts
-        self._busy: Mapping[str, int] = {}  # this schedule: requests of the step in flight -> its tokens
+        self._in_flight: Mapping[str, int] = {}  # this schedule: requests of the step in flight -> its tokens
         # Keep ~1% of the pool free at admission so running decodes rarely preempt.
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
         self.gather = BurstGather(config.oneshot_gather_ms / 1000)
@@ -524,8 +524,8 @@ class Scheduler:
                 return False
         return True
 
-    def _allocate_ahead(self, req: Request, victims: list[Request], result: ScheduleResult) -> bool:
-        """Room for a row scheduled ahead (the token in flight plus this one), preempting
+    def _allocate_carried(self, req: Request, victims: list[Request], result: ScheduleResult) -> bool:
+        """Room for a carried row (the carried token plus this one), preempting
         only requests not in flight; False (it waits a step) when none is left to go."""
         while not self.kv.allocate(req.request_id, req.num_tokens + 1):
             if not victims:
@@ -558,8 +558,8 @@ class Scheduler:
 
         `in_flight` (decode overlap): the paged requests of the step in flight -> the tokens
         it computes; `sampling`: those whose row there samples. Such a request that
-        `runs_ahead` gets its next decode row now, one position further, its input the
-        token in flight (`ScheduleResult.carried`); the others in flight wait a step. Every
+        `can_carry` gets a carried row now, its next decode row one position further, its
+        input the carried token (`ScheduleResult.carried`); the others in flight wait a step. Every
         other request is scheduled as usual, and no request in flight is preempted."""
         now = time.monotonic() if now is None else now
         self.kv.trim()  # the cache's bound holds for every lookup this step makes
@@ -567,17 +567,17 @@ class Scheduler:
         if independent_only:
             result = self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
         else:
-            self._busy = in_flight or {}
+            self._in_flight = in_flight or {}
             try:
                 result = self._schedule(now, sampling)
             finally:
-                self._busy = {}
+                self._in_flight = {}
         result.has_normal = any(not r.low_priority for r in result.oneshot) or any(
             not r.low_priority for r in self.admitted if r.request_id in result.scheduled)
         return result
 
     def _schedule(self, now: float, sampling: frozenset[str]) -> ScheduleResult:
-        busy = self._busy
+        in_flight = self._in_flight
         decode_work = bool(self.waiting or self.admitted)
         fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
         if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
@@ -594,28 +594,28 @@ class Scheduler:
         oneshot_rows: list[OneShotRow] = []
 
         # 1. Decode slots, in the decode policy's order (the rest keep their KV and wait).
-        # Requests in flight decode ahead or wait; they are never preempted (their step
+        # Requests in flight get a carried row or wait; they are never preempted (their step
         # still writes their blocks).
         max_len = self.config.max_model_len or 0
-        ahead = {r.request_id for r in self.admitted if r.request_id in busy and r.request_id in sampling
-                 and (not max_len or runs_ahead(r, max_len))}
-        decoding = [r for r in self.admitted if (r.request_id not in busy and is_decoding(r)) or r.request_id in ahead]
-        prefilling = [r for r in self.admitted if r.request_id not in busy and not is_decoding(r)]
+        carry = {r.request_id for r in self.admitted if r.request_id in in_flight and r.request_id in sampling
+                 and (not max_len or can_carry(r, max_len))}
+        decoding = [r for r in self.admitted if (r.request_id not in in_flight and is_decoding(r)) or r.request_id in carry]
+        prefilling = [r for r in self.admitted if r.request_id not in in_flight and not is_decoding(r)]
         order = self.policy.decode.order(decoding, now)
         slots = self.config.max_decode_batch or len(order)
-        victims = by_arrival(prefilling) + [r for r in order if r.request_id not in busy]
+        victims = by_arrival(prefilling) + [r for r in order if r.request_id not in in_flight]
         served: list[Request] = []
         preempted = len(result.preempted)
         while order and budget > 0 and len(served) < slots:
             req = order.pop(0)
             if not self._adapter_fits(req, result):
                 continue  # its adapter waits for a step with a free slot (it keeps its KV)
-            if req.request_id in ahead:  # its next row, after the token in flight
-                if not self._allocate_ahead(req, victims, result):
+            if req.request_id in carry:  # a carried row: its next row, after the carried token
+                if not self._allocate_carried(req, victims, result):
                     order = [r for r in order if r.status is RequestStatus.RUNNING]
                     continue
-                rows.append(BatchRow(req.request_id, [PENDING_TOKEN], req.num_tokens,
-                                     list(self.kv.block_table(req.request_id)), sample_spec(req, pending=1),
+                rows.append(BatchRow(req.request_id, [CARRIED_TOKEN_PLACEHOLDER], req.num_tokens,
+                                     list(self.kv.block_table(req.request_id)), sample_spec(req, carried=1),
                                      None, req.lora))
                 result.carried.append(req.request_id)
             else:
@@ -675,7 +675,7 @@ class Scheduler:
 
     def _schedule_prefills(self, now: float, budget: int, rows: list[BatchRow], result: ScheduleResult) -> int:
         """Prompt rows within `budget`, appended to `rows`; returns the tokens they take."""
-        in_progress = [r for r in self.admitted if not is_decoding(r) and r.request_id not in self._busy]
+        in_progress = [r for r in self.admitted if not is_decoding(r) and r.request_id not in self._in_flight]
         candidates = in_progress + self.waiting
         if not candidates:
             return 0

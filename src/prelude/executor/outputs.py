@@ -90,14 +90,14 @@ class OutputHeads:
                 logits = mask_padded_vocab(self.model.compute_logits(picked), emittable_vocab)
                 sampled_build = sample_deferred(logits, specs, copy)
         own = classify_heads or {}  # rows whose LoRA adapter brings its own classification head
-        pending = {rid: self._head(hidden[starts[i] : starts[i] + _width(read[i], len(tokens))], tokens, head, copy,
+        head_builds = {rid: self._head(hidden[starts[i] : starts[i] + _width(read[i], len(tokens))], tokens, head, copy,
                                    own.get(rid), read[i])
                    for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}
         copy.start()
 
         def build() -> BatchOutput:
             sampled = dict(zip([rid for rid, _, _ in want], sampled_build())) if sampled_build else {}
-            return BatchOutput(sampled=sampled, heads={rid: b() for rid, b in pending.items()})
+            return BatchOutput(sampled=sampled, heads={rid: b() for rid, b in head_builds.items()})
 
         return LaunchedStep(build, sampled_build.token_ids if sampled_build else None,
                             {rid: i for i, (rid, _, _) in enumerate(want)})

@@ -355,13 +355,13 @@ class ModelRunner:
         return forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.token_type_ids)
 
     def _carry(self, inputs: StepInputs, rows: Sequence[BatchRow], carried: CarriedTokens | None) -> None:
-        """Put the tokens a step in flight sampled into the inputs of the rows scheduled
-        ahead of it: one gather and one scatter on the device, queued behind that step."""
+        """Put the carried tokens (sampled by the step in flight) into the inputs of the
+        carried rows: one gather and one scatter on the device, queued behind that step."""
         if carried is None or not carried.request_ids:
             return
         source = carried.source
         if source.sampled_ids is None:
-            raise ValueError("rows were scheduled ahead of a step that samples nothing")
+            raise ValueError("carried rows follow a step that samples nothing")
         where = {r.request_id: i for i, r in enumerate(rows)}
         dst, src = pack_int64(self.device, [inputs.starts[where[rid]] for rid in carried.request_ids],
                               [source.sampled_rows[rid] for rid in carried.request_ids])
@@ -407,8 +407,8 @@ class ModelRunner:
                on_heads: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue the forward, sampling, heads and the one result copy; on CUDA this returns
         while the device still works, so the host can schedule the next step meanwhile.
-        `carried`: decode rows scheduled ahead of a step in flight, whose input tokens that
-        step samples (decode overlap). On a CPU the trunk and the heads each run on one
+        `carried`: the carried rows (decode overlap): decode rows whose input tokens the
+        step in flight samples. On a CPU the trunk and the heads each run on one
         thread when they are too small to split (step_threads.py)."""
         if carried is not None and isinstance(batch, OneShotBatch):
             raise ValueError("a OneShot step has no rows to carry tokens into")
