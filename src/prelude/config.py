@@ -174,7 +174,7 @@ class ExecutorConfig:
     # C kernels for float32 and bfloat16 on an AVX2 CPU)
     fused_kernels: bool = True
     # CPU decoders: in a forward whose heads read only some positions (a prompt's last token,
-    # each packed item's last token), the last layer computes attention, o_proj, the MLP and
+    # each item's last token), the last layer computes attention, o_proj, the MLP and
     # the final norm for those positions only (K/V still for every token). Rows that read every
     # position (prompt logprobs, mean/cls pooling, sequence logprobs) keep all of theirs (LoRA
     # rows too: the read rows' adapters follow them); CUDA forwards compute every position.

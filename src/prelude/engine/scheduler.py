@@ -144,7 +144,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def shareable_tokens(req: Request) -> list[int]:
     """The part of a OneShot prompt the prefix cache may look up and publish: all of it, or
-    for packed items the shared part only (items' K/V sit at restarted positions)."""
+    for a multi-item prompt the shared part only (items' K/V sit at restarted positions)."""
     if req.pooling is not None and req.pooling.item_lens:
         return req.prompt_token_ids[: req.pooling.shared_len(req.num_prompt_tokens)]
     return req.prompt_token_ids

@@ -4,7 +4,7 @@ per batch type.
 The runner owns everything that lives on the device: the model (built through the model
 registry), its paged KV tensors, the attention backend and, on CUDA, the graphs (see
 graphs.py: steps that fit a captured bucket are replayed, the rest run eagerly). A step's
-integer inputs are packed into one host-to-device copy (inputs.py); its outputs are
+integer inputs are flattened into one host-to-device copy (inputs.py); its outputs are
 projected only where rows asked and come back in one copy (outputs.py).
 """
 
@@ -31,7 +31,7 @@ from prelude.executor.device import (
 )
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.host_memory import keep_freed_activations
-from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, pack_int64
+from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, copy_int64
 from prelude.executor.kv_sizing import GRAPH_RESERVE_BYTES, DeviceMemory
 from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
@@ -189,7 +189,7 @@ class ModelRunner:
         or read there); its hidden states."""
         scratch = self.model.allocate_kv_cache(1, self.block_size)
         lay = RowLayout([0] * num_tokens, range(num_tokens), [-1] * num_tokens, (), num_tokens, False, decode=False)
-        inputs = self.inputs.pack([lay], write_kv=False)
+        inputs = self.inputs.flatten([lay], write_kv=False)
         if segments is None:
             return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch)
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch, segments=segments)
@@ -287,7 +287,7 @@ class ModelRunner:
     def read_kv_blocks(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Host copies of the K/V of `blocks`, per layer ([len(blocks), block_size, heads,
         head_dim] each): what another runner's `write_kv_blocks` takes."""
-        (index,) = pack_int64(self.device, blocks)
+        (index,) = copy_int64(self.device, blocks)
         return [(k.index_select(0, index).to("cpu"), v.index_select(0, index).to("cpu")) for k, v in self.kv_caches]
 
     @torch.inference_mode()
@@ -295,7 +295,7 @@ class ModelRunner:
         """Copy K/V read by `read_kv_blocks` (any runner of the same model) into `blocks`."""
         if len(kv) != len(self.kv_caches):
             raise ValueError(f"KV of {len(kv)} layers for a model of {len(self.kv_caches)}")
-        (index,) = pack_int64(self.device, blocks)
+        (index,) = copy_int64(self.device, blocks)
         for (k, v), (src_k, src_v) in zip(self.kv_caches, kv):
             if src_k.shape[1:] != k.shape[1:] or src_k.shape[0] != len(blocks):
                 raise ValueError(f"KV blocks of shape {tuple(src_k.shape)} do not fit {len(blocks)} x {tuple(k.shape[1:])}")
@@ -363,7 +363,7 @@ class ModelRunner:
         if source.sampled_ids is None:
             raise ValueError("carried rows follow a step that samples nothing")
         where = {r.request_id: i for i, r in enumerate(rows)}
-        dst, src = pack_int64(self.device, [inputs.starts[where[rid]] for rid in carried.request_ids],
+        dst, src = copy_int64(self.device, [inputs.starts[where[rid]] for rid in carried.request_ids],
                               [source.sampled_rows[rid] for rid in carried.request_ids])
         inputs.input_ids.index_copy_(0, dst, source.sampled_ids.index_select(0, src).to(inputs.input_ids.dtype))
 
@@ -415,7 +415,7 @@ class ModelRunner:
         tokens, sampled = step_size(batch)
         with self.step_threads.measured_step():
             with self.step_threads.for_trunk(tokens):
-                hidden, starts, rows, reads = self._forward_step(batch, carried)
+                hidden, starts, rows, reads = self._trunk(batch, carried)
             forward_done = time.perf_counter()
             if on_heads is not None:
                 on_heads()
@@ -434,7 +434,7 @@ class ModelRunner:
         return (self.device.type == "cpu" and sampled > 0
                 and sampled * threads.flops_per_logit_row >= tokens * threads.flops_per_token > 0)
 
-    def _forward_step(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
+    def _trunk(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
             torch.Tensor, list[int], list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
             StepReads | None]:
         """The trunk of one step: hidden states, each row's start in them, what each row
