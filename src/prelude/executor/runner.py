@@ -367,20 +367,6 @@ class ModelRunner:
                               [source.sampled_rows[rid] for rid in carried.request_ids])
         inputs.input_ids.index_copy_(0, dst, source.sampled_ids.index_select(0, src).to(inputs.input_ids.dtype))
 
-    def forward_rows(self, rows: tuple[BatchRow, ...], carried: CarriedTokens | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Run the trunk on paged rows; returns hidden states [T, H] and each row's start."""
-        inputs = self.inputs.paged(rows)
-        self._carry(inputs, rows, carried)
-        return self.forward(inputs, self.lora_step([(r.lora, len(r.token_ids)) for r in rows])), inputs.starts
-
-    def forward_oneshot(self, rows: Sequence[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
-        """Flattened varlen prompt suffixes. A row attends to its cached prefix blocks and
-        to its own K/V, which are temporaries except the full blocks it publishes."""
-        self._copy_partial_blocks(rows)
-        inputs = self.inputs.oneshot(rows)
-        lora = self.lora_step([(r.lora, len(r.token_ids) - r.num_cached) for r in rows])
-        return self.forward(inputs, lora), inputs.starts
-
     def _adapter_heads(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         """Rows whose adapter carries its own classification head: request id -> head."""
         if self.adapters is None:
@@ -415,7 +401,7 @@ class ModelRunner:
         tokens, sampled = step_size(batch)
         with self.step_threads.measured_step():
             with self.step_threads.for_trunk(tokens):
-                hidden, starts, rows, reads = self._trunk(batch, carried)
+                hidden, starts, rows, reads = self.trunk(batch, carried)
             forward_done = time.perf_counter()
             if on_heads is not None:
                 on_heads()
@@ -434,12 +420,14 @@ class ModelRunner:
         return (self.device.type == "cpu" and sampled > 0
                 and sampled * threads.flops_per_logit_row >= tokens * threads.flops_per_token > 0)
 
-    def _trunk(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
+    def trunk(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
             torch.Tensor, list[int], list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
             StepReads | None]:
-        """The trunk of one step: hidden states, each row's start in them, what each row
-        asks of the heads (request id, the tokens computed, sampling, head) and, when the
-        last layer computed only the positions read, which those are."""
+        """The trunk of one step (what `launch` runs before the heads): hidden states, each
+        row's start in them, what each row asks of the heads (request id, the tokens
+        computed, sampling, head) and, when the last layer computed only the positions
+        read, which those are. Tests that compare hidden states call it with the batch a
+        scheduler would build."""
         if isinstance(batch, OneShotBatch):
             self._copy_partial_blocks(batch.rows)
             inputs = self.inputs.oneshot(batch.rows)
