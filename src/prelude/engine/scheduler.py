@@ -549,12 +549,10 @@ class Scheduler:
         return remaining
 
     def schedule(
-        self, now: float | None = None, independent_only: bool = False,
+        self, now: float | None = None,
         in_flight: Mapping[str, int] | None = None, sampling: frozenset[str] = frozenset(),
     ) -> ScheduleResult:
-        """The next step's batch. `independent_only`: a step is still in flight, so only
-        work that needs none of its results may go (OneShot rows, which own no running
-        sequence); running sequences wait for their previous token.
+        """The next step's batch.
 
         `in_flight` (decode overlap): the paged requests of the step in flight -> the tokens
         it computes; `sampling`: those whose row there samples. Such a request that
@@ -564,14 +562,11 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         self.kv.trim()  # the cache's bound holds for every lookup this step makes
         self._low_priority_left = self._low_priority_cap = self._low_priority_allowance(now)
-        if independent_only:
-            result = self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
-        else:
-            self._in_flight = in_flight or {}
-            try:
-                result = self._schedule(now, sampling)
-            finally:
-                self._in_flight = {}
+        self._in_flight = in_flight or {}
+        try:
+            result = self._schedule(now, sampling)
+        finally:
+            self._in_flight = {}
         result.has_normal = any(not r.low_priority for r in result.oneshot) or any(
             not r.low_priority for r in self.admitted if r.request_id in result.scheduled)
         return result
