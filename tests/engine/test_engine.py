@@ -299,3 +299,21 @@ def test_a_oneshot_step_in_flight_counts_as_running(hf_model) -> None:  # noqa: 
     outputs = engine.step()
     assert [o.request_id for o in outputs] == ["oneshot"] and engine.metrics()["requests_running"] == 0
     engine.check_integrity()
+
+
+def test_the_scheduler_ends_every_request_it_is_told_to(make_engine) -> None:  # noqa: ANN001
+    """Request.status has one writer (the scheduler): a request that needs no forward, an
+    aborted one and one that ran to its end all end FINISHED, out of every queue."""
+    from prelude.engine.request import RequestStatus
+
+    engine = make_engine()
+    none = engine.add_request("none", [5, 6], SamplingParams(max_tokens=0))
+    gone = engine.add_request("gone", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
+    done = engine.add_request("done", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
+    assert none.status is RequestStatus.FINISHED and gone.status is done.status is RequestStatus.WAITING
+    engine.step()
+    assert gone.status is done.status is RequestStatus.RUNNING
+    assert engine.abort("gone") and gone.status is RequestStatus.FINISHED
+    while engine.has_unfinished():
+        engine.step()
+    assert done.status is RequestStatus.FINISHED and not engine.scheduler.has_work()
