@@ -174,8 +174,8 @@ CARRIED_TOKEN_PLACEHOLDER = 0
 
 def can_carry(req: Request, max_model_len: int) -> bool:
     """Whether a request whose step is in flight (sampling its next token) may get a
-    carried row: its next decode row, scheduled before that token is on the host. Rows whose next step needs the
-    token on the host opt out and wait one step: a grammar (the mask follows the token),
+    carried row: its next decode row, scheduled before that token is on the host. Rows
+    whose next step needs the token on the host opt out and wait one step: a grammar (the mask follows the token),
     penalties (they count output tokens), a hand-off (it ends after the first token).
     The in-flight token must not be its last (max_tokens, the context)."""
     p = req.params
