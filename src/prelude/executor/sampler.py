@@ -196,8 +196,8 @@ def _apply_token_masks(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> tor
 
 
 class DeferredSample:
-    """Sampled tokens queued on the device: `token_ids` [R] stays there (a row scheduled
-    ahead reads its input from it), calling it reads the host copy once it has landed."""
+    """Sampled tokens queued on the device: `token_ids` [R] stays there (a carried row
+    reads its input from it), calling it reads the host copy once it has landed."""
 
     def __init__(self, token_ids: torch.Tensor, build: Callable[[], list[SampledToken]]) -> None:
         self.token_ids = token_ids
