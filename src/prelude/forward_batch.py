@@ -34,14 +34,14 @@ class SampleSpec:
     # Structured outputs: the tokens allowed next, as a numpy int32 bitmask [ceil(V/32)]
     # (bit i of word w allows token 32w + i); None: unconstrained.
     token_bitmask: Any = None
-    # Tokens a step still in flight samples before this one (a row scheduled ahead): not in
-    # output_token_ids yet, counted in the output position.
-    pending: int = 0
+    # Carried tokens (decode overlap): sampled by the step in flight before this one, not in
+    # output_token_ids yet (not on the host), counted in the output position.
+    carried: int = 0
 
     @property
     def position(self) -> int:
         """The output position of the token drawn (what the seed is mixed with)."""
-        return len(self.output_token_ids) + self.pending
+        return len(self.output_token_ids) + self.carried
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class PoolingTask(str, enum.Enum):
     CLASSIFY = "classify"  # the model's classification / score / reward head
     LABELS = "labels"  # next-token logprobs of candidate label tokens after the prompt (or after each item)
     # Teacher-forced logprob of each item's whole token sequence after the shared prompt:
-    # whole-label classification, the labels packed as items (see PoolingParams.item_lens).
+    # whole-label classification, the labels as the items of a multi-item prompt (see PoolingParams.item_lens).
     SEQUENCE_LOGPROBS = "sequence_logprobs"
 
 
@@ -140,7 +140,7 @@ class PoolingParams:
             raise SamplingParamsError("items are packed for label and sequence scoring only")
 
     def shared_len(self, num_prompt_tokens: int) -> int:
-        """Tokens of the shared part of a packed prompt (all of it without items)."""
+        """Tokens of the shared part of a multi-item prompt (all of it without items)."""
         return num_prompt_tokens - sum(self.item_lens)
 
 

@@ -31,7 +31,6 @@ from prelude.engine.request import (
     PoolingParams,
     Request,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
@@ -240,7 +239,8 @@ class LLMEngine:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         needs_forward = req.max_output_tokens > 0 or req.pooling is not None or req.params.prompt_logprobs is not None
         if not needs_forward:
-            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+            req.finish_reason = FinishReason.LENGTH
+            self.scheduler.finish(req)  # never queued: only its status changes
             self._ready.append(emit(req, new_stream(self.tokenizer, req), 0, finished=True))
             return
         self._requests[req.request_id] = req
@@ -270,8 +270,8 @@ class LLMEngine:
         if req is None:
             return False
         self._streams.pop(request_id, None)  # OneShot requests never had one
-        self.scheduler.remove(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+        self.scheduler.finish(req)
+        req.finish_reason = FinishReason.ABORT
         return True
 
     def has_unfinished(self) -> bool:
@@ -291,10 +291,10 @@ class LLMEngine:
         Overlap is a choice (`EngineConfig.overlap`, on with CUDA): `launch` returns while
         the device computes, and the step stays in flight into the next iteration. That
         iteration schedules the next step before the one in flight has been read: its
-        decode rows one position further, their inputs the tokens the step in flight
-        samples, copied on the device (`plan.carried`); new prompts and OneShot rows as
+        carried rows, decode rows one position further whose inputs are the carried tokens
+        (sampled by the step in flight, copied on the device: `plan.carried`); new prompts and OneShot rows as
         usual. Only then is the step in flight post-processed, so a stop string, a stop
-        token or an abort is seen one step late and the row scheduled ahead is dropped.
+        token or an abort is seen one step late and the carried row is dropped.
         Rows that need the token on the host first (a grammar's mask, penalties) wait."""
         outputs, self._ready = self._ready, []
         failed: list[str] = []
@@ -399,7 +399,7 @@ class LLMEngine:
                 sampled.token_id if sampled else None, sampled.logprob if sampled else None,
                 result.heads.get(req.request_id),
             ))
-            req.status = RequestStatus.FINISHED
+            self.scheduler.finish(req)
             del self._requests[req.request_id]
             self._record_finished(req)
         return outputs
@@ -446,8 +446,7 @@ class LLMEngine:
             resumable_copy(req), req.num_computed_tokens, self.block_size, self.runner.read_kv_blocks(blocks),
             exported_at=time.monotonic()))
         self.handoff_counts["exported"] += 1
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED  # not recorded here: the decode engine records the whole request
+        self.scheduler.finish(req)  # not recorded here: the decode engine records the whole request
         del self._requests[req.request_id]
         del self._streams[req.request_id]
 
@@ -504,8 +503,7 @@ class LLMEngine:
             self.scheduler.add(req)
 
     def _finish(self, req: Request) -> None:
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
+        self.scheduler.finish(req)
         req.finish_time = time.monotonic()
         self._record_finished(req)
         del self._requests[req.request_id]
@@ -526,7 +524,10 @@ class LLMEngine:
         """Counters for /metrics and logs (read on the engine thread or between steps)."""
         st = self.kv.stats
         return {
-            "requests_running": len(self.scheduler.running),
+            # vLLM's num_requests_running: every request being computed, OneShot rows in flight included
+            "requests_running": len(self.scheduler.admitted) + len(self.scheduler.oneshot_admitted),
+            "requests_running_paged": len(self.scheduler.admitted),
+            "requests_running_oneshot": len(self.scheduler.oneshot_admitted),
             "requests_waiting": len(self.scheduler.waiting) + len(self.scheduler.oneshot_waiting),
             "requests_waiting_paged": len(self.scheduler.waiting),
             "requests_waiting_oneshot": len(self.scheduler.oneshot_waiting),

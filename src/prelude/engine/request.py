@@ -120,7 +120,3 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED

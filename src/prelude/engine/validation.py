@@ -102,14 +102,14 @@ def validate_request(
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or the completion."
             )
-    packed = pooling is not None and bool(pooling.item_lens)
-    if packed:
+    multi_item = pooling is not None and bool(pooling.item_lens)
+    if multi_item:
         assert pooling is not None
         shared = pooling.shared_len(n_prompt)
         if shared < 1:
             raise InvalidRequestError("packed items need a non-empty shared prompt before them")
     exec_class = pick_exec_class(params, max_tokens, pooling)
-    if rules.force_paged and rules.can_generate and not packed:  # packed items exist only as OneShot rows
+    if rules.force_paged and rules.can_generate and not multi_item:  # multi-item prompts exist only as OneShot rows
         exec_class = ExecClass.PAGED  # ablation: everything takes the paged path
     # A request without a seed draws one from the engine's seeded source: runs of the
     # same traffic repeat, and the sampler needs no generator object per request.

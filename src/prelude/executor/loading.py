@@ -31,7 +31,7 @@ def _build_quietly(build: Callable[[], object]) -> None:
 
 
 def _build_cpu_kernels(lora: bool) -> list[threading.Thread]:
-    """Compile the CPU's C kernels (~0.6 s each, first start only) on threads while the
+    """Compile the CPU's C kernels (a fraction of a second each, first start only) on threads while the
     checkpoint loads: the compilers run beside the GGUF conversion instead of after it."""
     builds = [catalog.builder(name) for name in catalog.KERNELS if lora or name != "lora_cpu"]
     threads = [threading.Thread(target=_build_quietly, args=(build,), name=f"build-{build.__module__}", daemon=True)

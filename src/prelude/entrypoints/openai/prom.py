@@ -58,7 +58,8 @@ class _EngineGauges(Collector):
         get = lambda key: float(m.get(key, 0.0))  # noqa: E731 - fakes report fewer keys
         running = GaugeMetricFamily("prelude:num_requests_running", "Requests in model execution (by class).",
                                     labels=["model_name", "exec_class"])
-        running.add_metric([self._model, "paged"], get("requests_running"))  # OneShot requests never run apart
+        running.add_metric([self._model, "paged"], get("requests_running_paged"))
+        running.add_metric([self._model, "oneshot"], get("requests_running_oneshot"))
         yield running
         waiting = GaugeMetricFamily("prelude:num_requests_waiting", "Requests waiting to be scheduled (by class).",
                                     labels=["model_name", "exec_class"])

@@ -134,14 +134,14 @@ class LabelScoring:
     """How /classify scores candidate labels after each prompt."""
 
     pooling: PoolingParams
-    suffix: list[int]  # tokens appended to every prompt (the packed labels), or none
+    suffix: list[int]  # tokens appended to every prompt (the labels as items), or none
     lengths: list[int]  # tokens per label
 
 
 def label_scoring(engine: EngineClient, labels: list[str]) -> LabelScoring:
     """Distinct one-token labels: a softmax over the gathered label rows of the LM head.
     Otherwise every label's whole token sequence is scored (the sum of its token
-    logprobs; labels may share first tokens), the labels packed as items after the
+    logprobs; labels may share first tokens), the labels as items after the
     prompt: K labels cost one forward."""
     toks = _label_tokens(engine, labels)
     firsts = tuple(t[0] for t in toks)

@@ -146,7 +146,7 @@ class BertEncoder:
 
         Projections run once over every token of every row; attention runs on the rows
         padded to the longest, keys masked (one SDPA per layer). Running the rows one by
-        one made 20 short texts cost 20 small forwards: 2x slower than sentence-transformers."""
+        one made N short texts cost N small forwards, slower than sentence-transformers."""
         cfg = self.config
         dev = input_ids.device
         lens = [row.query_len for row in meta.prefills]

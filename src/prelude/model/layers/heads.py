@@ -62,8 +62,3 @@ def ordered_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids[bad] = torch.where(at >= above, lowest.gather(1, (at - above).clamp(min=0)), ib)
     return vals, ids
 
-
-def label_logprobs(last_logits: torch.Tensor, label_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """Next-token logprobs of each candidate label's first token after the prompt."""
-    lp = torch.log_softmax(last_logits.float(), dim=-1)
-    return lp[torch.tensor(label_token_ids, dtype=torch.long, device=lp.device)]

@@ -30,7 +30,7 @@ from prelude.model.arch.bert import EncoderConfig
 from prelude.model.loading import token_scorer
 from prelude.model.registry import config_for
 from prelude.model.sentence_modules import SentenceModules, matryoshka_dimensions, read_sentence_modules
-from prelude.kernels.ggml_blocks import BLOCKS_FILE, GgmlBlocks, load_blocks
+from prelude.kernels.ggml_quants import BLOCKS_FILE, GgmlQuants, load_blocks
 from prelude.tokenizer.base import Tokenizer
 from prelude.tokenizer.loading import load_tokenizer
 
@@ -47,7 +47,7 @@ class LoadedModel:
     tokenizer: Tokenizer  # fasttoken when it passed its equality gate, else HF tokenizers
     model_dir: Path
     name: str
-    blocks: dict[str, GgmlBlocks]  # a GGUF's block-format projections by HF name ({} for others)
+    blocks: dict[str, GgmlQuants]  # a GGUF's block-format projections by HF name ({} for others)
     sentence: SentenceModules | None = None  # a sentence-transformers folder's modules
     matryoshka: tuple[int, ...] | None = None  # sizes its vectors may be cut to (sentence_modules.py)
     score_template: str | None = None  # a token reranker's prompt template (token_scorer.py)
@@ -117,8 +117,8 @@ def cached_gguf_dir(gguf_path: Path) -> Path | None:
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached HF-style directory of a GGUF, converting it (atomically) on first use."""
-    # imported only where a conversion runs: the gguf package is 36-98 ms here of a
-    # warm start that reads the cached copy
+    # imported only where a conversion runs: importing the gguf package would be a visible
+    # share of a warm start that reads the cached copy
     target = _converted_target(gguf_path)
     if (target / "config.json").exists():
         if not (target / BLOCKS_FILE).exists():  # converted before blocks were kept
@@ -155,7 +155,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def prepared_dir() -> Path:
-    """Where the prepared weights of every checkpoint are kept (model/prepared.py)."""
+    """Where the prepared weights of every checkpoint are kept (model/loading/prepared.py)."""
     return cache_root() / "prepared"
 
 
