@@ -121,3 +121,20 @@ def test_mean_and_max_pooling_run_in_chunks_with_a_running_pool(qwen3: Any, meth
         hidden = qwen3.model(torch.tensor([long])).last_hidden_state[0, skip:]
     ref = hidden.mean(0) if method == "mean" else hidden.amax(0)
     assert (got - torch.nn.functional.normalize(ref, dim=0)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("method", ["last", "mean"])
+def test_chunks_ride_in_decode_steps(qwen3: Any, method: str) -> None:
+    """With generation running, the chunks go as OneShot rows of fused steps; the answers
+    are the ones the prompt gets alone and whole, and the generated tokens are unchanged."""
+    long = (INSTRUCTION * 4)[:250]
+    pooling = PoolingParams(PoolingTask.EMBED, pooling=method, normalize=True)
+    gen = ("g", list(b"Once upon a time"), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), None)
+    alone = run(tiny_engine(qwen3, prefix_caching=False, max_num_batched_tokens=512),
+                [("x", long, NO_GEN, pooling), gen])
+    engine = tiny_engine(qwen3, max_num_batched_tokens=64)
+    mixed = run(engine, [gen, ("x", long, NO_GEN, pooling)])
+    assert engine.kv.stats.reused_tokens >= 64 + 128 + 192  # it went in chunks
+    assert mixed["g"].new_token_ids == alone["g"].new_token_ids
+    got, want = torch.tensor(mixed["x"].embedding), torch.tensor(alone["x"].embedding)
+    assert (got - want).abs().max().item() < 1e-5
