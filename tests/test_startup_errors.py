@@ -109,6 +109,9 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...]]] = {
     "max-num-seqs-zero": (lambda _: ["--max-num-seqs", "0"], ("--max-num-seqs 0", "1 or more")),
     "max-model-len-negative": (lambda _: ["--max-model-len", "-5"], ("--max-model-len -5", "1 or more")),
     "port-out-of-range": (lambda _: ["--port", "70000"], ("--port 70000", "1-65535")),
+    "hf-overrides-not-json": (lambda _: ["--hf-overrides", "{is_matryoshka: true}"], ("--hf-overrides is not JSON",
+                                                                                   "pass an object")),
+    "hf-overrides-not-an-object": (lambda _: ["--hf-overrides", "[1]"], ("not a JSON object", "pass an object")),
 }
 
 

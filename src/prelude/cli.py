@@ -31,7 +31,7 @@ _STARTED = _process_start()
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help="fields replacing the checkpoint's config.json (vLLM's flag): e.g. '{\"is_matryoshka\": true}' "
                         "or a yes/no reranker's '{\"classifier_from_token\": [\"no\", \"yes\"]}'")
     p.add_argument("--served-model-name", default=None)
@@ -107,18 +107,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force-paged-path", "--force-decode-path", dest="force_paged_path", action="store_true",
                    help="ablation: send every request down the Paged path (no OneShot class); "
                         "--force-decode-path is its old name")
-
-
-def _json_object(text: str) -> str:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return text
 
 
 def _lora_module(text: str) -> tuple[str, str]:

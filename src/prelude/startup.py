@@ -69,6 +69,14 @@ def check_flags(args: argparse.Namespace) -> None:
         raise StartupError(f"--gpu-memory-utilization {utilization:g} is out of range: pass a fraction in (0, 1]")
     if getattr(args, "port", 0) > 65535:
         raise StartupError(f"--port {args.port} is out of range: use 1-65535 (or 0 for any free port)")
+    overrides = getattr(args, "hf_overrides", None)
+    if overrides is not None:
+        try:
+            value = json.loads(overrides)
+        except ValueError as exc:
+            raise StartupError(f"--hf-overrides is not JSON ({exc}): pass an object, e.g. '{{\"is_matryoshka\": true}}'") from None
+        if not isinstance(value, dict):
+            raise StartupError("--hf-overrides is not a JSON object: pass an object, e.g. '{\"is_matryoshka\": true}'")
 
 
 def check_device(device: str, dtype: str) -> None:
@@ -109,9 +117,9 @@ def check_port(host: str, port: int) -> None:
                                "check --host and --port") from None
 
 
-def check_model(model: str | None, max_model_len: int | None) -> None:
-    """The model's files are there and readable (headers and config.json only), and
-    --max-model-len fits the model's context."""
+def check_model(model: str | None, max_model_len: int | None, hf_overrides: str | None = None) -> None:
+    """The model's files are there and readable (headers and config.json only, with
+    --hf-overrides' fields over it), and --max-model-len fits the model's context."""
     path = Path(model).expanduser() if model is not None else None
     if path is None or not path.exists():  # the default model, or one by its name (imports torch)
         from prelude.model.loading.files import default_model_path, embedded_model_path
@@ -126,7 +134,7 @@ def check_model(model: str | None, max_model_len: int | None) -> None:
     if path.is_file():
         context = _gguf_context(path, model)
     else:
-        context = _hf_dir_context(path)
+        context = _hf_dir_context(path, json.loads(hf_overrides) if hf_overrides else {})
     if max_model_len is not None and context is not None and max_model_len > context:
         raise StartupError(f"--max-model-len {max_model_len} is over the model's context of {context} tokens: "
                            f"pass --max-model-len {context} or less (or drop it)")
@@ -163,7 +171,7 @@ def _gguf_context(path: Path, model: str | None) -> int | None:
     return int(context) if context is not None else None
 
 
-def _hf_dir_context(path: Path) -> int | None:
+def _hf_dir_context(path: Path, overrides: dict[str, object] | None = None) -> int | None:
     config = path / "config.json"
     if not config.is_file():
         raise StartupError(f"--model {path}: the directory has no config.json, so it is not a HF model directory; "
@@ -181,6 +189,7 @@ def _hf_dir_context(path: Path) -> int | None:
     from prelude.model.base import UnsupportedCheckpoint
     from prelude.model.registry import config_for
 
+    raw = {**raw, **(overrides or {})}
     try:
         config_for(raw, path)  # an architecture, or a config field, this engine cannot compute: one line
     except UnsupportedCheckpoint as exc:
@@ -205,6 +214,6 @@ def check_engine_args(args: argparse.Namespace) -> None:
     check_flags(args)
     if getattr(args, "ray_address", None) is not None:
         return
-    check_model(args.model, args.max_model_len)
+    check_model(args.model, args.max_model_len, getattr(args, "hf_overrides", None))
     if args.device != "auto" or args.dtype == "float16":  # auto/auto cannot be wrong; spares importing torch
         check_device(args.device, args.dtype)

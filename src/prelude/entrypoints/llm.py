@@ -6,8 +6,9 @@ Runs the same engine and step loop as the server, synchronously in the caller's 
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, LoraConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
@@ -58,11 +59,15 @@ class LLM:
         max_loras: int = 0,
         max_lora_rank: int = 16,
         engine: LLMEngine | None = None,
+        hf_overrides: dict[str, Any] | None = None,
     ) -> None:
-        """`max_loras` > 0: that many LoRA adapters resident at once (see `lora`)."""
+        """`max_loras` > 0: that many LoRA adapters resident at once (see `lora`).
+        `hf_overrides`: fields replacing the checkpoint's config.json (vLLM's), e.g.
+        `{"is_matryoshka": True}`."""
         if engine is None:
             config = EngineConfig(
                 model=model,
+                hf_overrides=json.dumps(hf_overrides) if hf_overrides else None,
                 seed=seed,
                 executor=ExecutorConfig(
                     device=device, dtype=dtype, attention_backend=attention_backend, enforce_eager=enforce_eager,
