@@ -191,3 +191,16 @@ def test_folders_that_cannot_be_computed_are_refused_in_one_line(tmp_path: Path,
         _engine(tmp_path)
     message = str(info.value)
     assert want in message and "\n" not in message
+
+
+def test_max_seq_length_bounds_the_inputs(tmp_path: Path) -> None:
+    write_st_folder(tmp_path)
+    _rewrite(tmp_path, "sentence_bert_config.json", lambda c: {**c, "max_seq_length": 8})
+    front = AsyncEngine(_engine(tmp_path))
+    try:
+        app = build_app(front)
+        assert _embed(app, input=["paris is the capital"]).status_code == 200  # 4 words and <eos>
+        r = _embed(app, input=["what is the capital of france is paris"])  # 8 words and <eos>
+        assert r.status_code == 400 and "maximum context length is 8" in r.json()["error"]["message"]
+    finally:
+        front.shutdown()

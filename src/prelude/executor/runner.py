@@ -141,7 +141,9 @@ class ModelRunner:
             vocab_size=int(cfg.vocab_size),
             hidden_size=int(cfg.hidden_size),
             max_positions=model.max_positions,
-            max_position_embeddings=int(cfg.max_position_embeddings),
+            # a sentence-transformers folder's max_seq_length bounds its inputs (as vLLM reads it)
+            max_position_embeddings=min(int(cfg.max_position_embeddings),
+                                        (sentence.max_seq_length if sentence else None) or int(cfg.max_position_embeddings)),
             sliding_window=getattr(cfg, "sliding_window", None),
             kv_bytes_per_block=model.kv_bytes_per_block(block_size),
             labels=tuple(cfg.id2label),
