@@ -485,8 +485,8 @@ class Scheduler:
 
     def _chunkable(self, req: Request) -> bool:
         """A OneShot prompt longer than a step may run in chunks where its head reads its
-        last position only (last-token pooling, classify/reward heads, label scores of an
-        unpacked prompt): each chunk publishes its blocks to the prefix cache, and the rest
+        last position only (last-token pooling, classify/reward heads, label scores of a prompt
+        without items): each chunk publishes its blocks to the prefix cache, and the rest
         of the prompt goes on from there, as any request that hits the cache. Mean and max
         pooling too: each chunk adds its rows to a running pool."""
         return (self.kv.prefix is not None and (reuses_prefix(req) or pools_running(req))
