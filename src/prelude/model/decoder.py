@@ -370,8 +370,8 @@ class Decoder:
     def weights_are_plain(self) -> bool:
         """True when every projection is a plain tensor (none prepacked): what compiled
         segments accept."""
-        return all(isinstance(t, torch.Tensor) for layer in self.layers for t in (layer.pre_attention.qkv, *layer.post_attention)
-                   if t is not None)
+        return all(isinstance(t, torch.Tensor) for layer in self.layers
+                   for t in (layer.pre_attention.qkv, *layer.post_attention) if t is not None)
 
     @torch.inference_mode()
     def forward(
