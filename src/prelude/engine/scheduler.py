@@ -421,6 +421,7 @@ class Scheduler:
             if partial and copy_from is not None:
                 n_cached, n = n_cached + partial[1], n - partial[1]
             self.kv.record(n_cached, n)
+            req.num_cached_tokens = n_cached
             rows.append(OneShotRow(
                 req.request_id, prompt, sample_spec(req), head_spec(req),
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
