@@ -117,13 +117,6 @@ class PoolingParams:
     # LABELS: log-softmax over the label ids only, from the gathered label rows of the LM
     # head (no full-vocabulary projection); False: full-vocabulary logprobs of the ids.
     label_softmax: bool = False
-    # SEQUENCE_LOGPROBS, per item: how many of its last tokens are scored (0: none; the
-    # tokens before them are the item's own context, seen but not scored). Empty: every
-    # token of every item is scored.
-    item_scored: tuple[int, ...] = ()
-    # SEQUENCE_LOGPROBS, per item: token ids whose log-probabilities as the token after the
-    # item are read too (one-token answers read at an item's end, no item per answer).
-    item_next_ids: tuple[tuple[int, ...], ...] = ()
     low_priority: bool = False  # scheduled behind normal requests, as SamplingParams.low_priority
 
     def __post_init__(self) -> None:
@@ -137,19 +130,6 @@ class PoolingParams:
             raise SamplingParamsError("every item needs at least one token")
         if self.item_lens and self.task not in (PoolingTask.LABELS, PoolingTask.SEQUENCE_LOGPROBS):
             raise SamplingParamsError("items are packed for label and sequence scoring only")
-        if (self.item_scored or self.item_next_ids) and self.task is not PoolingTask.SEQUENCE_LOGPROBS:
-            raise SamplingParamsError("item_scored and item_next_ids are for sequence logprobs only")
-        for name, per_item in (("item_scored", self.item_scored), ("item_next_ids", self.item_next_ids)):
-            if per_item and len(per_item) != len(self.item_lens):
-                raise SamplingParamsError(f"{name} needs one entry per item")
-        if any(not 0 <= k <= n for k, n in zip(self.item_scored, self.item_lens)):
-            raise SamplingParamsError("an item scores between none and all of its tokens")
-
-    def scores_per_item(self) -> list[int]:
-        """SEQUENCE_LOGPROBS: the scores each item returns, in order (its scored tokens'
-        logprob sum, then one logprob per next id)."""
-        nexts = self.item_next_ids or ((),) * len(self.item_lens)
-        return [1 + len(ids) for ids in nexts]
 
     def shared_len(self, num_prompt_tokens: int) -> int:
         """Tokens of the shared part of a packed prompt (all of it without items)."""

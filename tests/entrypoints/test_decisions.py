@@ -59,15 +59,19 @@ def _post(base: str, path: str, body: object) -> httpx.Response:
     return httpx.post(base + path, content=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=120)
 
 
-def hf_probabilities(hf: Any, prompt: list[int], labels: list[list[int]]) -> list[float]:
-    """Softmax over the labels' whole-sequence log-probabilities after `prompt`."""
+def hf_logprobs(hf: Any, prompt: list[int], labels: list[list[int]]) -> list[float]:
+    """Each label's whole-sequence log-probability after `prompt` (teacher forced)."""
     lps = []
     with torch.no_grad():
         for label in labels:
-            ids = prompt + label
-            lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+            lp = torch.log_softmax(hf(torch.tensor([prompt + label])).logits[0].float(), -1)
             lps.append(sum(lp[len(prompt) - 1 + k, t].item() for k, t in enumerate(label)))
-    return torch.softmax(torch.tensor(lps, dtype=torch.float64), 0).tolist()
+    return lps
+
+
+def hf_probabilities(hf: Any, prompt: list[int], labels: list[list[int]]) -> list[float]:
+    """Softmax over the labels' whole-sequence log-probabilities after `prompt`."""
+    return torch.softmax(torch.tensor(hf_logprobs(hf, prompt, labels), dtype=torch.float64), 0).tolist()
 
 
 def _answer_probabilities(answer: dict[str, Any]) -> list[float]:
@@ -78,7 +82,9 @@ def _answer_probabilities(answer: dict[str, Any]) -> list[float]:
 
 def _check_against_hf(hf: Any, answers: list[dict[str, Any]]) -> None:
     for answer in answers:
-        ref = hf_probabilities(hf, answer["prompt_token_ids"], answer["label_token_ids"])
+        lps = hf_logprobs(hf, answer["prompt_token_ids"], answer["label_token_ids"])
+        assert answer["label_logprobs"] == pytest.approx(lps, abs=TOL)  # what the refusal rule reads
+        ref = torch.softmax(torch.tensor(lps, dtype=torch.float64), 0).tolist()
         assert _answer_probabilities(answer) == pytest.approx(ref, abs=TOL)
 
 
@@ -94,7 +100,7 @@ def test_openai_client_sync_parses_and_matches_transformers(server, hf_model) ->
     _check_against_hf(hf_model, raw)
     # one-token letters are read at the question's end; the other options are scored whole
     assert [len(t) for t in raw[1]["label_token_ids"]] == [1, 1, 1]
-    assert raw[0]["label_token_ids"] == [list(b"yes"), list(b"no")]
+    assert raw[0]["label_token_ids"] == [list(b"Yes"), list(b"No")]
     # "bill" begins "billing": every option of that question ends with the end of turn
     assert all(t[-1] == EOS for t in raw[2]["label_token_ids"])
     typed = decision.answers[3]
@@ -151,6 +157,21 @@ def test_packed_and_one_by_one_give_equal_answers(server, hf_model) -> None:  # 
         assert a["prompt_token_ids"] == b["prompt_token_ids"] and a["label_token_ids"] == b["label_token_ids"]
         assert _answer_probabilities(a) == pytest.approx(_answer_probabilities(b), abs=1e-5)
     _check_against_hf(hf_model, alone.json()["answers"])
+
+
+def test_the_input_is_computed_once_for_all_rows(server) -> None:  # noqa: ANN001
+    base, _ = server
+    fresh = "A brand new input nobody has asked about before, long enough for several blocks."
+    r = _post(base, "/v1/decisions", {"input": fresh, "questions": QUESTIONS, **ANSWERED})
+    assert r.status_code == 200, r.text
+    prompts = [a["prompt_token_ids"] for a in r.json()["answers"]]
+    shared = next(i for i in range(len(prompts[0])) if len({tuple(p[: i + 1]) for p in prompts}) > 1)
+    # one row packs the one-token question; each other question's row (its options scored
+    # whole after it) takes the input's blocks from the prefix cache or rides the leader
+    whole_label_rows = sum(any(len(t) > 1 for t in a["label_token_ids"]) for a in r.json()["answers"])
+    assert whole_label_rows == 4
+    cached = r.json()["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached >= whole_label_rows * ((shared // 4) * 4 - 4) > 0
 
 
 def test_more_questions_than_one_row_holds_are_split_without_changing_answers(server, hf_model) -> None:  # noqa: ANN001

@@ -70,8 +70,7 @@ def validate_request(
         bad = next(t for t in prompt_token_ids if not 0 <= t < rules.vocab_size)
         raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {rules.vocab_size})")
     if pooling is not None:
-        bad = [t for t in (*pooling.label_token_ids, *(t for ids in pooling.item_next_ids for t in ids))
-               if not 0 <= t < rules.vocab_size]
+        bad = [t for t in pooling.label_token_ids if not 0 <= t < rules.vocab_size]
         if bad:
             raise InvalidRequestError(f"label token id {bad[0]} is out of vocabulary (size {rules.vocab_size})")
         max_tokens = 0

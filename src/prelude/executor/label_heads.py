@@ -46,44 +46,30 @@ def label_scores(
     return torch.log_softmax(project(hidden_rows).float(), dim=-1).index_select(1, label_ids)
 
 
-def sequence_rows(
-    suffix_tokens: Sequence[int], item_lens: Sequence[int], item_scored: Sequence[int] = (),
-    item_next_ids: Sequence[Sequence[int]] = (),
-) -> tuple[list[int], list[int], list[int]]:
-    """(predictor rows, target tokens, group sizes) of teacher-forced item logprobs: a
-    scored token is predicted by the row before it (the shared part's last row for an
-    item's first token, else the item's own previous token: its own segment). Per item,
-    one group holds its scored tokens (`item_scored`: its last k; default all), then one
-    group of one per id in `item_next_ids`, predicted by the item's last row."""
+def sequence_rows(suffix_tokens: Sequence[int], item_lens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(predictor rows, target tokens) of teacher-forced item logprobs: an item's first
+    token is predicted by the shared part's last row, each later one by the item token
+    before it (its own segment)."""
     bounds = item_bounds(len(suffix_tokens), item_lens)
     shared_last = bounds[0][0] - 1
+    if shared_last < 0:
+        raise ValueError("the shared part's last token must be computed in the row")
     rows: list[int] = []
     targets: list[int] = []
-    groups: list[int] = []
-    for i, (start, end) in enumerate(bounds):
-        first = end - item_scored[i] if item_scored else start
-        if first == start and shared_last < 0:
-            raise ValueError("the shared part's last token must be computed in the row")
-        rows.extend(shared_last if j == start else j - 1 for j in range(first, end))
-        targets.extend(suffix_tokens[first:end])
-        groups.append(end - first)
-        for token in (item_next_ids[i] if item_next_ids else ()):
-            rows.append(end - 1)
-            targets.append(token)
-            groups.append(1)
-    return rows, targets, groups
+    for start, end in bounds:
+        rows.extend([shared_last, *range(start, end - 1)])
+        targets.extend(suffix_tokens[start:end])
+    return rows, targets
 
 
 def sequence_logprobs(
-    hidden_rows: torch.Tensor, row_of: torch.Tensor, targets: torch.Tensor, groups: Sequence[int], project: Project,
-    chunk: int = 512,
+    hidden_rows: torch.Tensor, targets: torch.Tensor, item_lens: Sequence[int], project: Project, chunk: int = 512
 ) -> torch.Tensor:
-    """Sum of each group's token logprobs ([len(groups)], float32; an empty group: 0).
-    `hidden_rows` [R, H]: the distinct predictor rows' hidden states, each projected once;
-    `row_of` [T]: which of them predicts each target (ordered as `sequence_rows` returns)."""
-    per_token = torch.zeros(targets.shape[0], dtype=torch.float32, device=targets.device)
-    for lo in range(0, hidden_rows.shape[0], chunk):  # chunks bound the [rows, vocab] logits
+    """Sum of each item's token logprobs ([num_items], float32) from the predictor rows'
+    hidden states [R, H] (ordered as `sequence_rows` returns them)."""
+    picked = []
+    for lo in range(0, hidden_rows.shape[0], chunk):
         lp = torch.log_softmax(project(hidden_rows[lo : lo + chunk]).float(), dim=-1)
-        at = ((row_of >= lo) & (row_of < lo + chunk)).nonzero().squeeze(1)
-        per_token[at] = lp[row_of[at] - lo, targets[at]]
-    return torch.stack([part.sum() for part in per_token.split(list(groups))])
+        picked.append(lp.gather(1, targets[lo : lo + chunk].unsqueeze(1)).squeeze(1))
+    per_token = torch.cat(picked)
+    return torch.stack([part.sum() for part in per_token.split(list(item_lens))])

@@ -124,14 +124,10 @@ class OutputHeads:
                 self.model.compute_logits, self.model.compute_label_logits,
             ).reshape(-1))
         elif p is not None and p.task is PoolingTask.SEQUENCE_LOGPROBS:
-            predictors, targets, groups = label_heads.sequence_rows(tokens, p.item_lens, p.item_scored,
-                                                                    p.item_next_ids)
-            distinct = sorted(set(predictors))  # an item's last row predicts all its next ids
-            slot = {row: i for i, row in enumerate(distinct)}
-            rows_at, row_of, d_targets = pack_int64(
-                self.device, [local_index(read, j) for j in distinct], [slot[r] for r in predictors], targets)
+            predictors, targets = label_heads.sequence_rows(tokens, p.item_lens)
+            rows_at, d_targets = pack_int64(self.device, predictors, targets)
             scores = copy.add(label_heads.sequence_logprobs(
-                hidden.index_select(0, rows_at), row_of, d_targets, groups, self.model.compute_logits))
+                hidden.index_select(0, rows_at), d_targets, p.item_lens, self.model.compute_logits))
         elif p is not None and p.task is PoolingTask.CLASSIFY:
             scores = copy.add(self.model.classify(hidden) if classify_head is None
                               else F.linear(hidden[-1], classify_head).float())

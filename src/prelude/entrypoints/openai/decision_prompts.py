@@ -8,13 +8,13 @@ read as what the assistant answers first:
 
 The question text (docs/decision-apis.md shows it):
 
-    predicate  "{instructions}\n\nIs this true of the input above? Answer yes or no."
+    predicate  "{instructions}\n\nIs this true of the input above? Answer Yes or No."
     choice     "{instructions}\n\nOptions:\n- {label}[: {description}]...\n\n"
                "Answer with exactly one option, as written above."
     score      "{instructions}\n\nLevels, from lowest to highest:\n- {label}[: ...]...\n\n"
                "Answer with exactly one level, as written above."
 
-A predicate's options are `yes` and `no` (with System One's criteria listed as for a choice);
+A predicate's options are `Yes` and `No` (with System One's criteria listed as for a choice);
 a choice's are its values (booleans as `true`/`false`; strings as JSON only when one would
 read as a boolean beside it); a score's are its levels' labels (System One: "0".."n-1").
 
@@ -41,7 +41,7 @@ _END_MARK = "\x00decision-end\x00"  # a text no template holds: where an assista
 
 def question_text(q: Asked) -> str:
     if q.kind == "predicate":
-        text = f"{q.instructions}\n\nIs this true of the input above? Answer yes or no."
+        text = f"{q.instructions}\n\nIs this true of the input above? Answer Yes or No."
         described = [o for o in q.options if o.description]
         if described:
             text += "\n" + "\n".join(f"- {o.label}: {o.description}" for o in described)

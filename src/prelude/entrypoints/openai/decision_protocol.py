@@ -26,7 +26,7 @@ from prelude.entrypoints.openai.protocol import RequestBody
 MAX_QUESTIONS = 400
 MIN_CHOICES, MAX_CHOICES = 2, 255
 MIN_LEVELS, MAX_LEVELS = 2, 10
-PREDICATE_LABELS = ("yes", "no")  # what a predicate's answer is read as; P(true) = P(yes)
+PREDICATE_LABELS = ("Yes", "No")  # what a predicate's answer is read as (a chat turn's first word); P(true) = P(Yes)
 
 Kind = Literal["predicate", "choice", "score"]
 ChoiceValue = str | bool

@@ -1,13 +1,15 @@
 """Typed decisions: OpenAI's POST /v1/decisions and TypeSafe's POST /v1/systemone.
 
 Every question about one input is answered in one forward. The rendered input is the
-shared part of a OneShot row (looked up in and published to the prefix cache); each
-question is a packed item after it (decision_prompts.py), which sees the input and itself
-only. A question whose options are distinct one-token answers is one item, its options
-read at its end; otherwise each option is an item (the question then the option), scored
-whole by teacher forcing. Rows hold as many items as the context allows; more questions
-than that make more rows, whose items' answers are the same, each seeing only the input
-and itself.
+shared part of a OneShot row (looked up in and published to the prefix cache); a question
+whose options are distinct one-token answers is a packed item after it (decision_prompts.py),
+which sees the input and itself only, its options' log-probabilities read at its end (the
+label head over the whole vocabulary, for the row's options together). A question with longer
+options gets a row of its own, the input and the question as the shared part and its
+options packed after it, scored whole by teacher forcing; its input blocks come from the
+prefix cache, or from the packed row leading the same step (its riders). Rows hold as many
+items as the context allows; more questions than that make more rows, whose answers are
+the same, each item seeing only the input and itself.
 
 An option's log-probability is that of its whole token sequence under the full
 vocabulary; a question's probabilities are the softmax of its options' log-probabilities.
@@ -82,48 +84,55 @@ def _single_tokens(labels: list[list[int]]) -> bool:
     return all(len(t) == 1 for t in labels)
 
 
+def _whole_label_row(prompt: list[int], q: int, labels: list[list[int]]) -> _Row:
+    """A question's options scored whole: packed as items after the input and the question
+    (the shared part, its input blocks from the prefix cache or a leader in the same step)."""
+    pooling = PoolingParams(PoolingTask.SEQUENCE_LOGPROBS, item_lens=tuple(len(t) for t in labels))
+    return _Row(prompt + [t for label in labels for t in label], pooling, tuple((q, j) for j in range(len(labels))))
+
+
 def _packed_rows(r: Rendered, max_len: int) -> list[_Row]:
-    """Items after the shared input, as many per row as `max_len` allows."""
-    units: list[tuple[list[int], int, tuple[int, ...], tuple[int, int | None]]] = []  # tokens, scored, next, read
-    for q, (item, labels) in enumerate(zip(r.items, r.labels)):
-        if _single_tokens(labels):
-            units.append((item, 0, tuple(t[0] for t in labels), (q, None)))
-        else:
-            units.extend((item + label, len(label), (), (q, j)) for j, label in enumerate(labels))
+    """Questions with one-token options: items after the shared input, as many per row as
+    `max_len` allows, each read at its end. Any other question: a row of its own with its
+    options packed after it, so that its words are computed once, not once per option."""
     rows: list[_Row] = []
-    group: list[tuple[list[int], int, tuple[int, ...], tuple[int, int | None]]] = []
+    group: list[int] = []
 
     def flush() -> None:
         if group:
-            pooling = PoolingParams(PoolingTask.SEQUENCE_LOGPROBS, item_lens=tuple(len(u[0]) for u in group),
-                                    item_scored=tuple(u[1] for u in group), item_next_ids=tuple(u[2] for u in group))
-            rows.append(_Row(r.prefix + [t for u in group for t in u[0]], pooling, tuple(u[3] for u in group)))
+            # Every item's end reads the union of the row's options (full-vocabulary
+            # logprobs); each question keeps its own.
+            ids = tuple(sorted({label[0] for q in group for label in r.labels[q]}))
+            pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=ids,
+                                    item_lens=tuple(len(r.items[q]) for q in group))
+            rows.append(_Row(r.prefix + [t for q in group for t in r.items[q]], pooling,
+                             tuple((q, None) for q in group)))
             group.clear()
 
     used = len(r.prefix)
-    for unit in units:
-        if group and used + len(unit[0]) > max_len:
+    for q, (item, labels) in enumerate(zip(r.items, r.labels)):
+        if not _single_tokens(labels):
+            rows.append(_whole_label_row(r.prefix + item, q, labels))
+            continue
+        if group and used + len(item) > max_len:
             flush()
             used = len(r.prefix)
-        group.append(unit)
-        used += len(unit[0])
+        group.append(q)
+        used += len(item)
     flush()
     return rows
 
 
 def _single_rows(r: Rendered) -> list[_Row]:
     """One row per question, read by the one-prompt heads: one-token options as label
-    scores at the prompt's end, longer ones as whole labels packed after it (/classify's)."""
+    scores at the prompt's end, longer ones scored whole."""
     rows = []
     for q, (item, labels) in enumerate(zip(r.items, r.labels)):
-        prompt = r.prefix + item
         if _single_tokens(labels):
-            pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=tuple(t[0] for t in labels))
-            rows.append(_Row(prompt, pooling, ((q, None),)))
+            pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=tuple(t[0] for t in labels))  # full vocabulary
+            rows.append(_Row(r.prefix + item, pooling, ((q, None),)))
         else:
-            pooling = PoolingParams(PoolingTask.SEQUENCE_LOGPROBS, item_lens=tuple(len(t) for t in labels))
-            rows.append(_Row(prompt + [t for label in labels for t in label], pooling,
-                             tuple((q, j) for j in range(len(labels)))))
+            rows.append(_whole_label_row(r.prefix + item, q, labels))
     return rows
 
 
@@ -135,22 +144,18 @@ def _check_context(r: Rendered, max_len: int) -> None:
                        code="context_length_exceeded")
 
 
-def _scores(row: _Row, out: RequestOutput, logprobs: list[list[float]]) -> None:
-    """Spread a row's scores over its questions' options. A packed item returns its
-    scored tokens' sum, then its next ids' logprobs; the one-prompt heads return one
-    score per option."""
+def _scores(row: _Row, out: RequestOutput, logprobs: list[list[float]], labels: list[list[list[int]]]) -> None:
+    """Spread a row's scores over its questions' options: label scores come per read
+    position (an item's end, or the prompt's) over all the row's label ids; whole-label
+    scores one per option."""
     scores = list(out.scores or ())
-    packed = bool(row.pooling.item_scored)
-    at = 0
-    for q, option in row.reads:
-        if option is None:  # the question's options, read at its end
-            at += packed  # (a packed item's sum of no scored tokens)
-            k = len(logprobs[q])
-            logprobs[q][:] = scores[at : at + k]
-            at += k
+    ids = row.pooling.label_token_ids
+    for at, (q, option) in enumerate(row.reads):
+        if option is None:  # the question's one-token options, read at its end
+            mine = scores[at * len(ids) : (at + 1) * len(ids)]
+            logprobs[q][:] = [mine[ids.index(label[0])] for label in labels[q]]
         else:
             logprobs[q][option] = scores[at]
-            at += 1
 
 
 async def read_questions(engine: EngineClient, source: DecisionInput, questions: list[Asked], params: list[str],
@@ -169,7 +174,7 @@ async def read_questions(engine: EngineClient, source: DecisionInput, questions:
                             [row.pooling for row in rows], http)
     logprobs = [[0.0] * len(labels) for labels in rendered.labels]
     for row, out in zip(rows, outs):
-        _scores(row, out, logprobs)
+        _scores(row, out, logprobs, rendered.labels)
     readings = [Reading(lps, rendered.prefix + item, labels)
                 for lps, item, labels in zip(logprobs, rendered.items, rendered.labels)]
     return readings, sum(len(row.prompt) for row in rows), sum(out.num_cached_tokens for out in outs)
@@ -184,6 +189,13 @@ def _count(http: HTTPRequest, route: str, answers: list[tuple[str, bool]]) -> No
     metrics = getattr(getattr(getattr(http, "app", None), "state", None), "metrics", None)
     if metrics is not None:
         metrics.count_decision(route, answers)
+
+
+def _debug(reading: Reading) -> dict[str, Any]:
+    """What an answer was read from (return_prompt_token_ids): the prompt ids, each
+    option's ids and its log-probability over the whole vocabulary."""
+    return {"prompt_token_ids": reading.prompt_ids, "label_token_ids": reading.label_ids,
+            "label_logprobs": reading.logprobs}
 
 
 def decision_answer(q: Asked, reading: Reading, threshold: float, debug: bool) -> dict[str, Any]:
@@ -205,8 +217,7 @@ def decision_answer(q: Asked, reading: Reading, threshold: float, debug: bool) -
                       "probabilities": [{"value": i, "label": o.label, "probability": p}
                                         for i, (o, p) in enumerate(zip(q.options, probs))]}
     if debug:
-        answer["prompt_token_ids"] = reading.prompt_ids
-        answer["label_token_ids"] = reading.label_ids
+        answer.update(_debug(reading))
     return answer
 
 
@@ -241,8 +252,7 @@ def systemone_answer(q: Asked, reading: Reading, debug: bool) -> dict[str, Any]:
                   "legend": {o.label: o.description for o in q.options},
                   "probabilities": {o.label: p for o, p in zip(q.options, probs)}}
     if debug:
-        answer["prompt_token_ids"] = reading.prompt_ids
-        answer["label_token_ids"] = reading.label_ids
+        answer.update(_debug(reading))
     return answer
 
 
