@@ -113,8 +113,12 @@ def render(engine: EngineClient, source: DecisionInput, questions: list[Asked], 
     messages = list(source.messages)
     shared_text = _render(engine, messages, False)
     fulls = [_render(engine, messages + [{"role": "user", "content": question_text(q)}], True) for q in questions]
-    if not all(f.startswith(shared_text) for f in fulls):  # a template that rewrites earlier turns
-        shared_text = _common_prefix([shared_text, *fulls])
+    if not all(f.startswith(shared_text) for f in fulls):
+        # A template that renders the last turn apart from earlier ones: the shared part is
+        # what every rendering with a question after the input holds (a probe question
+        # bounds it, so that it does not depend on how the request's questions begin).
+        probe = _render(engine, messages + [{"role": "user", "content": "?"}], True)
+        shared_text = _common_prefix([probe, *fulls])
     encode = engine.tokenizer.encode
     prefix = encode(shared_text, add_special_tokens=False)
     if not prefix:
