@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
 TOL = 1e-4
-CONTEXT = 1024
+CONTEXT = 512  # the tiny Llama's max_position_embeddings
 INPUT = "Order 1234 arrived broken; I want a refund."
 QUESTIONS: list[dict[str, Any]] = [
     {"type": "predicate", "name": "refund", "instructions": "The customer asks for a refund."},
@@ -50,7 +50,8 @@ def hf_model() -> Any:
 
 @pytest.fixture(scope="module")
 def server(hf_model: Any) -> Iterator[tuple[str, LLMEngine]]:
-    engine = tiny_engine(hf_model, num_blocks=1024, max_model_len=CONTEXT, max_num_batched_tokens=512)
+    engine = tiny_engine(hf_model, num_blocks=1024, max_model_len=CONTEXT, max_num_batched_tokens=2048)
+    assert engine.max_model_len == CONTEXT
     with running_server(AsyncEngine(engine)) as base:
         yield base, engine
 
@@ -167,7 +168,8 @@ def test_the_input_is_computed_once_for_all_rows(server) -> None:  # noqa: ANN00
     prompts = [a["prompt_token_ids"] for a in r.json()["answers"]]
     shared = next(i for i in range(len(prompts[0])) if len({tuple(p[: i + 1]) for p in prompts}) > 1)
     # one row packs the one-token question; each other question's row (its options scored
-    # whole after it) takes the input's blocks from the prefix cache or rides the leader
+    # whole after it) reads the input's blocks: riding the leader's step, or from the cache
+    # when it reached the engine after that step was planned
     whole_label_rows = sum(any(len(t) > 1 for t in a["label_token_ids"]) for a in r.json()["answers"])
     assert whole_label_rows == 4
     cached = r.json()["usage"]["input_tokens_details"]["cached_tokens"]
@@ -189,6 +191,20 @@ def test_more_questions_than_one_row_holds_are_split_without_changing_answers(se
     for a, b in zip(answers, alone):
         assert _answer_probabilities(a) == pytest.approx(_answer_probabilities(b), abs=1e-5)
     _check_against_hf(hf_model, [answers[0], answers[13], answers[-1]])
+    engine.check_integrity()
+
+
+def test_options_longer_than_one_row_are_split_without_changing_answers(server, hf_model) -> None:  # noqa: ANN001
+    base, engine = server
+    values = [f"option number {i:02d} ok" for i in range(12)]  # 12 x 19 option tokens: more than a row holds
+    question = {"type": "choice", "instructions": "Pick one.", "choices": [{"value": v} for v in values]}
+    body = {"input": INPUT, "questions": [question], **ANSWERED}
+    r = _post(base, "/v1/decisions", body)
+    assert r.status_code == 200, r.text
+    answer = r.json()["answers"][0]
+    assert len(answer["prompt_token_ids"]) + sum(map(len, answer["label_token_ids"])) > CONTEXT
+    lps = hf_logprobs(hf_model, answer["prompt_token_ids"], answer["label_token_ids"])
+    assert answer["label_logprobs"] == pytest.approx(lps, abs=TOL)
     engine.check_integrity()
 
 

@@ -84,11 +84,23 @@ def _single_tokens(labels: list[list[int]]) -> bool:
     return all(len(t) == 1 for t in labels)
 
 
-def _whole_label_row(prompt: list[int], q: int, labels: list[list[int]]) -> _Row:
+def _whole_label_rows(prompt: list[int], q: int, labels: list[list[int]], max_len: int) -> list[_Row]:
     """A question's options scored whole: packed as items after the input and the question
-    (the shared part, its input blocks from the prefix cache or a leader in the same step)."""
-    pooling = PoolingParams(PoolingTask.SEQUENCE_LOGPROBS, item_lens=tuple(len(t) for t in labels))
-    return _Row(prompt + [t for label in labels for t in label], pooling, tuple((q, j) for j in range(len(labels))))
+    (the shared part, its input blocks from the prefix cache or a leader in the same step),
+    as many per row as `max_len` allows."""
+    rows: list[_Row] = []
+    start = 0
+    while start < len(labels):
+        end, used = start, len(prompt)
+        while end < len(labels) and (end == start or used + len(labels[end]) <= max_len):
+            used += len(labels[end])
+            end += 1
+        part = labels[start:end]
+        pooling = PoolingParams(PoolingTask.SEQUENCE_LOGPROBS, item_lens=tuple(len(t) for t in part))
+        rows.append(_Row(prompt + [t for label in part for t in label], pooling,
+                         tuple((q, j) for j in range(start, end))))
+        start = end
+    return rows
 
 
 def _packed_rows(r: Rendered, max_len: int) -> list[_Row]:
@@ -112,7 +124,7 @@ def _packed_rows(r: Rendered, max_len: int) -> list[_Row]:
     used = len(r.prefix)
     for q, (item, labels) in enumerate(zip(r.items, r.labels)):
         if not _single_tokens(labels):
-            rows.append(_whole_label_row(r.prefix + item, q, labels))
+            rows.extend(_whole_label_rows(r.prefix + item, q, labels, max_len))
             continue
         if group and used + len(item) > max_len:
             flush()
@@ -123,7 +135,7 @@ def _packed_rows(r: Rendered, max_len: int) -> list[_Row]:
     return rows
 
 
-def _single_rows(r: Rendered) -> list[_Row]:
+def _single_rows(r: Rendered, max_len: int) -> list[_Row]:
     """One row per question, read by the one-prompt heads: one-token options as label
     scores at the prompt's end, longer ones scored whole."""
     rows = []
@@ -132,7 +144,7 @@ def _single_rows(r: Rendered) -> list[_Row]:
             pooling = PoolingParams(PoolingTask.LABELS, label_token_ids=tuple(t[0] for t in labels))  # full vocabulary
             rows.append(_Row(r.prefix + item, pooling, ((q, None),)))
         else:
-            rows.append(_whole_label_row(r.prefix + item, q, labels))
+            rows.extend(_whole_label_rows(r.prefix + item, q, labels, max_len))
     return rows
 
 
@@ -169,7 +181,7 @@ async def read_questions(engine: EngineClient, source: DecisionInput, questions:
     if any(not item for item in rendered.items):
         raise APIError("input: the chat template leaves a question nothing of its own", param="input")
     _check_context(rendered, engine.max_model_len)
-    rows = _packed_rows(rendered, engine.max_model_len) if multi_item else _single_rows(rendered)
+    rows = _packed_rows(rendered, engine.max_model_len) if multi_item else _single_rows(rendered, engine.max_model_len)
     outs = await encode_all(engine, f"decision-{uuid.uuid4().hex}", [row.prompt for row in rows],
                             [row.pooling for row in rows], http)
     logprobs = [[0.0] * len(labels) for labels in rendered.labels]
