@@ -261,6 +261,20 @@ def test_bad_input_is_a_400_naming_the_field(server, body: dict[str, Any], param
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
+def test_the_request_size_limit_counts_the_input_once(hf_model) -> None:  # noqa: ANN001
+    from prelude.entrypoints.openai.limits import ServerLimits
+
+    long_input = "The quick brown fox jumps over the lazy dog. " * 6  # ~280 tokens, in every row
+    questions = [{"type": "predicate", "instructions": f"Claim {i}."} for i in range(4)]  # a row each (Yes: 3 bytes)
+    engine = tiny_engine(hf_model, num_blocks=512, max_model_len=CONTEXT, max_num_batched_tokens=2048)
+    with running_server(AsyncEngine(engine), limits=ServerLimits(max_request_tokens=800)) as base:
+        ok = _post(base, "/v1/decisions", {"input": long_input, "questions": questions})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["input_tokens"] > 800  # the rows' prompts hold the input four times
+        big = _post(base, "/v1/decisions", {"input": long_input, "questions": questions * 5})
+        assert big.status_code == 400 and big.json()["error"]["param"] == "questions", big.text
+
+
 def test_a_model_without_chat_template_is_a_400(hf_model) -> None:  # noqa: ANN001
     from tests.engine.tiny import ByteTokenizer
 

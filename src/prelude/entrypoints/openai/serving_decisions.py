@@ -19,6 +19,7 @@ refusal threshold of the probability: the model would have answered something el
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 
 from prelude.engine.client import EngineClient
-from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput
+from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput, SamplingParams
 from prelude.entrypoints.openai.decision_prompts import Rendered, render
 from prelude.entrypoints.openai.decision_protocol import (
     Asked,
@@ -39,15 +40,16 @@ from prelude.entrypoints.openai.decision_protocol import (
     systemone_questions,
     systemone_state,
 )
+from prelude.entrypoints.openai.disconnect import until_disconnect
 from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.limits import limits_of
 from prelude.entrypoints.openai.offload import off_loop_if_large
-from prelude.entrypoints.openai.serving_pooling import encode_all
 
 # A question's options must hold at least this much of the next-token probability mass (all
 # of their sequences together) to be answered; below it, the model would have said something
 # else (a refusal, a hedge, another answer), and /v1/decisions answers with a refusal.
 DEFAULT_REFUSAL_THRESHOLD = 0.0
+_NO_GEN = SamplingParams(max_tokens=0)
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,18 @@ def _scores(row: _Row, out: RequestOutput, logprobs: list[list[float]], labels: 
             logprobs[q][option] = scores[at]
 
 
+async def _encode_rows(engine: EngineClient, rows: list[_Row], shared: int, http: HTTPRequest) -> list[RequestOutput]:
+    """The rows' engine requests, all refused before any runs if one is bad. The request's
+    size counts the input once (`shared` tokens begin every row): the rows after the first
+    read it from the prefix cache, they do not hold it again."""
+    limits_of(http).check_tokens([shared] + [len(row.prompt) - shared for row in rows], param="questions")
+    for row in rows:
+        engine.validate(row.prompt, _NO_GEN, row.pooling)
+    prefix = f"decision-{uuid.uuid4().hex}"
+    calls = [engine.encode(f"{prefix}-{i}", row.prompt, row.pooling) for i, row in enumerate(rows)]
+    return await until_disconnect(asyncio.gather(*calls), http)
+
+
 async def read_questions(engine: EngineClient, source: DecisionInput, questions: list[Asked], params: list[str],
                          multi_item: bool, http: HTTPRequest) -> tuple[list[Reading], int, int]:
     """Each question's reading; the prompt tokens of the request's rows and how many of
@@ -182,8 +196,7 @@ async def read_questions(engine: EngineClient, source: DecisionInput, questions:
         raise APIError("input: the chat template leaves a question nothing of its own", param="input")
     _check_context(rendered, engine.max_model_len)
     rows = _packed_rows(rendered, engine.max_model_len) if multi_item else _single_rows(rendered, engine.max_model_len)
-    outs = await encode_all(engine, f"decision-{uuid.uuid4().hex}", [row.prompt for row in rows],
-                            [row.pooling for row in rows], http)
+    outs = await _encode_rows(engine, rows, len(rendered.prefix), http)
     logprobs = [[0.0] * len(labels) for labels in rendered.labels]
     for row, out in zip(rows, outs):
         _scores(row, out, logprobs, rendered.labels)
