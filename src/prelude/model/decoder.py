@@ -150,6 +150,10 @@ class DecoderLayer:
             stacked("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
             qkv_bias, prepack, blk("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
         self.o_proj = Projection(w("self_attn.o_proj.weight"), None, prepack, blk("self_attn.o_proj.weight"))
+        # Gemma's sandwich: post_attention_layernorm normalizes the attention's output, these
+        # two the MLP's input and output
+        self.pre_mlp_norm = w("pre_feedforward_layernorm.weight") if spec.post_norms else None
+        self.post_mlp_norm = w("post_feedforward_layernorm.weight") if spec.post_norms else None
         self.q_norm = w("self_attn.q_norm.weight") if spec.attention.qk_norm else None
         self.k_norm = w("self_attn.k_norm.weight") if spec.attention.qk_norm else None
         self.head = HeadWeights(self.input_norm, _operand(self.qkv), None if self.qkv.packed else self.qkv.bias,

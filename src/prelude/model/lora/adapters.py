@@ -112,6 +112,10 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise LoraError(f"{ADAPTER_CONFIG} is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("target_parameters"):  # PEFT's LoRA on bare parameters: a mixture of experts' stacked experts
+        raise LoraError(f"adapters on parameters ({', '.join(map(str, cfg['target_parameters']))}: a "
+                        "mixture-of-experts MLP's experts) are not supported; adapters on the attention "
+                        "projections are")
     for unsupported in ("use_dora", "rank_pattern", "alpha_pattern"):
         if cfg.get(unsupported):
             raise LoraError(f"{unsupported} adapters are not supported")
