@@ -202,3 +202,27 @@ def test_layer_kinds_follow_the_older_sliding_window_pattern() -> None:
            "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 3}
     del raw["layer_types"]
     assert config_for(raw).layer_kinds == ("sliding", "sliding", "full", "sliding", "sliding", "full", "sliding")
+
+
+def test_a_lora_adapter_on_every_projection_equals_peft_merged(tmp_path) -> None:  # noqa: ANN001
+    from prelude.model.lora.adapters import LoraBatch, LoraSlots, LoraStep, read_adapter
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(11)
+    model = peft.get_peft_model(hf_gemma(seed=11), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model.save_pretrained(str(tmp_path / "a"))
+    merged = model.merge_and_unload().eval()
+    runner, kv = _runner(hf_gemma(seed=11), "cpu")
+    config = runner.model.config
+    slots = LoraSlots(config, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    slots.load(1, read_adapter("a", tmp_path / "a", config, max_rank=8))
+    p = _prompts(12, (14,))[0]
+    assert kv.allocate("a", len(p))
+    inputs = runner.inputs.paged((BatchRow("a", p, 0, kv.block_table("a"), None),))
+    step = LoraStep(slots, LoraBatch.build([1], [len(p)], "cpu", 0))
+    hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, lora=step)
+    got = runner.model.compute_logits(hidden)
+    assert (got - _hf_logits(merged, p)).abs().max().item() <= 1e-4
+    assert (got - _hf_logits(hf_gemma(seed=11), p)).abs().max().item() > 1e-2  # the adapter does change them
