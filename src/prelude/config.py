@@ -214,6 +214,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoraConfig | None = None  # None: no adapters (no slots, the plain forward)
+    # JSON fields replacing config.json's at load (vLLM's --hf-overrides): Matryoshka sizes,
+    # a reranker's classifier_from_token, ...
+    hf_overrides: str | None = None
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,11 @@ class HeadSpec:
 
     prompt_logprobs: int | None = None
     pooling: PoolingParams | None = None
+    # Mean/max pooling of a prompt that runs in chunks: the running pool of its earlier
+    # chunks (count, sums, maxima: model/layers/pooler.py), and whether this row is itself
+    # such a chunk (it returns the running pool instead of the embedding)
+    pooled_before: tuple[float, ...] | None = None
+    pool_chunk: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,7 @@ class HeadOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None
     scores: list[float] | None = None
+    pooled: list[float] | None = None  # a chunk's running pool (HeadSpec.pool_chunk)
 
 
 @dataclass(frozen=True)

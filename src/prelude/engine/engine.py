@@ -23,6 +23,7 @@ from prelude.engine.handoff import KVHandoff, resumable_copy
 from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
+from prelude.params import EmbedSetup
 from prelude.engine.request import (
     ExecClass,
     FinishReason,
@@ -168,7 +169,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, vocab_size=self.info.vocab_size, eos_token_ids=self.eos_token_ids,
             can_generate=self.can_generate, force_paged=sched.force_paged, labels=self.labels,
             default_pooling=self.info.default_pooling, default_ttft_slo_ms=sched.default_ttft_slo_ms,
-            lora_enabled=self.runner.adapters is not None,
+            lora_enabled=self.runner.adapters is not None, embed=self.info.embed,
+            score_template=self.info.score_template,
         )
 
     @property
@@ -183,6 +185,14 @@ class LLMEngine:
     @property
     def is_encoder(self) -> bool:
         return self.info.is_encoder
+
+    @property
+    def embed_setup(self) -> EmbedSetup:
+        return self.info.embed
+
+    @property
+    def score_template(self) -> str | None:
+        return self.info.score_template
 
     # --- requests -------------------------------------------------------------------
 
@@ -349,7 +359,7 @@ class LLMEngine:
     def _fail_step(self, plan: ScheduleResult) -> list[str]:
         """Release everything a failed step held and drop its requests; their ids."""
         self.scheduler.end_step(plan, ok=False)
-        failed = [req.request_id for req in plan.oneshot if self._requests.get(req.request_id) is req]
+        failed = [req.request_id for req in plan.oneshot + plan.chunked if self._requests.get(req.request_id) is req]
         failed += [rid for rid in plan.scheduled if rid in self._requests]
         for rid in failed:
             self.abort(rid)
@@ -368,6 +378,12 @@ class LLMEngine:
         outputs = [] if isinstance(plan.batch, OneShotBatch) else self._postprocess_paged(plan, result, now)
         if plan.oneshot_rows:  # a OneShot step, or the OneShot rows of a fused step
             outputs += self._postprocess_oneshot(plan.oneshot, result, now)
+        if plan.chunked:  # chunks of prompts longer than a step: a running pool goes on
+            ends = {row.request_id: len(row.token_ids) for row in plan.oneshot_rows}
+            for req in plan.chunked:
+                head = result.heads.get(req.request_id)
+                if head is not None and head.pooled is not None:
+                    req.pooled, req.pooled_upto = tuple(head.pooled), ends[req.request_id]
         return outputs
 
     def _postprocess_oneshot(self, requests: list[Request], result: BatchOutput, now: float) -> list[RequestOutput]:

@@ -91,6 +91,10 @@ class Request:
     num_preemptions: int = 0
     head_done: bool = False  # prompt logprobs / pooled outputs already delivered
     deferred_steps: int = 0  # steps waited for a leader to fill a shared cold prefix
+    # Mean/max pooling in chunks: prompt tokens pooled so far (their blocks published to the
+    # prefix cache) and their running pool (HeadSpec.pooled_before)
+    pooled_upto: int = 0
+    pooled: tuple[float, ...] | None = None
     hand_off: bool = False  # disaggregated prefill: export the KV after the first token, decode elsewhere
     ttft_deadline: float | None = None  # absolute (monotonic) time the first token is due
     scheduled_time: float | None = None  # first taken into a step (queue time ends)

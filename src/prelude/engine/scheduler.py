@@ -34,7 +34,7 @@ then finds nothing of theirs in flight). Alone, they run at full steps.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from prelude.config import SchedulerConfig
@@ -61,6 +61,9 @@ class ScheduleResult:
     scheduled: dict[str, int] = field(default_factory=dict)  # request_id -> tokens computed this step
     preempted: list[Request] = field(default_factory=list)
     oneshot: list[Request] = field(default_factory=list)  # requests of the step's OneShot rows
+    # OneShot requests longer than a step whose row here is a chunk: it computes and
+    # publishes prompt blocks only; they stay waiting and go on from the cache
+    chunked: list[Request] = field(default_factory=list)
     adapters: set[int] = field(default_factory=set)  # LoRA adapters (ids) the step's rows run with
     # Carried rows (decode overlap): their input is the carried token, which the step in
     # flight samples for the same request. Request ids, in row order.
@@ -94,6 +97,12 @@ def reuses_prefix(req: Request) -> bool:
     if req.params.prompt_logprobs is not None:
         return False
     return req.pooling is None or req.pooling.task.value != "embed" or req.pooling.pooling == "last"
+
+
+def pools_running(req: Request) -> bool:
+    """Mean or max pooling: pooled in chunks through a running pool (HeadSpec.pooled_before)."""
+    p = req.pooling
+    return p is not None and p.task.value == "embed" and p.pooling in ("mean", "max")
 
 
 # A peer of a request that is computing a cold shared prefix waits at most this many
@@ -148,10 +157,15 @@ def shareable_tokens(req: Request) -> list[int]:
     return req.prompt_token_ids
 
 
-def head_spec(req: Request) -> HeadSpec | None:
+def head_spec(req: Request, chunk: bool = False) -> HeadSpec | None:
+    """`chunk`: the head of a chunk of a running pool (it returns the pool so far)."""
     if req.head_done or (req.pooling is None and req.params.prompt_logprobs is None):
         return None
-    return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=req.pooling)
+    pooling = req.pooling
+    if req.pooled_upto and pooling is not None:  # the prompt's tokens still to skip, after those pooled
+        pooling = replace(pooling, skip_tokens=max(0, pooling.skip_tokens - req.pooled_upto))
+    return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=pooling, pooled_before=req.pooled,
+                    pool_chunk=chunk)
 
 
 def sample_spec(req: Request, carried: int = 0) -> SampleSpec | None:
@@ -225,6 +239,7 @@ class Scheduler:
         # the bound it started from (a low-priority OneShot row over it may go alone).
         self._low_priority_left: int | None = None
         self._low_priority_cap: int | None = None
+        self._chunking: set[str] = set()  # OneShot requests whose chunk is in a step not yet ended
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -276,6 +291,7 @@ class Scheduler:
                     self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens, namespace(req))
         if ok and plan.oneshot:
             self.gather.step_ended(len(plan.oneshot), len(self.oneshot_waiting), time.monotonic())
+        self._chunking.difference_update(r.request_id for r in plan.chunked)
         for row in plan.oneshot_rows:
             if ok:
                 self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks),
@@ -314,7 +330,14 @@ class Scheduler:
         return n * per_token
 
     def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
-        return self.kv.match(tokens, namespace(req)) if reuses_prefix(req) else []
+        if reuses_prefix(req):
+            return self.kv.match(tokens, namespace(req))
+        if req.pooled_upto:  # a running pool goes on after the blocks its chunks published
+            found = self.kv.match(tokens, namespace(req))[: req.pooled_upto // self.kv.block_size]
+            if len(found) * self.kv.block_size == req.pooled_upto:
+                return found
+            req.pooled_upto, req.pooled = 0, None  # some were evicted: pool again from the start
+        return []
 
     def _adapter_fits(self, req: Request, result: ScheduleResult) -> bool:
         """Whether the request's adapter fits the step: a step holds at most `max_loras`
@@ -387,8 +410,10 @@ class Scheduler:
         """OneShot rows of one head group within `budget` prompt tokens and `memory`
         activation bytes, in policy order; `first_goes`: the first request goes even
         alone over budget (the turn that guarantees OneShot work progresses)."""
-        ordered = self._normal_first(
-            self.policy.prefill.order(self.oneshot_waiting, now, lambda r: r.num_prompt_tokens))
+        ordered = self._normal_first(self.policy.prefill.order(
+            [r for r in self.oneshot_waiting if r.request_id not in self._chunking], now, lambda r: r.num_prompt_tokens))
+        if not ordered:
+            return [], []
         group = oneshot_group(ordered[0])
         bs = self.kv.block_size
         rows: list[OneShotRow] = []
@@ -412,6 +437,17 @@ class Scheduler:
             mem = self.activation_bytes(req, n)
             if self._low_priority_tokens(req, n, alone=first_goes and not taken) < n:
                 continue  # low-priority work over this step's bound waits; normal rows may still fit
+            if n > budget and not riding and self._chunkable(req) and self._adapter_fits(req, result):
+                chunk = self._chunk_row(req, prefix, budget)
+                if chunk is not None:
+                    computed = len(chunk.token_ids) - chunk.num_cached
+                    rows.append(chunk)
+                    result.chunked.append(req)
+                    self._chunking.add(req.request_id)
+                    self._took_low_priority(req, computed)
+                    budget -= computed
+                    memory -= self.activation_bytes(req, computed)
+                    continue
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
             if not riding and self._defer(req, key, leaders):
@@ -450,6 +486,34 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.scheduled_time = req.scheduled_time or now
         return rows, taken
+
+    def _chunkable(self, req: Request) -> bool:
+        """A OneShot prompt longer than a step may run in chunks where its head reads its
+        last position only (last-token pooling, classify/reward heads, label scores of an
+        unpacked prompt): each chunk publishes its blocks to the prefix cache, and the rest
+        of the prompt goes on from there, as any request that hits the cache. Mean and max
+        pooling too: each chunk adds its rows to a running pool."""
+        return (self.kv.prefix is not None and (reuses_prefix(req) or pools_running(req))
+                and req.params.prompt_logprobs is None and not (req.pooling is not None and req.pooling.item_lens))
+
+    def _chunk_row(self, req: Request, prefix: list[int], budget: int) -> OneShotRow | None:
+        """A row computing the next whole blocks of `req`'s prompt after its cached `prefix`
+        within `budget` tokens, publishing them, with no head; None where no whole block fits
+        or the pool has no room for them (the prompt then runs whole, alone)."""
+        bs = self.kv.block_size
+        blocks = min(budget // bs, (req.num_prompt_tokens - 1) // bs - len(prefix))
+        if blocks < 1:
+            return None
+        publish, _ = self.kv.hold_for_step(prefix, blocks)
+        if not publish:
+            self.kv.drop_step(prefix, [])
+            return None
+        n_cached = len(prefix) * bs
+        end = n_cached + len(publish) * bs
+        self.kv.record(n_cached, end - n_cached)
+        head = head_spec(req, chunk=True) if pools_running(req) else None
+        return OneShotRow(req.request_id, req.prompt_token_ids[:end], None, head, num_cached=n_cached,
+                          prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora)
 
     def _oneshot_budget(self) -> int:
         return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens

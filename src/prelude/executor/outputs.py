@@ -23,6 +23,7 @@ from prelude.executor.sampler import argmax_only, chosen_deferred, sample_deferr
 from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import BatchOutput, HeadOutput, HeadSpec, SampleSpec
 from prelude.model.layers import heads
+from prelude.model.layers.pooler import Pooler, running_pool
 from prelude.model.base import Model
 from prelude.params import PoolingTask, TokenLogprob
 
@@ -59,9 +60,11 @@ class CarriedTokens:
 class OutputHeads:
     """A model's output projections for one step's rows (the trunk's hidden states in)."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, pooler: Pooler | None = None, default_pooling: str | None = None) -> None:
         self.model = model
         self.device = model.device
+        self.pooler = pooler or Pooler(device=model.device)  # a sentence-transformers folder's Dense layers
+        self.default_pooling = default_pooling or model.default_pooling
 
     def launch(
         self,
@@ -116,6 +119,9 @@ class OutputHeads:
         p = head.pooling
         scores: HostValue | None = None
         embedding: HostValue | None = None
+        pooled: HostValue | None = None
+        before = (None if head.pooled_before is None else
+                  torch.tensor(head.pooled_before, dtype=torch.float32).to(self.device, non_blocking=True))
         if p is not None and p.task is PoolingTask.LABELS:
             rows_at, label_ids = copy_int64(self.device, [local_index(read, j) for j in label_heads.score_rows(
                 len(tokens), p)], p.label_token_ids)
@@ -131,9 +137,11 @@ class OutputHeads:
         elif p is not None and p.task is PoolingTask.CLASSIFY:
             scores = copy.add(self.model.classify(hidden) if classify_head is None
                               else F.linear(hidden[-1], classify_head).float())
+        elif p is not None and head.pool_chunk:
+            pooled = copy.add(running_pool(hidden, p.skip_tokens, before))
         elif p is not None:
-            pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
-            embedding = copy.add(heads.normalize(pooled) if p.normalize else pooled)
+            embedding = copy.add(self.pooler(hidden, p.pooling or self.default_pooling, p.skip_tokens, p.dimensions,
+                                             p.normalize, before))
 
         def build() -> HeadOutput:
             prompt_lps: list[TokenLogprob | None] | None = None
@@ -148,6 +156,7 @@ class OutputHeads:
                 prompt_logprobs=prompt_lps,
                 scores=scores.get() if scores is not None else None,
                 embedding=embedding.get() if embedding is not None else None,
+                pooled=pooled.get() if pooled is not None else None,
             )
 
         return build

@@ -52,9 +52,11 @@ from prelude.model.layers.fused_segments import fused_segments, triton_segments
 from prelude.cache_dirs import cache_root
 from prelude.model.loading.files import prepared_dir
 from prelude.kernels.cpu.native_lib import ISA_CAP_ENV, isa_capped_to_avx2
+from prelude.model.layers.pooler import Pooler
 from prelude.model.lora.adapters import LoraBatch, LoraStep
+from prelude.model.sentence_modules import SentenceModules
 from prelude.model.loading.prepared import PreparedTensors
-from prelude.params import LoraRequest
+from prelude.params import EmbedSetup, LoraRequest
 
 logger = logging.getLogger("prelude.executor")
 
@@ -93,6 +95,16 @@ def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments 
         return None
 
 
+def embed_setup(sentence: SentenceModules | None, hidden_size: int,
+                matryoshka: tuple[int, ...] | None) -> EmbedSetup:
+    """What the fronts need of a model's embeddings. Without a sentence-transformers folder:
+    the hidden state, normalized unless a request says otherwise."""
+    if sentence is None:
+        return EmbedSetup(hidden_size, matryoshka=matryoshka)
+    return EmbedSetup(sentence.dimension(hidden_size), sentence.prompts, sentence.default_prompt_name,
+                      sentence.include_prompt, sentence.normalize, matryoshka)
+
+
 def step_size(batch: ForwardBatch) -> tuple[int, int]:
     """(tokens computed, rows sampled) of a step."""
     paged = batch.rows if isinstance(batch, (DecodeBatch, MixedBatch)) else ()
@@ -107,7 +119,12 @@ class ModelRunner:
     knows nothing of requests' lifecycles."""
 
     def __init__(self, model: Model, block_size: int, config: ExecutorConfig | None = None,
-                 lora: LoraConfig | None = None) -> None:
+                 lora: LoraConfig | None = None, sentence: SentenceModules | None = None,
+                 matryoshka: tuple[int, ...] | None = None, score_template: str | None = None) -> None:
+        """`sentence`: the checkpoint's sentence-transformers modules (pooling, Dense layers,
+        Normalize, prompts); `matryoshka`: the sizes its config declares vectors may be cut
+        to (model/sentence_modules.py); `score_template`: a token reranker's prompt template
+        (model/loading/token_scorer.py)."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -117,8 +134,9 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.emittable_vocab: int | None = None  # the tokenizer's table: head rows past it are never sampled
         self.inputs = InputBuilder(self.device, block_size, model.is_encoder)
-        self.outputs = OutputHeads(model)
         cfg = model.config
+        default_pooling = sentence.pooling if sentence is not None else model.default_pooling
+        self.outputs = OutputHeads(model, Pooler(sentence.dense if sentence else (), model.device), default_pooling)
         self.info = ModelInfo(
             vocab_size=int(cfg.vocab_size),
             hidden_size=int(cfg.hidden_size),
@@ -129,10 +147,12 @@ class ModelRunner:
             labels=tuple(cfg.id2label),
             can_generate=model.can_generate,
             is_encoder=model.is_encoder,
-            default_pooling=model.default_pooling,
+            default_pooling=default_pooling,
             eos_token_ids=tuple(getattr(cfg, "eos_token_ids", ())),
             device=str(self.device),
             dtype=str(model.dtype).removeprefix("torch."),
+            embed=embed_setup(sentence, int(cfg.hidden_size), matryoshka),
+            score_template=score_template,
         )
         segments = fused_segments_for(model, self.config)  # once: it logs what it picked
         self.forwards: ForwardProvider = self._forward_provider(segments)
@@ -233,6 +253,9 @@ class ModelRunner:
         blocks: Mapping[str, GgmlQuants] | None = None,
         lora: LoraConfig | None = None,
         checkpoint_files: Sequence[Path] = (),
+        sentence: SentenceModules | None = None,
+        matryoshka: tuple[int, ...] | None = None,
+        score_template: str | None = None,
     ) -> "ModelRunner":
         """Build the model on the configured device from host weights (which the caller
         drops afterwards: no host copy of a GPU model is kept). `blocks`: a GGUF's
@@ -275,7 +298,7 @@ class ModelRunner:
             if made := model.make_packed_copies():
                 logger.info("%d projections' packed copies: amx_gemm.c's ready at start (%.2f s), oneDNN's by a thread "
                             "meanwhile, not by the first prompt", made, time.perf_counter() - start)
-        return cls(model, block_size, config, lora)
+        return cls(model, block_size, config, lora, sentence, matryoshka, score_template)
 
     def limit_sampled_vocab(self, emittable: int) -> None:
         """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""

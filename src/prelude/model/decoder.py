@@ -230,12 +230,15 @@ class Decoder:
         self._pre = [layer.pre_attention for layer in self.layers]
         self._post = [layer.post_attention for layer in self.layers]
         self.norm = cast["model.norm.weight"]
-        # A *ForSequenceClassification checkpoint has a `score` head instead of an LM head.
+        # A *ForSequenceClassification checkpoint has a `score` head instead of an LM head; a
+        # trunk saved on its own (`Qwen3Model`, an embedder's) has none unless tied.
         self.score = cast.get("score.weight")
+        bare_trunk = spec.architecture.endswith("Model")
         if "lm_head.weight" in cast:
             self.lm_head: torch.Tensor | None = cast["lm_head.weight"]
         else:
-            self.lm_head = self.embed if config.tie_word_embeddings or self.score is None else None
+            self.lm_head = (self.embed if config.tie_word_embeddings or (self.score is None and not bare_trunk)
+                            else None)
         head_name = "lm_head.weight" if "lm_head.weight" in cast else "model.embed_tokens.weight"
         self._lm_head_proj = (Projection(self.lm_head, None, prepack, blocks_for(head_name), head=True)
                               if self.lm_head is not None else None)

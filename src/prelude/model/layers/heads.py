@@ -8,22 +8,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-
-
-def pool(hidden: torch.Tensor, method: str) -> torch.Tensor:
-    """[n, H] hidden states of one sequence -> [H] (float32)."""
-    if method == "last":
-        return hidden[-1].float()
-    if method == "mean":
-        return hidden.float().mean(0)
-    if method == "cls":
-        return hidden[0].float()
-    raise ValueError(f"unknown pooling {method!r}")
-
-
-def normalize(vec: torch.Tensor) -> torch.Tensor:
-    return F.normalize(vec, p=2, dim=-1)
 
 
 def prompt_token_logprobs(
