@@ -147,7 +147,6 @@ def test_a_toy_architecture_is_one_file_and_matches_transformers() -> None:
 NOT_YET_SERVED = {
     "Gemma3ForCausalLM": lambda: transformers.Gemma3TextConfig(**TINY, head_dim=16),
     "Qwen3MoeForCausalLM": lambda: transformers.Qwen3MoeConfig(**TINY),
-    "Qwen3_5ForCausalLM": lambda: transformers.Qwen3_5TextConfig(**TINY),
     "Qwen3NextForCausalLM": lambda: transformers.Qwen3NextConfig(**TINY),
 }
 
