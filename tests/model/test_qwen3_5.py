@@ -179,3 +179,40 @@ def test_the_conv_carries_its_state_across_pieces_and_steps() -> None:
     steps = state.unsqueeze(0).clone()
     out3 = causal_conv_step(x[19:20], weight, steps)
     assert torch.allclose(torch.cat([out1, out2, out3]), ref, atol=1e-5)
+
+
+def test_packed_items_each_continue_the_shared_state() -> None:
+    """Multi-item scoring packs items after a shared prompt; each item must see the shared
+    part's state (and K/V) and itself only: as if scored one by one."""
+    hf = hf_model(4)
+    model = build(hf)
+    shared, items = [3, 1, 4, 1, 5, 9, 2, 6], [[7, 7, 8], [11, 12], [13]]
+    ids = shared + [t for item in items for t in item]
+    positions = list(range(len(shared)))
+    segments = [0] * len(shared)
+    for i, item in enumerate(items, start=1):
+        positions += range(len(shared), len(shared) + len(item))
+        segments += [i] * len(item)
+    builder = InputBuilder(torch.device("cpu"), 16, False, recurrent=True)
+    inputs = builder.pack([RowLayout(ids, positions, [-1] * len(ids), (), len(ids), False, decode=False,
+                                     segments=segments)], write_kv=False)
+    assert inputs.meta.states is not None and inputs.meta.states.rows[0].items == (3, 2, 1)
+    hidden = model.forward(inputs.input_ids, inputs.positions, inputs.meta, model.allocate_kv_cache(1, 16))
+    at = len(shared)
+    for item in items:
+        alone = oneshot_hidden(model, [shared + item])[0][len(shared):]
+        assert torch.allclose(hidden[at:at + len(item)], alone, atol=1e-5)
+        at += len(item)
+
+
+def test_state_rows_batch_decode_rows_and_keep_prompt_rows_apart() -> None:
+    builder = InputBuilder(torch.device("cpu"), 4, False, recurrent=True)
+    layouts = [RowLayout([1, 2, 3], range(3), [0, 1, 2], (0,), 3, True, decode=False, state_slot=2, fresh=True),
+               RowLayout([4], [7], [9], (1, 2), 8, True, decode=True, state_slot=0, fresh=False),
+               RowLayout([5], [0], [-1], (), 1, False, decode=False)]
+    states = builder.pack(layouts, write_kv=True).meta.states
+    assert states is not None
+    assert states.rows == (StateRow(0, 3, 2, True), StateRow(4, 1, -1, True))
+    assert states.step_tokens is not None and states.step_tokens.tolist() == [3]
+    assert states.step_slots is not None and states.step_slots.tolist() == [0]
+    assert StateRows(()).step_tokens is None

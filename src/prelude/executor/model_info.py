@@ -20,3 +20,5 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     device: str
     dtype: str
+    # Models with recurrent (linear-attention) layers: one sequence's state in bytes (0: none)
+    state_bytes_per_slot: int = 0

@@ -64,6 +64,9 @@ class StateRow:
     length: int
     slot: int
     fresh: bool
+    # Packed items (multi-item scoring, OneShot only): the row's last tokens are items of
+    # these lengths, each continuing the state at the shared part's end on its own
+    items: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

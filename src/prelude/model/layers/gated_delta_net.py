@@ -87,18 +87,18 @@ class GatedDeltaNet:
         g = self.neg_a * F.softplus(a.float() + self.dt_bias.float())  # log decay per token and value head
         out = x.new_empty(x.shape[0], s.num_v_heads, s.v_dim)
         for row in rows.rows:
-            span = slice(row.start, row.start + row.length)
             kept = row.slot >= 0 and conv_states is not None and rec_states is not None
             conv_in = None if row.fresh or not kept else conv_states[row.slot]  # type: ignore[index]
             rec_in = None if row.fresh or not kept else rec_states[row.slot]  # type: ignore[index]
-            conv_out, conv_new = causal_conv(mixed[span], self.conv_weight, conv_in)
-            q, k, v = self._split(conv_out)
-            o, rec_new = chunk_gated_delta_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g[span].unsqueeze(0),
-                                                beta[span].unsqueeze(0), None if rec_in is None else rec_in.unsqueeze(0))
-            out[span] = o[0]
+            shared = row.length - sum(row.items)
+            conv_new, rec_new = self._run(mixed, g, beta, out, row.start, shared, conv_in, rec_in)
+            at = row.start + shared
+            for n in row.items:  # each item continues the shared part's state on its own
+                self._run(mixed, g, beta, out, at, n, conv_new, rec_new)
+                at += n
             if kept:
                 conv_states[row.slot].copy_(conv_new)  # type: ignore[index]
-                rec_states[row.slot].copy_(rec_new[0])  # type: ignore[index]
+                rec_states[row.slot].copy_(rec_new)  # type: ignore[index]
         if rows.step_tokens is not None and rows.step_slots is not None and conv_states is not None \
                 and rec_states is not None:
             idx, slots = rows.step_tokens, rows.step_slots
@@ -111,6 +111,18 @@ class GatedDeltaNet:
             rec_states.index_copy_(0, slots, rec)
         normed = gated_rms_norm(out, self.norm, z.reshape(-1, s.num_v_heads, s.v_dim), s.eps)
         return self.out_proj(normed.reshape(x.shape[0], s.value_size))
+
+    def _run(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, out: torch.Tensor, start: int,
+             length: int, conv_in: torch.Tensor | None, rec_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [start, start + length) from the given states (None: zeros) into `out`;
+        the states after them (conv [C, K - 1], recurrent [Hv, dk, dv] float32)."""
+        span = slice(start, start + length)
+        conv_out, conv_new = causal_conv(mixed[span], self.conv_weight, conv_in)
+        q, k, v = self._split(conv_out)
+        o, rec_new = chunk_gated_delta_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g[span].unsqueeze(0),
+                                            beta[span].unsqueeze(0), None if rec_in is None else rec_in.unsqueeze(0))
+        out[span] = o[0]
+        return conv_new, rec_new[0]
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.shape
