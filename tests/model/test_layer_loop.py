@@ -438,3 +438,23 @@ def test_batch_invariant_steps_run_in_c_on_the_one_route(monkeypatch: pytest.Mon
     assert runs == [sum(r.new for r in rows) for rows in cases for _ in range(2)]
     if calls is not None:  # the Python loop's one-row calls took f32_gemm.c as well, not the blocks
         assert min(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_blocks", [False, True])
+def test_the_loops_routes_are_the_projections_own_answers(dtype: torch.dtype, with_blocks: bool) -> None:
+    """The C loop is handed each projection's route for every row count it takes
+    (Projection.c_routes from Projection.route, the one place a GEMM is chosen), and the
+    first row count past them is a route the loop does not call."""
+    model = _model(dtype, with_blocks=with_blocks)
+    for p in _projections(model):
+        routes = p.c_routes(dtype)
+        low = 0
+        for upto, route in routes:
+            assert route in linear.C_ROUTES
+            assert all(p.route(n, dtype) is route for n in range(low + 1, upto + 1)), (low, upto, route)
+            low = upto
+        if low < 4096:
+            assert p.route(low + 1, dtype) not in linear.C_ROUTES
+    if model.layer_loop is not None:
+        assert model.layer_loop.max_rows == min(p.c_routes(dtype)[-1][0] for p in _projections(model))

@@ -38,17 +38,23 @@ typedef int (*gemm_fn)(const void *x, int64_t m, int64_t ldx, const void *wp, in
 typedef int (*blocks_fn)(int kind, const void *x, int64_t m, int64_t k, const void *qs, const void *d, const void *mins,
                          int64_t n, const void *bias, void *y, int threads, float *xsum);
 
+/* The GEMM routes this loop calls (model/layers/linear.py's C_ROUTES). */
+enum { VIA_QUANT_BLOCKS = 0, VIA_TILE_ROWS = 1, VIA_OWN_GEMM = 2 };
+#define ROUTE_SLOTS 3
+
 /* One projection y [rows, out] = x [rows, k] W^T (+ bias): its plain weight (the model's
  * dtype; the tile form reads it in bf16), its GGUF blocks where it has them (kind < 0: none),
- * and the packed copy of the GEMM of our own (amx_gemm.c's, f32_gemm.c's) where it has one
- * (NULL: none). */
+ * the packed copy of the GEMM of our own (amx_gemm.c's, f32_gemm.c's) where it has one
+ * (NULL: none), and its routes as Projection.route chose them: a call of `rows` rows takes
+ * via[i] for the first i with rows <= upto[i] (no rule of its own here). */
 typedef struct {
     const void *weight, *bias;
     int64_t out, k;
     int32_t kind; /* quant_gemm.c's kind, or -1 */
     const void *qs, *d, *mins;
-    int64_t blocks_max_rows; /* calls of up to this many rows read the blocks */
-    const void *packed;      /* the own GEMM's copy: calls past tile_max_rows, up to gemm_max_rows */
+    const void *packed;
+    int64_t upto[ROUTE_SLOTS]; /* ascending; unused slots 0 */
+    int32_t via[ROUTE_SLOTS];
 } Proj;
 
 typedef struct {
@@ -72,7 +78,6 @@ typedef struct {
     int64_t scb, scs, sch, block_size; /* every layer's K/V pool: strides (elements) and block size */
     int32_t attend_options;            /* the attention backend's options (OPT_AMX, OPT_ALL_WIDE) */
     int32_t bf;                        /* 1: bfloat16 activations and weights, 0: float32 */
-    int64_t tile_max_rows, gemm_max_rows; /* the tile form's and the own GEMM's row bounds */
 } Model;
 
 /* One step: its tokens' hidden states in and out, their rotary tables, the attention's rows
@@ -102,14 +107,23 @@ typedef struct {
 /* y [rows, out] = x W^T through the route Projection takes for `rows` rows (the caller
  * takes only steps every projection has a route for) */
 static int project(const Model *m, const Step *s, const Proj *p, int64_t rows, const void *x, void *y) {
-    if (p->kind >= 0 && rows <= p->blocks_max_rows)
-        return m->blocks(p->kind, x, rows, p->k, p->qs, p->d, p->mins, p->out, p->bias, y, s->threads, s->xsum);
-    if (rows > m->tile_max_rows) {
-        if (!m->gemm || !p->packed || rows > m->gemm_max_rows) return 51;
-        return m->gemm(x, rows, p->k, p->packed, p->out, p->k, p->bias, y, p->out, s->threads);
+    for (int i = 0; i < ROUTE_SLOTS; i++) {
+        if (rows > p->upto[i]) continue;
+        switch (p->via[i]) {
+        case VIA_QUANT_BLOCKS:
+            if (!m->blocks || p->kind < 0) return 52;
+            return m->blocks(p->kind, x, rows, p->k, p->qs, p->d, p->mins, p->out, p->bias, y, s->threads, s->xsum);
+        case VIA_TILE_ROWS:
+            if (!m->rows) return 50;
+            return m->rows(x, rows, p->k, p->weight, p->out, p->k, p->bias, y, s->threads, 1);
+        case VIA_OWN_GEMM:
+            if (!m->gemm || !p->packed) return 51;
+            return m->gemm(x, rows, p->k, p->packed, p->out, p->k, p->bias, y, p->out, s->threads);
+        default:
+            return 53;
+        }
     }
-    if (!m->rows) return 50;
-    return m->rows(x, rows, p->k, p->weight, p->out, p->k, p->bias, y, s->threads, 1);
+    return 54; /* past every route: the caller took a step this loop does not */
 }
 
 /* rows index[0..n-1] of x [*, width] (elements of esize bytes) packed at the front of dst */

@@ -12,12 +12,14 @@ from prelude.kernels.cpu import native_lib
 _SOURCE = Path(__file__).with_name("layer_loop.c")
 SWITCH = "PRELUDE_LAYER_LOOP"
 
+ROUTE_SLOTS = 3  # layer_loop.c's (upto, via) intervals a projection holds
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
 class ProjStruct(ctypes.Structure):
     _fields_ = [("weight", _ptr), ("bias", _ptr), ("out", _i64), ("k", _i64), ("kind", _i32), ("qs", _ptr),
-                ("d", _ptr), ("mins", _ptr), ("blocks_max_rows", _i64), ("packed", _ptr)]
+                ("d", _ptr), ("mins", _ptr), ("packed", _ptr), ("upto", _i64 * ROUTE_SLOTS),
+                ("via", _i32 * ROUTE_SLOTS)]
 
 
 class LayerStruct(ctypes.Structure):
@@ -30,7 +32,7 @@ class ModelStruct(ctypes.Structure):
                 ("attend", _ptr), ("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(LayerStruct)),
                 ("final_norm", _ptr), ("scb", _i64), ("scs", _i64), ("sch", _i64), ("block_size", _i64),
-                ("attend_options", _i32), ("bf", _i32), ("tile_max_rows", _i64), ("gemm_max_rows", _i64)]
+                ("attend_options", _i32), ("bf", _i32)]
 
 
 class StepStruct(ctypes.Structure):

@@ -37,13 +37,20 @@ from collections.abc import Sequence
 import torch
 
 from prelude.config import ModelConfig
-from prelude.kernels.cpu.layer_loop import SWITCH, LayerStruct, ModelStruct, ProjStruct, StepStruct, load_layer_loop
+from prelude.kernels.cpu.layer_loop import (
+    ROUTE_SLOTS,
+    SWITCH,
+    LayerStruct,
+    ModelStruct,
+    ProjStruct,
+    StepStruct,
+    load_layer_loop,
+)
 from prelude.model.attention.cpu_backend import CpuAttention
 from prelude.model.attention.metadata import AttentionMetadata
-from prelude.kernels.cpu.bf16_rows import TILE_MAX_ROWS
 from prelude.kernels.cpu.cpu_fused import CpuFusedKernels, load_cpu_kernels
 from prelude.kernels.ggml_blocks import KINDS
-from prelude.model.layers.linear import Projection
+from prelude.model.layers.linear import C_ROUTES, Projection
 from prelude.model.read_positions import ReadPositions
 
 logger = logging.getLogger("prelude.model.fast_paths.layer_loop")
@@ -72,15 +79,15 @@ class LayerLoop:
                         "proj": self.hidden, "gate_up": 2 * self.inter, "act": self.inter}
         self._xsum_width = max(self.hidden, self.inter, q_width) // 32  # the blocks' per-block input sums
         projections = _projections(self._layers)
-        tile = projections[0].tile_form if all(p.tile_form is not None for p in projections) else None
-        # without tile forms (no AMX) every call past the blocks' rows takes the GEMM, as Projection routes it
+        # the kernels' entry points, from the projections that have them (each route is one
+        # library's function, whichever projection names it)
+        tile = next((p.tile_form for p in projections if p.tile_form is not None), None)
         gemm = next((g for g in (p.own_gemm for p in projections) if g is not None), None)
         blocks = next((p.blocks.kernel for p in projections if p.blocks is not None), None)
         norm, rope, silu = kernels.entry_points()
         self._model = ModelStruct(
             norm=norm, rope=rope, silu=silu, rows=None if tile is None else tile.entry_point,
-            gemm=None if gemm is None else gemm.entry_point, tile_max_rows=TILE_MAX_ROWS if tile is not None else 0,
-            gemm_max_rows=0 if gemm is None else gemm.max_rows,
+            gemm=None if gemm is None else gemm.entry_point,
             blocks=None if blocks is None else blocks.entry_point(dtype), attend=attention.entry_point,
             n_layers=len(self._layers), hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, inter=self.inter, eps=config.rms_norm_eps, scale=scale,
@@ -96,7 +103,7 @@ class LayerLoop:
         fewest rows any projection's blocks take (float32 without f32_gemm.c: the blocks
         alone). Read from the projections until the first step binds the table; from then
         on, what the table holds."""
-        return self._max_rows if self._bound else min(_c_rows(p) for p in _projections(self._layers))
+        return self._max_rows if self._bound else min(_c_rows(p, self.dtype) for p in _projections(self._layers))
 
     def takes(self, rows: int, meta: AttentionMetadata, reads: ReadPositions | None) -> bool:
         """Whether a step of `rows` tokens runs here: up to max_rows of them (decode rows and
@@ -115,12 +122,12 @@ class LayerLoop:
         for entry, layer, (k_cache, v_cache) in zip(self._table, self._layers, kv_caches, strict=True):
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.q_norm, entry.k_norm = _tensor_ptr(layer.q_norm), _tensor_ptr(layer.k_norm)
-            entry.qkv, entry.o, entry.gate_up, entry.down = (_proj(p) for p in layer.projections)
+            entry.qkv, entry.o, entry.gate_up, entry.down = (_proj(p, self.dtype) for p in layer.projections)
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self._model.layers = self._table
         self._model.scb, self._model.scs, self._model.sch = k0.stride(0), k0.stride(1), k0.stride(2)
         self._model.block_size = k0.shape[1]
-        self._max_rows = min(_c_rows(p) for p in _projections(self._layers))
+        self._max_rows = min(_c_rows(p, self.dtype) for p in _projections(self._layers))
         self._bound = _pools_key(kv_caches)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -174,26 +181,24 @@ def _pools_key(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     return id(kv_caches), len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr()
 
 
-def _proj(p: Projection) -> ProjStruct:
+def _proj(p: Projection, dtype: torch.dtype) -> ProjStruct:
+    """The projection as layer_loop.c reads it: its tensors and its routes (Projection.c_routes)."""
+    routes = p.c_routes(dtype)
+    upto = [bound for bound, _ in routes] + [0] * (ROUTE_SLOTS - len(routes))
+    via = [C_ROUTES[route] for _, route in routes] + [-1] * (ROUTE_SLOTS - len(routes))
     blocks = p.blocks
-    bias = _tensor_ptr(p.bias)
-    packed = _tensor_ptr(p.gemm_copy())
-    if blocks is None:
-        return ProjStruct(weight=p.weight.data_ptr(), bias=bias, out=p.out_features, k=p.weight.shape[1], kind=-1,
-                     packed=packed)
-    b = blocks.blocks
-    return ProjStruct(weight=p.weight.data_ptr(), bias=bias, out=p.out_features, k=p.weight.shape[1],
-                 kind=KINDS.index(b.kind), qs=b.qs.data_ptr(), d=b.d.data_ptr(), mins=_tensor_ptr(b.m),
-                 blocks_max_rows=blocks.max_rows, packed=packed)
+    b = blocks.blocks if blocks is not None else None
+    return ProjStruct(weight=p.weight.data_ptr(), bias=_tensor_ptr(p.bias), out=p.out_features, k=p.weight.shape[1],
+                      kind=-1 if b is None else KINDS.index(b.kind), qs=None if b is None else b.qs.data_ptr(),
+                      d=None if b is None else b.d.data_ptr(), mins=None if b is None else _tensor_ptr(b.m),
+                      packed=_tensor_ptr(p.gemm_copy()), upto=(ctypes.c_int64 * ROUTE_SLOTS)(*upto),
+                      via=(ctypes.c_int32 * ROUTE_SLOTS)(*via))
 
 
-def _c_rows(p: Projection) -> int:
-    """The most rows every call of `p` has a C route for (0: none): the own GEMM's bound where
-    it serves (past the tile form's rows, or past the blocks' without a tile form), the tile
-    form's, or the blocks'."""
-    gemm = p.own_gemm
-    dense = gemm.max_rows if gemm is not None else TILE_MAX_ROWS if p.tile_form is not None else 0
-    return max(dense, p.blocks.max_rows if p.blocks is not None else 0)
+def _c_rows(p: Projection, dtype: torch.dtype) -> int:
+    """The most rows every call of `p` has a C route for (0: none)."""
+    routes = p.c_routes(dtype)
+    return routes[-1][0] if routes else 0
 
 
 def layer_loop_for(layers: Sequence, final_norm: torch.Tensor, attention: object, dtype: torch.dtype,
@@ -204,15 +209,9 @@ def layer_loop_for(layers: Sequence, final_norm: torch.Tensor, attention: object
             or os.environ.get(SWITCH, "1") == "0"):
         return None
     projections = _projections(layers)
-    # every call of a step's rows needs a C route: in bf16 the tile form (AMX) of every
-    # projection, or (no AMX) amx_gemm.c's dot-product form of every one and no tile form
-    # (the C side has one tile bound for all); in float32 f32_gemm.c or the blocks of every
-    # one (AVX2 without AVX-512 has no tile form); and the blocks' GEMM for this dtype
-    tiles = [p.tile_form is not None for p in projections]
-    dot_product = not any(tiles) and all(p.amx_gemm is not None for p in projections)
-    if dtype == torch.bfloat16 and not (all(tiles) or dot_product):
-        return None
-    if dtype == torch.float32 and not all(p.blocks is not None or p.f32_gemm is not None for p in projections):
+    # every call of a step's rows needs a C route (Projection.route decides which), and the
+    # blocks' GEMM for this dtype where a projection reads blocks
+    if len(projections) != len(layers) * 4 or min(_c_rows(p, dtype) for p in projections) < 1:
         return None
     if any(p.blocks is not None and p.blocks.kernel.entry_point(dtype) is None for p in projections):
         return None

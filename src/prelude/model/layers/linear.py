@@ -60,6 +60,7 @@ AVX512-BF16 Zen 5 in bf16 (one thread's CPU time): 1 row 12.2 -> 6.6 ms, 4 rows 
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import threading
@@ -135,6 +136,23 @@ def prepack_enabled(dtype: torch.dtype, device: torch.device) -> bool:
         and torch.backends.mkldnn.is_available()
         and os.environ.get("PRELUDE_PREPACK", "1") != "0"
     )
+
+
+class Route(enum.Enum):
+    """Which GEMM serves a call (Projection.route decides, for Python and the C layer loop)."""
+
+    OWN_GEMM = "own_gemm"  # amx_gemm.c (bf16) or f32_gemm.c (float32) over its packed copy
+    QUANT_BLOCKS = "quant_blocks"  # the GGUF quantized blocks (quant_gemm.c)
+    TILE_ROWS = "tile_rows"  # bf16_rows.c's tile form over the plain weight (AMX)
+    ROW_GEMV = "row_gemv"  # row_gemv.c (a float32 LM head's few-row calls)
+    FLOAT32_PIECES = "float32_pieces"  # float32 cut into oneDNN's step sizes, the rest after
+    ONEDNN = "onednn"  # oneDNN's prepacked copy
+    TORCH = "torch"  # F.linear over the plain weight
+
+
+# The routes the C layer loop calls itself, by layer_loop.c's VIA_* codes
+C_ROUTES = {Route.QUANT_BLOCKS: 0, Route.TILE_ROWS: 1, Route.OWN_GEMM: 2}
+C_ROUTE_SLOTS = 3  # layer_loop.c's Proj holds this many (upto, via) intervals
 
 
 @dataclass(frozen=True)
@@ -343,6 +361,49 @@ class Projection:
         return (self._row_gemv is not None and dtype == torch.float32 and 0 < rows <= ROW_GEMV_CHUNKED_MAX_ROWS
                 and (rows % BLOCKED_MAX_ROWS != 1 or self._row_gemv.one_row_pays(self.weight)))
 
+    def route(self, rows: int, dtype: torch.dtype) -> Route:
+        """The one place a call's GEMM is chosen: which route a call of `rows` rows in
+        `dtype` takes (__call__ runs it; the C layer loop is given the same answers through
+        c_routes)."""
+        if self._one_route:
+            gemm = self.own_gemm
+            return Route.OWN_GEMM if gemm is not None and dtype == gemm.dtype else Route.ONEDNN
+        if self._amx is not None and dtype == torch.bfloat16 and self._few_rows_max < rows <= self._amx.max_rows:
+            return Route.OWN_GEMM
+        if self.blocks is not None and 0 < rows <= self.blocks.max_rows and self.blocks.kernel.takes(dtype):
+            return Route.QUANT_BLOCKS
+        if self._bf16_rows is not None and dtype == torch.bfloat16 and 0 < rows <= TILE_MAX_ROWS:
+            return Route.TILE_ROWS
+        if self._f32 is not None and dtype == torch.float32 and self._few_rows_max < rows <= self._f32.max_rows:
+            return Route.OWN_GEMM
+        if self._row_gemv is not None and dtype == torch.float32 and 0 < rows <= ROW_GEMV_CHUNKED_MAX_ROWS:
+            if rows > 1 or self._row_gemv.one_row_pays(self.weight):
+                return Route.ROW_GEMV
+        take = packed_rows(rows, dtype)
+        if (not take and dtype == torch.float32 and rows > PACKED_ROW_STEP and self.weight.numel() >= PIECES_MIN_WEIGHT
+                and self._want_packed):
+            return Route.FLOAT32_PIECES
+        return Route.ONEDNN if take and self._want_packed else Route.TORCH
+
+    def c_routes(self, dtype: torch.dtype) -> tuple[tuple[int, Route], ...]:
+        """route()'s answers from one row up as intervals (the most rows, the route), as far as
+        they are routes the C layer loop calls itself (C_ROUTES): every row count up to the
+        last interval's bound has a C route, the next one none. Exact because route() only
+        compares the row count with the bounds taken as the intervals' ends here."""
+        bounds = {1, TILE_MAX_ROWS, self._few_rows_max, BLOCKED_MAX_ROWS, ROW_GEMV_CHUNKED_MAX_ROWS}
+        bounds |= {g.max_rows for g in (self._amx, self._f32) if g is not None}
+        bounds |= {self.blocks.max_rows} if self.blocks is not None else set()
+        intervals: list[tuple[int, Route]] = []
+        for upto in sorted(b for b in bounds if b > 0):
+            route = self.route(upto, dtype)
+            if route not in C_ROUTES:
+                break
+            if intervals and intervals[-1][1] is route:
+                intervals[-1] = (upto, route)
+            else:
+                intervals.append((upto, route))
+        return tuple(intervals)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._one_route and x.numel():
             return self._one_route_call(x)
@@ -356,38 +417,34 @@ class Projection:
             if self._packed is not None:
                 return packed_linear(x, self._packed, self.bias)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if (self._amx is not None and x.dtype == torch.bfloat16
-                and self._few_rows_max < rows.shape[0] <= self._amx.max_rows):
-            return self._amx.linear(rows.contiguous(), self._amx_weight(), self.out_features,
-                                    self.bias).reshape(*x.shape[:-1], self.out_features)
-        if self.blocks is not None and 0 < rows.shape[0] <= self.blocks.max_rows and self.blocks.kernel.takes(x.dtype):
-            return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)
         n = rows.shape[0]
-        if tile_rows_take(self._bf16_rows, x, n):
+        route = self.route(n, x.dtype)
+        if route is Route.OWN_GEMM:
+            gemm = self.own_gemm
+            return gemm.linear(rows.contiguous(), self.gemm_copy(), self.out_features,  # type: ignore[union-attr, arg-type]
+                               self.bias).reshape(*x.shape[:-1], self.out_features)
+        if route is Route.QUANT_BLOCKS:
+            return self.blocks.kernel.linear(x, self.blocks.blocks, self.bias)  # type: ignore[union-attr]
+        if route is Route.TILE_ROWS:
             return self._bf16_rows.linear(x, self.weight, self.bias)  # type: ignore[union-attr]
-        if self._f32 is not None and x.dtype == torch.float32 and self._few_rows_max < n <= self._f32.max_rows:
-            return self._f32.linear(rows.contiguous(), self.gemm_copy(), self.out_features,  # type: ignore[arg-type]
-                                    self.bias).reshape(*x.shape[:-1], self.out_features)
-        if self._row_gemv is not None and x.dtype == torch.float32 and 0 < n <= ROW_GEMV_CHUNKED_MAX_ROWS:
+        if route is Route.ROW_GEMV:
+            assert self._row_gemv is not None
             if n > BLOCKED_MAX_ROWS:
-                # A head's decode-sized calls past 16 rows, 16 at a time through the calls below: the
-                # free model's head at 64 rows 5.4 ms against MKL's 8.9 (oneDNN's packed 3.7), and the
-                # greedy head (head_argmax.py) repeats these sums without the logits: 2.0 ms.
+                # A head's decode-sized calls past 16 rows go 16 at a time through the calls below,
+                # whose sums the greedy head (greedy_head.py) repeats without the logits.
                 return torch.cat([self(chunk) for chunk in rows.split(BLOCKED_MAX_ROWS)]).reshape(
                     *x.shape[:-1], self.out_features)
             if n > 1:
                 if self._blocked is None:  # on the first few-row call: a server that only scores never needs it
                     self._blocked = self._row_gemv.block(self.weight)
                 return self._row_gemv.rows_linear(x, self._blocked, self.out_features, self.bias)
-            if self._row_gemv.one_row_pays(self.weight):
-                return self._row_gemv.linear(x, self.weight, self.bias)
-        take = packed_rows(n, x.dtype)
-        if (not take and x.dtype == torch.float32 and n > PACKED_ROW_STEP
-                and self.weight.numel() >= PIECES_MIN_WEIGHT and self._packed_weight() is not None):
+            return self._row_gemv.linear(x, self.weight, self.bias)
+        if route is Route.FLOAT32_PIECES and self._packed_weight() is not None:
             # float32 that no one packed call takes: whole steps on the packed copy, the rest after
             pieces = float32_pieces(n)
             return torch.cat([self(piece) for piece in rows.split(pieces)]).reshape(*x.shape[:-1], self.out_features)
-        packed = self._packed_weight() if take else None
+        take = packed_rows(n, x.dtype)
+        packed = self._packed_weight() if route is Route.ONEDNN else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         return self._packed_call(x, rows, packed, take)
