@@ -146,6 +146,8 @@ class ModelRunner:
         if lora is not None:
             if model.is_encoder:
                 raise ValueError("LoRA adapters are for decoder models")
+            if self.state_bytes_per_slot:
+                raise ValueError("LoRA adapters are not served yet for models with recurrent layers")
             self.adapters = AdapterSlots(cfg, lora, model.dtype, self.device)  # type: ignore[arg-type]
         self._lora_forward = functools.partial(model.forward, segments=segments) if segments else model.forward
         self.step_threads = StepThreads(self.device, *decoder_flops(cfg))
