@@ -37,6 +37,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # Mistral: attention span; the engine caps the context to it
     id2label: tuple[str, ...] = ()  # *ForSequenceClassification checkpoints: one name per head output
+    expert_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts (model/layers/moe.py)
     architecture: str = "LlamaForCausalLM"  # HF `architectures` (model/registry.py)
 
     @staticmethod

@@ -20,9 +20,11 @@ from prelude.model.attention.metadata import DecodeRows
 
 
 def decode_attention(
-    q: torch.Tensor, rows: DecodeRows, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    q: torch.Tensor, rows: DecodeRows, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] of the whole batch; returns [B, Hq, D] for the decode rows."""
+    """q: [T, Hq, D] of the whole batch; returns [B, Hq, D] for the decode rows. `window`:
+    each row sees its last `window` keys only (a sliding-window layer)."""
     batch = rows.query_index.numel()
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     length = rows.max_context_len
@@ -35,6 +37,9 @@ def decode_attention(
     mask = None
     if batch > 1 or not rows.max_is_a_row_len:
         mask = (torch.arange(length, device=q.device) < rows.context_lens.unsqueeze(1))[:, None, None, :]
+    if window is not None:
+        near = (torch.arange(length, device=q.device) >= (rows.context_lens - window).unsqueeze(1))[:, None, None, :]
+        mask = near if mask is None else mask & near
     out = F.scaled_dot_product_attention(
         q.index_select(0, rows.query_index).unsqueeze(2),  # [B, Hq, 1, D]
         keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True,
