@@ -558,7 +558,7 @@ class Scheduler:
         head = head_spec(req) if covers else None
         return BatchRow(
             req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
-            sample_spec(req) if finishes else None, head, req.lora,
+            sample_spec(req) if finishes else None, head, req.lora, self.kv.state_slot(req.request_id),
         )
 
     def _tokens_for(self, req: Request, budget: int, first: bool) -> int:
@@ -677,7 +677,7 @@ class Scheduler:
                     continue
                 rows.append(BatchRow(req.request_id, [CARRIED_TOKEN_PLACEHOLDER], req.num_tokens,
                                      list(self.kv.block_table(req.request_id)), sample_spec(req, carried=1),
-                                     None, req.lora))
+                                     None, req.lora, self.kv.state_slot(req.request_id)))
                 result.carried.append(req.request_id)
             else:
                 victims.remove(req)
