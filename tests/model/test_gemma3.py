@@ -226,3 +226,23 @@ def test_a_lora_adapter_on_every_projection_equals_peft_merged(tmp_path) -> None
     got = runner.model.compute_logits(hidden)
     assert (got - _hf_logits(merged, p)).abs().max().item() <= 1e-4
     assert (got - _hf_logits(hf_gemma(seed=11), p)).abs().max().item() > 1e-2  # the adapter does change them
+
+
+def test_the_multimodal_classifier_scores_equal_transformers() -> None:
+    torch.manual_seed(13)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=TEXT, vision_config=vision, mm_tokens_per_image=4, num_labels=2)
+    hf = _perturb(transformers.Gemma3ForSequenceClassification(cfg)).float().eval()
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    config = config_for(_raw(hf))
+    assert len(config.id2label) == 2
+    runner = ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype="float32"), 4)
+    runner.allocate_kv_cache(16)
+    kv = KVCacheManager(16, 4)
+    p = _prompts(14, (9,))[0]
+    assert kv.allocate("a", len(p))
+    hidden, _ = runner.forward_rows((BatchRow("a", p, 0, kv.block_table("a"), None),))
+    with torch.no_grad():
+        want = hf(torch.tensor([p])).logits[0]
+    assert (runner.model.classify(hidden) - want).abs().max().item() <= 1e-4
