@@ -65,6 +65,12 @@ def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def _hidden(runner: ModelRunner, row: BatchRow) -> torch.Tensor:
+    """The final hidden states of one row's every position (what a classifier reads the last of)."""
+    inputs = runner.inputs.paged((row,))
+    return runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
+
+
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
@@ -170,7 +176,7 @@ def test_the_classifier_scores_equal_transformers() -> None:
     kv = KVCacheManager(16, 4)
     p = _prompts(10, (13,))[0]
     assert kv.allocate("a", len(p))
-    hidden, _ = runner.forward_rows((BatchRow("a", p, 0, kv.block_table("a"), None),))
+    hidden = _hidden(runner, BatchRow("a", p, 0, kv.block_table("a"), None))
     with torch.no_grad():
         want = hf(torch.tensor([p])).logits[0]
     assert (runner.model.classify(hidden) - want).abs().max().item() <= 1e-4
@@ -233,7 +239,7 @@ def test_the_multimodal_classifier_scores_equal_transformers() -> None:
     kv = KVCacheManager(16, 4)
     p = _prompts(14, (9,))[0]
     assert kv.allocate("a", len(p))
-    hidden, _ = runner.forward_rows((BatchRow("a", p, 0, kv.block_table("a"), None),))
+    hidden = _hidden(runner, BatchRow("a", p, 0, kv.block_table("a"), None))
     with torch.no_grad():
         want = hf(torch.tensor([p])).logits[0]
     assert (runner.model.classify(hidden) - want).abs().max().item() <= 1e-4

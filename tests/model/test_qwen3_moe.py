@@ -23,6 +23,7 @@ from prelude.model.lora.adapters import LoraError, read_adapter
 from prelude.model.registry import config_for
 
 from tests.engine.tiny import tiny_engine
+from tests.model.test_decoder_numerics import _run as _logits  # the serving trunk's logits per row
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,16 +61,6 @@ def _runner(hf: Any, dtype: str = "float32", weights: dict[str, torch.Tensor] | 
 def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(runner: ModelRunner, rows: list[BatchRow]) -> list[torch.Tensor]:
-    hidden, _ = runner.forward_rows(tuple(rows))
-    logits = runner.model.compute_logits(hidden)
-    out, start = [], 0
-    for r in rows:
-        out.append(logits[start:start + len(r.token_ids)].float())
-        start += len(r.token_ids)
-    return out
 
 
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
