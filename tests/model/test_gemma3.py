@@ -147,7 +147,7 @@ def test_engine_greedy_with_a_cached_prefix_longer_than_the_window(backend: str)
     assert second.outputs[0].token_ids == _hf_greedy(hf, shared + [9, 10, 11], 10)
 
 
-def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_tower() -> None:
+def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_tower(tmp_path) -> None:  # noqa: ANN001
     torch.manual_seed(7)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
@@ -164,6 +164,15 @@ def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_
     assert kv.allocate("a", len(p))
     (got,) = _logits(runner, [BatchRow("a", p, 0, kv.block_table("a"), None)])
     assert (got - _hf_logits(hf, p)).abs().max().item() <= 1e-4
+    # the saved checkpoint names its tensors language_model.model.*: the same model
+    from safetensors.torch import load_file
+
+    hf.save_pretrained(str(tmp_path))
+    saved = ModelRunner.create(config_for(raw), load_file(str(tmp_path / "model.safetensors")),
+                               ExecutorConfig(device="cpu", dtype="float32"), 4)
+    saved.allocate_kv_cache(16)
+    (again,) = _logits(saved, [BatchRow("b", p, 0, kv.block_table("a"), None)])
+    assert torch.equal(again, got)
 
 
 def test_the_classifier_scores_equal_transformers() -> None:
