@@ -72,6 +72,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse cached KV blocks of shared prompt prefixes (default: on)")
     p.add_argument("--prefix-cache-max-blocks", type=int, default=None,
                    help="keep at most this many unreferenced cached blocks (default: as many as fit)")
+    p.add_argument("--max-recurrent-slots", type=int, default=None,
+                   help="models with recurrent (linear-attention) layers: state slots at most, one per running "
+                        "chat/decode request; OneShot requests hold none (default: --max-num-seqs, as memory allows)")
     p.add_argument("--prefix-deferral", action=argparse.BooleanOptionalAction, default=True,
                    help="peers of a cold shared prefix wait one step for the request computing it")
     p.add_argument("--prefix-riders", action=argparse.BooleanOptionalAction, default=True,
@@ -145,6 +148,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
             max_cached_blocks=args.prefix_cache_max_blocks,
+            max_recurrent_slots=args.max_recurrent_slots,
             # No page faults on the hot path (model/kv_memory.py): a server fills the pool beside
             # the rest of its start-up; a batch job before its first line, so the RSS its lines
             # add is measured from a full pool

@@ -37,6 +37,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # Mistral: attention span; the engine caps the context to it
     id2label: tuple[str, ...] = ()  # *ForSequenceClassification checkpoints: one name per head output
+    expert_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts (model/layers/moe.py)
     architecture: str = "LlamaForCausalLM"  # HF `architectures` (model/registry.py)
 
     @staticmethod
@@ -96,6 +97,9 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides the memory budget when set (tests)
     enable_prefix_caching: bool = True
     max_cached_blocks: int | None = None  # unreferenced cached blocks kept at most (None: no cap)
+    # Models with recurrent layers: the state pool's slots at most (None: one per running
+    # sequence, max_num_seqs, as the memory budget allows). Only paged requests hold one.
+    max_recurrent_slots: int | None = None
     # The CPU pool's pages faulted in ahead (model/kv_memory.py) instead of a page fault on
     # every first write of a 4 KiB page while serving: "start" adds the faults to start-up,
     # "background" runs them on a thread beside the rest of start-up. `prelude serve` takes

@@ -66,6 +66,9 @@ class BatchRow:
     sample: SampleSpec | None  # None: a prompt chunk that does not finish the prompt
     head: HeadSpec | None = None  # only on rows holding a whole prompt (forced-Paged ablation)
     lora: LoraRequest | None = None  # the row's adapter (None: the base model)
+    # Models with recurrent layers: the request's slot of the state pool, which the row's
+    # tokens continue (start_pos 0: from a zero state); None: the model has no such layers.
+    state_slot: int | None = None
 
 
 @dataclass(frozen=True)

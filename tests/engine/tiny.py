@@ -94,6 +94,7 @@ def tiny_engine(
     compile: str = "off",
     fuse_oneshot: bool = True,
     lora: LoraConfig | None = None,
+    max_recurrent_slots: int | None = None,
 ) -> LLMEngine:
     config = config_for(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
@@ -105,7 +106,7 @@ def tiny_engine(
         overlap=overlap,
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
-            max_cached_blocks=max_cached_blocks,
+            max_cached_blocks=max_cached_blocks, max_recurrent_slots=max_recurrent_slots,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

@@ -60,6 +60,7 @@ class RequestOutput:
     embedding: tuple[float, ...] | None = None
     scores: tuple[float, ...] | None = None  # raw head outputs, or label-token logprobs
     exec_class: ExecClass | None = None  # the class validation picked (None: a test double's output)
+    num_cached_tokens: int = 0  # prompt tokens a OneShot row took from the prefix cache
 
 
 @dataclass(eq=False)
@@ -83,6 +84,7 @@ class Request:
     grammar: Any = None  # structured outputs: the engine.grammar.GrammarMatcher of this request
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # OneShot: prompt tokens its row took from the prefix cache (or a leader)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -51,7 +51,7 @@ from prelude.forward_batch import (
 from prelude.engine.oneshot_gather import BurstGather
 from prelude.engine.policies import SchedulingPolicy
 from prelude.engine.policies.base import by_arrival
-from prelude.engine.request import ExecClass, LoraRequest, Request, RequestStatus
+from prelude.engine.request import ExecClass, LoraRequest, PoolingTask, Request, RequestStatus
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 
 
@@ -205,7 +205,10 @@ def oneshot_group(req: Request) -> tuple[object, ...]:
     """Requests batched into one OneShot step share a head and compatible options."""
     p = req.pooling
     if p is not None:
-        return ("pool", p.task, p.pooling, p.normalize)
+        # Label scores and whole-label logprobs both read the LM head: one group, so that a
+        # request's rows of both kinds (a typed decision's) share one step.
+        task = PoolingTask.LABELS if p.task is PoolingTask.SEQUENCE_LOGPROBS else p.task
+        return ("pool", task, p.pooling, p.normalize)
     return ("generate", req.params.prompt_logprobs is not None)
 
 
@@ -466,6 +469,7 @@ class Scheduler:
             if partial and copy_from is not None:
                 n_cached, n = n_cached + partial[1], n - partial[1]
             self.kv.record(n_cached, n)
+            req.num_cached_tokens = n_cached
             rows.append(OneShotRow(
                 req.request_id, prompt, sample_spec(req), head_spec(req),
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
@@ -554,7 +558,7 @@ class Scheduler:
         head = head_spec(req) if covers else None
         return BatchRow(
             req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
-            sample_spec(req) if finishes else None, head, req.lora,
+            sample_spec(req) if finishes else None, head, req.lora, self.kv.state_slot(req.request_id),
         )
 
     def _tokens_for(self, req: Request, budget: int, first: bool) -> int:
@@ -673,7 +677,7 @@ class Scheduler:
                     continue
                 rows.append(BatchRow(req.request_id, [CARRIED_TOKEN_PLACEHOLDER], req.num_tokens,
                                      list(self.kv.block_table(req.request_id)), sample_spec(req, carried=1),
-                                     None, req.lora))
+                                     None, req.lora, self.kv.state_slot(req.request_id)))
                 result.carried.append(req.request_id)
             else:
                 victims.remove(req)

@@ -15,7 +15,14 @@ from typing import Sequence
 import torch
 
 from prelude.forward_batch import BatchRow, OneShotRow
-from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice, PrefillTensors
+from prelude.model.attention.metadata import (
+    AttentionMetadata,
+    DecodeRows,
+    PrefillSlice,
+    PrefillTensors,
+    StateRow,
+    StateRows,
+)
 
 _ALIGN = 2  # int64 values: every view starts on a 16-byte boundary
 _PAD = (0,) * _ALIGN
@@ -69,15 +76,20 @@ class RowLayout:
     own_kv_in_cache: bool
     decode: bool
     segments: Sequence[int] | None = None  # per new token; None: one plain causal row
+    # Recurrent layers: the state slot the row continues (-1: this forward's scratch) and
+    # whether its sequence starts here (a zero state)
+    state_slot: int = -1
+    fresh: bool = True
 
 
 class InputBuilder:
     """Packs rows into a forward's device inputs for one runner's device and block size."""
 
-    def __init__(self, device: torch.device, block_size: int, is_encoder: bool) -> None:
+    def __init__(self, device: torch.device, block_size: int, is_encoder: bool, recurrent: bool = False) -> None:
         self.device = device
         self.block_size = block_size
         self.is_encoder = is_encoder
+        self.recurrent = recurrent  # the model has recurrent layers: say each row's state (StateRows)
 
     def flatten(self, layouts: list[RowLayout], write_kv: bool) -> StepInputs:
         """Flatten rows into device inputs with one host-to-device copy."""
@@ -151,8 +163,31 @@ class InputBuilder:
             kept_tokens=None if all_kept or not any_kept else d_kept,
             prefill_tensors=prefill_tensors,
             segment_ids=d_segments if segmented else None,
+            states=self._state_rows(layouts, starts) if self.recurrent else None,
         )
         return StepInputs(d_ids, d_pos, meta, starts)
+
+    def _state_rows(self, layouts: Sequence[RowLayout], starts: Sequence[int]) -> StateRows:
+        """Decode rows continuing a slot go in one batch; every other row on its own."""
+        rows: list[StateRow] = []
+        step_tokens: list[int] = []
+        step_slots: list[int] = []
+        for lay, start in zip(layouts, starts):
+            if lay.segments is not None:  # packed items: the run lengths of segments 1, 2, ...
+                items = [0] * max(lay.segments)
+                for seg in lay.segments:
+                    if seg:
+                        items[seg - 1] += 1
+                rows.append(StateRow(start, len(lay.ids), lay.state_slot, lay.fresh, tuple(items)))
+            elif len(lay.ids) == 1 and lay.state_slot >= 0 and not lay.fresh:
+                step_tokens.append(start)
+                step_slots.append(lay.state_slot)
+            else:
+                rows.append(StateRow(start, len(lay.ids), lay.state_slot, lay.fresh))
+        if not step_tokens:
+            return StateRows(tuple(rows))
+        d_tokens, d_slots = copy_int64(self.device, step_tokens, step_slots)
+        return StateRows(tuple(rows), d_tokens, d_slots)
 
     def paged_layout(self, row: BatchRow) -> RowLayout:
         bs = self.block_size
@@ -162,7 +197,8 @@ class InputBuilder:
         slots = [table[p // bs] * bs + p % bs for p in range(row.start_pos, context_len)]
         nb = (context_len + bs - 1) // bs
         return RowLayout(row.token_ids, range(row.start_pos, context_len), slots,
-                          table if n == 1 else table[:nb], context_len, True, decode=n == 1)
+                          table if n == 1 else table[:nb], context_len, True, decode=n == 1,
+                          state_slot=-1 if row.state_slot is None else row.state_slot, fresh=row.start_pos == 0)
 
     def oneshot_layout(self, r: OneShotRow) -> RowLayout:
         """A prompt suffix after its cached prefix; only the blocks it publishes are written."""
@@ -177,6 +213,8 @@ class InputBuilder:
             slots.extend(range(block * bs + lo - start, block * bs + hi - start))
         slots.extend([-1] * (n - max(published_end, r.num_cached)))  # past the published blocks: no K/V kept
         table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks or r.copy_from is not None else ()
+        if self.recurrent and r.num_cached:
+            raise ValueError("a OneShot row of a model with recurrent layers cannot start after a cached prefix")
         if not r.item_lens:
             return RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
         # Multi-item prompts: each item restarts at the shared part's end and is its own segment.

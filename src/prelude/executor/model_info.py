@@ -24,3 +24,5 @@ class ModelInfo:
     dtype: str
     embed: EmbedSetup  # what its embeddings are (prompts, size, Matryoshka sizes)
     score_template: str | None = None  # a token reranker's prompt template for the score routes
+    # Models with recurrent (linear-attention) layers: one sequence's state in bytes (0: none)
+    state_bytes_per_slot: int = 0

@@ -61,14 +61,20 @@ from prelude.params import EmbedSetup, LoraRequest
 logger = logging.getLogger("prelude.executor")
 
 
+def _unlike_llama(model: Model) -> str | None:
+    """What differs from the Llama layer in a decoder's description (None: nothing, or no
+    description)."""
+    spec = getattr(model, "spec", None)
+    return spec.is_plain_llama() if spec is not None else None
+
+
 def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments | None:
     """The fused segments (model/layers/fused_segments.py) for a decoder: over the Triton kernels on
     CUDA, over the C kernels for float32 and bfloat16 on the CPU; None (the model's own eager
     segments) when turned off or where the kernels cannot run."""
     if not config.fused_kernels or model.is_encoder:
         return None
-    spec = getattr(model, "spec", None)
-    unlike = spec.is_plain_llama() if spec is not None else None
+    unlike = _unlike_llama(model)
     if unlike is not None:
         logger.info("elementwise ops: eager (the fused kernels compute the Llama layer; this model has %s)", unlike)
         return None
@@ -133,7 +139,10 @@ class ModelRunner:
         self._scratch_slot = 0
         self.graphs: GraphRunner | None = None
         self.emittable_vocab: int | None = None  # the tokenizer's table: head rows past it are never sampled
-        self.inputs = InputBuilder(self.device, block_size, model.is_encoder)
+        state_bytes = getattr(model, "state_bytes_per_slot", None)
+        self.state_bytes_per_slot = int(state_bytes()) if state_bytes is not None else 0
+        self.num_state_slots = 0
+        self.inputs = InputBuilder(self.device, block_size, model.is_encoder, recurrent=self.state_bytes_per_slot > 0)
         cfg = model.config
         default_pooling = sentence.pooling if sentence is not None else model.default_pooling
         self.outputs = OutputHeads(model, Pooler(sentence.dense if sentence else (), model.device), default_pooling)
@@ -155,6 +164,7 @@ class ModelRunner:
             dtype=str(model.dtype).removeprefix("torch."),
             embed=embed_setup(sentence, int(cfg.hidden_size), matryoshka),
             score_template=score_template,
+            state_bytes_per_slot=self.state_bytes_per_slot,
         )
         segments = fused_segments_for(model, self.config)  # once: it logs what it picked
         self.forwards: ForwardProvider = self._forward_provider(segments)
@@ -164,6 +174,8 @@ class ModelRunner:
         if lora is not None:
             if model.is_encoder:
                 raise ValueError("LoRA adapters are for decoder models")
+            if self.state_bytes_per_slot:
+                raise ValueError("LoRA adapters are not served yet for models with recurrent layers")
             self.adapters = AdapterSlots(cfg, lora, model.dtype, self.device)  # type: ignore[arg-type]
         self._lora_forward = functools.partial(model.forward, segments=segments) if segments else model.forward
         self.step_threads = StepThreads(self.device, *decoder_flops(cfg))
@@ -189,6 +201,8 @@ class ModelRunner:
             why_not = "compiled segments are for the CPU (GPUs use CUDA graphs)"
         elif self.model.is_encoder:
             why_not = "encoders run eagerly"
+        elif (unlike := _unlike_llama(self.model)) is not None:
+            why_not = f"compiled segments compute the Llama layer; this model has {unlike}"
         elif not getattr(self.model, "weights_are_plain", False):
             why_not = "the model was built with prepacked oneDNN weights (build it through ModelRunner.create)"
         if why_not:
@@ -306,10 +320,15 @@ class ModelRunner:
         """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""
         self.emittable_vocab = emittable
 
-    def allocate_kv_cache(self, num_blocks: int, populate: Populate = "off") -> None:
+    def allocate_kv_cache(self, num_blocks: int, populate: Populate = "off", state_slots: int = 0) -> None:
         """`num_blocks` for the KV manager, plus one scratch block that no request owns:
-        padding rows of a replayed graph write their K/V there. `populate`: CacheConfig's."""
-        self.kv_caches = self.model.allocate_kv_cache(num_blocks + 1, self.block_size, populate)
+        padding rows of a replayed graph write their K/V there. `populate`: CacheConfig's.
+        `state_slots`: the state pool of a model with recurrent layers (state_bytes_per_slot)."""
+        if state_slots and not self.state_bytes_per_slot:
+            raise ValueError("state slots for a model without recurrent layers")
+        extra = {"state_slots": state_slots} if self.state_bytes_per_slot else {}
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks + 1, self.block_size, populate, **extra)
+        self.num_state_slots = state_slots
         self._scratch_slot = num_blocks * self.block_size
 
     # --- KV hand-off (prefill/decode disaggregation): whole blocks, no request state ----
@@ -318,12 +337,16 @@ class ModelRunner:
     def read_kv_blocks(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Host copies of the K/V of `blocks`, per layer ([len(blocks), block_size, heads,
         head_dim] each): what another runner's `write_kv_blocks` takes."""
+        if self.state_bytes_per_slot:
+            raise ValueError("the KV hand-off does not carry recurrent state: not served for this model")
         (index,) = copy_int64(self.device, blocks)
         return [(k.index_select(0, index).to("cpu"), v.index_select(0, index).to("cpu")) for k, v in self.kv_caches]
 
     @torch.inference_mode()
     def write_kv_blocks(self, blocks: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy K/V read by `read_kv_blocks` (any runner of the same model) into `blocks`."""
+        if self.state_bytes_per_slot:
+            raise ValueError("the KV hand-off does not carry recurrent state: not served for this model")
         if len(kv) != len(self.kv_caches):
             raise ValueError(f"KV of {len(kv)} layers for a model of {len(self.kv_caches)}")
         (index,) = copy_int64(self.device, blocks)
@@ -341,8 +364,8 @@ class ModelRunner:
             if self.device.type != "cuda" or self.config.enforce_eager:
                 return
             capture = Capture.CUDA
-        if self.model.is_encoder or not self.kv_caches:
-            return
+        if self.model.is_encoder or not self.kv_caches or self.state_bytes_per_slot:
+            return  # recurrent layers run eagerly (their rows' states are not graph inputs)
         attention = getattr(self.model, "attention", None)
         reads_row_tensors = bool(getattr(attention, "reads_prefill_tensors", False))
         config = config or GraphConfig(capture_prefill=reads_row_tensors)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from prelude.kv.block_pool import BlockPool
 from prelude.kv.prefix_cache import PrefixCache
+from prelude.kv.state_slots import StateSlots
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -31,11 +32,12 @@ class PrefixStats:
 
 
 class KVCacheManager:
-    """Owns the per-request block tables; the scheduler asks it for room and prefixes."""
+    """Owns the per-request block tables (and, for models with recurrent layers, each
+    request's state slot); the scheduler asks it for room and prefixes."""
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-        max_cached_blocks: int | None = None,
+        max_cached_blocks: int | None = None, num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
@@ -44,6 +46,10 @@ class KVCacheManager:
         )
         self.stats = PrefixStats()
         self._tables: dict[str, list[int]] = {}
+        # Recurrent-state slots (0: the model has no recurrent layers): a request takes one
+        # with its first allocation and gives it back with its blocks.
+        self.slots: StateSlots | None = StateSlots(num_state_slots) if num_state_slots else None
+        self._slots: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +61,14 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def state_slot(self, request_id: str) -> int | None:
+        """The request's state slot (None: the model keeps no recurrent state)."""
+        return self._slots.get(request_id)
+
+    @property
+    def num_free_slots(self) -> int | None:
+        return None if self.slots is None else self.slots.num_free_slots
 
     # --- prefixes ---------------------------------------------------------------------
 
@@ -149,11 +163,18 @@ class KVCacheManager:
         need = self.num_new_blocks(request_id, total_tokens)
         if need > self.pool.num_available_blocks - reserve:
             return False
+        if self.slots is not None and request_id not in self._slots:
+            if not self.slots.num_free_slots:
+                return False
+            self._slots[request_id] = self.slots.allocate()
         if need:
             self._tables.setdefault(request_id, []).extend(self.pool.allocate(need))
         return True
 
     def free(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None and self.slots is not None:
+            self.slots.release(slot)
         table = self._tables.pop(request_id, None)
         if table:
             # Tail first: the prefix's deepest blocks become the first eviction candidates.
@@ -164,7 +185,8 @@ class KVCacheManager:
             self.prefix.trim()
 
     def holders(self) -> dict[str, list[int]]:
-        return dict(self._tables)
+        """Requests holding blocks or a state slot, and their blocks."""
+        return {**{rid: [] for rid in self._slots}, **self._tables}
 
     def check_integrity(self) -> None:
         cached = None
@@ -172,6 +194,10 @@ class KVCacheManager:
             self.prefix.check_integrity()
             cached = self.prefix.cached_blocks()
         self.pool.check_integrity(self._tables.values(), cached)
+        if self.slots is not None:
+            self.slots.check_integrity(self._slots.values())
+        elif self._slots:
+            raise AssertionError("state slots held without a state pool")
 
 
 def _with_copy_source(blocks: list[int], copy_from: int | None) -> list[int]:

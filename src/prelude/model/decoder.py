@@ -29,6 +29,7 @@ from prelude.model.base import DerivedTensors, KVCaches, NothingKept, Unsupporte
 from prelude.model.spec import DecoderSpec, LayerSpec
 from prelude.model.read_positions import ReadPositions
 from prelude.model.layers.decoder_segments import (
+    ACTIVATIONS,
     EAGER_SEGMENTS,
     DecoderSegments,
     PreAttention,
@@ -45,6 +46,7 @@ from prelude.model.attention.kv_memory import zeroed_kv_tensors
 from prelude.model.fast_paths.layer_loop import LayerLoop, layer_loop_for
 from prelude.model.layers.linear import QuantPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora.adapters import LoraStep
+from prelude.model.layers.moe import SparseMoe, describe as describe_moe
 from prelude.model.layers.rotary import RotaryEmbedding
 
 
@@ -148,19 +150,34 @@ class DecoderLayer:
             stacked("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
             qkv_bias, prepack, blk("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
         self.o_proj = Projection(w("self_attn.o_proj.weight"), None, prepack, blk("self_attn.o_proj.weight"))
+        # Gemma's sandwich: post_attention_layernorm normalizes the attention's output, these
+        # two the MLP's input and output
+        self.pre_mlp_norm = w("pre_feedforward_layernorm.weight") if spec.post_norms else None
+        self.post_mlp_norm = w("post_feedforward_layernorm.weight") if spec.post_norms else None
         self.q_norm = w("self_attn.q_norm.weight") if spec.attention.qk_norm else None
         self.k_norm = w("self_attn.k_norm.weight") if spec.attention.qk_norm else None
-        self.gate_up = Projection(stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"), None, prepack,
-                                  blk("mlp.gate_proj.weight", "mlp.up_proj.weight"))
-        self.down = Projection(w("mlp.down_proj.weight"), None, prepack, blk("mlp.down_proj.weight"))
         self.pre_attention = PreAttention(self.input_norm, _operand(self.qkv), None if self.qkv.packed else self.qkv.bias,
                                 self.q_norm, self.k_norm)
-        self.post_attention = PostAttention(_operand(self.o_proj), self.post_norm, _operand(self.gate_up), _operand(self.down))
+        # A mixture of experts runs its own GEMMs (model/layers/moe.py); a dense MLP two projections
+        self.moe: SparseMoe | None = None
+        self.gate_up: Projection | None = None
+        self.down: Projection | None = None
+        if spec.mlp.kind == "moe":
+            assert spec.mlp.moe is not None
+            self.moe = SparseMoe.from_checkpoint(weights, prefix + "mlp.", spec.mlp.moe, ACTIVATIONS[spec.mlp.activation])
+            self.post_attention = PostAttention(_operand(self.o_proj), self.post_norm, None, None, self.moe)
+        else:
+            self.gate_up = Projection(stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"), None, prepack,
+                                      blk("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+            self.down = Projection(w("mlp.down_proj.weight"), None, prepack, blk("mlp.down_proj.weight"))
+            self.post_attention = PostAttention(_operand(self.o_proj), self.post_norm, _operand(self.gate_up),
+                                    _operand(self.down))
 
     @property
-    def projections(self) -> tuple[Projection, Projection, Projection, Projection]:
-        """qkv, o_proj, gate_up and down, in the order a layer runs them."""
-        return self.qkv, self.o_proj, self.gate_up, self.down
+    def projections(self) -> tuple[Projection, ...]:
+        """qkv, o_proj, gate_up and down (a dense MLP's), in the order a layer runs them."""
+        mlp = () if self.gate_up is None or self.down is None else (self.gate_up, self.down)
+        return (self.qkv, self.o_proj, *mlp)
 
 
 class Decoder:
@@ -242,18 +259,25 @@ class Decoder:
         self.shape = LayerShape(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                                 config.rms_norm_eps, spec.layers[0].mlp.activation)
         cast.check_all_read(spec.architecture)
+        self._moe = {i: layer.moe for i, layer in enumerate(self.layers) if layer.moe is not None}
+        if self._moe:
+            logger.info("%s", describe_moe(self._moe, dtype))
         # Small steps (up to 32 or 128 tokens, by the routes): the layer loop in one C call where
         # every kernel has a C route (None: the Python loop runs every step; `bench profile`
         # sets it so to split a step)
         self.layer_loop: LayerLoop | None = self._layer_loop()
         if self.layer_loop is not None:
             logger.info("steps of 1-%d tokens: the layer loop in one C call (layer_loop.c)", self.layer_loop.max_rows)
+        elif (unlike := spec.is_plain_llama()) is not None:
+            logger.info("every step: the layers in Python (the C layer loop computes the Llama layer; this model "
+                        "has %s)", unlike)
 
     @staticmethod
     def _check_spec(spec: DecoderSpec) -> None:
         """Refuse a description this trunk cannot compute (each layer alike: full attention,
         or Mistral's one window on every layer, which the engine applies as a context cap;
-        plain RMSNorms; a dense gated MLP of one activation for every layer)."""
+        plain RMSNorms; a gated MLP, dense or a mixture of experts, of one activation for
+        every layer)."""
         first = spec.layers[0]
         for i, layer in enumerate(spec.layers):
             a = layer.attention
@@ -264,8 +288,7 @@ class Decoder:
                    "attention soft-capping" if a.logit_softcap is not None else
                    "an attention output gate" if a.output_gate else
                    f"a {layer.norm} norm" if layer.norm != "rms" else
-                   "post-attention and post-MLP norms" if layer.post_norms else
-                   f"a {layer.mlp.kind} MLP" if layer.mlp.kind != "dense" else None)
+                   "post-attention and post-MLP norms" if layer.post_norms else None)
             if why is not None:
                 raise UnsupportedCheckpoint(f"architecture {spec.architecture}: layer {i} has {why}, which the "
                                             "decoder trunk does not compute")
@@ -326,9 +349,14 @@ class Decoder:
         routes: where each is a GEMM of our own (amx_gemm.c's dot-product form, f32_gemm.c)
         it calls that GEMM at every row count, as the projections now do, and the
         attention with the backend's options; elsewhere (oneDNN's copy) there is none.
+        A mixture of experts runs each token alone through its experts (model/layers/moe.py).
         Returns how many projections took the one route (0: none has a packed copy here,
         and the projections are as they were)."""
         taken = sum(p.take_one_route() for p in self._projections())
+        for block in self._moe.values():
+            block.make_batch_invariant()
+        if self._moe:
+            logger.info("%s", describe_moe(self._moe, self.dtype))
         make = getattr(self.attention, "make_batch_invariant", None)
         if make is not None:
             make()
@@ -373,8 +401,8 @@ class Decoder:
     def weights_are_plain(self) -> bool:
         """True when every projection is a plain tensor (none prepacked): what compiled
         segments accept."""
-        return all(isinstance(t, torch.Tensor) for layer in self.layers for t in (layer.pre_attention.qkv, *layer.post_attention)
-                   if t is not None)
+        return all(isinstance(t, torch.Tensor) for layer in self.layers
+                   for t in (layer.pre_attention.qkv, *layer.post_attention) if t is not None)
 
     @torch.inference_mode()
     def forward(

@@ -47,10 +47,24 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture of experts (model/layers/moe.py): `num_experts` gated MLPs of
+    `intermediate_size` each, `top_k` chosen a token by a router, their weights renormalized
+    to sum to one where `norm_topk_prob`; a shared expert beside them (Qwen3-Next,
+    Qwen3.5-MoE) of `shared_intermediate_size` (0: none) with a sigmoid gate."""
+
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
 class MlpSpec:
     kind: MlpKind
     activation: Activation
-    intermediate_size: int
+    intermediate_size: int  # a dense MLP's; a mixture's: each expert's
+    moe: MoeSpec | None = None  # kind "moe": its experts
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,34 @@ class PrefillTensors:
 
 
 @dataclass(frozen=True)
+class StateRow:
+    """One row of a model with recurrent (linear-attention) layers, as those layers see it:
+    tokens [start, start + length) of the flattened batch continue the state in `slot` of
+    the state pool, or, with slot -1 (a OneShot row), a state of this forward's scratch
+    that starts from zero and is dropped after it. `fresh`: the sequence starts here
+    (the state starts from zero, whatever the slot held)."""
+
+    start: int
+    length: int
+    slot: int
+    fresh: bool
+    # Packed items (multi-item scoring, OneShot only): the row's last tokens are items of
+    # these lengths, each continuing the state at the shared part's end on its own
+    items: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StateRows:
+    """The step's rows for the recurrent layers: `rows` are computed one by one (prompt
+    chunks, OneShot prompts); `step_tokens` / `step_slots` [B] are the decode rows, one
+    token each continuing its slot's state, computed as one batch and updated in place."""
+
+    rows: tuple[StateRow, ...]
+    step_tokens: torch.Tensor | None = None
+    step_slots: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     # [T] int64: cache slot (block * block_size + offset) of each new token, -1 for a token
     # whose K/V are not kept; None when nothing is written (a OneShot forward).
@@ -70,3 +98,5 @@ class AttentionMetadata:
     # Cached-prefix keys count as segment 0. Causality follows the tokens' order in the
     # row, not their (restarted) RoPE positions. The Triton prefill kernel takes the same ids.
     segment_ids: torch.Tensor | None = None
+    # Models with recurrent layers: which state each row continues (None: no such layers)
+    states: StateRows | None = None

@@ -49,7 +49,10 @@ def segment_mask(segments: torch.Tensor, context_len: int) -> torch.Tensor:
 def _prefill_row(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: PrefillSlice,
     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, segment_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """`window`: a query at position p sees the keys at positions above p - window only
+    (a sliding-window layer), besides the causal and segment masks."""
     s, n = row.query_start, row.query_len
     q_row = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     if row.segmented and segment_ids is not None:
@@ -81,6 +84,14 @@ def _prefill_row(
         q_pos = torch.arange(n, device=q.device).unsqueeze(1) + offset
         mask = torch.arange(row.context_len, device=q.device).unsqueeze(0) <= q_pos
         causal = False
+    if window is not None:  # keys before the first query's window are left out, the rest masked
+        first = max(0, row.context_len - n - window + 1)
+        q_pos = torch.arange(n, device=q.device).unsqueeze(1) + (row.context_len - n)
+        k_pos = torch.arange(first, row.context_len, device=q.device).unsqueeze(0)
+        near = k_pos > q_pos - window
+        mask = (near & (k_pos <= q_pos)) if mask is None else mask[:, first:] & near
+        k_row, v_row = k_row[first:], v_row[first:]
+        causal = False
     out = F.scaled_dot_product_attention(
         q_row,
         k_row.transpose(0, 1).unsqueeze(0),
@@ -108,14 +119,17 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """`window`: a sliding-window layer's span (each query sees its last `window`
+        positions, itself included); None: every earlier position."""
         if meta.slot_mapping is not None:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kept_tokens)
         out = torch.empty_like(q)
         for row in meta.prefills:
             out[row.query_start : row.query_start + row.query_len] = _prefill_row(
-                q, k, v, row, k_cache, v_cache, scale, meta.segment_ids
+                q, k, v, row, k_cache, v_cache, scale, meta.segment_ids, window
             )
         if meta.decodes is not None:
-            out[meta.decodes.query_index] = decode_attention(q, meta.decodes, k_cache, v_cache, scale)
+            out[meta.decodes.query_index] = decode_attention(q, meta.decodes, k_cache, v_cache, scale, window)
         return out

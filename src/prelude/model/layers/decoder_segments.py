@@ -64,8 +64,11 @@ class PostAttention(NamedTuple):
 
     o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Linear | None  # [2 * intermediate, hidden]; None where `mlp` is set
+    down: Linear | None
+    # A layer whose MLP is not one gated pair of projections (a mixture of experts,
+    # model/layers/moe.py): normed hidden [T, hidden] -> the MLP's output
+    mlp: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -108,8 +111,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu
 def layer_output(shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, w: PostAttention) -> torch.Tensor:
     """Residual stream after a layer, given its attention output [T, Hq, D]."""
     h = h + linear(attn.reshape(-1, shape.q_size), w.o_proj)
-    gate, up = linear(rms_norm(h, w.post_norm, shape.eps), w.gate_up).chunk(2, dim=-1)
-    return h + linear(ACTIVATIONS[shape.activation](gate) * up, w.down)
+    if w.mlp is not None:
+        return h + w.mlp(rms_norm(h, w.post_norm, shape.eps))
+    gate, up = linear(rms_norm(h, w.post_norm, shape.eps), w.gate_up).chunk(2, dim=-1)  # type: ignore[arg-type]
+    return h + linear(ACTIVATIONS[shape.activation](gate) * up, w.down)  # type: ignore[arg-type]
 
 
 def first(shape: LayerShape, h: torch.Tensor, w: PreAttention, cos: torch.Tensor, sin: torch.Tensor) -> QKV:

@@ -111,6 +111,10 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise LoraError(f"{ADAPTER_CONFIG} is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("target_parameters"):  # PEFT's LoRA on bare parameters: a mixture of experts' stacked experts
+        raise LoraError(f"adapters on parameters ({', '.join(map(str, cfg['target_parameters']))}: a "
+                        "mixture-of-experts MLP's experts) are not supported; adapters on the attention "
+                        "projections are")
     for unsupported in ("use_dora", "rank_pattern", "alpha_pattern"):
         if cfg.get(unsupported):
             raise LoraError(f"{unsupported} adapters are not supported")
@@ -144,6 +148,9 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     head = None
     for key, t in tensors.items():
         m = _LORA_KEY.search(key)
+        if m is None and (".experts." in key or ".shared_expert" in key):
+            raise LoraError(f"tensor {key!r} adapts a mixture-of-experts MLP, which is not supported "
+                            "(adapters on the attention projections are)")
         if m is None:
             module = key.split(".")[-2] if key.count(".") else key
             if module in HEAD_MODULES and key.endswith(".weight"):
@@ -157,6 +164,9 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise LoraError(f"unknown target module {target!r}; supported: {', '.join(TARGETS)}")
         if layer >= config.num_hidden_layers:
             raise LoraError(f"tensor {key!r} is for layer {layer}; the base has {config.num_hidden_layers}")
+        if layer in config.expert_layers and target in FUSED["gate_up"] + FUSED["down"]:
+            raise LoraError(f"tensor {key!r}: layer {layer}'s MLP is a mixture of experts, which adapters may not "
+                            "target (adapters on the attention projections are supported)")
         halves.setdefault((layer, target), {})[side] = t.float()
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     rank = 0
@@ -479,6 +489,8 @@ class LoraStep:
 
     def post_attention(self, layer: int, w: PostAttention) -> PostAttention:
         s, batch = self.slots, self.batch
+        if w.gate_up is None or w.down is None:  # a mixture of experts: adapters on it are refused at load
+            return w._replace(o_proj=LoraLinear(w.o_proj, None, s, layer, "o_proj", batch))
         return w._replace(o_proj=LoraLinear(w.o_proj, None, s, layer, "o_proj", batch),
                           gate_up=LoraLinear(w.gate_up, None, s, layer, "gate_up", batch),
                           down=LoraLinear(w.down, None, s, layer, "down", batch))

@@ -1,0 +1,156 @@
+"""A hybrid (recurrent + attention) model through the engine: greedy tokens and logprobs
+equal transformers', chunked prompts carry their state, recurrent-state slots are held by
+paged requests only and come back after finishes, aborts and failed steps."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from prelude import LLM, SamplingParams
+from prelude.engine.engine import LLMEngine
+from prelude.engine.errors import StepFailed
+from prelude.engine.request import PoolingParams, PoolingTask
+from tests.engine.tiny import VOCAB, tiny_engine
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=24,
+        linear_value_head_dim=20, max_position_embeddings=512, eos_token_id=256, tie_word_embeddings=False)
+    model = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.fixture
+def make_engine(hf_model: Any) -> Iterator:
+    made: list[LLMEngine] = []
+
+    def factory(**kw: Any) -> LLMEngine:
+        engine = tiny_engine(hf_model, **kw)
+        made.append(engine)
+        return engine
+
+    yield factory
+    for engine in made:  # idle again: every block and every slot back
+        engine.check_integrity()
+        assert not engine.has_unfinished()
+        assert engine.kv.num_available_blocks == engine.kv.pool.num_blocks
+        assert engine.kv.num_free_slots == engine.num_state_slots
+
+
+def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 9, 70, 1, 12)]
+
+
+@pytest.mark.parametrize("engine_kw", [dict(), dict(max_num_batched_tokens=8), dict(max_recurrent_slots=2),
+                                       dict(num_blocks=20, max_num_batched_tokens=16)],
+                         ids=["plain", "chunked", "two-slots", "preempting"])
+def test_greedy_matches_transformers(hf_model: Any, make_engine: Any, engine_kw: dict[str, Any]) -> None:
+    llm = LLM(engine=make_engine(**engine_kw))
+    results = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    for prompt, result in zip(PROMPTS, results):
+        assert result.outputs[0].token_ids == hf_greedy(hf_model, prompt, 10)
+
+
+def test_logprobs_match_transformers(hf_model: Any, make_engine: Any) -> None:
+    llm = LLM(engine=make_engine(max_num_batched_tokens=8))
+    prompt = list(range(30, 50))
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2))[0]
+    seq = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([seq])).logits[0], -1)
+    for i, lp in enumerate(out.outputs[0].logprobs or []):
+        assert abs(lp.logprob - ref[len(prompt) - 1 + i][lp.token_id].item()) < 1e-3
+
+
+def test_the_start_up_says_slots_and_that_prefix_caching_is_off(make_engine: Any,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO"):
+        engine = make_engine(max_recurrent_slots=3)
+    assert engine.num_state_slots == 3 and engine.kv.prefix is None
+    assert "recurrent state: 3 slots x" in caplog.text
+    assert "prefix caching: off" in caplog.text
+
+
+def test_oneshot_requests_hold_no_slot_and_run_at_8x_the_slots(hf_model: Any, make_engine: Any) -> None:
+    engine = make_engine(max_recurrent_slots=2)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts = [list(range(3 + i, 3 + i + 5 + i % 7)) for i in range(16)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"o{i}", p, one)
+    engine.add_request("chat", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    held_by_oneshot = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        held_by_oneshot = max(held_by_oneshot, sum(rid.startswith("o") for rid in engine.kv.holders()))
+        engine.check_integrity()
+    assert held_by_oneshot == 0
+    for i, p in enumerate(prompts):
+        assert tokens[f"o{i}"] == hf_greedy(hf_model, p, 1)
+    assert tokens["chat"] == hf_greedy(hf_model, PROMPTS[1], 6)
+
+
+def test_classification_rows_score_without_a_slot(make_engine: Any) -> None:
+    engine = make_engine(max_recurrent_slots=1)
+    pooling = PoolingParams(PoolingTask.EMBED)
+    for i in range(5):
+        engine.add_request(f"e{i}", list(range(10, 20 + i)), SamplingParams(max_tokens=0), pooling)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+        assert not engine.kv.holders()
+    assert len(done) == 5
+
+
+def test_aborts_and_failed_steps_give_slots_back(make_engine: Any) -> None:
+    engine = make_engine(max_recurrent_slots=3)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.num_free_slots == 0  # three running, the rest wait for a slot
+    for i in range(len(PROMPTS)):
+        engine.abort(str(i))
+    engine.check_integrity()
+    assert engine.kv.num_free_slots == 3
+    real = engine.runner.launch
+
+    def boom(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("simulated out of memory")
+
+    for i, p in enumerate(PROMPTS[:4]):
+        engine.add_request(f"f{i}", p, params)
+    engine.step()
+    engine.step()
+    assert engine.kv.num_free_slots == 0  # three decoding, one waiting for a slot
+    engine.runner.launch = boom  # type: ignore[method-assign]
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    engine.runner.launch = real  # type: ignore[method-assign]
+    engine.check_integrity()
+    assert len(failed.value.request_ids) == 3
+    assert engine.kv.num_free_slots == 3  # the failed step's rows gave theirs back
+    while engine.has_unfinished():  # the one left waiting runs to its end
+        engine.step()
