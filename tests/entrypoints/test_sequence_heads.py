@@ -30,6 +30,15 @@ HEADS = {
     "Qwen2": lambda n: transformers.Qwen2ForSequenceClassification(transformers.Qwen2Config(**SHAPE, num_labels=n)),
     "Qwen3": lambda n: transformers.Qwen3ForSequenceClassification(
         transformers.Qwen3Config(**SHAPE, head_dim=16, num_labels=n)),
+    "Qwen3Moe": lambda n: transformers.Qwen3MoeForSequenceClassification(transformers.Qwen3MoeConfig(
+        **SHAPE, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_labels=n)),
+    "Qwen3_5": lambda n: transformers.Qwen3_5ForSequenceClassification(transformers.Qwen3_5TextConfig(
+        **{**SHAPE, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=24, linear_value_head_dim=20, linear_conv_kernel_dim=4, num_labels=n)),
+    "Gemma3": lambda n: transformers.Gemma3TextForSequenceClassification(transformers.Gemma3TextConfig(
+        **{**SHAPE, "num_hidden_layers": 4}, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_labels=n)),
 }
 
 
