@@ -229,13 +229,13 @@ async def create_classification(engine: EngineClient, req: ClassifyRequest, http
             raise APIError("this model has no classification head: pass candidate labels", param="labels")
         names = list(engine.labels)
         pooling = PoolingParams(PoolingTask.CLASSIFY)
-    outs = await encode_all(engine, f"classify-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
     activation = req.activation or ("softmax" if lengths is not None or len(names) > 1 else "sigmoid")
     if activation == "softmax" and len(names) == 1:
         raise APIError("activation softmax over one output is always 1: use sigmoid or none", param="activation")
     if activation == "sigmoid" and lengths is not None:
         raise APIError("activation sigmoid does not apply to candidate labels (their scores are logprobs): use "
                        "softmax or none", param="activation")
+    outs = await encode_all(engine, f"classify-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
     data = []
     for i, out in enumerate(outs):
         scores = list(out.scores or ())
