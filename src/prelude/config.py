@@ -39,6 +39,8 @@ class ModelConfig:
     id2label: tuple[str, ...] = ()  # *ForSequenceClassification checkpoints: one name per head output
     expert_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts (model/layers/moe.py)
     architecture: str = "LlamaForCausalLM"  # HF `architectures` (model/registry.py)
+    # *ForSequenceClassification: transformers reads the last token that is not this one
+    pad_token_id: int | None = None
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -71,6 +73,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
             eos_token_ids=eos_ids,
             id2label=_labels(cfg) if _is_classifier(cfg) else (),
+            pad_token_id=cfg["pad_token_id"] if isinstance(cfg.get("pad_token_id"), int) else None,
             sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) else None,
         )
 

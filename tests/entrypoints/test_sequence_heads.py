@@ -107,3 +107,20 @@ def test_reward_head_equals_transformers(family: str) -> None:
         assert c["probs"] == pytest.approx([1 / (1 + math.exp(-want))], abs=1e-5)
     assert soft.status_code == 400 and soft.json()["error"]["param"] == "activation"
     assert bad.status_code == 400
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_trailing_padding_is_read_past_as_transformers_does(family: str) -> None:
+    """transformers' head reads the last token that is not the pad token; so do we."""
+    hf = _hf(family, 1)
+    ids = [list(b"a reward") + [EOS, EOS], list(b"x") + [EOS], [EOS, EOS]]
+    app, front = _serve(hf)
+    try:
+        r = asyncio.run(_post(app, "/reward", {"input": ids}))
+    finally:
+        front.shutdown()
+    assert r.status_code == 200, r.text
+    for row, item in zip(ids, r.json()["data"], strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([row])).logits[0, 0].item()
+        assert item["score"] == pytest.approx(want, abs=1e-4)

@@ -194,7 +194,7 @@ class LLMEngine:
             can_generate=self.can_generate, force_paged=sched.force_paged, labels=self.labels,
             default_pooling=self.info.default_pooling, default_ttft_slo_ms=sched.default_ttft_slo_ms,
             lora_enabled=self.runner.adapters is not None, embed=self.info.embed,
-            score_template=self.info.score_template,
+            score_template=self.info.score_template, classify_pad_id=self.info.classify_pad_id,
         )
 
     @property

@@ -37,6 +37,7 @@ class RequestRules:
     lora_enabled: bool = False  # adapter slots exist (--max-loras)
     embed: EmbedSetup | None = None  # what the model's embeddings are (None: nothing checked)
     score_template: str | None = None  # a token reranker's prompt template (the score routes apply it)
+    classify_pad_id: int | None = None  # ModelInfo.classify_pad_id
 
 
 def validate_request(
@@ -54,6 +55,14 @@ def validate_request(
     The model's defaults (pooling, TTFT target) are filled in here, once, for every front."""
     if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not rules.labels:
         raise InvalidRequestError("this model has no classification head; pass candidate labels instead")
+    if pooling is not None and pooling.task is PoolingTask.CLASSIFY and rules.classify_pad_id is not None:
+        # transformers' *ForSequenceClassification reads the last token that is not padding: in
+        # a causal model trailing pads change no earlier state, so without them the head
+        # reads that token
+        end = len(prompt_token_ids)
+        while end > 1 and prompt_token_ids[end - 1] == rules.classify_pad_id:
+            end -= 1
+        prompt_token_ids = prompt_token_ids[:end]
     if pooling is not None and pooling.dimensions is not None:
         if pooling.task is not PoolingTask.EMBED:
             raise InvalidRequestError("dimensions applies to embeddings only")

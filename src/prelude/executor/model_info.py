@@ -24,5 +24,7 @@ class ModelInfo:
     dtype: str
     embed: EmbedSetup  # what its embeddings are (prompts, size, Matryoshka sizes)
     score_template: str | None = None  # a token reranker's prompt template for the score routes
+    # a decoder's classification head reads the last token that is not this one (transformers')
+    classify_pad_id: int | None = None
     # Models with recurrent (linear-attention) layers: one sequence's state in bytes (0: none)
     state_bytes_per_slot: int = 0

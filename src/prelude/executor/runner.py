@@ -164,6 +164,7 @@ class ModelRunner:
             dtype=str(model.dtype).removeprefix("torch."),
             embed=embed_setup(sentence, int(cfg.hidden_size), matryoshka),
             score_template=score_template,
+            classify_pad_id=getattr(cfg, "pad_token_id", None) if cfg.id2label and not model.is_encoder else None,
             state_bytes_per_slot=self.state_bytes_per_slot,
         )
         segments = fused_segments_for(model, self.config)  # once: it logs what it picked
