@@ -216,3 +216,44 @@ def test_state_rows_batch_decode_rows_and_keep_prompt_rows_apart() -> None:
     assert states.step_tokens is not None and states.step_tokens.tolist() == [3]
     assert states.step_slots is not None and states.step_slots.tolist() == [0]
     assert StateRows(()).step_tokens is None
+
+
+# --- Qwen3-Next: the same trunk, experts with a gated shared expert, grouped projections ---
+
+
+def hf_next(seed: int = 0, **kw: Any) -> Any:
+    torch.manual_seed(seed)
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=24, linear_value_head_dim=20, max_position_embeddings=512, num_experts=6,
+                num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=48,
+                decoder_sparse_step=1, mlp_only_layers=[1])
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**base, **kw})).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def test_qwen3_next_float32_equals_transformers() -> None:
+    hf = hf_next()
+    model = build(hf)
+    assert model.spec.layers[0].mlp.kind == "moe" and model.spec.layers[1].mlp.kind == "dense"
+    prompts = [torch.randint(0, 300, (n,)).tolist() for n in (90, 5)]
+    for prompt, hidden in zip(prompts, oneshot_hidden(model, prompts)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        logits = model.compute_logits(hidden)
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+        assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3
+
+
+def test_qwen3_next_bf16_stays_close() -> None:
+    hf = hf_next(1)
+    model = build(hf, torch.bfloat16)
+    prompt = torch.randint(0, 300, (30,)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].softmax(-1)
+    got = model.compute_logits(oneshot_hidden(model, [prompt])[0]).softmax(-1)
+    assert (got - ref).abs().max() < 0.05
