@@ -13,7 +13,7 @@ import torch
 from prelude.testing.random_model import random_model_dir
 from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
-from prelude.forward_batch import OneShotRow
+from prelude.forward_batch import OneShotBatch, OneShotRow
 from prelude.params import SamplingParams
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -38,7 +38,7 @@ def one() -> None:
 
 
 def forward() -> None:
-    hidden, _ = engine.runner.forward_oneshot([OneShotRow("f", prompt(), None, None)])
+    hidden, _ = engine.runner.trunk(OneShotBatch((OneShotRow("f", prompt(), None, None),)))[:2]
     engine.runner.model.compute_logits(hidden[-1:]).argmax(-1).cpu()
 
 

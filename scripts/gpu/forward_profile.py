@@ -8,7 +8,7 @@ from torch.profiler import ProfilerActivity, profile
 from prelude.testing.random_model import random_model_dir
 from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
-from prelude.forward_batch import OneShotRow
+from prelude.forward_batch import OneShotBatch, OneShotRow
 from prelude.params import SamplingParams
 
 def sync(): torch.cuda.synchronize()
@@ -35,7 +35,7 @@ if "a" in which:
     inp = r.build_oneshot_inputs(rows)
     print("inputs ms", med(lambda: r.build_oneshot_inputs(rows)))
     print("forward(graph) ms", med(lambda: r.forward(inp)))
-    print("full floor ms", med(lambda: r.model.compute_logits(r.forward_oneshot(rows)[0][-1:]).argmax(-1).cpu()))
+    print("full floor ms", med(lambda: r.model.compute_logits(r.trunk(OneShotBatch(tuple(rows)))[0][-1:]).argmax(-1).cpu()))
     g = r.graphs; r.graphs = None
     print("forward(eager) ms", med(lambda: r.forward(inp)))
     r.graphs = g
@@ -70,9 +70,9 @@ if "c" in which:
 if "b" in which:
     e = engine("qwen3-4b", gib=8.0); r = e.runner
     rows = [OneShotRow(f"f{i}", torch.randint(0, 150000, (512,)).tolist(), None, None) for i in range(32)]
-    print("4B 1x512 ms", med(lambda: r.forward_oneshot(rows[:1]), 10))
-    print("4B 32x512 ms", med(lambda: r.forward_oneshot(rows), 5))
+    print("4B 1x512 ms", med(lambda: r.trunk(OneShotBatch(tuple(rows[:1]))), 10))
+    print("4B 32x512 ms", med(lambda: r.trunk(OneShotBatch(tuple(rows))), 5))
     with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(3): r.forward_oneshot(rows)
+        for _ in range(3): r.trunk(OneShotBatch(tuple(rows)))
         sync()
     table(p, "self_cuda_time_total", 15)

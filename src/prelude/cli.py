@@ -31,6 +31,9 @@ _STARTED = _process_start()
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="fields replacing the checkpoint's config.json (vLLM's flag): e.g. '{\"is_matryoshka\": true}' "
+                        "or a yes/no reranker's '{\"classifier_from_token\": [\"no\", \"yes\"]}'")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16/AMX, else float32 (float16: GPU only)")
@@ -109,6 +112,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--force-decode-path is its old name")
 
 
+def _json_object(text: str) -> str:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return text
+
+
 def _lora_module(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -129,6 +144,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
     return EngineConfig(
         lora=_lora_config(args),
         model=args.model,
+        hf_overrides=args.hf_overrides,
         served_model_name=args.served_model_name,
         seed=args.seed,
         executor=ExecutorConfig(

@@ -174,7 +174,7 @@ class ExecutorConfig:
     # C kernels for float32 and bfloat16 on an AVX2 CPU)
     fused_kernels: bool = True
     # CPU decoders: in a forward whose heads read only some positions (a prompt's last token,
-    # each packed item's last token), the last layer computes attention, o_proj, the MLP and
+    # each item's last token), the last layer computes attention, o_proj, the MLP and
     # the final norm for those positions only (K/V still for every token). Rows that read every
     # position (prompt logprobs, mean/cls pooling, sequence logprobs) keep all of theirs (LoRA
     # rows too: the read rows' adapters follow them); CUDA forwards compute every position.
@@ -209,14 +209,17 @@ class EngineConfig:
     seed: int = 0
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     # Overlap: while step N is in flight, step N+1 is scheduled around it and launched, and
-    # only then is N post-processed (Scheduler.schedule(in_flight=...) decides): decode rows
-    # of N's sampling requests go one position ahead, their input tokens copied from N's
-    # sampled ids on the device; rows needing the token on the host (grammar, penalties)
+    # only then is N post-processed (Scheduler.schedule(in_flight=...) decides): N's sampling
+    # requests get carried rows, decode rows one position further whose input tokens are
+    # copied from N's sampled ids on the device; rows needing the token on the host (grammar, penalties)
     # wait a step; new prompts and OneShot rows go as usual. None: on with CUDA.
     overlap: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoraConfig | None = None  # None: no adapters (no slots, the plain forward)
+    # JSON fields replacing config.json's at load (vLLM's --hf-overrides): Matryoshka sizes,
+    # a reranker's classifier_from_token, ...
+    hf_overrides: str | None = None
 
 
 @dataclass(frozen=True)

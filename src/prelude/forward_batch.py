@@ -34,14 +34,14 @@ class SampleSpec:
     # Structured outputs: the tokens allowed next, as a numpy int32 bitmask [ceil(V/32)]
     # (bit i of word w allows token 32w + i); None: unconstrained.
     token_bitmask: Any = None
-    # Tokens a step still in flight samples before this one (a row scheduled ahead): not in
-    # output_token_ids yet, counted in the output position.
-    pending: int = 0
+    # Carried tokens (decode overlap): sampled by the step in flight before this one, not in
+    # output_token_ids yet (not on the host), counted in the output position.
+    carried: int = 0
 
     @property
     def position(self) -> int:
         """The output position of the token drawn (what the seed is mixed with)."""
-        return len(self.output_token_ids) + self.pending
+        return len(self.output_token_ids) + self.carried
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class HeadSpec:
 
     prompt_logprobs: int | None = None
     pooling: PoolingParams | None = None
+    # Mean/max pooling of a prompt that runs in chunks: the running pool of its earlier
+    # chunks (count, sums, maxima: model/layers/pooler.py), and whether this row is itself
+    # such a chunk (it returns the running pool instead of the embedding)
+    pooled_before: tuple[float, ...] | None = None
+    pool_chunk: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,7 @@ class HeadOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None
     scores: list[float] | None = None
+    pooled: list[float] | None = None  # a chunk's running pool (HeadSpec.pool_chunk)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class PoolingTask(str, enum.Enum):
     CLASSIFY = "classify"  # the model's classification / score / reward head
     LABELS = "labels"  # next-token logprobs of candidate label tokens after the prompt (or after each item)
     # Teacher-forced logprob of each item's whole token sequence after the shared prompt:
-    # whole-label classification, the labels packed as items (see PoolingParams.item_lens).
+    # whole-label classification, the labels as the items of a multi-item prompt (see PoolingParams.item_lens).
     SEQUENCE_LOGPROBS = "sequence_logprobs"
 
 
@@ -106,8 +106,12 @@ class PoolingParams:
     """What a fixed-output (non-generation) request wants from its one forward."""
 
     task: PoolingTask
-    pooling: str | None = None  # last | mean | cls; None: the model's default
+    pooling: str | None = None  # last | mean | cls | max; None: the model's default
     normalize: bool = False
+    # EMBED: leading tokens (an instruction prompt) left out of the pooled ones, where the
+    # model's Pooling module excludes its prompt (include_prompt false)
+    skip_tokens: int = 0
+    dimensions: int | None = None  # EMBED: a Matryoshka cut of the vector (before normalizing)
     label_token_ids: tuple[int, ...] = ()
     token_type_ids: tuple[int, ...] | None = None  # sentence pairs for BERT-style encoders
     # Multi-item packing: the prompt is a shared part followed by items of these lengths,
@@ -120,8 +124,12 @@ class PoolingParams:
     low_priority: bool = False  # scheduled behind normal requests, as SamplingParams.low_priority
 
     def __post_init__(self) -> None:
-        if self.pooling not in (None, "last", "mean", "cls"):
-            raise SamplingParamsError(f"pooling must be last, mean or cls, got {self.pooling!r}")
+        if self.pooling not in (None, "last", "mean", "cls", "max"):
+            raise SamplingParamsError(f"pooling must be last, mean, cls or max, got {self.pooling!r}")
+        if self.skip_tokens < 0:
+            raise SamplingParamsError("skip_tokens must be non-negative")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise SamplingParamsError(f"dimensions must be at least 1, got {self.dimensions}")
         if self.task is PoolingTask.LABELS and not self.label_token_ids:
             raise SamplingParamsError("label classification needs at least one label")
         if self.task is PoolingTask.SEQUENCE_LOGPROBS and not self.item_lens:
@@ -132,8 +140,42 @@ class PoolingParams:
             raise SamplingParamsError("items are packed for label and sequence scoring only")
 
     def shared_len(self, num_prompt_tokens: int) -> int:
-        """Tokens of the shared part of a packed prompt (all of it without items)."""
+        """Tokens of the shared part of a multi-item prompt (all of it without items)."""
         return num_prompt_tokens - sum(self.item_lens)
+
+
+@dataclass(frozen=True)
+class EmbedSetup:
+    """What a model's embeddings are, as its sentence-transformers folder and config say:
+    the fronts pick prompts and check `dimensions` with it."""
+
+    dimension: int  # the vector's size (the last Dense layer's, else the hidden size)
+    prompts: tuple[tuple[str, str], ...] = ()  # (name, text) prepended to a text input
+    default_prompt_name: str | None = None
+    include_prompt: bool = True  # False: a prompt's tokens are left out of the pooled ones
+    normalize: bool = True  # the default of a request's `normalize`
+    # Sizes a vector may be cut to: None where the checkpoint declares none (a cut is
+    # refused), () where any size up to `dimension` is declared
+    matryoshka: tuple[int, ...] | None = None
+
+    def prompt(self, name: str | None) -> str | None:
+        """The text of prompt `name` (None: the default prompt, if any); KeyError where no
+        prompt has that name."""
+        name = name if name is not None else self.default_prompt_name
+        if name is None:
+            return None
+        return dict(self.prompts)[name]
+
+    def check_dimensions(self, dimensions: int) -> str | None:
+        """Why `dimensions` cannot be served (None: it can)."""
+        if self.matryoshka is None:
+            return ("dimensions is not supported: this model declares no Matryoshka sizes (its vectors cut "
+                    "short would not be embeddings it was trained to give)")
+        if not 1 <= dimensions <= self.dimension:
+            return f"dimensions must be between 1 and {self.dimension}, got {dimensions}"
+        if self.matryoshka and dimensions not in self.matryoshka:
+            return f"dimensions must be one of {', '.join(map(str, self.matryoshka))}, got {dimensions}"
+        return None
 
 
 @dataclass(frozen=True)

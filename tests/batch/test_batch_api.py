@@ -182,3 +182,24 @@ def test_a_restarted_server_resumes_an_unfinished_batch(front: AsyncEngine, tmp_
     earlier_ids = {json.loads(k)["id"] for k in kept}
     assert earlier_ids <= {x["id"] for x in out}  # the answered lines were not run again
     assert read_output(earlier)  # the reference run wrote its lines
+
+
+def test_a_decisions_batch(front: AsyncEngine, tmp_path: Path) -> None:
+    question = {"type": "choice", "instructions": "Pick.", "choices": [{"value": "a"}, {"value": "b"}]}
+    lines = [{"custom_id": f"d{i}", "method": "POST", "url": "/v1/decisions",
+              "body": {"input": f"ticket {i}", "questions": [question, {"type": "predicate", "instructions": "Ok."}]}}
+             for i in range(3)]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/decisions",
+                  "body": {"input": "x", "questions": [{**question, "choices": [{"value": "a"}]}]}})
+    inp = write_lines(tmp_path / "in.jsonl", lines)
+    with _server(front, tmp_path / "batches") as (client, _):
+        fid = client.files.create(file=inp.open("rb"), purpose="batch").id
+        done = _wait(client, client.batches.create(input_file_id=fid, endpoint="/v1/decisions",
+                                                   completion_window="24h").id)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 1)
+        good = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        for line in good:
+            answers = line["response"]["body"]["answers"]
+            assert [a["type"] for a in answers] == ["choice", "predicate"]
+        bad = json.loads(client.files.content(done.error_file_id).text)
+        assert bad["response"]["body"]["error"]["param"] == "questions.0.choices"

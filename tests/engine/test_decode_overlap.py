@@ -92,7 +92,7 @@ def test_stop_tokens_and_stop_strings_found_one_step_late_end_at_the_same_place(
     assert got["a"][:3] == want["a"][:3] and want["a"][2] == "stop"
     assert got["b"][:3] == want["b"][:3] and want["b"][2] == "stop"
     assert len(want["a"][0]) <= 5
-    assert {"a", "b"} <= carried.ids  # they ran ahead, and the extra row was dropped
+    assert {"a", "b"} <= carried.ids  # their rows were carried, and the extra row was dropped
 
 
 def test_rows_that_need_the_token_on_the_host_wait_and_still_match() -> None:
@@ -120,7 +120,7 @@ def test_abort_with_a_row_scheduled_ahead_frees_everything() -> None:
     engine.add_request("x", _prompt(0), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     engine.add_request("y", _prompt(1), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     seen = 0
-    while "x" not in carried.ids or seen < 2:  # x is decoding with a row ahead of its step in flight
+    while "x" not in carried.ids or seen < 2:  # x is decoding with a carried row behind its step in flight
         seen += sum(len(o.new_token_ids) for o in engine.step() if o.request_id == "x")
     assert engine._in_flight is not None
     assert engine.abort("x")

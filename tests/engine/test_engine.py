@@ -271,3 +271,49 @@ def test_finished_records_add_nothing_for_the_garbage_collector_to_walk() -> Non
     metrics = engine.finished_metrics
     assert [m.request_id for m in metrics] == [f"r{i}" for i in range(20)]
     assert all(m.output_tokens == 2 and m.prompt_tokens == 3 and m.ttft_s is not None for m in metrics)
+
+
+def test_requests_running_counts_every_request_being_computed_oneshot_rows_included(make_engine) -> None:  # noqa: ANN001
+    """vLLM's num_requests_running: an admitted Paged request and a OneShot row in the same
+    (fused) step both count while the step computes; a finished request no longer does."""
+    engine = make_engine()
+    engine.add_request("paged", list(range(5, 12)), SamplingParams(max_tokens=3, temperature=0.0))
+    engine.add_request("oneshot", list(range(5, 15)), SamplingParams(max_tokens=1, temperature=0.0))
+    assert engine.metrics()["requests_running"] == 0 and engine.metrics()["requests_waiting"] == 2
+    during: list[dict[str, float]] = []
+    engine.step(on_heads=lambda: during.append(engine.metrics()))
+    assert [(m["requests_running"], m["requests_running_paged"], m["requests_running_oneshot"]) for m in during] \
+        == [(2, 1, 1)]
+    after = engine.metrics()  # the OneShot request ended with its step; the Paged one decodes on
+    assert (after["requests_running"], after["requests_running_paged"], after["requests_running_oneshot"]) == (1, 1, 0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.metrics()["requests_running"] == 0
+
+
+def test_a_oneshot_step_in_flight_counts_as_running(hf_model) -> None:  # noqa: ANN001
+    """With overlap a OneShot step stays in flight after `step` returns: its request runs."""
+    engine = tiny_engine(hf_model, overlap=True)
+    engine.add_request("oneshot", list(range(5, 15)), SamplingParams(max_tokens=1, temperature=0.0))
+    assert engine.step() == [] and engine.metrics()["requests_running"] == 1
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["oneshot"] and engine.metrics()["requests_running"] == 0
+    engine.check_integrity()
+
+
+def test_the_scheduler_ends_every_request_it_is_told_to(make_engine) -> None:  # noqa: ANN001
+    """Request.status has one writer (the scheduler): a request that needs no forward, an
+    aborted one and one that ran to its end all end FINISHED, out of every queue."""
+    from prelude.engine.request import RequestStatus
+
+    engine = make_engine()
+    none = engine.add_request("none", [5, 6], SamplingParams(max_tokens=0))
+    gone = engine.add_request("gone", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
+    done = engine.add_request("done", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
+    assert none.status is RequestStatus.FINISHED and gone.status is done.status is RequestStatus.WAITING
+    engine.step()
+    assert gone.status is done.status is RequestStatus.RUNNING
+    assert engine.abort("gone") and gone.status is RequestStatus.FINISHED
+    while engine.has_unfinished():
+        engine.step()
+    assert done.status is RequestStatus.FINISHED and not engine.scheduler.has_work()

@@ -154,3 +154,19 @@ def test_aborts_and_failed_steps_give_slots_back(make_engine: Any) -> None:
     assert engine.kv.num_free_slots == 3  # the failed step's rows gave theirs back
     while engine.has_unfinished():  # the one left waiting runs to its end
         engine.step()
+
+
+def test_qwen3_next_greedy_matches_transformers_through_chunks_and_slots() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=24,
+        linear_value_head_dim=20, max_position_embeddings=512, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, eos_token_id=256)
+    hf = transformers.Qwen3NextForCausalLM(cfg).float().eval()
+    engine = tiny_engine(hf, max_num_batched_tokens=8, max_recurrent_slots=2)
+    results = LLM(engine=engine).generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for prompt, result in zip(PROMPTS[:4], results):
+        assert result.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+    engine.check_integrity()
+    assert engine.kv.num_free_slots == 2

@@ -81,7 +81,7 @@ def test_a_normal_paged_prompt_is_admitted_before_earlier_low_priority_work() ->
     plan = s.schedule(now=1.0)  # fcfs would take "batch" first; the normal prompt goes, alone
     assert plan.scheduled == {"user": 20}
     s.end_step(plan, ok=True, now=1.05)
-    s.running[0].output_token_ids.append(7)  # the user's first token: it decodes now
+    s.admitted[0].output_token_ids.append(7)  # the user's first token: it decodes now
 
     plan = s.schedule(now=1.05 + RETURN)  # the user decodes: the low-priority prompt gets a CAP-token chunk
     assert plan.scheduled == {"user": 1, "batch": CAP}
@@ -94,7 +94,7 @@ def test_a_low_priority_oneshot_over_the_bound_may_go_alone_when_no_normal_promp
     s.add(make_request("user", 8, 50, arrival=0.0))
     plan = s.schedule(now=0.0)
     s.end_step(plan, ok=True, now=0.1)
-    s.running[0].output_token_ids.append(7)
+    s.admitted[0].output_token_ids.append(7)
     s.add(make_request("rubric", 3 * CAP, 1, arrival=0.1, low_priority=True))
     s.add(make_request("item", 4, 1, arrival=0.1, low_priority=True))
     plan = s.schedule(now=0.1 + RETURN)

@@ -71,7 +71,7 @@ def _first_burst_done(s, check=None) -> float:  # noqa: ANN001
     s.observe_step(plan.batch, 1.0)
     s.end_step(plan, ok=True)
     for r in first:
-        s.remove(r)
+        s.finish(r)
     return s.gather.opened
 
 

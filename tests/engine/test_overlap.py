@@ -70,7 +70,7 @@ def test_overlapped_loop_gives_the_same_answers_and_launches_before_it_waits() -
     launches = {int(e[6:].split(":")[0]): e for e in order if e.startswith("launch")}
     assert any(order.index(launches[k + 1]) < order.index(f"wait{k}")
                for k in launches if k + 1 in launches and f"wait{k}" in order)
-    # Decode rows went ahead too: launched with their input tokens carried from the step in flight.
+    # Carried rows too: decode rows launched with their input tokens carried from the step in flight.
     assert any(":carried" in e for e in launches.values())
     assert engine.kv.pool.num_free_blocks + engine.kv.pool.num_evictable_blocks == engine.kv.pool.num_blocks
 

@@ -14,7 +14,7 @@ from prelude.config import PolicyConfig, SchedulerConfig
 from prelude.engine.validation import RequestRules, validate_request
 from prelude.engine.policies import make_policy
 from prelude.engine.policies.laps import LAPSPrefill, StepTimeModel
-from prelude.engine.request import Request, RequestStatus
+from prelude.engine.request import Request
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.kv.kv_manager import KVCacheManager
 
@@ -45,13 +45,12 @@ def fake_execute(s: Scheduler, plan: ScheduleResult, finished: list[str]) -> Non
     rows = plan.batch.rows if plan.batch is not None else ()
     samples = {r.request_id for r in rows if r.sample is not None}
     for rid, n in plan.scheduled.items():
-        req = next(r for r in s.running if r.request_id == rid)
+        req = next(r for r in s.admitted if r.request_id == rid)
         req.num_computed_tokens += n
         if rid in samples:
             req.output_token_ids.append(7)
             if len(req.output_token_ids) >= req.max_output_tokens:
-                s.remove(req)
-                req.status = RequestStatus.FINISHED
+                s.finish(req)
                 finished.append(rid)
     s.kv.check_integrity()
 

@@ -253,7 +253,7 @@ class FakeEngine:
         return self.healthy
 
     def metrics(self) -> dict[str, float]:
-        return {"requests_running": float(len(self.running()))}
+        return {"requests_running": float(len(self.running())), "requests_running_paged": float(len(self.running()))}
 
     def request_metrics(self) -> list[RequestMetrics]:
         return []

@@ -240,6 +240,7 @@ async def test_prometheus_exposition_with_vllm_names() -> None:
                  "prelude:prompt_tokens", "prelude:generation_tokens", "prelude:prefix_cache_queries",
                  "prelude:prefix_cache_hits", "prelude:step_duration_seconds", "prelude:kv_blocks"):
         assert name in families, name
+    assert {s.labels["exec_class"] for s in families["prelude:num_requests_running"].samples} == {"paged", "oneshot"}
     requests = {(s.labels["route"], s.labels["status"], s.labels["exec_class"]): s.value
                 for s in families["prelude:http_requests"].samples if s.name.endswith("_total")}
     assert requests[("/v1/completions", "200", "oneshot")] == 1

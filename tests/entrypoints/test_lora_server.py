@@ -87,6 +87,7 @@ def test_the_model_field_picks_the_adapter(server, adapter_dirs) -> None:  # noq
     ("/v1/reward", {"input": "hello"}),
     ("/classify", {"input": "x", "labels": ["ab", "cd"]}),
     ("/tokenize", {"prompt": "hi"}),
+    ("/v1/decisions", {"input": "x", "questions": [{"type": "predicate", "instructions": "y"}]}),
 ])
 def test_every_route_takes_adapter_names_and_refuses_unknown_ones(server, path: str, body: dict) -> None:  # noqa: ANN001
     base, _ = server
@@ -105,6 +106,24 @@ def test_embeddings_use_the_adapter(server, adapter_dirs) -> None:  # noqa: ANN0
     got = post(base, "/v1/embeddings", {"input": "hello", "model": "judge"}).json()["data"][0]["embedding"]
     plain = post(base, "/v1/embeddings", {"input": "hello"}).json()["data"][0]["embedding"]
     assert got != plain
+
+
+def test_decisions_read_the_adapter(server, adapter_dirs) -> None:  # noqa: ANN001
+    from tests.entrypoints.test_decisions import hf_probabilities
+
+    base, _ = server
+    body = {"input": "hello", "return_prompt_token_ids": True, "questions": [
+        {"type": "choice", "instructions": "Pick.", "choices": [{"value": "a"}, {"value": "b"}, {"value": "c"}]},
+        {"type": "predicate", "instructions": "It is a greeting."}]}
+    got = post(base, "/v1/decisions", {**body, "model": "judge"}).json()
+    plain = post(base, "/v1/decisions", body).json()
+    merged = adapter_dirs["judge"][1]
+    for a, b in zip(got["answers"], plain["answers"]):
+        probs = [p["probability"] for p in a["probabilities"]] if a["type"] == "choice" else \
+            [a["probability"], 1 - a["probability"]]
+        assert probs == pytest.approx(hf_probabilities(merged, a["prompt_token_ids"], a["label_token_ids"]), abs=1e-4)
+        assert a != b
+    assert got["model"] == "judge"
 
 
 def test_load_and_unload_need_the_api_key(server, adapter_dirs) -> None:  # noqa: ANN001

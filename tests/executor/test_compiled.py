@@ -11,7 +11,7 @@ from prelude.config import ExecutorConfig, ModelConfig
 from prelude.executor.compiled import CompiledForwards, cache_key
 from prelude.executor.runner import ModelRunner
 from prelude import LLM, SamplingParams
-from prelude.forward_batch import OneShotRow
+from prelude.forward_batch import HeadSpec, OneShotBatch, OneShotRow, SampleSpec
 from prelude.model.registry import config_for
 from tests.engine.tiny import hf_tiny_llama, tiny_engine
 
@@ -97,12 +97,14 @@ def test_compiled_forward_matches_eager(tmp_path: Path, monkeypatch: pytest.Monk
     assert got == want
     # Logits within float32 reordering tolerance, computed by compiled code (no silent eager fallback).
     for n in (1, 23):
-        rows = [OneShotRow("x", list(range(7, 7 + n)), None, None)]
+        ids = list(range(7, 7 + n))  # a row as served: it samples, and its prompt logprobs read every position
+        batch = OneShotBatch((OneShotRow("x", ids, SampleSpec(params, ids, []), HeadSpec(prompt_logprobs=0)),))
         with torch.inference_mode(), torch.profiler.profile() as prof:
-            h_c, _ = compiled.runner.forward_oneshot(rows)
+            h_c = compiled.runner.trunk(batch)[0]
         assert any(e.key.startswith("Torch-Compiled Region") for e in prof.key_averages())
         with torch.inference_mode():
-            h_e, _ = eager.runner.forward_oneshot(rows)
+            h_e = eager.runner.trunk(batch)[0]
+        assert h_c.shape[0] == h_e.shape[0] == n
         torch.testing.assert_close(compiled.runner.model.compute_logits(h_c), eager.runner.model.compute_logits(h_e),
                                    rtol=1e-4, atol=1e-4)
     for engine in (eager, compiled):

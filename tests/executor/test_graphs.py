@@ -75,10 +75,10 @@ def test_packed_step_inputs_start_16_byte_aligned() -> None:
     """Triton specializes on pointer alignment: every device view of a step's packed inputs
     starts on a 16-byte boundary, as the graphs' static buffers do (else an eager step would
     compile another kernel variant mid-request)."""
-    from prelude.executor.inputs import pack_int64
+    from prelude.executor.inputs import copy_int64
     from prelude.forward_batch import BatchRow, OneShotRow
 
-    views = pack_int64(torch.device("cpu"), [1], [2, 3, 4], [], [5], [6, 7])
+    views = copy_int64(torch.device("cpu"), [1], [2, 3, 4], [], [5], [6, 7])
     assert [v.tolist() for v in views] == [[1], [2, 3, 4], [], [5], [6, 7]]
     assert all(v.data_ptr() % 16 == 0 for v in views)
 

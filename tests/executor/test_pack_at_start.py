@@ -10,11 +10,11 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 from prelude.config import ExecutorConfig
 from prelude.executor.runner import ModelRunner
-from prelude.forward_batch import OneShotRow
+from prelude import SamplingParams
+from prelude.forward_batch import OneShotBatch, OneShotRow, SampleSpec
 from prelude.model.layers.linear import Projection
 from prelude.model.registry import config_for
 from tests.engine.tiny import hf_tiny_llama
@@ -55,9 +55,9 @@ def test_the_first_forward_waits_for_the_copies_made_by_the_thread(monkeypatch) 
     assert thread is not None and thread.is_alive()  # start-up returned before the copies
     threading.Timer(0.2, release.set).start()
     runner.allocate_kv_cache(8)
-    with torch.inference_mode():
-        hidden, _ = runner.forward_oneshot([OneShotRow("x", [5, 6, 7], None, None)])
-    assert hidden.shape[0] >= 1
+    sample = SampleSpec(SamplingParams(temperature=0.0), [5, 6, 7], [])
+    result = runner.launch(OneShotBatch((OneShotRow("x", [5, 6, 7], sample, None),))).wait()
+    assert set(result.sampled) == {"x"}
     assert not thread.is_alive() and runner.model._copies_thread is None  # type: ignore[attr-defined]
     assert all(p._packed is not None for p in runner.model._projections())  # type: ignore[attr-defined]
 

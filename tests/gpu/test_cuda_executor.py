@@ -9,7 +9,7 @@ import torch
 
 from prelude.config import ExecutorConfig
 from prelude.executor.runner import ModelRunner
-from prelude.forward_batch import OneShotRow
+from prelude.forward_batch import HeadSpec, OneShotBatch, OneShotRow, SampleSpec
 from prelude.params import PoolingParams, PoolingTask, SamplingParams
 from prelude.model.registry import config_for
 from tests.engine.near_ties import first_difference
@@ -40,7 +40,10 @@ def test_bf16_logits_match_transformers(kind: str, backend: str) -> None:
                                                                 attention_backend=backend), block_size=16)
     runner.allocate_kv_cache(32)
     prompts = [list(range(3, 40)), list(range(100, 105))]
-    hidden, starts = runner.forward_oneshot([OneShotRow(str(i), p, None, None) for i, p in enumerate(prompts)])
+    sample, head = SampleSpec(SamplingParams(temperature=0.0), [], []), HeadSpec(prompt_logprobs=0)  # every position read
+    with torch.inference_mode():
+        hidden, starts, _, _ = runner.trunk(OneShotBatch(tuple(OneShotRow(str(i), p, sample, head)
+                                                               for i, p in enumerate(prompts))))
     logits = runner.model.compute_logits(hidden).float().cpu()
     hf_bf16 = hf.to("cuda", torch.bfloat16)
     for p, s in zip(prompts, starts):

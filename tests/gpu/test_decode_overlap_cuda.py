@@ -1,5 +1,5 @@
 """Decode overlap on CUDA (marked `gpu`): the overlapped loop (the default there) launches
-decode rows ahead with their inputs carried on the device; greedy and seeded outputs
+carried rows, their inputs carried on the device; greedy and seeded outputs
 equal the plain loop's, with and without CUDA graphs."""
 
 from __future__ import annotations

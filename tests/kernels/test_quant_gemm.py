@@ -10,21 +10,21 @@ import torch
 import torch.nn.functional as F
 
 from prelude.kernels.cpu.quant_gemm import load_kernel
-from prelude.kernels.ggml_blocks import GgmlBlocks, load_blocks, save_blocks
-from prelude.model.layers.linear import BLOCKS_MAX_ROWS, BlocksPath, Projection
+from prelude.kernels.ggml_quants import GgmlQuants, load_blocks, save_blocks
+from prelude.model.layers.linear import QUANT_MAX_ROWS, QuantPath, Projection
 
 gguf = pytest.importorskip("gguf")
 
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
-def quantized(gguf_type: str, rows: int, cols: int, seed: int = 0) -> tuple[GgmlBlocks, torch.Tensor]:
+def quantized(gguf_type: str, rows: int, cols: int, seed: int = 0) -> tuple[GgmlQuants, torch.Tensor]:
     """Random weights quantized by gguf: our blocks and gguf's own float32 dequantization."""
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     qtype = getattr(gguf.GGMLQuantizationType, gguf_type)
     raw = gguf.quants.quantize(w, qtype)
     ref = np.ascontiguousarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
-    blocks = GgmlBlocks.from_gguf(gguf_type, raw, rows)
+    blocks = GgmlQuants.from_gguf(gguf_type, raw, rows)
     assert blocks is not None
     return blocks, torch.from_numpy(ref)
 
@@ -46,15 +46,15 @@ def test_repacked_blocks_dequantize_exactly_as_gguf(gguf_type: str) -> None:
 
 
 def test_unknown_formats_are_not_kept() -> None:
-    assert GgmlBlocks.from_gguf("Q6_K", np.zeros((2, 210), dtype=np.uint8), 2) is None
+    assert GgmlQuants.from_gguf("Q6_K", np.zeros((2, 210), dtype=np.uint8), 2) is None
 
 
 def test_cat_and_select_rows_keep_rows_in_order() -> None:
     a, ra = quantized("Q4_1", 8, 64, seed=1)
     b, rb = quantized("Q4_1", 4, 64, seed=2)
-    assert torch.equal(GgmlBlocks.cat([a, b]).dequantize(), torch.cat([ra, rb]))  # type: ignore[union-attr]
+    assert torch.equal(GgmlQuants.cat([a, b]).dequantize(), torch.cat([ra, rb]))  # type: ignore[union-attr]
     c, _ = quantized("Q8_0", 4, 64)
-    assert GgmlBlocks.cat([a, c]) is None and GgmlBlocks.cat([a, None]) is None
+    assert GgmlQuants.cat([a, c]) is None and GgmlQuants.cat([a, None]) is None
     order = torch.tensor([3, 0, 2, 1])
     assert torch.equal(b.select_rows(order).dequantize(), rb[order])
 
@@ -100,13 +100,13 @@ def test_projection_reads_blocks_for_few_rows_only(kernel, monkeypatch: pytest.M
         return real(x, b, bias)
 
     monkeypatch.setattr(kernel, "linear", counting)
-    proj = Projection(ref, None, prepack=False, blocks=BlocksPath(blocks, kernel))
-    for n in (1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1, 64):
+    proj = Projection(ref, None, prepack=False, blocks=QuantPath(blocks, kernel))
+    for n in (1, QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1, 64):
         x = torch.randn(n, 64)
         torch.testing.assert_close(proj(x), F.linear(x, ref), rtol=1e-4, atol=1e-4)
-    assert calls == [1, BLOCKS_MAX_ROWS]
+    assert calls == [1, QUANT_MAX_ROWS]
     with pytest.raises(ValueError):
-        Projection(ref[:, :32].contiguous(), None, blocks=BlocksPath(blocks, kernel))
+        Projection(ref[:, :32].contiguous(), None, blocks=QuantPath(blocks, kernel))
 
 
 def test_no_compiler_or_switched_off_means_no_kernel(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -156,19 +156,19 @@ def test_avx2_build_has_no_bf16_path() -> None:
 
     if load_kernel() is None:
         pytest.skip("the blocks kernel cannot run here (no C compiler or no AVX2+FMA)")
-    avx2 = quant_gemm.BlocksKernel(ctypes.CDLL(str(quant_gemm.build(native_lib.AVX2_FLAGS))))
+    avx2 = quant_gemm.QuantKernel(ctypes.CDLL(str(quant_gemm.build(native_lib.AVX2_FLAGS))))
     assert not avx2.bf16 and avx2.takes(torch.float32) and not avx2.takes(torch.bfloat16)
     blocks, ref = quantized("Q4_1", 8, 64)
     with pytest.raises(ValueError):
         avx2.linear(torch.randn(2, 64).to(torch.bfloat16), blocks)
-    proj = Projection(ref.to(torch.bfloat16), None, blocks=BlocksPath(blocks, avx2))
+    proj = Projection(ref.to(torch.bfloat16), None, blocks=QuantPath(blocks, avx2))
     x = torch.randn(2, 64).to(torch.bfloat16)
     assert torch.equal(proj(x), F.linear(x, ref.to(torch.bfloat16)))
 
 
 def test_limit_blocks_moves_the_row_cut(kernel) -> None:  # noqa: ANN001
     blocks, ref = quantized("Q8_0", 16, 64)
-    proj = Projection(ref, None, blocks=BlocksPath(blocks, kernel))
+    proj = Projection(ref, None, blocks=QuantPath(blocks, kernel))
     proj.limit_blocks(2)
     assert proj.blocks is not None and proj.blocks.max_rows == 2
     x = torch.randn(3, 64)

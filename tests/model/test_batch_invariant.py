@@ -17,7 +17,7 @@ import torch
 
 from prelude.model.layers import linear
 from prelude.kernels.cpu.quant_gemm import load_kernel
-from prelude.model.layers.linear import BlocksPath, Projection
+from prelude.model.layers.linear import QuantPath, Projection
 
 from tests.kernels.test_quant_gemm import quantized
 from tests.kernels.test_f32_gemm import KERNEL as AVX2_F32_KERNEL  # built for an AVX2-only CPU, any host
@@ -48,7 +48,7 @@ def test_one_route_gives_a_row_the_same_bits_at_every_row_count(dtype: torch.dty
     # otherwise than its many-row one) as GGUF Q4_1 blocks, with their exact dense weight
     blocks, dense = quantized("Q4_1", 576, 1536, seed=3)
     kernel = load_kernel()
-    path = BlocksPath(blocks, kernel, max_rows=4) if kernel is not None and kernel.takes(dtype) else None
+    path = QuantPath(blocks, kernel, max_rows=4) if kernel is not None and kernel.takes(dtype) else None
     proj = Projection(dense.to(dtype), None, prepack=True, blocks=path)
     x = torch.randn(max(ROW_COUNTS), 1536, generator=torch.Generator().manual_seed(0)).to(dtype)
     before = _first_row_by_count(proj, x)
@@ -79,7 +79,7 @@ def test_float32_one_route_is_f32_gemm_where_it_serves(monkeypatch: pytest.Monke
     monkeypatch.setattr(linear, "load_f32_gemm", lambda: AVX2_F32_KERNEL)
     blocks, dense = quantized("Q4_1", 576, 1536, seed=3)
     kernel = load_kernel()
-    path = BlocksPath(blocks, kernel, max_rows=4) if kernel is not None and kernel.takes(torch.float32) else None
+    path = QuantPath(blocks, kernel, max_rows=4) if kernel is not None and kernel.takes(torch.float32) else None
     proj = Projection(dense, None, prepack=True, blocks=path)
     assert proj.f32_gemm is AVX2_F32_KERNEL
     assert proj.take_one_route()

@@ -14,7 +14,7 @@ from prelude.config import EngineConfig, ExecutorConfig
 from prelude.engine.engine import LLMEngine
 from prelude.engine.request import PoolingParams, PoolingTask
 from prelude.executor.runner import ModelRunner
-from prelude.forward_batch import HeadSpec, OneShotRow
+from prelude.forward_batch import HeadSpec, OneShotBatch, OneShotRow
 from prelude.model.arch.bert import BertEncoder, EncoderConfig
 
 transformers = pytest.importorskip("transformers")
@@ -35,11 +35,13 @@ def _encoder(hf: "transformers.PreTrainedModel", tmp: Path) -> BertEncoder:
 
 
 def _forward(enc: BertEncoder, rows: list[list[int]], types: list[list[int] | None]) -> tuple[torch.Tensor, list[int]]:
-    """The encoder's forward through the runner: packed rows, token types from pooling params."""
+    """The encoder's trunk as the runner serves it: a OneShot batch, token types from pooling params."""
     runner = ModelRunner(enc, block_size=16)
     oneshot = [OneShotRow(str(i), r, None, HeadSpec(pooling=PoolingParams(
         PoolingTask.EMBED, token_type_ids=tuple(t) if t else None))) for i, (r, t) in enumerate(zip(rows, types))]
-    return runner.forward_oneshot(oneshot)
+    with torch.inference_mode():
+        hidden, starts, _, _ = runner.trunk(OneShotBatch(tuple(oneshot)))
+    return hidden, starts
 
 
 def test_tiny_bert_hidden_states_match(tmp_path: Path) -> None:

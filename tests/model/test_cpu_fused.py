@@ -160,9 +160,9 @@ def test_segments_match_eager(kernels: CpuFusedKernels, dtype: torch.dtype) -> N
     shape, t, hidden, ff = eager.LayerShape(4, 2, 16, 1e-6), 6, 64, 96
     size = shape.q_size + 2 * shape.kv_size
     r = lambda *s, seed: _rand(*s, seed=seed, scale=0.15, dtype=dtype)  # noqa: E731
-    heads = [eager.HeadWeights(1 + r(hidden, seed=20 + i), r(size, hidden, seed=30 + i), r(size, seed=40 + i),
+    heads = [eager.PreAttention(1 + r(hidden, seed=20 + i), r(size, hidden, seed=30 + i), r(size, seed=40 + i),
                                1 + r(16, seed=50 + i), 1 + r(16, seed=60 + i)) for i in range(2)]
-    tails = [eager.TailWeights(r(hidden, shape.q_size, seed=70 + i), 1 + r(hidden, seed=80 + i),
+    tails = [eager.PostAttention(r(hidden, shape.q_size, seed=70 + i), 1 + r(hidden, seed=80 + i),
                                r(2 * ff, hidden, seed=90 + i), r(hidden, ff, seed=100 + i)) for i in range(2)]
     cos, sin = _rope(16, torch.arange(3, 3 + t), dtype)
     h, attn = _rand(t, hidden, seed=12, dtype=dtype), _rand(t, 4, 16, seed=13, dtype=dtype)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dataclasses
+
+from prelude import SamplingParams
 from prelude.config import ExecutorConfig
-from prelude.forward_batch import BatchRow
+from prelude.forward_batch import BatchRow, DecodeBatch, HeadSpec, MixedBatch, SampleSpec
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager
 from prelude.model.registry import config_for
@@ -55,14 +58,22 @@ def _hf_logits(hf: "transformers.PreTrainedModel", ids: list[int]) -> torch.Tens
 
 
 def _run(runner: ModelRunner, rows: list[BatchRow]) -> list[torch.Tensor]:
-    """Logits of every computed token, split per row."""
-    hidden, _ = runner.forward_rows(tuple(rows))
-    logits = runner.model.compute_logits(hidden)
-    out, start = [], 0
-    for r in rows:
-        out.append(logits[start : start + len(r.token_ids)])
-        start += len(r.token_ids)
-    return out
+    """Logits of every computed token, split per row: the serving trunk over the batch the
+    scheduler would build, each row sampling and asking for prompt logprobs (so the heads
+    read every position)."""
+    greedy = SamplingParams(temperature=0.0)
+    rows = [dataclasses.replace(r, sample=SampleSpec(greedy, r.token_ids, []), head=HeadSpec(prompt_logprobs=0))
+            for r in rows]
+    decode = [r for r in rows if len(r.token_ids) == 1 and r.start_pos > 0]
+    prefill = [r for r in rows if r not in decode]
+    batch = MixedBatch(tuple(prefill), tuple(decode), ()) if prefill else DecodeBatch(tuple(decode))
+    with torch.inference_mode():
+        hidden, starts, order, _ = runner.trunk(batch)
+        logits = runner.model.compute_logits(hidden)
+    ends = [*starts[1:], logits.shape[0]]
+    by_id = {rid: logits[s:e] for (rid, *_), s, e in zip(order, starts, ends)}
+    assert all(by_id[r.request_id].shape[0] == len(r.token_ids) for r in rows)
+    return [by_id[r.request_id] for r in rows]
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])

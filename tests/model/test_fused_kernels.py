@@ -70,7 +70,7 @@ def check_qk_norm_rope(dtype_name: str, heads: int, kv_heads: int, head_dim: int
     k, dtype = _fused(), getattr(torch, dtype_name)
     shape, t, hidden = _shape(heads, kv_heads, head_dim), 9, 48
     size = shape.q_size + 2 * shape.kv_size
-    w = eager.HeadWeights(
+    w = eager.PreAttention(
         input_norm=1 + _rand(hidden, seed=5, dtype=dtype, scale=0.2),
         qkv=_rand(size, hidden, seed=6, dtype=dtype, scale=0.2),
         qkv_bias=_rand(size, seed=7, dtype=dtype) if bias else None,
@@ -116,9 +116,9 @@ def check_segments_match_eager(dtype_name: str) -> None:
     shape, t, hidden, ff = _shape(4, 2, 16), 6, 64, 96
     size = shape.q_size + 2 * shape.kv_size
     r = lambda *s, seed: _rand(*s, seed=seed, dtype=dtype, scale=0.15)  # noqa: E731
-    heads = [eager.HeadWeights(1 + r(hidden, seed=20 + i), r(size, hidden, seed=30 + i), r(size, seed=40 + i),
+    heads = [eager.PreAttention(1 + r(hidden, seed=20 + i), r(size, hidden, seed=30 + i), r(size, seed=40 + i),
                                1 + r(16, seed=50 + i), 1 + r(16, seed=60 + i)) for i in range(2)]
-    tails = [eager.TailWeights(r(hidden, shape.q_size, seed=70 + i), 1 + r(hidden, seed=80 + i),
+    tails = [eager.PostAttention(r(hidden, shape.q_size, seed=70 + i), 1 + r(hidden, seed=80 + i),
                                r(2 * ff, hidden, seed=90 + i), r(hidden, ff, seed=100 + i)) for i in range(2)]
     cos, sin = _rope(16, torch.arange(3, 3 + t), dtype)
     h = _rand(t, hidden, seed=12, dtype=dtype)
@@ -180,9 +180,9 @@ def test_fused_segments_on_cuda_match_eager() -> None:
     shape, t, hidden, ff = _shape(16, 8, 128), 37, 1024, 3072
     size = shape.q_size + 2 * shape.kv_size
     r = lambda *s, seed: _rand(*s, seed=seed, dtype=dtype, scale=s[-1] ** -0.5).to(dev)  # noqa: E731
-    head = eager.HeadWeights(1 + r(hidden, seed=1), r(size, hidden, seed=2), None, 1 + r(128, seed=3),
+    head = eager.PreAttention(1 + r(hidden, seed=1), r(size, hidden, seed=2), None, 1 + r(128, seed=3),
                              1 + r(128, seed=4))
-    tail = eager.TailWeights(r(hidden, shape.q_size, seed=5), 1 + r(hidden, seed=6), r(2 * ff, hidden, seed=7),
+    tail = eager.PostAttention(r(hidden, shape.q_size, seed=5), 1 + r(hidden, seed=6), r(2 * ff, hidden, seed=7),
                              r(hidden, ff, seed=8))
     cos, sin = (x.to(dev) for x in _rope(128, torch.arange(100, 100 + t), dtype))
     h, attn = _rand(t, hidden, seed=9, dtype=dtype).to(dev), _rand(t, 16, 128, seed=10, dtype=dtype).to(dev)

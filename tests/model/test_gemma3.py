@@ -19,6 +19,7 @@ from prelude.model.base import UnsupportedCheckpoint
 from prelude.model.registry import config_for
 
 from tests.engine.tiny import tiny_engine
+from tests.model.test_decoder_numerics import _run as _logits  # the serving trunk's logits per row
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,16 +63,6 @@ def _runner(hf: Any, backend: str = "torch", dtype: str = "float32") -> tuple[Mo
 def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
-
-
-def _logits(runner: ModelRunner, rows: list[BatchRow]) -> list[torch.Tensor]:
-    hidden, _ = runner.forward_rows(tuple(rows))
-    logits = runner.model.compute_logits(hidden)
-    out, start = [], 0
-    for r in rows:
-        out.append(logits[start:start + len(r.token_ids)])
-        start += len(r.token_ids)
-    return out
 
 
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -202,3 +193,27 @@ def test_layer_kinds_follow_the_older_sliding_window_pattern() -> None:
            "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 3}
     del raw["layer_types"]
     assert config_for(raw).layer_kinds == ("sliding", "sliding", "full", "sliding", "sliding", "full", "sliding")
+
+
+def test_a_lora_adapter_on_every_projection_equals_peft_merged(tmp_path) -> None:  # noqa: ANN001
+    from prelude.model.lora.adapters import LoraBatch, LoraSlots, LoraStep, read_adapter
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(11)
+    model = peft.get_peft_model(hf_gemma(seed=11), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model.save_pretrained(str(tmp_path / "a"))
+    merged = model.merge_and_unload().eval()
+    runner, kv = _runner(hf_gemma(seed=11), "cpu")
+    config = runner.model.config
+    slots = LoraSlots(config, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    slots.load(1, read_adapter("a", tmp_path / "a", config, max_rank=8))
+    p = _prompts(12, (14,))[0]
+    assert kv.allocate("a", len(p))
+    inputs = runner.inputs.paged((BatchRow("a", p, 0, kv.block_table("a"), None),))
+    step = LoraStep(slots, LoraBatch.build([1], [len(p)], "cpu", 0))
+    hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, lora=step)
+    got = runner.model.compute_logits(hidden)
+    assert (got - _hf_logits(merged, p)).abs().max().item() <= 1e-4
+    assert (got - _hf_logits(hf_gemma(seed=11), p)).abs().max().item() > 1e-2  # the adapter does change them

@@ -28,7 +28,7 @@ from prelude.model.fast_paths.decode_routes import RouteChoice
 from prelude.model.fast_paths.layer_loop import LayerLoop
 from prelude.model.layers.decoder_segments import EAGER_SEGMENTS
 from prelude.model.layers.fused_segments import fused_segments
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.arch.llama import describe
 from prelude.model.decoder import Decoder
 from prelude.model.read_positions import ReadPositions
@@ -78,7 +78,7 @@ def _weights(seed: int = 5, qwen: bool = False) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _blocks(weights: dict[str, torch.Tensor]) -> dict[str, GgmlBlocks]:
+def _blocks(weights: dict[str, torch.Tensor]) -> dict[str, GgmlQuants]:
     """Each projection quantized (Q4_1, and Q8_0 for the MLP's down), and its weight made the
     blocks' dequantization, as a converted GGUF holds both."""
     gguf = pytest.importorskip("gguf")
@@ -89,7 +89,7 @@ def _blocks(weights: dict[str, torch.Tensor]) -> dict[str, GgmlBlocks]:
             kind = "Q8_0" if name == "mlp.down_proj" else "Q4_1"
             w = weights[key].numpy()
             raw = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind))
-            b = GgmlBlocks.from_gguf(kind, raw, w.shape[0])
+            b = GgmlQuants.from_gguf(kind, raw, w.shape[0])
             assert b is not None
             blocks[key] = b
             weights[key] = b.dequantize()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from prelude.model.layers import linear
 from prelude.kernels.cpu import native_lib
-from prelude.model.layers.linear import ONEDNN_CACHE_BOUNDS, PACKED_MAX_ROWS, BlocksPath, Projection, prepack_enabled
+from prelude.model.layers.linear import ONEDNN_CACHE_BOUNDS, PACKED_MAX_ROWS, QuantPath, Projection, prepack_enabled
 
 
 def _cpu_can_prepack_bf16() -> bool:
@@ -89,7 +89,7 @@ def test_bf16_calls_past_the_few_row_routes_run_the_packed_copy_directly(monkeyp
         return real(x, packed, bias)
 
     monkeypatch.setattr(linear, "packed_linear", recording)
-    proj = Projection(w, b, prepack=True, blocks=BlocksPath(Blocks(), Kernel()))  # type: ignore[arg-type]
+    proj = Projection(w, b, prepack=True, blocks=QuantPath(Blocks(), Kernel()))  # type: ignore[arg-type]
     proj.limit_blocks(40)
     assert proj.make_packed_copy()
     x = torch.randn(100, 64, dtype=torch.bfloat16)

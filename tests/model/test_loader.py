@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prelude.model.loading import files as loader
-from prelude.kernels.ggml_blocks import BLOCKS_FILE, load_blocks
+from prelude.kernels.ggml_quants import BLOCKS_FILE, load_blocks
 from prelude.model.loading.files import load_model_files
 from prelude.model.registry import config_for
 

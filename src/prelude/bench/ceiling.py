@@ -83,15 +83,19 @@ def _roofline(engine: Any, prompt_tokens: int) -> tuple[float, float]:
 def _forward_seconds(engine: Any, prompts: Sequence[Sequence[int]], iters: int, warmup: int) -> list[float]:
     import torch
 
-    from prelude.forward_batch import OneShotRow
+    from prelude import SamplingParams
+    from prelude.forward_batch import OneShotBatch, OneShotRow, SampleSpec
 
-    rows = [OneShotRow(f"raw{i}", list(p), None, None) for i, p in enumerate(prompts)]
-    last = torch.tensor([sum(len(p) for p in prompts[: i + 1]) - 1 for i in range(len(prompts))])
+    greedy = SamplingParams(temperature=0.0)
+    batch = OneShotBatch(tuple(OneShotRow(f"raw{i}", list(p), SampleSpec(greedy, list(p), []), None)
+                               for i, p in enumerate(prompts)))
     times: list[float] = []
     for i in range(iters + warmup):
         t0 = time.perf_counter()
-        hidden, _ = engine.runner.forward_oneshot(rows)
-        engine.runner.model.compute_logits(hidden[last]).argmax(-1)
+        with torch.inference_mode():  # the serving trunk: a CPU's last layer computes the last positions only
+            hidden, starts, _, reads = engine.runner.trunk(batch)
+            last = starts if reads is not None else [s + len(p) - 1 for s, p in zip(starts, prompts)]
+            engine.runner.model.compute_logits(hidden[torch.tensor(last)]).argmax(-1)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times

@@ -15,6 +15,8 @@ against the ways a client would do the same work without them. Prefix cache on t
    traffic, decode TPOT P99 and OneShot E2E P50/P99 with OneShot rows riding in the
    Decode/Mixed forward vs steps alternating between the classes (`--mixed-only`).
 4. Admission-time tokenization with and without the prefix memo (`--tokenize-only`).
+5. Typed decisions (`--typed-only`, typed_decisions_bench.py): 16 questions about one input
+   as one /v1/decisions request vs 16 one-token chat completions vs one /classify.
 Modes alternate request by request (concurrency 1) or round by round (concurrency 16);
 medians are reported. Prints a table and writes JSON.
 """
@@ -266,7 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-classify-tokens", type=int, default=128)
     ap.add_argument("--mixed-rate", type=float, default=1.0, help="classify requests per second (Poisson)")
     ap.add_argument("--tokenize-only", action="store_true", help="only the admission-time prefix-memo gain")
+    ap.add_argument("--typed-only", action="store_true", help="only typed decisions (/v1/decisions)")
+    ap.add_argument("--typed-input-tokens", type=int, default=1024)
+    ap.add_argument("--typed-concurrency", type=int, default=8)
+    ap.add_argument("--typed-inputs", type=int, default=24, help="inputs per mode in the concurrent stream")
     args = ap.parse_args(argv)
+    if args.typed_only:
+        from prelude.bench.typed_decisions_bench import run_typed
+
+        with prelude_server(["--dtype", args.dtype, *args.server_args.split()]) as base:
+            typed = run_typed(base, args.seed, args.typed_input_tokens, args.iters, args.typed_concurrency,
+                              args.typed_inputs)
+        write_json(args.json, {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "typed_decisions": typed})
+        return 0
     if args.tokenize_only:
         gain = prefix_encode_gain(400, args.seed)
         m = gain["median_us"]

@@ -78,7 +78,8 @@ def graph_floor(model_dir: Path, device: str, backend: str, prompt_ids: list[lis
     p50 for one 128-token row and requests/s of batched 512-token rows."""
     from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
     from prelude.engine.engine import LLMEngine
-    from prelude.forward_batch import OneShotRow
+    from prelude.forward_batch import OneShotBatch, OneShotRow, SampleSpec
+    from prelude.params import SamplingParams
 
     engine = LLMEngine.from_config(EngineConfig(
         model=str(model_dir), executor=ExecutorConfig(device=device, attention_backend=backend),
@@ -89,13 +90,15 @@ def graph_floor(model_dir: Path, device: str, backend: str, prompt_ids: list[lis
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        hidden, starts = runner.forward_oneshot(rows)
-        runner.model.compute_logits(hidden[-1:]).argmax(-1).cpu()
+        with torch.inference_mode():  # the serving trunk (rows that sample: the last position is read)
+            hidden = runner.trunk(OneShotBatch(tuple(rows)))[0]
+            runner.model.compute_logits(hidden[-1:]).argmax(-1).cpu()
         return time.perf_counter() - t0
 
     out: dict[str, Any] = {}
     for name, ids in (("short", prompt_ids[:1]), ("batched", prompt_ids)):
-        rows = [OneShotRow(f"f{i}", p, None, None) for i, p in enumerate(ids)]
+        rows = [OneShotRow(f"f{i}", p, SampleSpec(SamplingParams(temperature=0.0), p, []), None)
+                for i, p in enumerate(ids)]
         for _ in range(3):
             timed(rows)
         times = [timed(rows) for _ in range(iters)]

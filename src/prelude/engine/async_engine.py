@@ -23,6 +23,7 @@ from prelude.engine.errors import EngineDeadError, StepFailed
 from prelude.engine.handoff import KVHandoff
 from prelude.engine.metrics import EngineObserver, RequestMetrics
 from prelude.engine.request import LoraRequest, PoolingParams, Request, RequestOutput, SamplingParams
+from prelude.params import EmbedSetup
 from prelude.tokenizer.base import Tokenizer
 
 logger = logging.getLogger("prelude.async_engine")
@@ -146,6 +147,14 @@ class AsyncEngine:
     @property
     def is_encoder(self) -> bool:
         return self.engine.is_encoder
+
+    @property
+    def embed_setup(self) -> EmbedSetup:
+        return self.engine.embed_setup
+
+    @property
+    def score_template(self) -> str | None:
+        return self.engine.score_template
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: LoraRequest | None = None

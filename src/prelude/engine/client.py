@@ -6,6 +6,7 @@ from typing import AsyncIterator, Protocol
 
 from prelude.engine.metrics import RequestMetrics
 from prelude.engine.request import PoolingParams, RequestOutput, SamplingParams
+from prelude.params import EmbedSetup
 from prelude.tokenizer.base import Tokenizer
 
 
@@ -47,6 +48,16 @@ class EngineClient(Protocol):
 
     @property
     def is_encoder(self) -> bool: ...
+
+    @property
+    def embed_setup(self) -> EmbedSetup | None:
+        """What the model's embeddings are: prompts, size, Matryoshka sizes (None: unknown)."""
+        ...
+
+    @property
+    def score_template(self) -> str | None:
+        """A token reranker's prompt template, which /v1/score and /v1/rerank apply."""
+        ...
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

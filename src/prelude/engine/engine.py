@@ -23,6 +23,7 @@ from prelude.engine.handoff import KVHandoff, resumable_copy
 from prelude.engine.metrics import EngineObserver, RequestMetrics, batch_kind, request_metrics
 from prelude.engine.output_processor import OutputStream, emit, new_stream, oneshot_output, process_token
 from prelude.engine.policies import make_policy
+from prelude.params import EmbedSetup
 from prelude.engine.request import (
     ExecClass,
     FinishReason,
@@ -30,7 +31,6 @@ from prelude.engine.request import (
     PoolingParams,
     Request,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
@@ -193,7 +193,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, vocab_size=self.info.vocab_size, eos_token_ids=self.eos_token_ids,
             can_generate=self.can_generate, force_paged=sched.force_paged, labels=self.labels,
             default_pooling=self.info.default_pooling, default_ttft_slo_ms=sched.default_ttft_slo_ms,
-            lora_enabled=self.runner.adapters is not None,
+            lora_enabled=self.runner.adapters is not None, embed=self.info.embed,
+            score_template=self.info.score_template,
         )
 
     @property
@@ -208,6 +209,14 @@ class LLMEngine:
     @property
     def is_encoder(self) -> bool:
         return self.info.is_encoder
+
+    @property
+    def embed_setup(self) -> EmbedSetup:
+        return self.info.embed
+
+    @property
+    def score_template(self) -> str | None:
+        return self.info.score_template
 
     # --- requests -------------------------------------------------------------------
 
@@ -254,7 +263,8 @@ class LLMEngine:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         needs_forward = req.max_output_tokens > 0 or req.pooling is not None or req.params.prompt_logprobs is not None
         if not needs_forward:
-            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+            req.finish_reason = FinishReason.LENGTH
+            self.scheduler.finish(req)  # never queued: only its status changes
             self._ready.append(emit(req, new_stream(self.tokenizer, req), 0, finished=True))
             return
         self._requests[req.request_id] = req
@@ -284,8 +294,8 @@ class LLMEngine:
         if req is None:
             return False
         self._streams.pop(request_id, None)  # OneShot requests never had one
-        self.scheduler.remove(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+        self.scheduler.finish(req)
+        req.finish_reason = FinishReason.ABORT
         return True
 
     def has_unfinished(self) -> bool:
@@ -305,10 +315,10 @@ class LLMEngine:
         Overlap is a choice (`EngineConfig.overlap`, on with CUDA): `launch` returns while
         the device computes, and the step stays in flight into the next iteration. That
         iteration schedules the next step before the one in flight has been read: its
-        decode rows one position further, their inputs the tokens the step in flight
-        samples, copied on the device (`plan.carried`); new prompts and OneShot rows as
+        carried rows, decode rows one position further whose inputs are the carried tokens
+        (sampled by the step in flight, copied on the device: `plan.carried`); new prompts and OneShot rows as
         usual. Only then is the step in flight post-processed, so a stop string, a stop
-        token or an abort is seen one step late and the row scheduled ahead is dropped.
+        token or an abort is seen one step late and the carried row is dropped.
         Rows that need the token on the host first (a grammar's mask, penalties) wait."""
         outputs, self._ready = self._ready, []
         failed: list[str] = []
@@ -373,7 +383,7 @@ class LLMEngine:
     def _fail_step(self, plan: ScheduleResult) -> list[str]:
         """Release everything a failed step held and drop its requests; their ids."""
         self.scheduler.end_step(plan, ok=False)
-        failed = [req.request_id for req in plan.oneshot if self._requests.get(req.request_id) is req]
+        failed = [req.request_id for req in plan.oneshot + plan.chunked if self._requests.get(req.request_id) is req]
         failed += [rid for rid in plan.scheduled if rid in self._requests]
         for rid in failed:
             self.abort(rid)
@@ -392,6 +402,12 @@ class LLMEngine:
         outputs = [] if isinstance(plan.batch, OneShotBatch) else self._postprocess_paged(plan, result, now)
         if plan.oneshot_rows:  # a OneShot step, or the OneShot rows of a fused step
             outputs += self._postprocess_oneshot(plan.oneshot, result, now)
+        if plan.chunked:  # chunks of prompts longer than a step: a running pool goes on
+            ends = {row.request_id: len(row.token_ids) for row in plan.oneshot_rows}
+            for req in plan.chunked:
+                head = result.heads.get(req.request_id)
+                if head is not None and head.pooled is not None:
+                    req.pooled, req.pooled_upto = tuple(head.pooled), ends[req.request_id]
         return outputs
 
     def _postprocess_oneshot(self, requests: list[Request], result: BatchOutput, now: float) -> list[RequestOutput]:
@@ -407,7 +423,7 @@ class LLMEngine:
                 sampled.token_id if sampled else None, sampled.logprob if sampled else None,
                 result.heads.get(req.request_id),
             ))
-            req.status = RequestStatus.FINISHED
+            self.scheduler.finish(req)
             del self._requests[req.request_id]
             self._record_finished(req)
         return outputs
@@ -454,8 +470,7 @@ class LLMEngine:
             resumable_copy(req), req.num_computed_tokens, self.block_size, self.runner.read_kv_blocks(blocks),
             exported_at=time.monotonic()))
         self.handoff_counts["exported"] += 1
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED  # not recorded here: the decode engine records the whole request
+        self.scheduler.finish(req)  # not recorded here: the decode engine records the whole request
         del self._requests[req.request_id]
         del self._streams[req.request_id]
 
@@ -512,8 +527,7 @@ class LLMEngine:
             self.scheduler.add(req)
 
     def _finish(self, req: Request) -> None:
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
+        self.scheduler.finish(req)
         req.finish_time = time.monotonic()
         self._record_finished(req)
         del self._requests[req.request_id]
@@ -534,7 +548,10 @@ class LLMEngine:
         """Counters for /metrics and logs (read on the engine thread or between steps)."""
         st = self.kv.stats
         return {
-            "requests_running": len(self.scheduler.running),
+            # vLLM's num_requests_running: every request being computed, OneShot rows in flight included
+            "requests_running": len(self.scheduler.admitted) + len(self.scheduler.oneshot_admitted),
+            "requests_running_paged": len(self.scheduler.admitted),
+            "requests_running_oneshot": len(self.scheduler.oneshot_admitted),
             "requests_waiting": len(self.scheduler.waiting) + len(self.scheduler.oneshot_waiting),
             "requests_waiting_paged": len(self.scheduler.waiting),
             "requests_waiting_oneshot": len(self.scheduler.oneshot_waiting),

@@ -2,7 +2,7 @@
 matchers that give each step's allowed-token bitmask and follow the sampled tokens.
 
 Why llguidance: no torch dependency (a 3 MB wheel, numpy bitmasks), no per-schema
-compile step before the first mask (its lexer is lazy: a JSON schema's first mask comes
+compilation before the first mask (its lexer is lazy: a JSON schema's first mask comes
 in well under a millisecond here), and masks computed in Rust with the GIL released.
 
 A grammar is compiled on the caller's thread at validation (a bad schema is a 400 before

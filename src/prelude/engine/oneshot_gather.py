@@ -89,8 +89,8 @@ class BurstGather:
         if len(waiting) == 1 and waiting[0].num_prompt_tokens < LONE_MIN_TOKENS:
             return 0.0
         tokens = sum(r.num_prompt_tokens for r in waiting)  # an upper bound: cached prefixes count too
-        step = self.s_per_token * (tokens if step_tokens is None else min(tokens, step_tokens))
+        step_s = self.s_per_token * (tokens if step_tokens is None else min(tokens, step_tokens))
         first = min(r.arrival_time for r in waiting)
         newest = max(r.arrival_time for r in waiting)
-        return max(0.0, min(min(self.max_wait_s, STEP_FRACTION * step) - (now - first),
-                            max(GAP_S, GAP_FRACTION * step) - (now - newest)))
+        return max(0.0, min(min(self.max_wait_s, STEP_FRACTION * step_s) - (now - first),
+                            max(GAP_S, GAP_FRACTION * step_s) - (now - newest)))

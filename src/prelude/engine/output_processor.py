@@ -160,5 +160,6 @@ def oneshot_output(
         num_output_tokens=len(req.output_token_ids),
         stop_reason=req.stop_reason,
         exec_class=req.exec_class,
+        num_cached_tokens=req.num_cached_tokens,
     )
     return with_head(out, head)

@@ -17,6 +17,7 @@ from prelude.engine.engine import LLMEngine
 from prelude.engine.grammar import grammar_text
 from prelude.engine.request import LoraRequest, PoolingParams, Request, SamplingParams
 from prelude.engine.validation import RequestRules, validate_request
+from prelude.params import EmbedSetup
 from prelude.tokenizer.base import Tokenizer
 
 
@@ -94,6 +95,14 @@ class ValidatingFront:
     @property
     def is_encoder(self) -> bool:
         return self.info.is_encoder
+
+    @property
+    def embed_setup(self) -> EmbedSetup | None:
+        return self.info.rules.embed
+
+    @property
+    def score_template(self) -> str | None:
+        return self.info.rules.score_template
 
     def _prepare(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: PoolingParams | None,

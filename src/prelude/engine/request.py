@@ -60,6 +60,7 @@ class RequestOutput:
     embedding: tuple[float, ...] | None = None
     scores: tuple[float, ...] | None = None  # raw head outputs, or label-token logprobs
     exec_class: ExecClass | None = None  # the class validation picked (None: a test double's output)
+    num_cached_tokens: int = 0  # prompt tokens a OneShot row took from the prefix cache
 
 
 @dataclass(eq=False)
@@ -83,12 +84,17 @@ class Request:
     grammar: Any = None  # structured outputs: the engine.grammar.GrammarMatcher of this request
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # OneShot: prompt tokens its row took from the prefix cache (or a leader)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     head_done: bool = False  # prompt logprobs / pooled outputs already delivered
     deferred_steps: int = 0  # steps waited for a leader to fill a shared cold prefix
+    # Mean/max pooling in chunks: prompt tokens pooled so far (their blocks published to the
+    # prefix cache) and their running pool (HeadSpec.pooled_before)
+    pooled_upto: int = 0
+    pooled: tuple[float, ...] | None = None
     hand_off: bool = False  # disaggregated prefill: export the KV after the first token, decode elsewhere
     ttft_deadline: float | None = None  # absolute (monotonic) time the first token is due
     scheduled_time: float | None = None  # first taken into a step (queue time ends)
@@ -116,7 +122,3 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED

@@ -4,9 +4,9 @@ Two queues with separate accounting:
 - OneShot requests wait in their own queue and are admitted by prompt tokens and an
   activation-memory estimate, grouped by output head; they get no block table and
   no KV reservation. A step with OneShot work is a `OneShotBatch`.
-- Paged requests: running requests first (decode rows and unfinished prompt chunks),
+- Paged requests: admitted requests first (decode rows and unfinished prompt chunks),
   in policy order, each getting the tokens it still needs up to the token budget;
-  when the KV pool has no room, the policy's last running request is preempted (its
+  when the KV pool has no room, the policy's last admitted request is preempted (its
   blocks freed, to be recomputed later). Then waiting requests are admitted in policy
   order while the token budget, `max_num_seqs` and the KV pool (minus a small
   watermark kept for running decodes) allow. Long prompts are chunked by the budget,
@@ -34,7 +34,7 @@ then finds nothing of theirs in flight). Alone, they run at full steps.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from prelude.config import SchedulerConfig
@@ -51,7 +51,7 @@ from prelude.forward_batch import (
 from prelude.engine.oneshot_gather import BurstGather
 from prelude.engine.policies import SchedulingPolicy
 from prelude.engine.policies.base import by_arrival
-from prelude.engine.request import ExecClass, LoraRequest, Request, RequestStatus
+from prelude.engine.request import ExecClass, LoraRequest, PoolingTask, Request, RequestStatus
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
 
 
@@ -61,9 +61,12 @@ class ScheduleResult:
     scheduled: dict[str, int] = field(default_factory=dict)  # request_id -> tokens computed this step
     preempted: list[Request] = field(default_factory=list)
     oneshot: list[Request] = field(default_factory=list)  # requests of the step's OneShot rows
+    # OneShot requests longer than a step whose row here is a chunk: it computes and
+    # publishes prompt blocks only; they stay waiting and go on from the cache
+    chunked: list[Request] = field(default_factory=list)
     adapters: set[int] = field(default_factory=set)  # LoRA adapters (ids) the step's rows run with
-    # Rows scheduled ahead (overlap): their input is the token the step in flight samples
-    # for the same request. Request ids, in row order.
+    # Carried rows (decode overlap): their input is the carried token, which the step in
+    # flight samples for the same request. Request ids, in row order.
     carried: list[str] = field(default_factory=list)
     has_normal: bool = False  # the step has rows of normal (not low-priority) requests
     # No batch because OneShot gathering holds it: how long the hold lasts at most if
@@ -94,6 +97,12 @@ def reuses_prefix(req: Request) -> bool:
     if req.params.prompt_logprobs is not None:
         return False
     return req.pooling is None or req.pooling.task.value != "embed" or req.pooling.pooling == "last"
+
+
+def pools_running(req: Request) -> bool:
+    """Mean or max pooling: pooled in chunks through a running pool (HeadSpec.pooled_before)."""
+    p = req.pooling
+    return p is not None and p.task.value == "embed" and p.pooling in ("mean", "max")
 
 
 # A peer of a request that is computing a cold shared prefix waits at most this many
@@ -142,38 +151,43 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def shareable_tokens(req: Request) -> list[int]:
     """The part of a OneShot prompt the prefix cache may look up and publish: all of it, or
-    for packed items the shared part only (items' K/V sit at restarted positions)."""
+    for a multi-item prompt the shared part only (items' K/V sit at restarted positions)."""
     if req.pooling is not None and req.pooling.item_lens:
         return req.prompt_token_ids[: req.pooling.shared_len(req.num_prompt_tokens)]
     return req.prompt_token_ids
 
 
-def head_spec(req: Request) -> HeadSpec | None:
+def head_spec(req: Request, chunk: bool = False) -> HeadSpec | None:
+    """`chunk`: the head of a chunk of a running pool (it returns the pool so far)."""
     if req.head_done or (req.pooling is None and req.params.prompt_logprobs is None):
         return None
-    return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=req.pooling)
+    pooling = req.pooling
+    if req.pooled_upto and pooling is not None:  # the prompt's tokens still to skip, after those pooled
+        pooling = replace(pooling, skip_tokens=max(0, pooling.skip_tokens - req.pooled_upto))
+    return HeadSpec(prompt_logprobs=req.params.prompt_logprobs, pooling=pooling, pooled_before=req.pooled,
+                    pool_chunk=chunk)
 
 
-def sample_spec(req: Request, pending: int = 0) -> SampleSpec | None:
-    """`pending`: tokens sampled by a step still in flight, not yet in output_token_ids
-    (a row scheduled ahead); they count toward the output position the seed mixes in."""
-    if len(req.output_token_ids) + pending >= req.max_output_tokens:
+def sample_spec(req: Request, carried: int = 0) -> SampleSpec | None:
+    """`carried`: tokens sampled by the step in flight, not yet in output_token_ids (a
+    carried row); they count toward the output position the seed mixes in."""
+    if len(req.output_token_ids) + carried >= req.max_output_tokens:
         return None  # nothing (more) to generate: a head-only request
     # The token lists are shared, not copied: the batch is consumed before
     # postprocessing appends the next token.
     mask = req.grammar.bitmask() if req.grammar is not None else None  # structured outputs: allowed tokens
-    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed, mask, pending)
+    return SampleSpec(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_seed, mask, carried)
 
 
-# The input id of a row scheduled ahead: its real token is sampled by the step in flight
-# and copied into the inputs on the device (ModelRunner.launch's `carried`).
-PENDING_TOKEN = 0
+# The input id a carried row is built with: its real token, the carried token, is sampled by
+# the step in flight and copied into the inputs on the device (ModelRunner.launch's `carried`).
+CARRIED_TOKEN_PLACEHOLDER = 0
 
 
-def runs_ahead(req: Request, max_model_len: int) -> bool:
-    """Whether a request whose step is in flight (sampling its next token) may have its
-    next decode row scheduled before that token is known. Rows whose next step needs the
-    token on the host opt out and wait one step: a grammar (the mask follows the token),
+def can_carry(req: Request, max_model_len: int) -> bool:
+    """Whether a request whose step is in flight (sampling its next token) may get a
+    carried row: its next decode row, scheduled before that token is on the host. Rows
+    whose next step needs the token on the host opt out and wait one step: a grammar (the mask follows the token),
     penalties (they count output tokens), a hand-off (it ends after the first token).
     The in-flight token must not be its last (max_tokens, the context)."""
     p = req.params
@@ -191,7 +205,10 @@ def oneshot_group(req: Request) -> tuple[object, ...]:
     """Requests batched into one OneShot step share a head and compatible options."""
     p = req.pooling
     if p is not None:
-        return ("pool", p.task, p.pooling, p.normalize)
+        # Label scores and whole-label logprobs both read the LM head: one group, so that a
+        # request's rows of both kinds (a typed decision's) share one step.
+        task = PoolingTask.LABELS if p.task is PoolingTask.SEQUENCE_LOGPROBS else p.task
+        return ("pool", task, p.pooling, p.normalize)
     return ("generate", req.params.prompt_logprobs is not None)
 
 
@@ -203,13 +220,16 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        # Admitted Paged requests (status RUNNING): they hold KV blocks until they finish or
+        # are preempted. `oneshot_admitted`: OneShot requests taken into a step, until it ends.
+        self.admitted: list[Request] = []
         self.oneshot_waiting: list[Request] = []
+        self.oneshot_admitted: set[Request] = set()  # Requests hash by identity
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self._last_was_oneshot = False
         self._oneshot_turn = True  # fused steps: OneShot prompts go before paged prompts
-        self._busy: Mapping[str, int] = {}  # this schedule: requests of the step in flight -> its tokens
+        self._in_flight: Mapping[str, int] = {}  # this schedule: requests of the step in flight -> its tokens
         # Keep ~1% of the pool free at admission so running decodes rarely preempt.
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
         self.gather = BurstGather(config.oneshot_gather_ms / 1000)
@@ -219,6 +239,7 @@ class Scheduler:
         # the bound it started from (a low-priority OneShot row over it may go alone).
         self._low_priority_left: int | None = None
         self._low_priority_cap: int | None = None
+        self._chunking: set[str] = set()  # OneShot requests whose chunk is in a step not yet ended
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -230,7 +251,7 @@ class Scheduler:
     def adopt(self, request: Request, num_computed: int, write: Callable[[list[int]], None]) -> bool:
         """A request whose first `num_computed` tokens another engine computed (a KV
         hand-off): blocks for them, filled by `write(block_table)`, and a place among the
-        running requests. It bypasses `max_num_seqs` (the sender's cap on hand-offs bounds
+        admitted requests. It bypasses `max_num_seqs` (the sender's cap on hand-offs bounds
         this) but keeps the watermark admissions keep; False (nothing taken) when the pool
         has no room. If `write` raises, the blocks are freed before the error goes on."""
         if not self.kv.allocate(request.request_id, num_computed, reserve=self.watermark_blocks):
@@ -242,12 +263,12 @@ class Scheduler:
             raise
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self.admitted.append(request)
         return True
 
     def computed_blocks(self, request: Request) -> list[int]:
         """The blocks holding the request's computed tokens, in table order (a hand-off
-        copies them out before `remove` lets go of them)."""
+        copies them out before `finish` lets go of them)."""
         return self.kv.block_table(request.request_id)[: blocks_needed(request.num_computed_tokens, self.kv.block_size)]
 
     def end_step(self, plan: ScheduleResult, ok: bool, now: float | None = None) -> None:
@@ -256,13 +277,13 @@ class Scheduler:
         the OneShot rows' full prompt blocks are published; on failure nothing is
         published (the blocks may hold partial KV). Either way the OneShot rows' holds
         end here. A request aborted while its step was in flight is skipped: it left
-        `running` and its blocks are already free."""
+        `admitted` and its blocks are already free."""
         if plan.has_normal:
             self._normal_step_end = time.monotonic() if now is None else now
         if ok:
-            running = {r.request_id: r for r in self.running}
+            admitted = {r.request_id: r for r in self.admitted}
             for request_id, n in plan.scheduled.items():
-                req = running.get(request_id)
+                req = admitted.get(request_id)
                 if req is None:
                     continue
                 req.num_computed_tokens += n
@@ -270,6 +291,7 @@ class Scheduler:
                     self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens, namespace(req))
         if ok and plan.oneshot:
             self.gather.step_ended(len(plan.oneshot), len(self.oneshot_waiting), time.monotonic())
+        self._chunking.difference_update(r.request_id for r in plan.chunked)
         for row in plan.oneshot_rows:
             if ok:
                 self.kv.end_step(row.token_ids, list(row.prefix_blocks), list(row.publish_blocks),
@@ -277,15 +299,23 @@ class Scheduler:
             else:
                 self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks), row.copy_from)
 
-    def remove(self, request: Request) -> None:
-        """Take a request out of the queues and free its blocks (finish or abort)."""
-        for queue in (self.running, self.waiting, self.oneshot_waiting):
+    def finish(self, request: Request) -> None:
+        """The request's life in this engine ends (it finished, was aborted or handed off):
+        out of the queues, its blocks freed, its status FINISHED. The scheduler is the one
+        writer of `Request.status`; the engine ends a request only through here."""
+        if request.exec_class is ExecClass.ONESHOT:
+            self.oneshot_admitted.discard(request)
+            queues: tuple[list[Request], ...] = (self.oneshot_waiting,)
+        else:
+            queues = (self.admitted, self.waiting)
+        for queue in queues:
             if request in queue:
                 queue.remove(request)
         self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.oneshot_waiting)
+        return bool(self.waiting or self.admitted or self.oneshot_waiting)
 
     # --- OneShot ----------------------------------------------------------------------
 
@@ -300,7 +330,14 @@ class Scheduler:
         return n * per_token
 
     def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
-        return self.kv.match(tokens, namespace(req)) if reuses_prefix(req) else []
+        if reuses_prefix(req):
+            return self.kv.match(tokens, namespace(req))
+        if req.pooled_upto:  # a running pool goes on after the blocks its chunks published
+            found = self.kv.match(tokens, namespace(req))[: req.pooled_upto // self.kv.block_size]
+            if len(found) * self.kv.block_size == req.pooled_upto:
+                return found
+            req.pooled_upto, req.pooled = 0, None  # some were evicted: pool again from the start
+        return []
 
     def _adapter_fits(self, req: Request, result: ScheduleResult) -> bool:
         """Whether the request's adapter fits the step: a step holds at most `max_loras`
@@ -320,8 +357,8 @@ class Scheduler:
         cap = self.config.low_priority_step_tokens
         normal_prompt = any(not r.low_priority for r in self.oneshot_waiting) or any(
             not r.low_priority for r in self.waiting) or any(
-            not r.low_priority and not is_decoding(r) for r in self.running)
-        normal_running = normal_prompt or any(not r.low_priority for r in self.running)
+            not r.low_priority and not is_decoding(r) for r in self.admitted)
+        normal_running = normal_prompt or any(not r.low_priority for r in self.admitted)
         if normal_running:
             self._normal_at = now
         if cap is None:
@@ -373,8 +410,10 @@ class Scheduler:
         """OneShot rows of one head group within `budget` prompt tokens and `memory`
         activation bytes, in policy order; `first_goes`: the first request goes even
         alone over budget (the turn that guarantees OneShot work progresses)."""
-        ordered = self._normal_first(
-            self.policy.prefill.order(self.oneshot_waiting, now, lambda r: r.num_prompt_tokens))
+        ordered = self._normal_first(self.policy.prefill.order(
+            [r for r in self.oneshot_waiting if r.request_id not in self._chunking], now, lambda r: r.num_prompt_tokens))
+        if not ordered:
+            return [], []
         group = oneshot_group(ordered[0])
         bs = self.kv.block_size
         rows: list[OneShotRow] = []
@@ -398,6 +437,17 @@ class Scheduler:
             mem = self.activation_bytes(req, n)
             if self._low_priority_tokens(req, n, alone=first_goes and not taken) < n:
                 continue  # low-priority work over this step's bound waits; normal rows may still fit
+            if n > budget and not riding and self._chunkable(req) and self._adapter_fits(req, result):
+                chunk = self._chunk_row(req, prefix, budget)
+                if chunk is not None:
+                    computed = len(chunk.token_ids) - chunk.num_cached
+                    rows.append(chunk)
+                    result.chunked.append(req)
+                    self._chunking.add(req.request_id)
+                    self._took_low_priority(req, computed)
+                    budget -= computed
+                    memory -= self.activation_bytes(req, computed)
+                    continue
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
             if not riding and self._defer(req, key, leaders):
@@ -419,6 +469,7 @@ class Scheduler:
             if partial and copy_from is not None:
                 n_cached, n = n_cached + partial[1], n - partial[1]
             self.kv.record(n_cached, n)
+            req.num_cached_tokens = n_cached
             rows.append(OneShotRow(
                 req.request_id, prompt, sample_spec(req), head_spec(req),
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
@@ -431,9 +482,38 @@ class Scheduler:
             memory -= mem
         for req in taken:
             self.oneshot_waiting.remove(req)
+            self.oneshot_admitted.add(req)
             req.status = RequestStatus.RUNNING
             req.scheduled_time = req.scheduled_time or now
         return rows, taken
+
+    def _chunkable(self, req: Request) -> bool:
+        """A OneShot prompt longer than a step may run in chunks where its head reads its
+        last position only (last-token pooling, classify/reward heads, label scores of an
+        unpacked prompt): each chunk publishes its blocks to the prefix cache, and the rest
+        of the prompt goes on from there, as any request that hits the cache. Mean and max
+        pooling too: each chunk adds its rows to a running pool."""
+        return (self.kv.prefix is not None and (reuses_prefix(req) or pools_running(req))
+                and req.params.prompt_logprobs is None and not (req.pooling is not None and req.pooling.item_lens))
+
+    def _chunk_row(self, req: Request, prefix: list[int], budget: int) -> OneShotRow | None:
+        """A row computing the next whole blocks of `req`'s prompt after its cached `prefix`
+        within `budget` tokens, publishing them, with no head; None where no whole block fits
+        or the pool has no room for them (the prompt then runs whole, alone)."""
+        bs = self.kv.block_size
+        blocks = min(budget // bs, (req.num_prompt_tokens - 1) // bs - len(prefix))
+        if blocks < 1:
+            return None
+        publish, _ = self.kv.hold_for_step(prefix, blocks)
+        if not publish:
+            self.kv.drop_step(prefix, [])
+            return None
+        n_cached = len(prefix) * bs
+        end = n_cached + len(publish) * bs
+        self.kv.record(n_cached, end - n_cached)
+        head = head_spec(req, chunk=True) if pools_running(req) else None
+        return OneShotRow(req.request_id, req.prompt_token_ids[:end], None, head, num_cached=n_cached,
+                          prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora)
 
     def _oneshot_budget(self) -> int:
         return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
@@ -491,7 +571,7 @@ class Scheduler:
         return min(need, budget)
 
     def _preempt(self, victim: Request, result: ScheduleResult) -> None:
-        self.running.remove(victim)
+        self.admitted.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -510,8 +590,8 @@ class Scheduler:
                 return False
         return True
 
-    def _allocate_ahead(self, req: Request, victims: list[Request], result: ScheduleResult) -> bool:
-        """Room for a row scheduled ahead (the token in flight plus this one), preempting
+    def _allocate_carried(self, req: Request, victims: list[Request], result: ScheduleResult) -> bool:
+        """Room for a carried row (the carried token plus this one), preempting
         only requests not in flight; False (it waits a step) when none is left to go."""
         while not self.kv.allocate(req.request_id, req.num_tokens + 1):
             if not victims:
@@ -535,36 +615,31 @@ class Scheduler:
         return remaining
 
     def schedule(
-        self, now: float | None = None, independent_only: bool = False,
+        self, now: float | None = None,
         in_flight: Mapping[str, int] | None = None, sampling: frozenset[str] = frozenset(),
     ) -> ScheduleResult:
-        """The next step's batch. `independent_only`: a step is still in flight, so only
-        work that needs none of its results may go (OneShot rows, which own no running
-        sequence); running sequences wait for their previous token.
+        """The next step's batch.
 
         `in_flight` (decode overlap): the paged requests of the step in flight -> the tokens
         it computes; `sampling`: those whose row there samples. Such a request that
-        `runs_ahead` gets its next decode row now, one position further, its input the
-        token in flight (`ScheduleResult.carried`); the others in flight wait a step. Every
+        `can_carry` gets a carried row now, its next decode row one position further, its
+        input the carried token (`ScheduleResult.carried`); the others in flight wait a step. Every
         other request is scheduled as usual, and no request in flight is preempted."""
         now = time.monotonic() if now is None else now
         self.kv.trim()  # the cache's bound holds for every lookup this step makes
         self._low_priority_left = self._low_priority_cap = self._low_priority_allowance(now)
-        if independent_only:
-            result = self._schedule_oneshot(now) if self.oneshot_waiting else ScheduleResult(batch=None)
-        else:
-            self._busy = in_flight or {}
-            try:
-                result = self._schedule(now, sampling)
-            finally:
-                self._busy = {}
+        self._in_flight = in_flight or {}
+        try:
+            result = self._schedule(now, sampling)
+        finally:
+            self._in_flight = {}
         result.has_normal = any(not r.low_priority for r in result.oneshot) or any(
-            not r.low_priority for r in self.running if r.request_id in result.scheduled)
+            not r.low_priority for r in self.admitted if r.request_id in result.scheduled)
         return result
 
     def _schedule(self, now: float, sampling: frozenset[str]) -> ScheduleResult:
-        busy = self._busy
-        decode_work = bool(self.waiting or self.running)
+        in_flight = self._in_flight
+        decode_work = bool(self.waiting or self.admitted)
         fuse = self.config.fuse_oneshot and decode_work and bool(self.oneshot_waiting)
         if not fuse and self.oneshot_waiting and not (decode_work and self._last_was_oneshot):
             hold_s = 0.0 if decode_work or self._oneshot_step_full() else \
@@ -580,28 +655,28 @@ class Scheduler:
         oneshot_rows: list[OneShotRow] = []
 
         # 1. Decode slots, in the decode policy's order (the rest keep their KV and wait).
-        # Requests in flight decode ahead or wait; they are never preempted (their step
+        # Requests in flight get a carried row or wait; they are never preempted (their step
         # still writes their blocks).
         max_len = self.config.max_model_len or 0
-        ahead = {r.request_id for r in self.running if r.request_id in busy and r.request_id in sampling
-                 and (not max_len or runs_ahead(r, max_len))}
-        decoding = [r for r in self.running if (r.request_id not in busy and is_decoding(r)) or r.request_id in ahead]
-        prefilling = [r for r in self.running if r.request_id not in busy and not is_decoding(r)]
+        carry = {r.request_id for r in self.admitted if r.request_id in in_flight and r.request_id in sampling
+                 and (not max_len or can_carry(r, max_len))}
+        decoding = [r for r in self.admitted if (r.request_id not in in_flight and is_decoding(r)) or r.request_id in carry]
+        prefilling = [r for r in self.admitted if r.request_id not in in_flight and not is_decoding(r)]
         order = self.policy.decode.order(decoding, now)
         slots = self.config.max_decode_batch or len(order)
-        victims = by_arrival(prefilling) + [r for r in order if r.request_id not in busy]
+        victims = by_arrival(prefilling) + [r for r in order if r.request_id not in in_flight]
         served: list[Request] = []
         preempted = len(result.preempted)
         while order and budget > 0 and len(served) < slots:
             req = order.pop(0)
             if not self._adapter_fits(req, result):
                 continue  # its adapter waits for a step with a free slot (it keeps its KV)
-            if req.request_id in ahead:  # its next row, after the token in flight
-                if not self._allocate_ahead(req, victims, result):
+            if req.request_id in carry:  # a carried row: its next row, after the carried token
+                if not self._allocate_carried(req, victims, result):
                     order = [r for r in order if r.status is RequestStatus.RUNNING]
                     continue
-                rows.append(BatchRow(req.request_id, [PENDING_TOKEN], req.num_tokens,
-                                     list(self.kv.block_table(req.request_id)), sample_spec(req, pending=1),
+                rows.append(BatchRow(req.request_id, [CARRIED_TOKEN_PLACEHOLDER], req.num_tokens,
+                                     list(self.kv.block_table(req.request_id)), sample_spec(req, carried=1),
                                      None, req.lora, self.kv.state_slot(req.request_id)))
                 result.carried.append(req.request_id)
             else:
@@ -617,8 +692,8 @@ class Scheduler:
             result.scheduled[req.request_id] = 1
             served.append(req)
             budget -= 1
-        served_set, running_set = set(served), set(self.running)  # Requests hash by identity
-        self.policy.decode.on_step(served, [r for r in decoding if r not in served_set and r in running_set], now)
+        served_set, admitted_set = set(served), set(self.admitted)  # Requests hash by identity
+        self.policy.decode.on_step(served, [r for r in decoding if r not in served_set and r in admitted_set], now)
 
         # 2. Prompt work (in-progress chunks and waiting prompts), in the prefill policy's
         # order; in a fused step, OneShot prompts share what the decodes left, taking turns
@@ -661,7 +736,7 @@ class Scheduler:
 
     def _schedule_prefills(self, now: float, budget: int, rows: list[BatchRow], result: ScheduleResult) -> int:
         """Prompt rows within `budget`, appended to `rows`; returns the tokens they take."""
-        in_progress = [r for r in self.running if not is_decoding(r) and r.request_id not in self._busy]
+        in_progress = [r for r in self.admitted if not is_decoding(r) and r.request_id not in self._in_flight]
         candidates = in_progress + self.waiting
         if not candidates:
             return 0
@@ -687,7 +762,7 @@ class Scheduler:
                 if not self._allocate_or_preempt(req, req.num_computed_tokens + n, later_running, result):
                     continue
             else:
-                if len(self.running) >= self.config.max_num_seqs:
+                if len(self.admitted) >= self.config.max_num_seqs:
                     continue
                 cap = choice.max_tokens
                 if req.low_priority and self._low_priority_left is not None:
@@ -720,7 +795,7 @@ class Scheduler:
         n = self._tokens_for(req, min(budget, cap or budget), first)
         # the watermark spares running decodes a preemption: with none running it would only
         # keep a pool of up to 100 blocks from ever admitting a request that needs all of it
-        reserve = self.watermark_blocks if self.running else 0
+        reserve = self.watermark_blocks if self.admitted else 0
         if n == 0 or not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=reserve):
             if prefix:  # not admitted after all: let go of the attached prefix
                 self.kv.free(req.request_id)
@@ -729,7 +804,7 @@ class Scheduler:
         if req.num_preemptions == 0:
             self.kv.record(len(prefix) * self.kv.block_size, req.num_prompt_tokens - len(prefix) * self.kv.block_size)
         self.waiting.remove(req)
-        self.running.append(req)
+        self.admitted.append(req)
         req.status = RequestStatus.RUNNING
         req.scheduled_time = req.scheduled_time or time.monotonic()
         return n

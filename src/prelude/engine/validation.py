@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from prelude.engine.client import InvalidRequestError
 from prelude.engine.request import ExecClass, LoraRequest, PoolingParams, PoolingTask, Request, SamplingParams
+from prelude.params import EmbedSetup
 
 
 def pick_exec_class(params: SamplingParams, max_tokens: int, pooling: PoolingParams | None) -> ExecClass:
@@ -34,6 +35,8 @@ class RequestRules:
     default_pooling: str | None = None
     default_ttft_slo_ms: float | None = None
     lora_enabled: bool = False  # adapter slots exist (--max-loras)
+    embed: EmbedSetup | None = None  # what the model's embeddings are (None: nothing checked)
+    score_template: str | None = None  # a token reranker's prompt template (the score routes apply it)
 
 
 def validate_request(
@@ -51,6 +54,12 @@ def validate_request(
     The model's defaults (pooling, TTFT target) are filled in here, once, for every front."""
     if pooling is not None and pooling.task is PoolingTask.CLASSIFY and not rules.labels:
         raise InvalidRequestError("this model has no classification head; pass candidate labels instead")
+    if pooling is not None and pooling.dimensions is not None:
+        if pooling.task is not PoolingTask.EMBED:
+            raise InvalidRequestError("dimensions applies to embeddings only")
+        why = rules.embed.check_dimensions(pooling.dimensions) if rules.embed is not None else None
+        if why is not None:
+            raise InvalidRequestError(why)
     if pooling is not None and pooling.pooling is None and rules.default_pooling is not None:
         pooling = replace(pooling, pooling=rules.default_pooling)
     if params.ttft_slo_ms is None and rules.default_ttft_slo_ms is not None:
@@ -93,14 +102,14 @@ def validate_request(
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or the completion."
             )
-    packed = pooling is not None and bool(pooling.item_lens)
-    if packed:
+    multi_item = pooling is not None and bool(pooling.item_lens)
+    if multi_item:
         assert pooling is not None
         shared = pooling.shared_len(n_prompt)
         if shared < 1:
             raise InvalidRequestError("packed items need a non-empty shared prompt before them")
     exec_class = pick_exec_class(params, max_tokens, pooling)
-    if rules.force_paged and rules.can_generate and not packed:  # packed items exist only as OneShot rows
+    if rules.force_paged and rules.can_generate and not multi_item:  # multi-item prompts exist only as OneShot rows
         exec_class = ExecClass.PAGED  # ablation: everything takes the paged path
     # A request without a seed draws one from the engine's seeded source: runs of the
     # same traffic repeat, and the sampler needs no generator object per request.

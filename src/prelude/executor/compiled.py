@@ -172,13 +172,13 @@ def _marking_dynamic(compiled: DecoderSegments) -> DecoderSegments:
         mark(h, cos, sin)
         return compiled.first(shape, h, w, cos, sin)
 
-    def between_(shape, h, attn, tail, head, cos, sin):  # noqa: ANN001, ANN202
+    def between_(shape, h, attn, post, pre, cos, sin):  # noqa: ANN001, ANN202
         mark(h, attn, cos, sin)
-        return compiled.between(shape, h, attn, tail, head, cos, sin)
+        return compiled.between(shape, h, attn, post, pre, cos, sin)
 
-    def last_(shape, h, attn, tail, norm):  # noqa: ANN001, ANN202
+    def last_(shape, h, attn, post, norm):  # noqa: ANN001, ANN202
         mark(h, attn)
-        return compiled.last(shape, h, attn, tail, norm)
+        return compiled.last(shape, h, attn, post, norm)
 
     return DecoderSegments(first=first_, between=between_, last=last_)
 

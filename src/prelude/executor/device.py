@@ -34,9 +34,9 @@ def resolve_device(name: str) -> torch.device:
 
 def auto_dtype(device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
     """bfloat16 on a GPU (the tensor-core type) and on a CPU with a native bf16 dot product
-    (AVX512-BF16 or AMX: oneDNN's prepacked bf16 GEMM, ~3x float32 there). float32 on any
-    other CPU: on an AVX2-only EPYC, bf16 forwards measured 5-8x slower than float32 for
-    128- and 512-token prefills and 1.7x slower for a batch-8 decode step (docs/design.md)."""
+    (AVX512-BF16 or AMX: oneDNN's prepacked bf16 GEMM, several times float32's rate there).
+    float32 on any other CPU: without a native bf16 dot product, bf16 forwards are several
+    times slower than float32 for prefills and slower for decode steps (docs/design.md)."""
     if device.type != "cpu":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_native_bf16(flags) else torch.float32

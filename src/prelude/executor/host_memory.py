@@ -4,14 +4,12 @@ A CPU forward allocates its activations through malloc: a 2,048-token step of Sm
 makes tensors of 2-13 MB (the MLP's gate/up output alone is 12.6 MB in bf16) and frees
 them before the next layer. glibc serves allocations above its mmap threshold with fresh
 mappings and unmaps them on free, and trims the heap's free top above its trim threshold,
-so every step faulted the same pages in again: ~35-55k minor faults (150-200 MB) a cold
-judge wave of 16 x 1,088 tokens, 10% of its 395-421 ms on a 2-core KVM Xeon. With the
-mmap threshold at glibc's largest (32 MiB) and a trim threshold of TRIM_BYTES, those
-tensors come from the heap and stay there: 11.5k faults, 357-391 ms in process; a fresh
-server's first judge wave's forward 370-380 ms against 419-505. The price is that a
-process keeps up to TRIM_BYTES of freed heap above its live memory. 512 MiB kept more:
-100,000 embeddings lines through run-batch grew RSS by 100.6 MiB (74.8 untuned); with
-64 MiB by 19.8.
+so every step faulted the same pages in again: tens of thousands of minor faults a judge
+wave, a noticeable share of its time. With the mmap threshold at glibc's largest (32 MiB)
+and a trim threshold of TRIM_BYTES, those tensors come from the heap and stay there, and
+the faults mostly go. The price is that a process keeps up to TRIM_BYTES of freed heap
+above its live memory; a larger trim threshold kept more in a long run-batch job than
+the untuned default, TRIM_BYTES less.
 
 Set once, at the CPU runner's creation, through mallopt (glibc only: other C libraries,
 or MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ in the environment, are left alone;

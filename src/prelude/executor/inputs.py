@@ -1,7 +1,7 @@
-"""A step's integer inputs, packed on the host and copied to the device once.
+"""A step's integer inputs, flattened on the host and copied to the device once.
 
 Rows (paged prompt chunks and decode rows, OneShot prompts) become `RowLayout`s, host
-lists of ids, positions, KV slots and block tables; `InputBuilder.pack` flattens them
+lists of ids, positions, KV slots and block tables; `InputBuilder.flatten` lays them
 into one int64 buffer (pinned on CUDA), copies it non-blocking and hands out aligned
 views as the forward's `StepInputs` and attention metadata.
 """
@@ -28,15 +28,15 @@ _ALIGN = 2  # int64 values: every view starts on a 16-byte boundary
 _PAD = (0,) * _ALIGN
 
 
-def pack_int64(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor]:
+def copy_int64(device: torch.device, *parts: Sequence[int]) -> list[torch.Tensor]:
     """Copy several int lists to the device in one transfer; returns one view per list.
     Each view starts 16-byte aligned: Triton specializes kernels on a pointer's 16-byte
-    alignment, so an odd offset would compile another variant mid-request (~1 s on an H100)
+    alignment, so an odd offset would compile another variant mid-request (a pause of about a second)
     instead of reusing the one compiled for the graphs' static buffers.
 
     The values go through an `array('q')` and `torch.frombuffer` (which keeps the array
-    alive): `torch.tensor` of a Python list converts element by element, ~25 us for a
-    128-token row's ids and positions against ~6 here."""
+    alive): `torch.tensor` of a Python list converts element by element, several times
+    slower for a prompt's ids and positions."""
     buf = array("q")
     spans: list[tuple[int, int]] = []
     for p in parts:
@@ -91,7 +91,7 @@ class InputBuilder:
         self.is_encoder = is_encoder
         self.recurrent = recurrent  # the model has recurrent layers: say each row's state (StateRows)
 
-    def pack(self, layouts: list[RowLayout], write_kv: bool) -> StepInputs:
+    def flatten(self, layouts: list[RowLayout], write_kv: bool) -> StepInputs:
         """Flatten rows into device inputs with one host-to-device copy."""
         ids: list[int] = []
         positions: list[int] = []
@@ -131,7 +131,7 @@ class InputBuilder:
                        [lay.context_len for _, lay in pre], [int(lay.own_kv_in_cache) for _, lay in pre])
         pre_tables = [b for _, lay in pre for b in (*lay.block_table, *([0] * (pre_width - len(lay.block_table))))]
         (d_ids, d_pos, d_slots, d_tables, d_dec_index, d_dec_tables, d_dec_lens, d_kept, *d_pre, d_pre_tables,
-         d_segments) = pack_int64(
+         d_segments) = copy_int64(
             self.device, ids, positions, slots if any_kept else [], tables, dec_index, padded, dec_lens,
             kept, *pre_columns, pre_tables, segments,
         )
@@ -186,7 +186,7 @@ class InputBuilder:
                 rows.append(StateRow(start, len(lay.ids), lay.state_slot, lay.fresh))
         if not step_tokens:
             return StateRows(tuple(rows))
-        d_tokens, d_slots = pack_int64(self.device, step_tokens, step_slots)
+        d_tokens, d_slots = copy_int64(self.device, step_tokens, step_slots)
         return StateRows(tuple(rows), d_tokens, d_slots)
 
     def paged_layout(self, row: BatchRow) -> RowLayout:
@@ -207,7 +207,7 @@ class InputBuilder:
         first = r.num_cached // bs  # the first published block (a hit may end inside it: copy_from)
         published_end = (first + len(r.publish_blocks)) * bs
         slots: list[int] = []
-        for i, block in enumerate(r.publish_blocks):  # a range per block, not a Python step per token
+        for i, block in enumerate(r.publish_blocks):  # a range per block, not a Python iteration per token
             start = (first + i) * bs
             lo, hi = max(start, r.num_cached), min(start + bs, n)
             slots.extend(range(block * bs + lo - start, block * bs + hi - start))
@@ -217,7 +217,7 @@ class InputBuilder:
             raise ValueError("a OneShot row of a model with recurrent layers cannot start after a cached prefix")
         if not r.item_lens:
             return RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
-        # Packed items: each restarts at the shared part's end and is its own segment.
+        # Multi-item prompts: each item restarts at the shared part's end and is its own segment.
         shared = r.shared_len
         assert r.num_cached <= shared and published_end <= shared, "only the shared part is cached"
         positions = list(range(r.num_cached, shared))
@@ -229,20 +229,20 @@ class InputBuilder:
                           segments=segments)
 
     def paged(self, rows: Sequence[BatchRow]) -> StepInputs:
-        return self.pack([self.paged_layout(r) for r in rows], write_kv=True)
+        return self.flatten([self.paged_layout(r) for r in rows], write_kv=True)
 
     def fused(self, paged: Sequence[BatchRow], oneshot: Sequence[OneShotRow]) -> StepInputs:
         """Paged rows, then OneShot rows, in one forward: the paged rows write their K/V
         to their blocks, the OneShot rows only to the blocks they publish (if any)."""
         assert not self.is_encoder, "encoders keep no KV: they have no paged rows"
         layouts = [self.paged_layout(r) for r in paged] + [self.oneshot_layout(r) for r in oneshot]
-        return self.pack(layouts, write_kv=True)
+        return self.flatten(layouts, write_kv=True)
 
     def oneshot(self, rows: Sequence[OneShotRow]) -> StepInputs:
-        inputs = self.pack([self.oneshot_layout(r) for r in rows], write_kv=True)
+        inputs = self.flatten([self.oneshot_layout(r) for r in rows], write_kv=True)
         if not self.is_encoder:
             return inputs
         types = [t for r in rows for t in (r.head.pooling.token_type_ids if r.head and r.head.pooling
                                            and r.head.pooling.token_type_ids else [0] * len(r.token_ids))]
-        (d_types,) = pack_int64(self.device, types)
+        (d_types,) = copy_int64(self.device, types)
         return StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.starts, d_types)

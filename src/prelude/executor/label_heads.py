@@ -1,5 +1,5 @@
 """Label heads over a OneShot row's hidden states: label-token scores at the prompt's end
-or at each packed item's end, and whole-sequence logprobs of packed items.
+or at each item's end (multi-item prompts), and whole-sequence logprobs of items.
 
 Only the rows that matter are projected: the last token of the prompt (or of each item)
 for label scores, and for sequence logprobs the shared part's last token plus every item
@@ -21,7 +21,7 @@ ProjectIds = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ([R, H], id
 
 
 def item_bounds(suffix_len: int, item_lens: Sequence[int]) -> list[tuple[int, int]]:
-    """[start, end) of each packed item within the computed suffix of its row (the items
+    """[start, end) of each item within the computed suffix of its row (the items
     come last; the shared part's computed rest comes first)."""
     first = suffix_len - sum(item_lens)
     ends = list(accumulate(item_lens, initial=first))

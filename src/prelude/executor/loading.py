@@ -3,6 +3,7 @@ loading, so that it never touches model classes or checkpoint formats."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -30,7 +31,7 @@ def _build_quietly(build: Callable[[], object]) -> None:
 
 
 def _build_cpu_kernels(lora: bool) -> list[threading.Thread]:
-    """Compile the CPU's C kernels (~0.6 s each, first start only) on threads while the
+    """Compile the CPU's C kernels (a fraction of a second each, first start only) on threads while the
     checkpoint loads: the compilers run beside the GGUF conversion instead of after it."""
     builds = [catalog.builder(name) for name in catalog.KERNELS if lora or name != "lora_cpu"]
     threads = [threading.Thread(target=_build_quietly, args=(build,), name=f"build-{build.__module__}", daemon=True)
@@ -42,14 +43,16 @@ def _build_cpu_kernels(lora: bool) -> list[threading.Thread]:
 
 def load_runner(config: EngineConfig) -> LoadedRunner:
     builds = _build_cpu_kernels(config.lora is not None) if resolve_device(config.executor.device).type == "cpu" else []
-    loaded = load_model_files(config.model)
+    loaded = load_model_files(config.model, json.loads(config.hf_overrides) if config.hf_overrides else None)
     for t in builds:
         t.join()
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if config.scheduler.max_model_len and max_pos is not None:
         max_pos = max(max_pos, config.scheduler.max_model_len)
     runner = ModelRunner.create(loaded.config, loaded.weights, config.executor, config.cache.block_size, max_pos,
-                                blocks=loaded.blocks, lora=config.lora, checkpoint_files=weight_files(loaded.model_dir))
+                                blocks=loaded.blocks, lora=config.lora, checkpoint_files=weight_files(loaded.model_dir),
+                                sentence=loaded.sentence, matryoshka=loaded.matryoshka,
+                                score_template=loaded.score_template)
     loaded.weights.clear()  # the runner holds the device copy; drop the host one
     loaded.blocks.clear()
     return LoadedRunner(runner, loaded.tokenizer, loaded.name)

@@ -1,4 +1,4 @@
-"""The executor's resident LoRA adapters: `max_loras` device slots (model/lora.py's
+"""The executor's resident LoRA adapters: `max_loras` device slots (model/lora/adapters.py's
 LoraSlots), least recently used first out, each adapter read from its PEFT directory
 when a step needs it and it is not resident (so an evicted adapter comes back from disk).
 The last HOST_COPIES_PER_SLOT x `max_loras` adapters read (at least HOST_COPIES_MIN) stay

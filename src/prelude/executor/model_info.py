@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prelude.params import EmbedSetup
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -20,5 +22,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     device: str
     dtype: str
+    embed: EmbedSetup  # what its embeddings are (prompts, size, Matryoshka sizes)
+    score_template: str | None = None  # a token reranker's prompt template for the score routes
     # Models with recurrent (linear-attention) layers: one sequence's state in bytes (0: none)
     state_bytes_per_slot: int = 0

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 
 from prelude.executor import label_heads
 from prelude.executor.host_copy import HostCopy, HostValue
-from prelude.executor.inputs import pack_int64
+from prelude.executor.inputs import copy_int64
 from prelude.executor.read_rows import RowRead, local_index
 from prelude.executor.sampler import argmax_only, chosen_deferred, sample_deferred
 from prelude.executor.vocab_mask import mask_padded_vocab
 from prelude.forward_batch import BatchOutput, HeadOutput, HeadSpec, SampleSpec
 from prelude.model.layers import heads
+from prelude.model.layers.pooler import Pooler, running_pool
 from prelude.model.base import Model
 from prelude.params import PoolingTask, TokenLogprob
 
@@ -59,9 +60,11 @@ class CarriedTokens:
 class OutputHeads:
     """A model's output projections for one step's rows (the trunk's hidden states in)."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, pooler: Pooler | None = None, default_pooling: str | None = None) -> None:
         self.model = model
         self.device = model.device
+        self.pooler = pooler or Pooler(device=model.device)  # a sentence-transformers folder's Dense layers
+        self.default_pooling = default_pooling or model.default_pooling
 
     def launch(
         self,
@@ -81,7 +84,7 @@ class OutputHeads:
                 for i, (rid, tok, spec, _) in enumerate(rows) if spec is not None]
         sampled_build = None
         if want:
-            (index,) = pack_int64(self.device, [idx for _, idx, _ in want])
+            (index,) = copy_int64(self.device, [idx for _, idx, _ in want])
             picked, specs = hidden.index_select(0, index), [s for _, _, s in want]
             chosen = self.model.greedy_token_ids(picked, emittable_vocab) if all(map(argmax_only, specs)) else None
             if chosen is not None:
@@ -90,14 +93,14 @@ class OutputHeads:
                 logits = mask_padded_vocab(self.model.compute_logits(picked), emittable_vocab)
                 sampled_build = sample_deferred(logits, specs, copy)
         own = classify_heads or {}  # rows whose LoRA adapter brings its own classification head
-        pending = {rid: self._head(hidden[starts[i] : starts[i] + _width(read[i], len(tokens))], tokens, head, copy,
+        head_builds = {rid: self._head(hidden[starts[i] : starts[i] + _width(read[i], len(tokens))], tokens, head, copy,
                                    own.get(rid), read[i])
                    for i, (rid, tokens, _, head) in enumerate(rows) if head is not None}
         copy.start()
 
         def build() -> BatchOutput:
             sampled = dict(zip([rid for rid, _, _ in want], sampled_build())) if sampled_build else {}
-            return BatchOutput(sampled=sampled, heads={rid: b() for rid, b in pending.items()})
+            return BatchOutput(sampled=sampled, heads={rid: b() for rid, b in head_builds.items()})
 
         return LaunchedStep(build, sampled_build.token_ids if sampled_build else None,
                             {rid: i for i, (rid, _, _) in enumerate(want)})
@@ -116,8 +119,11 @@ class OutputHeads:
         p = head.pooling
         scores: HostValue | None = None
         embedding: HostValue | None = None
+        pooled: HostValue | None = None
+        before = (None if head.pooled_before is None else
+                  torch.tensor(head.pooled_before, dtype=torch.float32).to(self.device, non_blocking=True))
         if p is not None and p.task is PoolingTask.LABELS:
-            rows_at, label_ids = pack_int64(self.device, [local_index(read, j) for j in label_heads.score_rows(
+            rows_at, label_ids = copy_int64(self.device, [local_index(read, j) for j in label_heads.score_rows(
                 len(tokens), p)], p.label_token_ids)
             scores = copy.add(label_heads.label_scores(
                 hidden.index_select(0, rows_at), label_ids, p.label_softmax,
@@ -125,15 +131,17 @@ class OutputHeads:
             ).reshape(-1))
         elif p is not None and p.task is PoolingTask.SEQUENCE_LOGPROBS:
             predictors, targets = label_heads.sequence_rows(tokens, p.item_lens)
-            rows_at, d_targets = pack_int64(self.device, predictors, targets)
+            rows_at, d_targets = copy_int64(self.device, predictors, targets)
             scores = copy.add(label_heads.sequence_logprobs(
                 hidden.index_select(0, rows_at), d_targets, p.item_lens, self.model.compute_logits))
         elif p is not None and p.task is PoolingTask.CLASSIFY:
             scores = copy.add(self.model.classify(hidden) if classify_head is None
                               else F.linear(hidden[-1], classify_head).float())
+        elif p is not None and head.pool_chunk:
+            pooled = copy.add(running_pool(hidden, p.skip_tokens, before))
         elif p is not None:
-            pooled = heads.pool(hidden, p.pooling or self.model.default_pooling)
-            embedding = copy.add(heads.normalize(pooled) if p.normalize else pooled)
+            embedding = copy.add(self.pooler(hidden, p.pooling or self.default_pooling, p.skip_tokens, p.dimensions,
+                                             p.normalize, before))
 
         def build() -> HeadOutput:
             prompt_lps: list[TokenLogprob | None] | None = None
@@ -148,6 +156,7 @@ class OutputHeads:
                 prompt_logprobs=prompt_lps,
                 scores=scores.get() if scores is not None else None,
                 embedding=embedding.get() if embedding is not None else None,
+                pooled=pooled.get() if pooled is not None else None,
             )
 
         return build

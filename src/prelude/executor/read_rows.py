@@ -3,7 +3,7 @@ output when the decoder computes its last layer for those alone (model/read_posi
 `ReadPositions`).
 
 A sampling row reads its last computed token; a classify/score head and last-token
-pooling read it too; label scores read the last token of the prompt or of each packed
+pooling read it too; label scores read the last token of the prompt or of each
 item. Prompt logprobs, mean/cls pooling and sequence logprobs read (nearly) every
 position: such a row keeps all of its positions. A prompt chunk that does not finish its
 prompt reads none. Everything else that the last layer would compute after its K/V is
@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from prelude.executor import label_heads
-from prelude.executor.inputs import pack_int64
+from prelude.executor.inputs import copy_int64
 from prelude.forward_batch import HeadSpec, SampleSpec
 from prelude.model.read_positions import ReadPositions
 from prelude.params import PoolingTask
@@ -77,5 +77,5 @@ def step_reads(device: torch.device, starts: Sequence[int], lens: Sequence[int],
         tail[start] = n - positions[0] if len(positions) else 0
     if len(index) == sum(lens):
         return None
-    d_index, d_tails = pack_int64(device, index, [tail[s] for s in prefill_starts])
+    d_index, d_tails = copy_int64(device, index, [tail[s] for s in prefill_starts])
     return StepReads(ReadPositions(d_index, d_tails), out_starts, list(reads))

@@ -4,7 +4,7 @@ per batch type.
 The runner owns everything that lives on the device: the model (built through the model
 registry), its paged KV tensors, the attention backend and, on CUDA, the graphs (see
 graphs.py: steps that fit a captured bucket are replayed, the rest run eagerly). A step's
-integer inputs are packed into one host-to-device copy (inputs.py); its outputs are
+integer inputs are flattened into one host-to-device copy (inputs.py); its outputs are
 projected only where rows asked and come back in one copy (outputs.py).
 """
 
@@ -31,7 +31,7 @@ from prelude.executor.device import (
 )
 from prelude.executor.graphs import Capture, GraphConfig, GraphRunner
 from prelude.executor.host_memory import keep_freed_activations
-from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, pack_int64
+from prelude.executor.inputs import InputBuilder, RowLayout, StepInputs, copy_int64
 from prelude.executor.kv_sizing import GRAPH_RESERVE_BYTES, DeviceMemory
 from prelude.executor.lora_slots import AdapterSlots
 from prelude.executor.model_info import ModelInfo
@@ -41,7 +41,7 @@ from prelude.executor.read_rows import StepReads, row_read, step_reads
 from prelude.executor.step_threads import StepThreads, decoder_flops
 from prelude.forward_batch import (BatchRow, DecodeBatch, ForwardBatch, HeadSpec, MixedBatch, OneShotBatch,
                                   OneShotRow, SampleSpec)
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.layers.linear import bound_onednn_caches
 from prelude.model.attention import get_attention_backend
 from prelude.model.attention.metadata import AttentionMetadata
@@ -52,15 +52,17 @@ from prelude.model.layers.fused_segments import fused_segments, triton_segments
 from prelude.cache_dirs import cache_root
 from prelude.model.loading.files import prepared_dir
 from prelude.kernels.cpu.native_lib import ISA_CAP_ENV, isa_capped_to_avx2
+from prelude.model.layers.pooler import Pooler
 from prelude.model.lora.adapters import LoraBatch, LoraStep
+from prelude.model.sentence_modules import SentenceModules
 from prelude.model.loading.prepared import PreparedTensors
-from prelude.params import LoraRequest
+from prelude.params import EmbedSetup, LoraRequest
 
 logger = logging.getLogger("prelude.executor")
 
 
 def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments | None:
-    """The fused segments (model/fused_segments.py) for a decoder: over the Triton kernels on
+    """The fused segments (model/layers/fused_segments.py) for a decoder: over the Triton kernels on
     CUDA, over the C kernels for float32 and bfloat16 on the CPU; None (the model's own eager
     segments) when turned off or where the kernels cannot run."""
     if not config.fused_kernels or model.is_encoder:
@@ -93,6 +95,16 @@ def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments 
         return None
 
 
+def embed_setup(sentence: SentenceModules | None, hidden_size: int,
+                matryoshka: tuple[int, ...] | None) -> EmbedSetup:
+    """What the fronts need of a model's embeddings. Without a sentence-transformers folder:
+    the hidden state, normalized unless a request says otherwise."""
+    if sentence is None:
+        return EmbedSetup(hidden_size, matryoshka=matryoshka)
+    return EmbedSetup(sentence.dimension(hidden_size), sentence.prompts, sentence.default_prompt_name,
+                      sentence.include_prompt, sentence.normalize, matryoshka)
+
+
 def step_size(batch: ForwardBatch) -> tuple[int, int]:
     """(tokens computed, rows sampled) of a step."""
     paged = batch.rows if isinstance(batch, (DecodeBatch, MixedBatch)) else ()
@@ -107,7 +119,12 @@ class ModelRunner:
     knows nothing of requests' lifecycles."""
 
     def __init__(self, model: Model, block_size: int, config: ExecutorConfig | None = None,
-                 lora: LoraConfig | None = None) -> None:
+                 lora: LoraConfig | None = None, sentence: SentenceModules | None = None,
+                 matryoshka: tuple[int, ...] | None = None, score_template: str | None = None) -> None:
+        """`sentence`: the checkpoint's sentence-transformers modules (pooling, Dense layers,
+        Normalize, prompts); `matryoshka`: the sizes its config declares vectors may be cut
+        to (model/sentence_modules.py); `score_template`: a token reranker's prompt template
+        (model/loading/token_scorer.py)."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -120,8 +137,9 @@ class ModelRunner:
         self.state_bytes_per_slot = int(state_bytes()) if state_bytes is not None else 0
         self.num_state_slots = 0
         self.inputs = InputBuilder(self.device, block_size, model.is_encoder, recurrent=self.state_bytes_per_slot > 0)
-        self.outputs = OutputHeads(model)
         cfg = model.config
+        default_pooling = sentence.pooling if sentence is not None else model.default_pooling
+        self.outputs = OutputHeads(model, Pooler(sentence.dense if sentence else (), model.device), default_pooling)
         self.info = ModelInfo(
             vocab_size=int(cfg.vocab_size),
             hidden_size=int(cfg.hidden_size),
@@ -132,10 +150,12 @@ class ModelRunner:
             labels=tuple(cfg.id2label),
             can_generate=model.can_generate,
             is_encoder=model.is_encoder,
-            default_pooling=model.default_pooling,
+            default_pooling=default_pooling,
             eos_token_ids=tuple(getattr(cfg, "eos_token_ids", ())),
             device=str(self.device),
             dtype=str(model.dtype).removeprefix("torch."),
+            embed=embed_setup(sentence, int(cfg.hidden_size), matryoshka),
+            score_template=score_template,
             state_bytes_per_slot=self.state_bytes_per_slot,
         )
         segments = fused_segments_for(model, self.config)  # once: it logs what it picked
@@ -201,7 +221,7 @@ class ModelRunner:
         or read there); its hidden states."""
         scratch = self.model.allocate_kv_cache(1, self.block_size)
         lay = RowLayout([0] * num_tokens, range(num_tokens), [-1] * num_tokens, (), num_tokens, False, decode=False)
-        inputs = self.inputs.pack([lay], write_kv=False)
+        inputs = self.inputs.flatten([lay], write_kv=False)
         if segments is None:
             return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch)
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, scratch, segments=segments)
@@ -236,15 +256,18 @@ class ModelRunner:
         config: ExecutorConfig,
         block_size: int,
         max_positions: int | None = None,
-        blocks: Mapping[str, GgmlBlocks] | None = None,
+        blocks: Mapping[str, GgmlQuants] | None = None,
         lora: LoraConfig | None = None,
         checkpoint_files: Sequence[Path] = (),
+        sentence: SentenceModules | None = None,
+        matryoshka: tuple[int, ...] | None = None,
+        score_template: str | None = None,
     ) -> "ModelRunner":
         """Build the model on the configured device from host weights (which the caller
         drops afterwards: no host copy of a GPU model is kept). `blocks`: a GGUF's
         block-format projections, which CPU decode reads where it can. `checkpoint_files`:
         the files `weights` and `blocks` were read from; on a CPU what the build derives from
-        them is kept on disk for the next start (model/prepared.py); () keeps nothing."""
+        them is kept on disk for the next start (model/loading/prepared.py); () keeps nothing."""
         device = resolve_device(config.device)
         if device.type == "cpu":  # before any of the model's GEMMs (encoders call F.linear directly)
             bound_onednn_caches()
@@ -281,7 +304,7 @@ class ModelRunner:
             if made := model.make_packed_copies():
                 logger.info("%d projections' packed copies: amx_gemm.c's ready at start (%.2f s), oneDNN's by a thread "
                             "meanwhile, not by the first prompt", made, time.perf_counter() - start)
-        return cls(model, block_size, config, lora)
+        return cls(model, block_size, config, lora, sentence, matryoshka, score_template)
 
     def limit_sampled_vocab(self, emittable: int) -> None:
         """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""
@@ -306,7 +329,7 @@ class ModelRunner:
         head_dim] each): what another runner's `write_kv_blocks` takes."""
         if self.state_bytes_per_slot:
             raise ValueError("the KV hand-off does not carry recurrent state: not served for this model")
-        (index,) = pack_int64(self.device, blocks)
+        (index,) = copy_int64(self.device, blocks)
         return [(k.index_select(0, index).to("cpu"), v.index_select(0, index).to("cpu")) for k, v in self.kv_caches]
 
     @torch.inference_mode()
@@ -316,7 +339,7 @@ class ModelRunner:
             raise ValueError("the KV hand-off does not carry recurrent state: not served for this model")
         if len(kv) != len(self.kv_caches):
             raise ValueError(f"KV of {len(kv)} layers for a model of {len(self.kv_caches)}")
-        (index,) = pack_int64(self.device, blocks)
+        (index,) = copy_int64(self.device, blocks)
         for (k, v), (src_k, src_v) in zip(self.kv_caches, kv):
             if src_k.shape[1:] != k.shape[1:] or src_k.shape[0] != len(blocks):
                 raise ValueError(f"KV blocks of shape {tuple(src_k.shape)} do not fit {len(blocks)} x {tuple(k.shape[1:])}")
@@ -376,31 +399,17 @@ class ModelRunner:
         return forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.token_type_ids)
 
     def _carry(self, inputs: StepInputs, rows: Sequence[BatchRow], carried: CarriedTokens | None) -> None:
-        """Put the tokens a step in flight sampled into the inputs of the rows scheduled
-        ahead of it: one gather and one scatter on the device, queued behind that step."""
+        """Put the carried tokens (sampled by the step in flight) into the inputs of the
+        carried rows: one gather and one scatter on the device, queued behind that step."""
         if carried is None or not carried.request_ids:
             return
         source = carried.source
         if source.sampled_ids is None:
-            raise ValueError("rows were scheduled ahead of a step that samples nothing")
+            raise ValueError("carried rows follow a step that samples nothing")
         where = {r.request_id: i for i, r in enumerate(rows)}
-        dst, src = pack_int64(self.device, [inputs.starts[where[rid]] for rid in carried.request_ids],
+        dst, src = copy_int64(self.device, [inputs.starts[where[rid]] for rid in carried.request_ids],
                               [source.sampled_rows[rid] for rid in carried.request_ids])
         inputs.input_ids.index_copy_(0, dst, source.sampled_ids.index_select(0, src).to(inputs.input_ids.dtype))
-
-    def forward_rows(self, rows: tuple[BatchRow, ...], carried: CarriedTokens | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Run the trunk on paged rows; returns hidden states [T, H] and each row's start."""
-        inputs = self.inputs.paged(rows)
-        self._carry(inputs, rows, carried)
-        return self.forward(inputs, self.lora_step([(r.lora, len(r.token_ids)) for r in rows])), inputs.starts
-
-    def forward_oneshot(self, rows: Sequence[OneShotRow]) -> tuple[torch.Tensor, list[int]]:
-        """Flattened varlen prompt suffixes. A row attends to its cached prefix blocks and
-        to its own K/V, which are temporaries except the full blocks it publishes."""
-        self._copy_partial_blocks(rows)
-        inputs = self.inputs.oneshot(rows)
-        lora = self.lora_step([(r.lora, len(r.token_ids) - r.num_cached) for r in rows])
-        return self.forward(inputs, lora), inputs.starts
 
     def _adapter_heads(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         """Rows whose adapter carries its own classification head: request id -> head."""
@@ -428,15 +437,15 @@ class ModelRunner:
                on_heads: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue the forward, sampling, heads and the one result copy; on CUDA this returns
         while the device still works, so the host can schedule the next step meanwhile.
-        `carried`: decode rows scheduled ahead of a step in flight, whose input tokens that
-        step samples (decode overlap). On a CPU the trunk and the heads each run on one
+        `carried`: the carried rows (decode overlap): decode rows whose input tokens the
+        step in flight samples. On a CPU the trunk and the heads each run on one
         thread when they are too small to split (step_threads.py)."""
         if carried is not None and isinstance(batch, OneShotBatch):
             raise ValueError("a OneShot step has no rows to carry tokens into")
         tokens, sampled = step_size(batch)
         with self.step_threads.measured_step():
             with self.step_threads.for_trunk(tokens):
-                hidden, starts, rows, reads = self._forward_step(batch, carried)
+                hidden, starts, rows, reads = self.trunk(batch, carried)
             forward_done = time.perf_counter()
             if on_heads is not None:
                 on_heads()
@@ -450,17 +459,20 @@ class ModelRunner:
     def heads_outweigh_trunk(self, tokens: int, sampled: int) -> bool:
         """Whether, on a CPU, a step's LM head over its `sampled` rows has at least the
         multiply-adds of its trunk over `tokens` (decode of a small model with a large
-        vocabulary: the free model's head is ~20x its trunk a row, SmolLM2-135M's ~0.3x)."""
+        vocabulary: the free model's head outweighs its trunk many times over a row,
+        SmolLM2-135M's is a fraction of it)."""
         threads = self.step_threads
         return (self.device.type == "cpu" and sampled > 0
                 and sampled * threads.flops_per_logit_row >= tokens * threads.flops_per_token > 0)
 
-    def _forward_step(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
+    def trunk(self, batch: ForwardBatch, carried: CarriedTokens | None = None) -> tuple[
             torch.Tensor, list[int], list[tuple[str, list[int], SampleSpec | None, HeadSpec | None]],
             StepReads | None]:
-        """The trunk of one step: hidden states, each row's start in them, what each row
-        asks of the heads (request id, the tokens computed, sampling, head) and, when the
-        last layer computed only the positions read, which those are."""
+        """The trunk of one step (what `launch` runs before the heads): hidden states, each
+        row's start in them, what each row asks of the heads (request id, the tokens
+        computed, sampling, head) and, when the last layer computed only the positions
+        read, which those are. Tests that compare hidden states call it with the batch a
+        scheduler would build."""
         if isinstance(batch, OneShotBatch):
             self._copy_partial_blocks(batch.rows)
             inputs = self.inputs.oneshot(batch.rows)

@@ -128,9 +128,9 @@ def _apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch
     return logits
 
 
-# On the CPU a full sort of a 49,152-wide row costs ~6 ms (60 ms for 8 rows), while the
-# tokens top-k / top-p keep are almost always among a row's best few hundred: CPU steps
-# first try that prefix (a partial top-k, ~0.1 ms a row) and sort only when it falls short.
+# On the CPU a full sort of a vocabulary-wide row is costly, while the tokens top-k / top-p
+# keep are almost always among a row's best few hundred: CPU steps first try that prefix (a
+# partial top-k, far cheaper) and sort only when it falls short.
 TRUNCATE_PREFIX = 256
 
 
@@ -177,7 +177,7 @@ def _filtered_probs(logits: torch.Tensor, p: _RowParams, truncate: bool, use_min
 
 def allowed_tokens(bitmasks: np.ndarray, vocab: int) -> torch.Tensor:
     """[R, W] int32 bitmasks (bit i of word w: token 32w + i) -> [R, vocab] bool, unpacked
-    on the host (numpy's unpackbits: ~10x faster than shifting int32 tensors here)."""
+    on the host (numpy's unpackbits: much faster than shifting int32 tensors here)."""
     bits = np.unpackbits(np.ascontiguousarray(bitmasks).view(np.uint8), axis=1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab].view(np.bool_))
 
@@ -196,8 +196,8 @@ def _apply_token_masks(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> tor
 
 
 class DeferredSample:
-    """Sampled tokens queued on the device: `token_ids` [R] stays there (a row scheduled
-    ahead reads its input from it), calling it reads the host copy once it has landed."""
+    """Sampled tokens queued on the device: `token_ids` [R] stays there (a carried row
+    reads its input from it), calling it reads the host copy once it has landed."""
 
     def __init__(self, token_ids: torch.Tensor, build: Callable[[], list[SampledToken]]) -> None:
         self.token_ids = token_ids

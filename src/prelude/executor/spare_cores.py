@@ -30,12 +30,13 @@ from typing import Callable
 
 WINDOW_S = 0.5  # the shortest window measured (a step asks more often: the answer is kept)
 # A load generator's, a shell's or an event loop's share of a core below this still counts as
-# quiet. Free model, Zen 5, 2 cores (bench overhead): 8-prompt requests at c=4 read 0.19-0.29
-# on one thread and 0.23-0.35 once on the team, 128/1 at c=1 0.02-0.10; OneShot, classify and
-# embed at c=32 and c=64, whose event loop answers a request every ~0.5 ms beside the steps,
-# read 0.36-0.94 (there the team loses 12-20%: its spinning worker holds the core the event
-# loop needs). The gap between the bounds is narrow: c=32 right after c=1 read 0.36-0.45
-# for a few windows, which a bound of 0.45 left on the team.
+# quiet. Read on a 2-core machine with the free model (`prelude bench overhead`): 8-prompt
+# requests at c=4 and 128/1 at c=1 stay below QUIET_SLACK_CORES, on one thread or on the
+# team; OneShot, classify and embed at c=32 and c=64, whose event loop answers requests
+# beside the steps, read above BUSY_SLACK_CORES (there the team loses: its spinning worker
+# holds the core the event loop needs). The gap between the bounds is narrow: c=32 right
+# after c=1 read just above BUSY_SLACK_CORES for a few windows, which a higher bound would
+# have left on the team.
 QUIET_SLACK_CORES = 0.3
 BUSY_SLACK_CORES = 0.4
 

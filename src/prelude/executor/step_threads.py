@@ -4,34 +4,32 @@ Every torch op of a forward is a parallel region of the OpenMP team: the team wa
 splits the op and joins. On a step whose whole work is ~0.1 GFLOP (a 128-token prompt
 through a 2-layer toy model, a decode row of a tiny model) those joins are the step, and
 on a busy machine a join waits for a team thread the OS has not scheduled yet: a free
-model's 128-token forward took 40-65 ms on two threads at load average 8, 0.9-1.8 ms on
-one (bench overhead). After a region the team's threads also spin for a while before
+model's 128-token forward then takes many times longer on two threads than on one (`prelude
+bench overhead`). After a region the team's threads also spin for a while before
 they sleep, on the core the server's HTTP thread needs.
 
 The trunk (the decoder's layers) and the heads (LM head, sampling) are decided apart. A
 model that is not tiny (below) runs its trunk on one thread below SMALL_STEP_FLOPS, and
 its heads too while the trunk is small and the sampled rows' head work is below
 SMALL_HEAD_FLOPS; a model whose one decode row is above SMALL_STEP_FLOPS (the default
-model: ~0.2 GFLOP a token) keeps the whole team for everything. Setting the count costs
-~0.2 µs and applies to the calling (engine) thread's team; on CUDA this does nothing.
+model: ~0.2 GFLOP a token) keeps the whole team for everything. Setting the count is cheap
+and applies to the calling (engine) thread's team; on CUDA this does nothing.
 
 A model below TINY_MODEL_FLOPS a token (the free model of `bench overhead`: ~0.6 MFLOP)
 runs every step on one thread, batched OneShot prompts and wide decode heads included,
 while work outside the team holds the machine's cores (spare_cores.py: other processes,
 and the server's own HTTP event loop beside the steps): a join then waits for a team
 thread the OS has not scheduled, or the team's spinning worker takes the event loop's
-core. Measured, the free model at load average ~5, alternated (server CPU per request, all
-threads): 128/1 c=32 6.3 -> 1.5 ms (98 -> 145 req/s), 8-prompt requests 34 -> 6.5 ms
-(132 -> 726 prompts/s); beside one busy-looping process (Zen 5, 2 cores, 2026-11-25), the
-team against one thread: 8-prompt 163 / 65 vs 166 / 221 requests/s, OneShot c=32 901 / 708
-vs 1,037 / 1,408 req/s. The machine otherwise alone, the team on every step against one
-thread: 8-prompt requests +20-25%, OneShot c=32 and c=64 -12% and classify c=32 -20% (its
-worker spins on the core the event loop answers ~1,500 requests/s on, beside the steps).
+core. On a loaded machine one thread cut the free model's server CPU per request several
+times over and raised its throughput; beside one busy-looping process the team lost to one
+thread as well. With the machine otherwise alone, the team gained on 8-prompt requests
+and lost on OneShot and classify at c=32 and c=64 (its worker spins on the core the event
+loop answers requests on, beside the steps).
 So a tiny model's steps take the team only while the event loop and everything else leave
 the second core quiet, which the 8-prompt requests and one request at a time do and c=32
 does not; then every step does, small ones included (the size bounds were set on a busy
-machine): 128/1 at c=1, in process, 1.04 ms on one thread, 0.92 with the head on the team,
-0.80 with trunk and head; served, 1.44 vs 1.57 ms (bench overhead, 3 rounds alternated).
+machine): 128/1 at c=1 is faster with trunk and head on the team, in process and served.
+The figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Each namespace has a tree of its own: K/V computed under one LoRA adapter are ne
 found by a request of another adapter or of the base ("" is the base's namespace).
 
 The tree holds no Python object per node that the cyclic collector tracks: nodes are ints
-(a cached block, or a namespace's root: -1, -2, ...), a block's tokens are packed into
+(a cached block, or a namespace's root: -1, -2, ...), a block's tokens are kept as
 bytes, and every map is from ints or bytes to ints or bytes. Such dicts are never tracked,
 so a full collection (GIL held) never walks the cache. With a node object per block every
 full pass walked one object per cached block; with tuples for keys, the maps holding them
@@ -28,7 +28,7 @@ PARTIAL_SCAN = 64  # children compared for a hit ending inside a block (see Pref
 _TOKEN_BYTES = 8  # array("q"), memoryview.cast("q")
 
 
-def _packed(tokens: list[int]) -> bytes:
+def _token_bytes(tokens: list[int]) -> bytes:
     return array("q", tokens).tobytes()
 
 
@@ -37,7 +37,7 @@ def _node_bytes(node: int) -> bytes:
 
 
 def _tokens_agreed(a: bytes, b: bytes) -> int:
-    """How many leading tokens two packed token runs share."""
+    """How many leading tokens two token runs (as bytes) share."""
     x, y = memoryview(a).cast("q"), memoryview(b).cast("q")
     n, most = 0, min(len(x), len(y))
     while n < most and x[n] == y[n]:
@@ -74,8 +74,8 @@ class PrefixCache:
         pool.set_evictor(self.evict)
 
     def _key(self, tokens: list[int], i: int) -> bytes:
-        """Block i's tokens, packed."""
-        return _packed(tokens[i * self.block_size : (i + 1) * self.block_size])
+        """Block i's tokens, as bytes."""
+        return _token_bytes(tokens[i * self.block_size : (i + 1) * self.block_size])
 
     def _root(self, namespace: str) -> int:
         root = self._roots.get(namespace)
@@ -118,12 +118,12 @@ class PrefixCache:
             return None
         start = len(matched) * self.block_size
         want = tokens[start : start + min(limit, self.block_size - 1)]
-        packed = _packed(want)
+        want_bytes = _token_bytes(want)
         best, best_len = -1, 0
         for i, block in enumerate(self._children(node)):
             if i == PARTIAL_SCAN or best_len == len(want):
                 break
-            n = _tokens_agreed(self._tokens[block], packed)
+            n = _tokens_agreed(self._tokens[block], want_bytes)
             if n > best_len:
                 best, best_len = block, n
         return (best, best_len) if best_len else None

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from prelude.config import Populate
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.attention.metadata import AttentionMetadata
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -30,7 +30,7 @@ class DerivedTensors(Protocol):
 
     def tensor(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor: ...
 
-    def blocks(self, key: str, make: Callable[[], GgmlBlocks | None]) -> GgmlBlocks | None: ...
+    def blocks(self, key: str, make: Callable[[], GgmlQuants | None]) -> GgmlQuants | None: ...
 
 
 class NothingKept:
@@ -41,7 +41,7 @@ class NothingKept:
     def tensor(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         return make()
 
-    def blocks(self, key: str, make: Callable[[], GgmlBlocks | None]) -> GgmlBlocks | None:
+    def blocks(self, key: str, make: Callable[[], GgmlQuants | None]) -> GgmlQuants | None:
         return make()
 
 

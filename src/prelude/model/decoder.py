@@ -32,19 +32,19 @@ from prelude.model.layers.decoder_segments import (
     ACTIVATIONS,
     EAGER_SEGMENTS,
     DecoderSegments,
-    HeadWeights,
+    PreAttention,
     LayerShape,
     Linear,
-    TailWeights,
+    PostAttention,
 )
 from prelude.model.fast_paths import decode_routes
 from prelude.kernels.cpu.head_argmax import HeadArgmax
 from prelude.model.fast_paths import greedy_head
-from prelude.kernels.cpu.quant_gemm import BlocksKernel, load_kernel
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.cpu.quant_gemm import QuantKernel, load_kernel
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.attention.kv_memory import zeroed_kv_tensors
 from prelude.model.fast_paths.layer_loop import LayerLoop, layer_loop_for
-from prelude.model.layers.linear import BlocksPath, Projection, describe_routes, prepack_enabled
+from prelude.model.layers.linear import QuantPath, Projection, describe_routes, prepack_enabled
 from prelude.model.lora.adapters import LoraStep
 from prelude.model.layers.moe import SparseMoe, describe as describe_moe
 from prelude.model.layers.rotary import RotaryEmbedding
@@ -55,7 +55,7 @@ logger = logging.getLogger("prelude.model.decoder")
 # Tensors some checkpoints carry that no forward reads (rotary tables saved by old exporters)
 _NEVER_READ = (".rotary_emb.inv_freq",)
 
-BlocksFor = Callable[..., BlocksPath | None]  # weight names (stacked in order) -> their blocks
+BlocksFor = Callable[..., QuantPath | None]  # weight names (stacked in order) -> their blocks
 
 
 def _operand(p: Projection) -> Linear:
@@ -68,7 +68,7 @@ class CastWeights(Mapping[str, torch.Tensor]):
     """A checkpoint's tensors in the model's dtype and on its device, each converted at its
     first read; `stacked` converts pieces straight into one fused tensor. A bf16 start of
     SmolLM2-135M had cast every float32 tensor and then copied q/k/v and gate/up again into
-    their fused weights (`torch.cat`, ~0.1 s of its start-up); the values are the same (one
+    their fused weights (`torch.cat`, a visible share of its start-up); the values are the same (one
     rounding of each float32 value either way). Casts and stacks come from `prepared` where
     an earlier start kept them."""
 
@@ -156,7 +156,7 @@ class DecoderLayer:
         self.post_mlp_norm = w("post_feedforward_layernorm.weight") if spec.post_norms else None
         self.q_norm = w("self_attn.q_norm.weight") if spec.attention.qk_norm else None
         self.k_norm = w("self_attn.k_norm.weight") if spec.attention.qk_norm else None
-        self.head = HeadWeights(self.input_norm, _operand(self.qkv), None if self.qkv.packed else self.qkv.bias,
+        self.pre_attention = PreAttention(self.input_norm, _operand(self.qkv), None if self.qkv.packed else self.qkv.bias,
                                 self.q_norm, self.k_norm)
         # A mixture of experts runs its own GEMMs (model/layers/moe.py); a dense MLP two projections
         self.moe: SparseMoe | None = None
@@ -165,12 +165,12 @@ class DecoderLayer:
         if spec.mlp.kind == "moe":
             assert spec.mlp.moe is not None
             self.moe = SparseMoe.from_checkpoint(weights, prefix + "mlp.", spec.mlp.moe, ACTIVATIONS[spec.mlp.activation])
-            self.tail = TailWeights(_operand(self.o_proj), self.post_norm, None, None, self.moe)
+            self.post_attention = PostAttention(_operand(self.o_proj), self.post_norm, None, None, self.moe)
         else:
             self.gate_up = Projection(stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"), None, prepack,
                                       blk("mlp.gate_proj.weight", "mlp.up_proj.weight"))
             self.down = Projection(w("mlp.down_proj.weight"), None, prepack, blk("mlp.down_proj.weight"))
-            self.tail = TailWeights(_operand(self.o_proj), self.post_norm, _operand(self.gate_up),
+            self.post_attention = PostAttention(_operand(self.o_proj), self.post_norm, _operand(self.gate_up),
                                     _operand(self.down))
 
     @property
@@ -194,10 +194,10 @@ class Decoder:
         attention: AttentionBackend | None = None,
         max_positions: int | None = None,
         prepack: bool = True,
-        blocks: Mapping[str, GgmlBlocks] | None = None,
+        blocks: Mapping[str, GgmlQuants] | None = None,
         prepared: DerivedTensors | None = None,
     ) -> None:
-        """`prepared`: what an earlier start derived from these weights (model/prepared.py);
+        """`prepared`: what an earlier start derived from these weights (model/loading/prepared.py);
         this build's casts, stacks and stacked blocks are read from it or made and kept in it."""
         self.config = config
         self.spec = spec
@@ -216,26 +216,29 @@ class Decoder:
         if kernel is not None and not kernel.takes(dtype):
             kernel = None
 
-        def blocks_for(*names: str) -> BlocksPath | None:
+        def blocks_for(*names: str) -> QuantPath | None:
             if kernel is None or not blocks:
                 return None
             stacked = prepared.blocks("blocks:" + "|".join(names),
-                                      lambda: GgmlBlocks.cat([blocks.get(n) for n in names]))
-            return None if stacked is None else BlocksPath(stacked, kernel)
+                                      lambda: GgmlQuants.cat([blocks.get(n) for n in names]))
+            return None if stacked is None else QuantPath(stacked, kernel)
 
         self.layers = [
             DecoderLayer(cast, f"model.layers.{i}.", layer, prepack, blocks_for)
             for i, layer in enumerate(spec.layers)
         ]
-        self._heads = [layer.head for layer in self.layers]
-        self._tails = [layer.tail for layer in self.layers]
+        self._pre = [layer.pre_attention for layer in self.layers]
+        self._post = [layer.post_attention for layer in self.layers]
         self.norm = cast["model.norm.weight"]
-        # A *ForSequenceClassification checkpoint has a `score` head instead of an LM head.
+        # A *ForSequenceClassification checkpoint has a `score` head instead of an LM head; a
+        # trunk saved on its own (`Qwen3Model`, an embedder's) has none unless tied.
         self.score = cast.get("score.weight")
+        bare_trunk = spec.architecture.endswith("Model")
         if "lm_head.weight" in cast:
             self.lm_head: torch.Tensor | None = cast["lm_head.weight"]
         else:
-            self.lm_head = self.embed if config.tie_word_embeddings or self.score is None else None
+            self.lm_head = (self.embed if config.tie_word_embeddings or (self.score is None and not bare_trunk)
+                            else None)
         head_name = "lm_head.weight" if "lm_head.weight" in cast else "model.embed_tokens.weight"
         self._lm_head_proj = (Projection(self.lm_head, None, prepack, blocks_for(head_name), head=True)
                               if self.lm_head is not None else None)
@@ -296,7 +299,7 @@ class Decoder:
 
     def _adopt_amx_copies(self, prepared: DerivedTensors) -> None:
         """amx_gemm.c's copies from the prepared file (made and kept there the first time):
-        ~0.1-0.16 s of a bf16 start on an AMX CPU, where the C layer loop takes them at
+        a visible share of a bf16 start on an AMX CPU, where the C layer loop takes them at
         build. Keyed by the projection's place in the model and its shape (the digested code
         fixes the order)."""
         for i, p in enumerate(self._projections()):
@@ -306,9 +309,9 @@ class Decoder:
         """In bf16, where every call of a prepacked projection past the few-row routes takes
         a packed copy, make them now: amx_gemm.c's here (calls past the few-row routes up to
         its max_rows, and the C layer loop read them), oneDNN's on a thread where a call can
-        take them (longer calls: ~0.15-0.25 s for SmolLM2-135M that a serving engine's start
-        no longer waits for; the first forward waits for the rest, so a process's memory
-        holds them all from its first answer on). Returns how many projections have them. In
+        take them (longer calls: work a serving engine's start no longer waits for; the
+        first forward waits for the rest, so a process's memory holds them all from its
+        first answer on). Returns how many projections have them. In
         float32 only f32_gemm.c's (a CPU without AVX-512): oneDNN's serve decode sizes and
         calls from a 128-row step up, so a server that scores short texts never needs them,
         and the first call that does makes them."""
@@ -362,11 +365,14 @@ class Decoder:
     def _layer_loop(self) -> LayerLoop | None:
         """The C layer loop over the layers' projections as they route now (and the attention
         backend's current options), or None where no step would run wholly in C."""
-        if self.spec.is_plain_llama() is not None:  # the C loop computes the Llama layer only
+        unlike = self.spec.is_plain_llama()
+        if unlike is not None:  # the C loop computes the Llama layer only
+            if self.device.type == "cpu":
+                logger.info("the C layer loop: not for this model (it has %s): the Python loop runs every step", unlike)
             return None
         return layer_loop_for(self.layers, self.norm, self.attention, self.dtype, self.config, self.scale)
 
-    def _choose_decode_route(self, kernel: BlocksKernel) -> None:
+    def _choose_decode_route(self, kernel: QuantKernel) -> None:
         """Blocks or the dense route per decode row count, as measured on this CPU
         (decode_routes.py): the layers' projections together, the LM head on its own (its
         dense route is oneDNN's alone, amx_gemm.c serving no head, so its crossover is its own)."""
@@ -376,7 +382,7 @@ class Decoder:
         self.decode_route = self._route_for(trunk, kernel, "the layers' projections")
         self.head_route = self._route_for(head, kernel, "the LM head")
 
-    def _route_for(self, group: list[Projection], kernel: BlocksKernel,
+    def _route_for(self, group: list[Projection], kernel: QuantKernel,
                    what: str) -> decode_routes.RouteChoice | None:
         """The measured route choice for `group` (projections with blocks), applied to them."""
         if not group:
@@ -392,8 +398,8 @@ class Decoder:
     def weights_are_plain(self) -> bool:
         """True when every projection is a plain tensor (none prepacked): what compiled
         segments accept."""
-        return all(isinstance(t, torch.Tensor) for layer in self.layers for t in (layer.head.qkv, *layer.tail)
-                   if t is not None)
+        return all(isinstance(t, torch.Tensor) for layer in self.layers
+                   for t in (layer.pre_attention.qkv, *layer.post_attention) if t is not None)
 
     @torch.inference_mode()
     def forward(
@@ -425,28 +431,28 @@ class Decoder:
         if driver is not None and lora is None and segments.label == "cpu" and driver.takes(h.shape[0], meta, reads):
             return driver.run(h, cos, sin, meta, kv_caches, reads)
         if lora is None:
-            heads, tails = self._heads, self._tails
+            pres, posts = self._pre, self._post
         else:
-            heads = [lora.head(i, w) for i, w in enumerate(self._heads)]
-            # with `reads` the last layer's tail runs on the read rows only: their adapters
+            pres = [lora.pre_attention(i, w) for i, w in enumerate(self._pre)]
+            # with `reads` the last layer's second half runs on the read rows only: their adapters
             last_step = lora if reads is None else reads.lora
-            n = len(self._tails)
-            tails = [lora.tail(i, w) for i, w in enumerate(self._tails[:-1])]
-            tails.append(self._tails[-1] if last_step is None else last_step.tail(n - 1, self._tails[-1]))
-        q, k, v = segments.first(self.shape, h, heads[0], cos, sin)
-        last = len(tails) - 1
-        for i, (tail, (k_cache, v_cache)) in enumerate(zip(tails, kv_caches, strict=True)):
+            n = len(self._post)
+            posts = [lora.post_attention(i, w) for i, w in enumerate(self._post[:-1])]
+            posts.append(self._post[-1] if last_step is None else last_step.post_attention(n - 1, self._post[-1]))
+        q, k, v = segments.first(self.shape, h, pres[0], cos, sin)
+        last = len(posts) - 1
+        for i, (post, (k_cache, v_cache)) in enumerate(zip(posts, kv_caches, strict=True)):
             if i == last and reads is not None:
-                return self._last_layer_read(h, q, k, v, k_cache, v_cache, meta, tail, segments, reads)
+                return self._last_layer_read(h, q, k, v, k_cache, v_cache, meta, post, segments, reads)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
             if i < last:
-                h, q, k, v = segments.between(self.shape, h, attn, tail, heads[i + 1], cos, sin)
+                h, q, k, v = segments.between(self.shape, h, attn, post, pres[i + 1], cos, sin)
             else:
-                h = segments.last(self.shape, h, attn, tail, self.norm)
+                h = segments.last(self.shape, h, attn, post, self.norm)
         return h
 
     def _last_layer_read(self, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, tail: TailWeights,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, post: PostAttention,
                          segments: DecoderSegments, reads: ReadPositions) -> torch.Tensor:
         """The last layer for the read positions only: the backend writes every token's
         K/V and attends (where it can) only the read rows' tails; o_proj, the MLP and the
@@ -458,7 +464,7 @@ class Decoder:
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         if reads.index.numel() == 0:
             return h.new_empty((0, h.shape[1]))
-        return segments.last(self.shape, h.index_select(0, reads.index), attn.index_select(0, reads.index), tail,
+        return segments.last(self.shape, h.index_select(0, reads.index), attn.index_select(0, reads.index), post,
                              self.norm)
 
     is_encoder = False

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.arch import bert, gemma3, llama, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from prelude.model.attention import AttentionBackend
 from prelude.model.base import Architecture, DerivedTensors, Model, UnsupportedCheckpoint
@@ -88,7 +88,7 @@ def build_model(
     attention: AttentionBackend,
     max_positions: int | None = None,
     prepack: bool = True,
-    blocks: Mapping[str, GgmlBlocks] | None = None,
+    blocks: Mapping[str, GgmlQuants] | None = None,
     prepared: DerivedTensors | None = None,
 ) -> Model:
     """The model of `config`'s architecture (config.architecture) over `weights`.

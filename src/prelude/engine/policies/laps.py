@@ -56,12 +56,6 @@ class StepTimeModel:
             coef, *_ = np.linalg.lstsq(np.array(self._x), np.array(self._y), rcond=None)
             self.coef = coef
 
-    def predict(self, L: int, H: int = 0) -> float | None:
-        if self.coef is None:
-            return None
-        a, b, g, c = self.coef
-        return float(a * L * (L + 2 * H) + b * L + g * H + c)
-
     def boundary(self) -> float | None:
         if self.coef is None or self.coef[0] <= 0 or self.coef[1] <= 0:
             return None

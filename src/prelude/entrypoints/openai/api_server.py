@@ -17,6 +17,7 @@ from prelude.entrypoints.batch.worker import BatchRunner, BatchRunnerConfig
 from prelude.entrypoints.openai.batch_routes import install_batch_routes
 from prelude.entrypoints.openai.drain import DrainingServer
 from prelude.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from prelude.entrypoints.openai.decision_protocol import DecisionRequest, SystemOneRequest
 from prelude.entrypoints.openai.disconnect import ClientDisconnected
 from prelude.entrypoints.openai.fields import check_unknown_fields
 from prelude.entrypoints.openai.request_gate import RequestGate, GatedEngine
@@ -237,6 +238,14 @@ def build_app(
     @app.post("/v1/reward")
     async def reward(body: RewardRequest, request: Request) -> Any:
         return await _served("/v1/reward", body, request)
+
+    @app.post("/v1/decisions")
+    async def decisions(body: DecisionRequest, request: Request) -> Any:
+        return await _served("/v1/decisions", body, request)
+
+    @app.post("/v1/systemone")
+    async def systemone(body: SystemOneRequest, request: Request) -> Any:
+        return await _served("/v1/systemone", body, request)
 
     @app.post("/tokenize", response_model=dict[str, Any])
     async def tokenize_route(body: TokenizeRequest, request: Request) -> Any:

@@ -50,10 +50,6 @@ class OfflineRequest(StaysConnected):
         return False
 
 
-def is_routed(url: str) -> bool:
-    return url in ROUTES
-
-
 async def answer(engine: EngineClient, url: str, body: Any, limits: ServerLimits, body_bytes: int = 0,
                  adapters: ServedAdapters | None = None) -> tuple[int, bytes]:
     """(status, JSON body) of POST `url` with `body` (parsed JSON), as the server answers it.

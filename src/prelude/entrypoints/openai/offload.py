@@ -196,7 +196,7 @@ class OffLoopBodyRoute(APIRoute):
 
 def holds_many_values(value: Any, budget: int) -> bool:
     """Whether `value` holds more than `budget` JSON values; stops counting at the budget,
-    so a small answer costs a few steps and a large one at most `budget`."""
+    so a small answer costs a few iterations and a large one at most `budget`."""
     left = budget
     stack = [value]
     while stack:

@@ -58,7 +58,8 @@ class _EngineGauges(Collector):
         get = lambda key: float(m.get(key, 0.0))  # noqa: E731 - fakes report fewer keys
         running = GaugeMetricFamily("prelude:num_requests_running", "Requests in model execution (by class).",
                                     labels=["model_name", "exec_class"])
-        running.add_metric([self._model, "paged"], get("requests_running"))  # OneShot requests never run apart
+        running.add_metric([self._model, "paged"], get("requests_running_paged"))
+        running.add_metric([self._model, "oneshot"], get("requests_running_oneshot"))
         yield running
         waiting = GaugeMetricFamily("prelude:num_requests_waiting", "Requests waiting to be scheduled (by class).",
                                     labels=["model_name", "exec_class"])
@@ -142,6 +143,11 @@ class ServerMetrics:
                               [*labels, "kind"], buckets=_STEP_BUCKETS, registry=r)
         self.step_tokens = Counter("prelude:step_tokens", "Tokens computed by engine steps, by batch kind.",
                                    [*labels, "kind"], registry=r)
+        self.decisions = Counter("prelude:decisions", "Typed-decision requests answered, by route.",
+                                 [*labels, "route"], registry=r)
+        self.decision_questions = Counter(
+            "prelude:decision_questions", "Typed-decision questions answered, by route, type and outcome "
+            "(answered or refused).", [*labels, "route", "type", "outcome"], registry=r)
         collectors: list[Collector] = [_EngineGauges(engine.metrics, self.model_name, extra)]
         if hasattr(engine, "cluster_metrics"):
             collectors.append(_ClusterMetrics(engine.cluster_metrics))
@@ -191,6 +197,13 @@ class ServerMetrics:
 
     def count_request(self, route: str, status: int, exec_class: str) -> None:
         self._child(self.http_requests, route, str(status), exec_class).inc()
+
+    def count_decision(self, route: str, questions: list[tuple[str, bool]]) -> None:
+        """One typed-decision request: its questions' (type, refused)."""
+        self._child(self.decisions, self.model_name, route).inc()
+        for kind, refused in questions:
+            self._child(self.decision_questions, self.model_name, route, kind,
+                        "refused" if refused else "answered").inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self._scrape)

@@ -157,8 +157,12 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-    pooling: Literal["last", "mean", "cls"] | None = None
-    normalize: bool = True
+    pooling: Literal["last", "mean", "cls", "max"] | None = None
+    # None: as the model's folder says (its Normalize module), normalized without a folder
+    normalize: bool | None = None
+    # sentence-transformers' name of a prompt in the model's config_sentence_transformers.json
+    # (None: its default prompt, if any), prepended to each text input
+    prompt_name: str | None = None
 
 
 class ClassifyRequest(RequestBody):
@@ -168,6 +172,9 @@ class ClassifyRequest(RequestBody):
     # How a label's token logprobs combine: their sum (the label's logprob) or their mean.
     normalize: Literal["sum", "mean"] = "sum"
     use_chat_template: bool = False  # wrap each input as a user turn of the chat template
+    # What turns a head's outputs into `probs` (None: sigmoid for one output, softmax for
+    # several, softmax over candidate labels); "none": the raw logits (labels: logprobs)
+    activation: Literal["softmax", "sigmoid", "none"] | None = None
     user: str | None = None
 
 
@@ -180,6 +187,8 @@ class ScoreRequest(RequestBody):
     text_1: str | list[str] | None = None
     text_2: str | list[str] | None = None
     template: str | None = None
+    # a token reranker's task text inside its own template (Qwen3-Reranker's <Instruct>)
+    instruction: str | None = None
     user: str | None = None
     # SGLang's shape
     query: str | list[int] | None = None
@@ -216,10 +225,12 @@ class RerankRequest(RequestBody):
     top_n: int | None = Field(default=None, ge=0)
     return_documents: bool = True
     template: str | None = None
+    instruction: str | None = None  # a token reranker's task text inside its own template
     user: str | None = None
 
 
 class RewardRequest(RequestBody):
     model: str | None = None
     input: str | list[int] | list[str] | list[list[int]]
+    activation: Literal["sigmoid", "none"] = "none"  # the score as the head gives it, or its sigmoid
     user: str | None = None

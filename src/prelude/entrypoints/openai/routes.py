@@ -9,6 +9,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel
 
+from prelude.entrypoints.openai.decision_protocol import DecisionRequest, SystemOneRequest
 from prelude.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ClassifyRequest,
@@ -28,6 +29,7 @@ from prelude.entrypoints.openai.serving_pooling import (
     create_reward,
     create_score,
 )
+from prelude.entrypoints.openai.serving_decisions import create_decision, create_systemone
 from prelude.entrypoints.openai.serving_generative_score import create_generative_score, create_generative_scoring
 
 Handler = Callable[[Any, Any, Any], Awaitable[Any]]  # (engine, validated body, HTTP request) -> answer
@@ -55,6 +57,8 @@ ROUTES: dict[str, Route] = {
     "/v1/generative_scoring": Route(GenerativeScoringRequest, _always(create_generative_scoring)),
     "/v1/rerank": Route(RerankRequest, _always(create_rerank)),
     "/v1/reward": Route(RewardRequest, _always(create_reward)),
+    "/v1/decisions": Route(DecisionRequest, _always(create_decision)),
+    "/v1/systemone": Route(SystemOneRequest, _always(create_systemone)),
 }
 # The unversioned spellings the server also answers (vLLM's).
 ROUTES |= {url.removeprefix("/v1"): ROUTES[url] for url in

@@ -2,7 +2,7 @@
 vLLM's `/generative_scoring`.
 
 Each item is scored by the next-token probabilities of the label ids after query+item
-(or item+query with `item_first`). Items after one query are packed into a OneShot row
+(or item+query with `item_first`). Items after one query share a OneShot row (a multi-item prompt)
 (each sees the query and itself only, see PoolingParams.item_lens), as many per row as
 the context allows; the query is a prefix-cache entry like any other. With
 `apply_softmax` the probabilities are renormalized over the labels, which needs only the
@@ -30,14 +30,14 @@ from prelude.tokenizer.prefix_encode import encode_joined
 
 @dataclass(frozen=True)
 class ScoringJob:
-    """One engine request: a prompt and the items packed at its end (none: one item alone)."""
+    """One engine request: a prompt and the items at its end (none: one item alone)."""
 
     prompt: list[int]
     item_lens: tuple[int, ...]
     item_indices: tuple[int, ...]  # which input items it scores, in order
 
 
-def pack_items(query: list[int], items: list[list[int]], max_len: int, multi_item: bool) -> list[ScoringJob]:
+def group_items(query: list[int], items: list[list[int]], max_len: int, multi_item: bool) -> list[ScoringJob]:
     """Group items after the query into rows of at most `max_len` tokens (a row with one
     item is a plain prompt). Without `multi_item`, every item gets its own row."""
     jobs: list[ScoringJob] = []
@@ -49,8 +49,8 @@ def pack_items(query: list[int], items: list[list[int]], max_len: int, multi_ite
         if len(group) == 1:
             jobs.append(ScoringJob(query + items[group[0]], (), (group[0],)))
         else:
-            packed = query + [t for i in group for t in items[i]]
-            jobs.append(ScoringJob(packed, tuple(len(items[i]) for i in group), tuple(group)))
+            prompt = query + [t for i in group for t in items[i]]
+            jobs.append(ScoringJob(prompt, tuple(len(items[i]) for i in group), tuple(group)))
         group.clear()
 
     used = len(query)
@@ -96,7 +96,7 @@ async def label_probabilities(
         raise APIError("label_token_ids must hold at least one token id", param="label_token_ids")
     if not items:
         raise APIError("items must not be empty", param="items")
-    # the items, not the packed rows (far fewer): --max-batch-inputs bounds what a request holds
+    # the items, not the multi-item rows (far fewer): --max-batch-inputs bounds what a request holds
     limits_of(http).check_inputs(len(items), "items")
     q = _query_ids(engine, query, add_special_tokens)
     item_ids = [_ids(engine, item, add_special_tokens=False) for item in items]
@@ -107,7 +107,7 @@ async def label_probabilities(
     else:
         if not q:
             raise APIError("the query is empty", param="query")
-        jobs = pack_items(q, item_ids, engine.max_model_len, multi_item)
+        jobs = group_items(q, item_ids, engine.max_model_len, multi_item)
     labels = tuple(label_token_ids)
     poolings = [PoolingParams(PoolingTask.LABELS, label_token_ids=labels, label_softmax=apply_softmax,
                               item_lens=job.item_lens) for job in jobs]

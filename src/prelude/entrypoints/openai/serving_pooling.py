@@ -12,7 +12,7 @@ import math
 import struct
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from starlette.requests import Request as HTTPRequest
@@ -23,7 +23,9 @@ from prelude.engine.request import PoolingParams, PoolingTask, RequestOutput, Sa
 from prelude.entrypoints.openai.disconnect import until_disconnect
 from prelude.entrypoints.openai.errors import APIError
 from prelude.entrypoints.openai.limits import limits_of
+from prelude.entrypoints.openai import score_templates
 from prelude.entrypoints.openai.offload import off_loop_if_large
+from prelude.params import EmbedSetup
 from prelude.entrypoints.openai.protocol import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -49,7 +51,19 @@ def _softmax(xs: Sequence[float]) -> list[float]:
 
 
 def _sigmoid(x: float) -> float:
+    if x < 0:  # exp of a large positive number overflows
+        e = math.exp(x)
+        return e / (1.0 + e)
     return 1.0 / (1.0 + math.exp(-x))
+
+
+def _activated(scores: Sequence[float], activation: str) -> list[float]:
+    """A head's outputs through `activation`: softmax over them, a sigmoid of each, or as they are."""
+    if activation == "softmax":
+        return _softmax(scores)
+    if activation == "sigmoid":
+        return [_sigmoid(s) for s in scores]
+    return list(scores)
 
 
 def _input_list(value: Any, param: str) -> list[str | list[int]]:
@@ -120,14 +134,14 @@ class LabelScoring:
     """How /classify scores candidate labels after each prompt."""
 
     pooling: PoolingParams
-    suffix: list[int]  # tokens appended to every prompt (the packed labels), or none
+    suffix: list[int]  # tokens appended to every prompt (the labels as items), or none
     lengths: list[int]  # tokens per label
 
 
 def label_scoring(engine: EngineClient, labels: list[str]) -> LabelScoring:
     """Distinct one-token labels: a softmax over the gathered label rows of the LM head.
     Otherwise every label's whole token sequence is scored (the sum of its token
-    logprobs; labels may share first tokens), the labels packed as items after the
+    logprobs; labels may share first tokens), the labels as items after the
     prompt: K labels cost one forward."""
     toks = _label_tokens(engine, labels)
     firsts = tuple(t[0] for t in toks)
@@ -146,12 +160,49 @@ def _label_token_ids(engine: EngineClient, labels: list[str]) -> tuple[int, ...]
     return ids
 
 
+def _prompt_text(setup: EmbedSetup | None, name: str | None) -> str | None:
+    """The prompt a request's texts start with: `prompt_name`'s, else the model's default."""
+    if setup is None:
+        if name is not None:
+            raise APIError("prompt_name: this model has no prompts", param="prompt_name")
+        return None
+    try:
+        return setup.prompt(name)
+    except KeyError:
+        names = ", ".join(n for n, _ in setup.prompts) or "none"
+        raise APIError(f"prompt_name {name!r} is not one of this model's prompts ({names})",
+                       param="prompt_name") from None
+
+
+def _prompt_tokens(engine: EngineClient, prompt: str, ids: list[int]) -> int:
+    """How many leading tokens of `ids` (prompt + text) are the prompt's: the tokens it
+    shares with the prompt encoded alone (a trailing special token such as EOS, which the
+    text's encoding has at its end only, is not shared)."""
+    alone = engine.tokenizer.encode(prompt, add_special_tokens=True)
+    n = 0
+    while n < min(len(alone), len(ids)) and alone[n] == ids[n]:
+        n += 1
+    return n
+
+
 async def create_embeddings(engine: EngineClient, req: EmbeddingRequest, http: HTTPRequest) -> dict[str, Any]:
+    setup: EmbedSetup | None = getattr(engine, "embed_setup", None)
     if req.dimensions is not None:
-        raise APIError("dimensions is not supported: this model has a fixed embedding size", param="dimensions")
-    prompts = await _tokenized(http, engine, _input_list(req.input, "input"))
-    pooling = PoolingParams(PoolingTask.EMBED, pooling=req.pooling, normalize=req.normalize)
-    outs = await encode_all(engine, f"embd-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+        why = setup.check_dimensions(req.dimensions) if setup is not None else "this model has a fixed embedding size"
+        if why is not None:
+            raise APIError(why, param="dimensions")
+    items = _input_list(req.input, "input")
+    prompt = _prompt_text(setup, req.prompt_name)
+    if prompt:  # text inputs only: token ids are taken as they are
+        items = [prompt + item if isinstance(item, str) else item for item in items]
+    prompts = await _tokenized(http, engine, items)
+    normalize = req.normalize if req.normalize is not None else (setup.normalize if setup is not None else True)
+    base = PoolingParams(PoolingTask.EMBED, pooling=req.pooling, normalize=normalize, dimensions=req.dimensions)
+    poolings = [base] * len(prompts)
+    if prompt and setup is not None and not setup.include_prompt:  # the prompt's tokens are left out of the pool
+        poolings = [replace(base, skip_tokens=_prompt_tokens(engine, prompt, ids)) if isinstance(item, str) else base
+                    for item, ids in zip(items, prompts)]
+    outs = await encode_all(engine, f"embd-{uuid.uuid4().hex}", prompts, poolings, http)
     data = []
     for i, out in enumerate(outs):
         vec = list(out.embedding or ())
@@ -179,15 +230,18 @@ async def create_classification(engine: EngineClient, req: ClassifyRequest, http
         names = list(engine.labels)
         pooling = PoolingParams(PoolingTask.CLASSIFY)
     outs = await encode_all(engine, f"classify-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
+    activation = req.activation or ("softmax" if lengths is not None or len(names) > 1 else "sigmoid")
+    if activation == "softmax" and len(names) == 1:
+        raise APIError("activation softmax over one output is always 1: use sigmoid or none", param="activation")
+    if activation == "sigmoid" and lengths is not None:
+        raise APIError("activation sigmoid does not apply to candidate labels (their scores are logprobs): use "
+                       "softmax or none", param="activation")
     data = []
     for i, out in enumerate(outs):
         scores = list(out.scores or ())
         if lengths is not None and req.normalize == "mean":
             scores = [v / n for v, n in zip(scores, lengths)]
-        if lengths is not None:
-            probs = _softmax(scores)
-        else:
-            probs = [_sigmoid(scores[0])] if len(scores) == 1 else _softmax(scores)
+        probs = _activated(scores, activation)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": i, "label": names[best], "probs": probs, "num_classes": len(probs)})
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -200,23 +254,39 @@ async def create_reward(engine: EngineClient, req: RewardRequest, http: HTTPRequ
     prompts = await _tokenized(http, engine, _input_list(req.input, "input"))
     pooling = PoolingParams(PoolingTask.CLASSIFY)
     outs = await encode_all(engine, f"reward-{uuid.uuid4().hex}", prompts, [pooling] * len(prompts), http)
-    data = [{"index": i, "object": "reward", "score": (out.scores or (0.0,))[0]} for i, out in enumerate(outs)]
+    data = [{"index": i, "object": "reward", "score": _activated(out.scores or (0.0,), req.activation)[0]}
+            for i, out in enumerate(outs)]
     return {"id": f"reward-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": engine.model_name, "data": data, "usage": _usage(prompts)}
 
 
+def _check_template(template: str) -> None:
+    if "{query}" not in template or "{document}" not in template:
+        raise APIError("template must contain {query} and {document}", param="template")
+
+
 async def relevance_scores(
-    engine: EngineClient, pairs: list[tuple[str, str]], template: str | None, http: HTTPRequest
+    engine: EngineClient, pairs: list[tuple[str, str]], template: str | None, http: HTTPRequest,
+    instruction: str | None = None,
 ) -> tuple[list[float], list[list[int]]]:
-    """Cross-encoder head scores, or for a causal LM P("yes") under a template."""
+    """Cross-encoder head scores (a token reranker's under its own template: its head is
+    made from its yes/no rows at load), or for a causal LM P("yes") under a template."""
     if engine.labels:
         encode_pair = getattr(engine.tokenizer, "encode_pair", None)
+        own = score_templates.TEMPLATES.get(getattr(engine, "score_template", None) or "")
+        if template is not None:
+            _check_template(template)
         prompts, poolings = [], []
         for q, d in pairs:
-            if engine.is_encoder and encode_pair is not None:
+            types = None
+            if template is not None:
+                ids = engine.tokenizer.encode(template.replace("{query}", q).replace("{document}", d))
+            elif own is not None:
+                ids = own(engine.tokenizer, q, d, instruction)
+            elif engine.is_encoder and encode_pair is not None:
                 ids, types = encode_pair(q, d)
             else:
-                ids, types = engine.tokenizer.encode(q + "\n" + d), None
+                ids = engine.tokenizer.encode(q + "\n" + d)
             prompts.append(ids)
             poolings.append(PoolingParams(PoolingTask.CLASSIFY, token_type_ids=tuple(types) if types else None))
         outs = await encode_all(engine, f"score-{uuid.uuid4().hex}", prompts, poolings, http)
@@ -228,8 +298,7 @@ async def relevance_scores(
     if not engine.can_generate:
         raise APIError("this model has neither a score head nor a language-model head")
     tmpl = template or DEFAULT_SCORE_TEMPLATE
-    if "{query}" not in tmpl or "{document}" not in tmpl:
-        raise APIError("template must contain {query} and {document}", param="template")
+    _check_template(tmpl)
     labels = _label_token_ids(engine, ["yes", "no"])
     prompts = []
     for q, d in pairs:
@@ -254,7 +323,7 @@ async def create_score(engine: EngineClient, req: ScoreRequest, http: HTTPReques
     if len(first) != len(second):
         raise APIError("text_1 must be one text or as many texts as text_2", param="text_1")
     limits_of(http).check_inputs(len(second), "text_2")
-    scores, prompts = await relevance_scores(engine, list(zip(first, second)), req.template, http)
+    scores, prompts = await relevance_scores(engine, list(zip(first, second)), req.template, http, req.instruction)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": engine.model_name,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
@@ -274,7 +343,8 @@ async def create_rerank(engine: EngineClient, req: RerankRequest, http: HTTPRequ
         raise APIError("documents must not be empty", param="documents")
     limits_of(http).check_inputs(len(req.documents), "documents")
     docs = [_document_text(d, i) for i, d in enumerate(req.documents)]
-    scores, prompts = await relevance_scores(engine, [(req.query, d) for d in docs], req.template, http)
+    scores, prompts = await relevance_scores(engine, [(req.query, d) for d in docs], req.template, http,
+                                             req.instruction)
     order = sorted(range(len(docs)), key=lambda i: scores[i], reverse=True)
     if req.top_n:  # None or 0: every document (as vLLM and Cohere's API)
         order = order[: req.top_n]

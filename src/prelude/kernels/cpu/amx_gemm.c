@@ -4,12 +4,11 @@
  * wp[block][k/2][16] 32-bit words (two bf16 each), so a B tile (16 k pairs x 16 outputs)
  * is 1 KB in a row.
  *
- * Short prompts' projections (linear.py sends calls of 33..128 rows here): weights of
- * 0.2-4 MB streamed from memory once a call. oneDNN's packed kernels ran SmolLM2's 120 of
- * them at ~0.6-0.7 TFLOP/s on a 2-core KVM Xeon (model 207), whose tile unit does
- * ~2.3 TFLOP/s a core from L1. Here A is 16 rows of x straight from x (its row stride),
- * B the packed weight, and a 32 x 32 block of y sits in four C tiles (2 A x 2 B: every
- * tile loaded feeds two products). The k loop runs in slabs of KC_CHUNKS x 32 so one slab
+ * Short prompts' projections (model/layers/linear.py sends calls of 33..128 rows here):
+ * weights of a few MB at most, streamed from memory once a call, on which oneDNN's packed
+ * kernels reach a fraction of the tile unit's rate from L1. Here A is 16 rows of x
+ * straight from x (its row stride), B the packed weight, and a 32 x 32 block of y sits in
+ * four C tiles (2 A x 2 B: every tile loaded feeds two products). The k loop runs in slabs of KC_CHUNKS x 32 so one slab
  * of a 32-output pair's weight (18 KB) and of a 32-row block of x fit L1 together while
  * the slab passes over ROW_CHUNK rows; the four C tiles wait in a per-thread buffer
  * between slabs (float32 stores and loads: exact). The next pair's weight is prefetched
@@ -19,14 +18,13 @@
  * the thread count and whatever other rows share the call: k in 32-wide chunks, in order.
  * Rows past the last whole 32 go through a zero-padded copy.
  *
- * Without AMX, on a CPU with AVX512-BF16 (AMD Zen 4 on), the same packed weight feeds the
+ * Without AMX, on a CPU with AVX512-BF16 (recent AMD CPUs), the same packed weight feeds the
  * dot-product form: vdpbf16ps on 16 outputs a vector, DP_ROWS rows of x (each k pair one
  * 32-bit broadcast from x's row) by DP_BLOCKS blocks of 16 outputs, 24 float32 accumulators
  * over every k pair in order, rounded once (4 x 6 the best of 8 x 3, 6 x 4, 5 x 5, 3 x 8,
- * 14 x 2). SmolLM2-135M's 120 projections (weights from memory, as in a forward), two
- * threads, alternated with oneDNN's packed kernels on a KVM Zen 4: 0.86x their time at 128
- * rows, 0.85x at 1,024 (with the block count a constant of each kernel copy; before, with
- * it a run-time count, 0.93x and 0.91x).
+ * 14 x 2). On a small model's projections (weights from memory, as in a forward) it takes
+ * less time than oneDNN's packed kernels from 128 to 1,024 rows; the block count is a
+ * constant of each kernel copy, which gains over a run-time count (docs/benchmarks.md).
  *
  * prelude_amx_gemm_ready() says whether a form can run here: 2 the tile form (the build has
  * AMX and the kernel lets this process use the tile registers), 1 the dot-product form, 0
@@ -58,8 +56,8 @@
 #define DP_ROWS 4   /* the dot-product form's rows a register block */
 #define DP_BLOCKS 6 /* and its blocks of 16 outputs (24 accumulators of 32 registers) */
 /* m * n * k below this runs the dot-product form on the calling thread: decode-sized calls
- * stream their weight from memory, and two threads read it faster (SmolLM2's 120 projections
- * at 3 / 4 rows, two threads, alternated: 6.0 / 6.2 ms against 8.0 / 9.1 at PAR_MIN_WORK) */
+ * stream their weight from memory, and two threads read it faster than one (a bound of
+ * PAR_MIN_WORK left few-row calls on one thread, slower) */
 #define DP_PAR_MIN_WORK (1 << 16)
 /* row blocks a call needs before each group prefetches the next one's weight: fewer rows
  * stream the weight at memory speed anyway, and the prefetches only add to it */
@@ -210,8 +208,7 @@ static void dp_groups(const uint16_t *x, int64_t m, int64_t ldx, const uint32_t 
         const uint32_t *wg = wp + b0 * kp * 16;
         /* the next group's weight (it follows this one's: a block is kp lines) fetched into L2
          * while this one is summed, its lines spread over this group's row blocks: without it
-         * each group's first row block waited on memory (a 64- / 128-token prefill 0.95 /
-         * 0.96-0.99x the time with it, alternated on a KVM Zen 4) */
+         * each group's first row block waited on memory (short prefills gain a few percent) */
         const int64_t left = blocks - b0 - nb;
         const int64_t next_nb =
             g + 1 < g1 && row_blocks >= DP_PREFETCH_MIN_BLOCKS ? (left < DP_BLOCKS ? left : DP_BLOCKS) : 0;

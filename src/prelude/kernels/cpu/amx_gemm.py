@@ -1,6 +1,6 @@
 """Many bfloat16 rows through a packed bfloat16 weight (amx_gemm.c), built once per machine
-(model/native_lib.py) and called through ctypes: a bf16 prefill's projections on the AMX
-tile unit, or, on a CPU with AVX512-BF16 and no AMX (AMD Zen 4 on), with vdpbf16ps over
+(kernels/cpu/native_lib.py) and called through ctypes: a bf16 prefill's projections on the AMX
+tile unit, or, on a CPU with AVX512-BF16 and no AMX (recent AMD CPUs), with vdpbf16ps over
 the same packed copy (its `form`).
 
 `pack(weight)` makes the copy the kernel reads (the weight's bytes again, in k pairs, 16
@@ -27,13 +27,11 @@ WIDTH_STEP = 32  # out and k must be multiples of this
 
 FORMS = ("", "dot-product", "AMX")  # prelude_amx_gemm_ready()'s answers
 # The most rows a call takes here, per form (oneDNN's packed copies serve longer calls):
-# - AMX: SmolLM2-135M prefills of 64 and 128 tokens 0.77-0.94x oneDNN's time, but at 256,
-#   512 and 2,048 rows 1.06-1.19x slower (its gate/up GEMM the loser; KVM Xeon, model 207).
-# - dot-product: 256-, 512- and 1,024-token bf16 prefills 0.96x, 0.99x and 0.98x oneDNN's
-#   time, the judge's 1,024-row steps (16 x 64 over a cached 1,024) 1.03-1.06x the req/s;
-#   2,048 rows even (1.01x the time; KVM Zen 4, alternated in one process), and there the C
-#   layer loop takes the step too: 4 x 512-token waves 0.99x the time, 1,088-token prompts
-#   0.83-0.99x (two processes alternated, twice).
+# - AMX: short prefills beat oneDNN, but from a few hundred rows on oneDNN's blocking of the
+#   wide gate/up GEMM wins, so the tile form stops at 128 rows.
+# - dot-product: at least even with oneDNN up to 2,048 rows (prefills and the judge's
+#   1,024-row steps), so the C layer loop can take those steps too.
+# The measurements behind these bounds are in docs/benchmarks.md.
 MAX_ROWS = {"AMX": 128, "dot-product": 2048}
 
 

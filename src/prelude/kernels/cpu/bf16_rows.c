@@ -2,10 +2,11 @@
  * row-major as loaded, x [rows, k], y [rows, out] bfloat16 (the sums in float32, rounded
  * once, to nearest even).
  *
- * Decode's projections: 1-32 rows against weights of 0.2-4 MB, read from memory once a
- * step. oneDNN's packed kernels stream them well but cost ~30-40 us a call before any
- * work on a KVM Xeon (a 64 x 64 weight took as long as a 576 x 576 one): 120 calls a
- * step of SmolLM2-135M. Here a call is the weight's bytes, read 16 output rows at a time.
+ * Decode's projections: 1-32 rows against weights of a few MB at most, read from memory
+ * once a step. oneDNN's packed kernels stream them well but pay a fixed cost per call
+ * before any work (a 64 x 64 weight takes as long as a 576 x 576 one), and a small model's
+ * step makes about a hundred calls. Here a call is the weight's bytes, read 16 output rows
+ * at a time.
  *
  * The tile form (AMX-BF16): A is 16 weight rows x 32 k straight from W (its row stride),
  * B a group of 16 rows of x packed in k pairs (x^T, zero columns past the rows), C 16
@@ -16,8 +17,7 @@
  * The vector form (AVX512-BF16): the block's span stays in L1 while every row of x is
  * summed against it (vdpbf16ps: 32 products a vector) and a row's 16 sums leave as one
  * vector. It sums the outputs past the tile form's last whole block; for whole weights
- * the vector unit is too slow on that Xeon (~0.7 vdpbf16ps a ns a core: 4 rows through a
- * 3072 x 576 weight took as long as oneDNN's call).
+ * the vector unit's bf16 rate on the AMX CPUs it was tried on did not beat oneDNN's call.
  *
  * A row's sums run in one order whatever the thread count (threads split the outputs) and
  * whatever other rows share the call.

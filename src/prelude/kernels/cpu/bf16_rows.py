@@ -1,16 +1,15 @@
 """A few bfloat16 rows through a plain bfloat16 weight (bf16_rows.c), built once per
-machine (model/native_lib.py) and called through ctypes: decode's projections in bf16.
+machine (kernels/cpu/native_lib.py) and called through ctypes: decode's projections in bf16.
 
-oneDNN's packed kernels cost ~30-40 us a call before any work on a KVM Xeon (family 6
-model 207), as much for a 64 x 64 weight as for a 576 x 576 one: 120 such calls make a
-SmolLM2-135M decode step. This kernel reads the plain weight the Projection already
-holds (no copy), 16 outputs at a time, each block's weight rows read from memory once for
-all the call's rows (16-row groups, four to a pass). On a CPU with AMX-BF16 its tile form
-serves every bf16 call of up to TILE_MAX_ROWS rows whose k is a multiple of 32 (linear.py;
-a decode step's projections 12.2-14.1 ms against oneDNN's 16.6-22.7 there); the vector
-form (AVX512-BF16 dot products) sums the outputs past the last whole block, and is what
-the C side runs without AMX, where no call takes it (the vector unit's bf16 rate made 4
-rows as slow as oneDNN on that Xeon; unmeasured on other AVX512-BF16 CPUs).
+oneDNN's packed kernels pay a fixed cost per call before any work, as much for a 64 x 64
+weight as for a 576 x 576 one, and a small model's decode step makes about a hundred such
+calls. This kernel reads the plain weight the Projection already holds (no copy), 16
+outputs at a time, each block's weight rows read from memory once for all the call's rows
+(16-row groups, four to a pass). On a CPU with AMX-BF16 its tile form serves every bf16
+call of up to TILE_MAX_ROWS rows whose k is a multiple of 32 (model/layers/linear.py); the
+vector form (AVX512-BF16 dot products) sums the outputs past the last whole block, and is
+what the C side runs without AMX, where no call takes it (the vector unit's bf16 rate did
+not beat oneDNN there).
 `load_bf16_rows()` is None without a compiler, without AVX512-BF16, or with
 PRELUDE_BF16_ROWS=0.
 """
@@ -27,10 +26,9 @@ from prelude.kernels.cpu import native_lib
 
 _SOURCE = Path(__file__).with_name("bf16_rows.c")
 MAX_ROWS = 256  # the C side's bound
-# Calls of up to this many rows take the tile form (linear.py): a SmolLM2 step's projections
-# at 16 / 32 / 48 / 64 rows 18.8 / 26.2 / 32.6 / 44.5 ms vs oneDNN's 24.8 / 34.5 / 27.7 / 32.7
-# (KVM Xeon, model 207, alternated): past two 16-row groups a pass over a block is bound by
-# the tile unit, where oneDNN's blocking does more with it.
+# Calls of up to this many rows take the tile form (model/layers/linear.py): past two
+# 16-row groups a pass over a block is bound by the tile unit, where oneDNN's blocking does
+# more with it (docs/benchmarks.md).
 TILE_MAX_ROWS = 32
 TILE_K = 32  # the tile form reads k in chunks of this many
 

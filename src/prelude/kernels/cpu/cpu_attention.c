@@ -6,7 +6,7 @@
  * this forward's k/v tensors) and decode rows (one query over the pool), GQA, float32 or
  * bf16 tensors. The math is float32 inside, softmax online (running max and sum per query,
  * rescaled per key tile) in the log2 domain. The same semantics as the Triton kernels of
- * triton_kernels.py, including the multi-item segment mask.
+ * kernels/triton/attention.py, including the multi-item segment mask.
  *
  * Work items are (row, KV head, query tile); each one loads a key tile once for all the
  * query heads that share its KV head. Two inner forms:
@@ -54,8 +54,7 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 /* The float32 wide form's query vectors (of VW lanes) per register block: 4 keys (or head
  * dims) x CB vectors of accumulators, CB query vectors and a broadcast must fit the vector
  * registers. AVX-512's 32 take 4 (and blocks of 6 below); AVX2's 16 take 3, where 4 spilled
- * (21 live: the float32 judge's layer call 25.8 -> 17.4 ms with 3, a 512-token prompt's 3.5
- * -> 2.8, under PRELUDE_CPU_ISA=avx2 on a KVM Zen 4; the sums are the same, in the same order) */
+ * (21 live, and 3 ran much faster; the sums are the same, in the same order) */
 #if defined(__AVX512F__)
 #define CB 4
 #else
@@ -86,8 +85,8 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 
 static inline vf vsplat(float x) { return (vf){0} + x; }
 /* A broadcast of *p for the float32 QK/PV blocks. AVX2: one load-broadcast (vbroadcastss
- * from memory) in place of vsplat's add and register broadcast, 9-10% off the AVX2 build's
- * judge and free-model shapes; AVX-512 measured no different, and keeps vsplat. */
+ * from memory) in place of vsplat's add and register broadcast, faster on the AVX2 build's
+ * judge and free-model shapes; AVX-512 gains nothing from it, and keeps vsplat. */
 #if defined(__AVX512F__)
 static inline vf vbcast(const float *p) { return vsplat(*p); }
 #else
@@ -541,7 +540,7 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
         load_tile(c, it, s, p0, n, cache_end);
         for (int64_t j = 0; j < NK; j += 4) {
             int64_t cv = cv0;
-#if defined(__AVX512F__) /* 6 vectors a block: the float32 judge's items (96 lanes) 5-8% faster than 4 + 2 */
+#if defined(__AVX512F__) /* 6 vectors a block: the float32 judge's items (96 lanes) faster than 4 + 2 */
             for (; cv + 6 <= nvec; cv += 6) qk_block_6(s->kf + j * dp, dp, d, s->qt + cv * VW, mp, s->s + j * mp + cv * VW);
 #endif
             for (; cv + CB <= nvec; cv += CB)
@@ -820,7 +819,7 @@ static inline void softmax_pairs_bf16(const Ctx *c, Scratch *s, int64_t p0, int6
  * (a fit of 2^f on |f| <= 1/2, shifted: rel. error 1.4e-4, a thirtieth of bf16's rounding),
  * times 2^floor(y) (vscalefps floors its exponent operand). Its caller subtracts max - 1/2,
  * not the max: one instruction a vector fewer than rounding to the nearest integer and
- * subtracting it (the judge's layer call 4-5% faster on a Xeon with AMX). */
+ * subtracting it (the judge's layer call a few percent faster). */
 static inline vf exp2v_bf16_half(vf y) {
     const vf g = (vf)_mm512_reduce_ps((__m512)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     vf p = vsplat(0.05502926645151903f);
@@ -834,9 +833,8 @@ static inline vf exp2v_bf16_half(vf y) {
  * has a reference max, the exponents run against it while the tile's max is taken beside
  * them; only when that max passes the reference by more than LAZY_LOG2 (rare once set, see
  * lazy_max) is the vector redone the two-pass way. Masked tiles, a vector's first tile and
- * the batch-invariant mode take the two passes. Both bf16 forms take it (the dot-product
- * form's judge layer call, 16 rows over one shared 1,024-token prefix + 64: 7.55 -> 7.44 ms
- * on a KVM Zen 4, `bench attention --shared-prefix`). */
+ * the batch-invariant mode take the two passes. Both bf16 forms take it (it gains a little on
+ * the judge's shared-prefix layer call, `python -m benchmarks.attention --shared-prefix`). */
 static inline void softmax_pairs_onepass(const Ctx *c, Scratch *s, int64_t p0, int64_t n, int64_t cv0,
                                          int64_t nvec, int64_t mp, int masked, float scale, int64_t rows) {
     const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
@@ -985,7 +983,7 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
 }
 
 #if HAVE_AMX
-/* ---- the AMX form of the wide bf16 item (CPUs with AMX-BF16: Intel Xeon 4th gen on) -----
+/* ---- the AMX form of the wide bf16 item (CPUs with AMX-BF16: recent Intel server CPUs) -----
  * The same tile loop, masks, softmax and layouts as wide_item_bf16; the two products run on
  * the tile unit, 16 x 16 float32 outputs from 16 x 32 bf16 by 32 x 16 bf16 per instruction:
  * - S^T [keys][queries] = K Q^T: A is 16 key rows (copied into kb, zero-padded to a multiple
@@ -1257,9 +1255,8 @@ int prelude_paged_attention(
              sqt, sqh, skt, skh, svt, svh, scb, scs, sch, (char *)out, sot, soh, segments,
              block_size, heads, kv_heads, heads / kv_heads, d, (d + 3) / 4 * 4,
              scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4, (options & OPT_ALL_WIDE) != 0};
-    /* amx: bf16 items take the AMX form where it can run (prefill, and decode rows: a decode
-     * step of 16 rows over 1,000-token contexts 80.3 -> 70.4 ms, 16 x 128 38.8 -> 37.7, 4 x
-     * 128 even, alternated step by step on a KVM Xeon, model 207) */
+    /* amx: bf16 items take the AMX form where it can run (prefill, and decode rows: faster
+     * over long contexts, even over short ones) */
     const int amx = options & OPT_AMX;
     const int use_amx = HAVE_AMX && bf16 && amx && prelude_attention_amx_ready();
     const int64_t g = c.group, max_m = use_amx ? MAX_M_AMX : HAVE_DPBF16 && bf16 ? MAX_M_BF16 : MAX_M;

@@ -1,9 +1,9 @@
 /* The elementwise work between a decoder layer's GEMMs, fused, on the CPU (AVX2 + FMA,
  * OpenMP over rows), for float32 and bfloat16 activations: the same four operations as the
- * Triton kernels of fused_kernels.py, called through ctypes by cpu_fused_kernels.py.
+ * Triton kernels of kernels/triton/fused.py, called through ctypes by cpu_fused.py.
  *
- * Eagerly that work is ~25 torch ops per layer, each a full pass over its operands plus
- * ~5 us of dispatch; here it is four calls per layer, each one pass.
+ * Eagerly that work is about 25 torch ops per layer, each a full pass over its operands
+ * plus its dispatch cost; here it is four calls per layer, each one pass.
  *
  * Numerics follow the eager ops (decoder_segments.py) operation by operation: every
  * product and sum an eager op rounds is rounded here too (no contraction: built with
@@ -343,7 +343,7 @@ INLINE void silu_mul_rows(const int bf, const void *gate_up, int64_t stride_in, 
         int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
         /* Two vectors an iteration: each is one long dependent chain (exp's polynomial, the
-         * division), and the pair keeps the units busy (14-19% faster at 16-2,048 rows). */
+         * division), and the pair keeps the units busy (faster at every row count). */
         for (; i + 32 <= n; i += 32) {
             /* every load before the first store: o may alias the inputs for all the compiler knows */
             const __m512 sa = silu16(ld16(bf, g, i)), sb = silu16(ld16(bf, g, i + 16));

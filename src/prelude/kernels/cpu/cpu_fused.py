@@ -2,7 +2,8 @@
 (cpu_fused.c: float32 math inside, bf16 rounded where the eager bf16 ops round).
 
 The same four operations, signatures and numerics as the Triton kernels of
-fused_kernels.py (CUDA), so fused_segments.py builds one set of segments over either:
+kernels/triton/fused.py (CUDA), so model/layers/fused_segments.py builds one set of
+segments over either:
 
 - `add_rms_norm`: the residual add and the next RMSNorm in one pass;
 - `rms_norm`: the same without a residual;
@@ -10,13 +11,12 @@ fused_kernels.py (CUDA), so fused_segments.py builds one set of segments over ei
   (Qwen3), rotary; contiguous q, k, v;
 - `silu_mul`: SiLU(gate) * up.
 
-Eagerly these are ~25 torch ops per layer (each a pass over its operands and ~5 us of
-dispatch); here four ctypes calls. The residual add and the rotary are bit-identical to
-the eager ops, RMSNorm differs by the order of its sum, SiLU by its exp (~1 ulp; in bf16
-that can move a value by one bf16 ulp). A bf16 512-token prefill of the default model
-spent 72 ms of 353 in eager elementwise ops (mul alone 44 ms), a float32 one 21 ms in
-these kernels.
-Built on first use like the GGUF-block GEMM (native_lib.py); `load_cpu_kernels()` is None
+Eagerly these are about 25 torch ops per layer, each a pass over its operands plus its
+dispatch cost, and in a bf16 prefill they take a sizeable share of the forward; here they
+are four ctypes calls. The residual add and the rotary are bit-identical to the eager ops,
+RMSNorm differs by the order of its sum, SiLU by its exp (~1 ulp; in bf16 that can move a
+value by one bf16 ulp).
+Built on first use like the GGUF-block GEMM (kernels/cpu/native_lib.py); `load_cpu_kernels()` is None
 without a compiler or AVX2+FMA, or with PRELUDE_CPU_FUSED=0.
 """
 
@@ -56,7 +56,7 @@ def _ptr(x: torch.Tensor | None) -> int | None:
 
 
 class CpuFusedKernels:
-    """The loaded library, with the fused_kernels.py signatures."""
+    """The loaded library, with the kernels/triton/fused.py signatures."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
@@ -91,7 +91,7 @@ class CpuFusedKernels:
         self._check(self._norm(rows.data_ptr(), rows.stride(0), _ptr(r), 0 if r is None else r.stride(0),
                                w.data_ptr(), h.data_ptr() if residual is not None else None, out.data_ptr(),
                                t, n, eps, torch.get_num_threads(), DTYPES.index(dtype)), "add_rms_norm")
-        if x.dim() == 2:  # the segments' case; a view costs ~5 us, a third of a one-row call
+        if x.dim() == 2:  # the segments' case; a view costs a sizeable share of a one-row call
             return h, out
         return h.view(x.shape), out.view(x.shape)
 
@@ -122,7 +122,7 @@ class CpuFusedKernels:
         v = torch.empty(t, num_kv_heads, head_dim, dtype=dtype)
         if cos.numel() != t * head_dim or sin.numel() != t * head_dim:
             raise ValueError(f"cos/sin of {cos.numel()}/{sin.numel()} values for {t} tokens of head_dim {head_dim}")
-        # [T, 1, D] as gathered: already the [T, D] rows the C side reads (no reshape: ~3 us each)
+        # [T, 1, D] as gathered: already the [T, D] rows the C side reads (no reshape: each costs a dispatch)
         cos2d = cos if cos.is_contiguous() else cos.contiguous()
         sin2d = sin if sin.is_contiguous() else sin.contiguous()
         qn = None if q_norm is None else q_norm.contiguous()

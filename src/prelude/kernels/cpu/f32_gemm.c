@@ -4,9 +4,9 @@
  * 32-byte vector.
  *
  * For CPUs without AVX-512 (an AVX2-only CPU's dtype is float32): there oneDNN's float32
- * kernels ran SmolLM2-135M's 120 projections at ~173 GFLOP/s at 128 rows (70% of the FMA
- * peak, a KVM Zen 4 capped to AVX2). A register block here is F32_ROWS rows of x (each k
- * step one broadcast from the row) by F32_BLOCKS blocks of 8 outputs: 12 accumulators, 3
+ * kernels leave part of the FMA peak unused on a small model's projections. A register
+ * block here is F32_ROWS rows of x (each k step one broadcast from the row) by F32_BLOCKS
+ * blocks of 8 outputs: 12 accumulators, 3
  * weight vectors and a broadcast fill AVX2's 16 registers; each (rows, blocks) pair is a
  * kernel copy of its own, so the counts are constants and nothing spills. Each group of
  * blocks prefetches the next group's weight into L2 over its row blocks. Threads split the

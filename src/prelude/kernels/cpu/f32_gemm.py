@@ -1,7 +1,7 @@
 """Many float32 rows through a packed float32 weight (f32_gemm.c, AVX2 + FMA), built once per
-machine (model/native_lib.py) and called through ctypes: a float32 prefill's projections on
-a CPU without AVX-512, where float32 is `--dtype auto`'s choice and oneDNN's kernels ran
-SmolLM2-135M's projections at ~70% of the FMA peak.
+machine (kernels/cpu/native_lib.py) and called through ctypes: a float32 prefill's
+projections on a CPU without AVX-512, where float32 is `--dtype auto`'s choice and oneDNN's
+kernels leave part of the FMA peak unused.
 
 `pack(weight)` makes the copy the kernel reads (the weight's bytes again, 8 outputs a
 block), `linear(x, packed, bias)` runs it. A row's sums run in one order whatever the thread
@@ -22,10 +22,9 @@ from prelude.kernels.cpu.packed_gemm import PackedGemm
 
 _SOURCE = Path(__file__).with_name("f32_gemm.c")
 WIDTH_STEP = 8  # out must be a multiple of this
-# The most rows a call takes here (oneDNN's packed copies serve longer calls). SmolLM2-135M's
-# 120 projections, a KVM Zen 4 capped to AVX2, alternated with oneDNN's packed kernels:
-# 0.87x their time at 128 rows, 0.90-0.93x at 1,024, 0.96x at 1,536 and 2,048 (the default
-# token budget's steps: 512-token prompts at c=16) (docs/benchmarks.md).
+# The most rows a call takes here (oneDNN's packed copies serve longer calls): up to the
+# default token budget's steps this kernel takes less time than oneDNN's packed kernels
+# (docs/benchmarks.md).
 MAX_ROWS = 2048
 
 

@@ -103,9 +103,7 @@ static inline __attribute__((always_inline)) void approx_rows(const uint32_t *xb
     }
     /* Two blocks a pass paid only over narrow heads: one 16-token block's bfloat16 weights are
      * half_k x 64 bytes, and from 128 inputs (4 KiB) on the paired form ran slower than one
-     * block a pass at every row count (Zen 5, 49,152 tokens, warm, alternated: k = 128, 8
-     * rows 0.83 -> 0.41 ms, 1 row 0.285 -> 0.244; k = 256, 4 rows 1.23 -> 0.80; k = 576, 8
-     * rows 3.13 -> 2.52; k = 96 even), at k = 64 it stays 10-15% ahead. */
+     * block a pass at every row count; at k = 64 it stays ahead. */
     const int64_t paired = rows <= 8 && half_k <= 32 ? b0 + ((b1 - b0) & ~(int64_t)1) : b0;
     if (paired > b0) approx_blocks(xb, wb, wnorm, scale, b0, paired, half_k, limit, cand, low, rows, 2);
     approx_blocks(xb, wb, wnorm, scale, paired, b1, half_k, limit, cand, low, rows, 1);

@@ -2,9 +2,9 @@
 (head_argmax.c): a bfloat16 pass over a bfloat16 copy of the head bounds every logit, and
 the few tokens that can still be the best are computed in float32 exactly as row_gemv.c's
 kernels compute them (the ones Projection runs for such calls), so the token is
-the argmax of the logits that path gives, bit for bit, ties to the lowest id. A
-greedy decode step of the free model at c=8 (49,152 x 128 head, 8 rows): the head and
-its argmax 0.50 -> ~0.25 ms on one thread (AMD EPYC Zen 5).
+the argmax of the logits that path gives, bit for bit, ties to the lowest id. The bf16
+pass reads half the bytes of the float32 head and no logits are written, so a greedy
+decode step's head and argmax take about half the time (docs/benchmarks.md).
 
 model/fast_paths/greedy_head.py says which heads it serves (where Projection would run
 row_gemv.c), and only where AVX512_BF16 is there. The copy

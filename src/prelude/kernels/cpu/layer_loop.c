@@ -1,12 +1,12 @@
 /* A decoder's layer loop for one small step on the CPU, in one call.
  *
  * A step of SmolLM2-135M makes ~270 kernel calls (four projections, three elementwise
- * kernels and attention per layer), each through ctypes with its Python around it: ~4.5 of
- * a 17-25 ms decode step ran outside the kernels on a KVM Xeon. Here the same kernels run
+ * kernels and attention per layer), each through ctypes with its Python around it, and
+ * that overhead is a sizeable share of a small decode step. Here the same kernels run
  * in the same order on the same buffers, called through the entry points of the libraries
  * that hold them (cpu_fused.c, bf16_rows.c, amx_gemm.c, quant_gemm.c, cpu_attention.c;
  * layer_loop.py passes their addresses), so a step's answers are bit for bit those of
- * the Python loop (fused_segments.py and LlamaForCausalLM's last layer for the read
+ * the Python loop (fused_segments.py and the Decoder's last layer for the read
  * positions), which every other step still runs.
  *
  * bfloat16 or float32 activations (the model's dtype, `bf`); steps (decode rows and

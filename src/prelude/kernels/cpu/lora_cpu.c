@@ -3,7 +3,7 @@
  *
  *   out[t, :] += (x[t, :] @ A[s, :, :]) @ B[s, :, :]   for s = slots[t] >= 0
  *
- * x: [T, in] (row stride sx), A: [S, in, W] and B: [S, W, out] contiguous (model/lora.py's
+ * x: [T, in] (row stride sx), A: [S, in, W] and B: [S, W, out] contiguous (model/lora/adapters.py's
  * LoraSlots layout), out: [T, out] (row stride so). float32 or bfloat16 (`bf`) for all of
  * them, float32 sums; a bf16 output is rounded to nearest even once, after the sum (as
  * torch's addmm in bf16 rounds its result). One call replaces the three oneDNN/aten calls
@@ -11,9 +11,8 @@
  *
  * bf16 on an AVX512-BF16 CPU: vdpbf16ps on pairs of rows interleaved in registers, y
  * rounded to bf16 between the products (as torch's x @ A is), and software prefetch: every
- * token streams its own adapter (~0.3 MB a layer for the default model at rank 16) from
- * memory, and prefetching ahead took a decode step's 30 layers x 4 projections x 4 tokens
- * from 3.75 to 2.36 ms (alternated medians, one thread; 0.96 ms with the slots in cache).
+ * token streams its own adapter from memory, and prefetching ahead hides much of that
+ * latency.
  * Elsewhere (AVX2) the portable loops below, which the compiler vectorizes.
  */
 #include "prelude_kernels.h"
@@ -298,7 +297,7 @@ static inline __attribute__((always_inline)) void expand_tile(const int NZ, cons
             for (int z = 0; z < NZ; z++) acc[m][z] = _mm512_dpbf16_ps(acc[m][z], b[z], yv);
         }
     }
-    if (whole) {  /* plain stores: masked ones are slow on Zen */
+    if (whole) {  /* plain stores: masked ones are slow on some AMD CPUs */
         for (int m = 0; m < count; m++)
             for (int z = 0; z < NZ; z++)
                 _mm256_storeu_si256((__m256i *)(orow[m] + c0 + 16 * z), (__m256i)_mm512_cvtneps_pbh(acc[m][z]));
@@ -446,15 +445,14 @@ done:
 }
 
 /* The LoRA delta of a few-token forward (decode) on slots kept in the kernels' own layout
- * (lora_cpu.py's StreamLayout: how model/lora.py's LoraSlots holds bf16 slots here), bf16
+ * (lora_cpu.py's StreamLayout: how model/lora/adapters.py's LoraSlots holds bf16 slots here), bf16
  * on an AVX512-BF16 CPU. Slot s is one contiguous run P + s * stride: A as [n2, Wp, 2] (pairs of
  * inputs interleaved: vdpbf16ps operands as they are, no permute) then, at boff, each
  * target's diagonal block of B as [njp / 16, Rp / 2, 16, 2] (16 columns x all ranks
  * contiguous). Every token thus reads one sequential stream, which the hardware
  * prefetcher follows: against lora_bgmv's row-major slots (a permute per product, B read
- * across 16 rows at once, software prefetch) a decode step's 30 layers x 4 projections x 4
- * tokens of the default model went 1.68 -> 1.23 ms (one thread, caches flushed between
- * steps; software prefetch on top of it did not help). Same sums as lora_bgmv: y = x A in
+ * across 16 rows at once, software prefetch) a decode step's deltas take less time, and
+ * software prefetch on top of it did not help. Same sums as lora_bgmv: y = x A in
  * fp32, rounded to bf16, out += y B in fp32, rounded once. */
 static inline __attribute__((always_inline)) void pk_shrink(const int NZ, const int U, int n_in, const uint16_t *xt,
                                                              const uint16_t *Ap, int Wp, int w0, float *y) {
@@ -503,7 +501,7 @@ static inline __attribute__((always_inline)) void pk_expand(const int NB, const 
     for (int c = 0; c < NB; c++) {
         const int col = 16 * (cb0 + c), left = nj - col;
         uint16_t *oc = o + col;
-        if (left >= 16) {  /* plain loads and stores: masked ones are slow on Zen */
+        if (left >= 16) {  /* plain loads and stores: masked ones are slow on some AMD CPUs */
             const __m512 ov = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)oc));
             _mm256_storeu_si256((__m256i *)oc, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(ov, acc[c])));
         } else {
@@ -575,8 +573,8 @@ void lora_bgmv_packed(int T, int n_in, int S, int Wp, int Rp, int k, const int *
 #endif
 
 /* One projection's slots as lora_decode takes them, filled once when the slots are built
- * (lora_cpu.py's SlotOperands): a decode step makes ~120 calls, and a ctypes call costs
- * ~0.1 us an argument, so a call passes only what changes (its tokens). P: the
+ * (lora_cpu.py's SlotOperands): a decode step makes about a hundred calls, and a ctypes
+ * call's cost grows with its arguments, so a call passes only what changes (its tokens). P: the
  * StreamLayout slots (lora_bgmv_packed), or NULL (lora_bgmv on row-major A and B). */
 typedef struct {
     int n_in, S, W, n_out, k, bf, Wp, Rp;

@@ -1,7 +1,7 @@
 """The C LoRA delta for few-token CPU forwards (lora_cpu.c): one call per projection, each
 token reading only its own adapter's slot. Built on first use like the other C kernels
-(native_lib.py); `load_lora_kernel()` is None without a compiler or AVX2+FMA, or with
-PRELUDE_LORA_KERNEL=0 (then the oneDNN all-slots path of model/lora.py runs)."""
+(kernels/cpu/native_lib.py); `load_lora_kernel()` is None without a compiler or AVX2+FMA, or
+with PRELUDE_LORA_KERNEL=0 (then the oneDNN all-slots path of model/lora/adapters.py runs)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class StreamLayout:
-    """How the C kernels on an AVX512-BF16 CPU keep a projection's bf16 slots (model/lora.py's
+    """How the C kernels on an AVX512-BF16 CPU keep a projection's bf16 slots (model/lora/adapters.py's
     LoraSlots holds them only this way there): each slot one contiguous stream, A as
     [n2, Wp, 2] (pairs of inputs interleaved: vdpbf16ps operands as they are) then each
     target's diagonal block of B as [njp / 16, Rp / 2, 16, 2] (Rp: the rank rounded up to
     even, Wp: k Rp rounded up to 16, njp: the target's columns rounded up to 16). Against
-    the row-major [S, in, k R] / [S, k R, out]: a decode step's LoRA deltas 1.68 -> 1.23 ms
-    (one thread; every token reads one sequential stream, no permutes), prefill reads it
-    without repacking, and B's zero blocks (2/3 of q/k/v's, 1/2 of gate/up's) are not kept:
-    the default model's 4 slots of rank 16 take 37 MiB, not 55."""
+    the row-major [S, in, k R] / [S, k R, out]: decode's LoRA deltas take less time (every
+    token reads one sequential stream, no permutes), prefill reads it without repacking,
+    and B's zero blocks (2/3 of q/k/v's, 1/2 of gate/up's) are not kept, about a third less
+    memory per slot."""
 
     n_in: int
     k: int
@@ -104,8 +104,8 @@ class _CallOperands(ctypes.Structure):
 class SlotOperands:
     """One projection's stacked slots as the kernels take them, checked once when the slots
     are built (their storage never moves: loads copy into it), so a forward's call passes
-    only its tokens' pointers: ~120 calls a decode step, where per-call checks in Python
-    cost ~3% of the step."""
+    only its tokens' pointers: about a hundred calls a decode step, where per-call checks
+    in Python would add a visible share of the step."""
 
     dtype: torch.dtype
     n_in: int

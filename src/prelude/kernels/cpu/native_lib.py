@@ -1,6 +1,6 @@
 """Build and load the model's small C libraries (quant_gemm.c, cpu_fused.c, ...).
 
-Each C file is compiled with the system C compiler on first use (~1 s) into the user's
+Each C file is compiled with the system C compiler on first use (about a second) into the user's
 cache dir, for the CPU it runs on (`-march=native`: the compiler vectorizes for the host's
 widest ISA, and `#ifdef __AVX512F__`-style guards pick a C file's wider paths), keyed by
 the source, the compiler, the flags and the CPU's ISA flags: a cache shared by two

@@ -1,13 +1,13 @@
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias) with W kept in GGUF's 32-weight blocks
  * (Q4_0, Q4_1, Q8_0), for the few-row calls of decode (AVX2 + FMA, OpenMP over N).
  *
- * Decode on a CPU reads every weight once per step: float32 weights make it memory-bound
- * (SmolLM2-135M: 540 MB per step). The blocks are 5-8x smaller. A block's contribution is
+ * Decode on a CPU reads every weight once per step: float32 weights make it memory-bound.
+ * The blocks take a quarter to a seventh of float32's bytes. A block's contribution is
  * d * (x . q) + m * sum(x) (gguf's dequantization, d * q + m, distributed), so the
  * result equals x . W^T over the float32 weights the prefill GEMMs use up to float32
  * rounding of the sums (the order differs, as it does between any two GEMM libraries).
  *
- * Layout (see ggml_blocks.py): qs [N, K/2] (4-bit: in each 16-byte block, byte j holds
+ * Layout (see kernels/ggml_quants.py): qs [N, K/2] (4-bit: in each 16-byte block, byte j holds
  * element j in its low nibble and element j + 16 in its high nibble) or [N, K] (int8);
  * d, m [N, K/32] float32 (m only for Q4_1). Built with -mavx2 -mfma -ffp-contract=off.
  */

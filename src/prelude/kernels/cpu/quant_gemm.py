@@ -1,6 +1,6 @@
 """The few-row GEMM over GGUF blocks (quant_gemm.c), built once per machine
-(model/native_lib.py) and called through ctypes: float32 activations on any AVX2+FMA CPU,
-bf16 activations where the CPU has AVX512-BF16 (`BlocksKernel.bf16`). Without a compiler
+(kernels/cpu/native_lib.py) and called through ctypes: float32 activations on any AVX2+FMA CPU,
+bf16 activations where the CPU has AVX512-BF16 (`QuantKernel.bf16`). Without a compiler
 or an AVX2+FMA CPU, `load_kernel()` returns None and projections keep their dense path.
 """
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 
 from prelude.kernels.cpu import native_lib
-from prelude.kernels.ggml_blocks import KINDS, GgmlBlocks
+from prelude.kernels.ggml_quants import KINDS, GgmlQuants
 
 _SOURCE = Path(__file__).with_name("quant_gemm.c")
 
 
-class BlocksKernel:
+class QuantKernel:
     """The loaded library. Keeps the per-call Python work small: a decode step of a
     30-layer model makes ~120 calls."""
 
@@ -49,7 +49,7 @@ class BlocksKernel:
         """Whether activations of `dtype` can read the blocks here."""
         return dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16)
 
-    def linear(self, x: torch.Tensor, blocks: GgmlBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, blocks: GgmlQuants, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] float32 (or bf16 where `takes` it) -> [..., N] in x's dtype: x W^T
         (+ bias, in x's dtype) with W in `blocks`."""
         k = blocks.in_features
@@ -78,8 +78,8 @@ def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
     return native_lib.build(_SOURCE, flags)
 
 
-def load_kernel() -> BlocksKernel | None:
+def load_kernel() -> QuantKernel | None:
     """The kernel, built on first use on this machine; None where it cannot run. Each
     caller (a model) holds its own handle."""
     lib = native_lib.load(_SOURCE, "PRELUDE_BLOCKS_KERNEL", "GGUF-block decode GEMM (decode reads float32 weights)")
-    return None if lib is None else BlocksKernel(lib)
+    return None if lib is None else QuantKernel(lib)

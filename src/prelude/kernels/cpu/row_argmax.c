@@ -1,7 +1,7 @@
 /* First index of each row's maximum over float32 rows: torch.argmax(x, -1)'s answer
  * (the first of equal maxima; a NaN counts as the maximum, so its first index wins),
- * in two cheap passes instead of torch's index-tracking reduction (~10x slower on a
- * 49,152-wide row). Pass 1 takes the max of each block of BLOCK values (a plain max
+ * in two cheap passes instead of torch's index-tracking reduction, which does not
+ * vectorize. Pass 1 takes the max of each block of BLOCK values (a plain max
  * reduction the compiler vectorizes) and keeps the first block whose max is strictly
  * the largest; pass 2 finds the first index of that max inside that block. Earlier
  * blocks' maxima are all smaller, so that index is the row's first maximum. */
@@ -54,7 +54,7 @@ void prelude_row_argmax(const float *x, int64_t rows, int64_t n, int64_t stride,
 /* The exponential race of sampler.py, per row: argmax over tokens of p / E with
  * E = -log(u) in float64 rounded to float32, u = uniform_noise(seed, position, token),
  * exactly the torch expression's values, without building the [rows, vocab] noise and
- * its ~20 int64 temporaries (5.8 ms for 8 rows of 49,152 in torch on Zen 5).
+ * its ~20 int64 temporaries, which dominate torch's time for a few rows of a large vocabulary.
  * Most tokens cannot win: E >= 1 - u, so p / (1 - u) bounds a token's value, and a token
  * whose bound is below the best so far skips the log (a 1e-6 margin covers the float32
  * roundings and log's last bit). Ties keep the first index, NaN wins, as in argmax. */

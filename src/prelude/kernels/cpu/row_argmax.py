@@ -2,9 +2,9 @@
 (row_argmax.c); any other device, dtype or layout goes to torch.
 
 - `row_argmax(x)`: torch.argmax(x, dim=-1). torch's CPU argmax tracks an index per
-  element and does not vectorize: 27 us for one 49,152-wide row, 1.7 ms for 64, ~10x
-  its own max reduction, paid at every greedy token. The same answer (the first of equal
-  maxima; a NaN is the maximum).
+  element and does not vectorize, so it takes several times its own max reduction, paid
+  at every greedy token. The same answer (the first of equal maxima; a NaN is the
+  maximum).
 - `race_argmax(probs, seeds, positions)`: the exponential race of sampler.py, argmax of
   probs / -log(uniform_noise(seeds, positions)), without the [rows, vocab] noise: the C
   side hashes each token's uniform as uniform_noise does and skips the log of tokens
@@ -12,7 +12,7 @@
   (glibc's against torch's vectorized one), which a float32 rounding almost never shows.
   At temperature 1 (OpenAI's default) this ran at every sampled token.
 
-Built on first use like the model's C kernels (model/native_lib.py); PRELUDE_ROW_ARGMAX=0
+Built on first use like the model's C kernels (kernels/cpu/native_lib.py); PRELUDE_ROW_ARGMAX=0
 turns it off.
 """
 

@@ -2,8 +2,8 @@
  *
  * The call an LM head makes for one sampled row (c=1, or one decode row): a 49,152 x 128
  * head is 25 MB read once for 49,152 dot products of 128, bound by memory bandwidth.
- * On the Zen 5, one thread, oneDNN's packed one-row kernel took ~450 us from L3 and ~700
- * from DRAM (56 / 36 GB/s); this loop ~325 / ~560 us (78 / 45 GB/s): x held in registers,
+ * This loop streams the weight faster than oneDNN's packed one-row kernel, from cache and
+ * from memory (docs/benchmarks.md): x held in registers,
  * each weight row summed with two accumulators, the rows ahead prefetched non-temporally
  * (read once: no point keeping them in the caches the rest of the request runs from).
  * Sums run in a fixed order (k in 16-lane vectors, even and odd vectors apart, then the

@@ -1,11 +1,10 @@
 """A few float32 rows through a wide float32 weight (row_gemv.c), built once per machine
-(model/native_lib.py) and called through ctypes. An LM head's Projection takes it for calls
-of up to BLOCKED_MAX_ROWS rows over weights of at least ROW_GEMV_MIN_BYTES (c=1 to 16): one row reads the plain weight (rows of 64, 128 or 256 only), 2..16 rows a blocked
-copy made on their first call
-(16 outputs a vector: each weight vector serves every row), where oneDNN's packed kernels
-streamed the weight 1.2-2x slower (49,152 x 128: 8 rows 907 vs 432 us, 16 rows 1,291 vs
-1,086). `load_row_gemv()` is None without a compiler, without
-AVX-512, or with PRELUDE_ROW_GEMV=0.
+(kernels/cpu/native_lib.py) and called through ctypes. An LM head's Projection takes it for
+calls of up to BLOCKED_MAX_ROWS rows over weights of at least ROW_GEMV_MIN_BYTES (c=1 to 16):
+one row reads the plain weight (rows of 64, 128 or 256 only), 2..16 rows a blocked copy made
+on their first call (16 outputs a vector: each weight vector serves every row), which
+streams the weight faster than oneDNN's packed kernels at these row counts.
+`load_row_gemv()` is None without a compiler, without AVX-512, or with PRELUDE_ROW_GEMV=0.
 """
 
 from __future__ import annotations
@@ -52,9 +51,8 @@ class RowGemv:
     @staticmethod
     def one_row_pays(weight: torch.Tensor) -> bool:
         """Whether one row through `weight` beats oneDNN here: widths whose x the kernel holds
-        in registers (64, 128, 256). Wider rows (SmolLM2's 576, 1,024) measured ~20% slower
-        than oneDNN for one row (49,152 x 576: 3.25 vs 2.68 ms), while 2-8 rows through the
-        blocked copy stay faster at every width measured (8 rows: 2.68 vs 4.05 ms)."""
+        in registers (64, 128, 256). For wider rows (SmolLM2's 576, 1,024) oneDNN is faster
+        for one row, while 2-8 rows through the blocked copy stay faster at every width."""
         return weight.shape[1] in ONE_ROW_WIDTHS
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Triton kernels for the elementwise work between a decoder layer's GEMMs (CUDA).
 
 Eagerly, the math between two GEMMs of a layer is ~25 small kernels (dtype casts, the
-RMSNorm reduction, the rotary halves and their cat, SiLU, the products). On a GPU each costs
-1-3 us even inside a CUDA graph, so for a 0.6B model at 128 tokens they were most of the
-forward's device time (H100: ~250 elementwise and ~110 reduction kernels per forward, 3.7 ms
-in all, GEMMs a few us each). These kernels do the same math in four launches per layer:
+RMSNorm reduction, the rotary halves and their cat, SiLU, the products). On a GPU each
+launch has a fixed cost even inside a CUDA graph, so for a small model at short prompts
+these hundreds of small kernels take most of the forward's device time, more than the
+GEMMs. These kernels do the same math in four launches per layer:
 
 - `add_rms_norm`: the residual add and the next RMSNorm (one read of each operand);
 - `rms_norm`: the same without a residual (the first layer's input norm);

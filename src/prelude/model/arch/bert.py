@@ -19,6 +19,7 @@ from prelude.model.attention.metadata import AttentionMetadata
 from prelude.config import Populate
 from prelude.model.arch import hf_config
 from prelude.model.base import Architecture, KVCaches, UnsupportedCheckpoint
+from prelude.model.sentence_modules import pooling_of
 
 # Tensors some checkpoints carry that no forward reads (position id buffers)
 _NEVER_READ = ("embeddings.position_ids",)
@@ -44,9 +45,8 @@ class EncoderConfig:
     def from_dir(model_dir: Path, cfg: dict[str, Any]) -> "EncoderConfig":
         pooling, normalize = "cls", False
         pool_cfg = model_dir / "1_Pooling" / "config.json"
-        if pool_cfg.exists():
-            pc = json.loads(pool_cfg.read_text())
-            pooling = "mean" if pc.get("pooling_mode_mean_tokens") else "cls"
+        if pool_cfg.exists():  # the runner takes the whole module stack (model/sentence_modules.py)
+            pooling = pooling_of(model_dir, json.loads(pool_cfg.read_text()))[0]
         max_len = int(cfg.get("max_position_embeddings", 512))
         st_cfg = model_dir / "sentence_bert_config.json"
         if st_cfg.exists():  # sentence-transformers truncates there: inputs beyond it are refused
@@ -146,7 +146,7 @@ class BertEncoder:
 
         Projections run once over every token of every row; attention runs on the rows
         padded to the longest, keys masked (one SDPA per layer). Running the rows one by
-        one made 20 short texts cost 20 small forwards: 2x slower than sentence-transformers."""
+        one made N short texts cost N small forwards, slower than sentence-transformers."""
         cfg = self.config
         dev = input_ids.device
         lens = [row.query_len for row in meta.prefills]

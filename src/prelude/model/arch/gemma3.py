@@ -224,11 +224,11 @@ class Gemma3ForCausalLM(Decoder):
         h = self.embed.index_select(0, input_ids) * self.embed_scale
         tables = {"full": self.rope.tables(positions), "sliding": self.local_rope.tables(positions)}
         for i, (layer_spec, (k_cache, v_cache)) in enumerate(zip(self.spec.layers, kv_caches, strict=True)):
-            head, tail = self._heads[i], self._tails[i]
+            pre, post = self._pre[i], self._post[i]
             if lora is not None:
-                head, tail = lora.head(i, head), lora.tail(i, tail)
+                pre, post = lora.pre_attention(i, pre), lora.post_attention(i, post)
             input_norm, post_attn, pre_mlp, post_mlp, q_norm, k_norm = self._norms[i]
-            qkv = linear(_one_plus_norm(h, input_norm, eps), head.qkv, head.qkv_bias)
+            qkv = linear(_one_plus_norm(h, input_norm, eps), pre.qkv, pre.qkv_bias)
             q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
             q = _one_plus_norm(q.reshape(-1, shape.num_heads, shape.head_dim), q_norm, eps)
             k = _one_plus_norm(k.reshape(-1, shape.num_kv_heads, shape.head_dim), k_norm, eps)
@@ -239,9 +239,9 @@ class Gemma3ForCausalLM(Decoder):
                                               window=layer_spec.attention.window)
             else:
                 attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
-            h = h + _one_plus_norm(linear(attn.reshape(-1, shape.q_size), tail.o_proj), post_attn, eps)
-            gate, up = linear(_one_plus_norm(h, pre_mlp, eps), tail.gate_up).chunk(2, dim=-1)  # type: ignore[arg-type]
-            h = h + _one_plus_norm(linear(gelu_tanh(gate) * up, tail.down), post_mlp, eps)  # type: ignore[arg-type]
+            h = h + _one_plus_norm(linear(attn.reshape(-1, shape.q_size), post.o_proj), post_attn, eps)
+            gate, up = linear(_one_plus_norm(h, pre_mlp, eps), post.gate_up).chunk(2, dim=-1)  # type: ignore[arg-type]
+            h = h + _one_plus_norm(linear(gelu_tanh(gate) * up, post.down), post_mlp, eps)  # type: ignore[arg-type]
         if reads is not None:
             h = h.index_select(0, reads.index)
         return _one_plus_norm(h, self._final_norm, eps)

@@ -54,5 +54,6 @@ class LlamaForCausalLM(Decoder):
 ARCHITECTURES = tuple(
     (Architecture(name, "llama", _config, LlamaForCausalLM, gguf=("llama",) if name == "LlamaForCausalLM" else ()), types)
     for name, types in (("LlamaForCausalLM", ("llama",)), ("LlamaForSequenceClassification", ()),
-                        ("MistralForCausalLM", ("mistral",)), ("MistralForSequenceClassification", ()))
+                        ("MistralForCausalLM", ("mistral",)), ("MistralForSequenceClassification", ()),
+                        ("LlamaModel", ()), ("MistralModel", ()))
 )

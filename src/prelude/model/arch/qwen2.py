@@ -32,5 +32,5 @@ class Qwen2ForCausalLM(Decoder):
 
 ARCHITECTURES = tuple(
     (Architecture(name, "qwen2", _config, Qwen2ForCausalLM, gguf=("qwen2",) if name == "Qwen2ForCausalLM" else ()), types)
-    for name, types in (("Qwen2ForCausalLM", ("qwen2",)), ("Qwen2ForSequenceClassification", ()))
+    for name, types in (("Qwen2ForCausalLM", ("qwen2",)), ("Qwen2ForSequenceClassification", ()), ("Qwen2Model", ()))
 )

@@ -25,5 +25,5 @@ class Qwen3ForCausalLM(Decoder):
 
 ARCHITECTURES = tuple(
     (Architecture(name, "qwen3", _config, Qwen3ForCausalLM, gguf=("qwen3",) if name == "Qwen3ForCausalLM" else ()), types)
-    for name, types in (("Qwen3ForCausalLM", ("qwen3",)), ("Qwen3ForSequenceClassification", ()))
+    for name, types in (("Qwen3ForCausalLM", ("qwen3",)), ("Qwen3ForSequenceClassification", ()), ("Qwen3Model", ()))
 )

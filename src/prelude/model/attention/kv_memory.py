@@ -3,12 +3,12 @@
 The kernel guarantees the mapping reads as zeros. Zeros matter: attention masks unwritten
 slots with probability 0, and 0 x (garbage NaN) would still be NaN. Left lazy, it is
 backed with pages only when first written, and that first write is a page fault: a
-128-token prompt's K/V over 30 layers touched 720 new 4 KiB pages, 1.8 ms of a 44 ms
-request on the development CPU (attention 140 -> 73 us a layer once the pages were
-there), until every page of the pool had been written once. So a serving engine's pool
-has its pages faulted in ahead (`Populate`):
-- "start": when the mapping is made (MAP_POPULATE, Linux): ~0.3 s for 1 GiB on a quiet
-  CPU, 0.6 s on a busy one, all of it on the start-up path;
+prompt's K/V over every layer touches hundreds of new 4 KiB pages, a visible share of a
+short request (and attention is slower until its pages are there), until every page of
+the pool has been written once. So a serving engine's pool has its pages faulted in
+ahead (`Populate`):
+- "start": when the mapping is made (MAP_POPULATE, Linux): its time grows with the pool's
+  size, all of it on the start-up path;
 - "background": by a thread, after the mapping is made, while the engine finishes
   loading and the server starts (madvise MADV_POPULATE_WRITE, Linux 5.14+: it fills the
   page tables as writes would, without writing, so K/V a request writes meanwhile is never

@@ -1,9 +1,9 @@
 """Paged attention in plain torch: runs on the CPU and on any GPU.
 
 Layout of one layer's cache: [num_blocks, block_size, num_kv_heads, head_dim] for K and
-for V. Measured on the CPU (DESIGN.md §5): looping prefills per sequence beats one
-block-diagonal mask. Decode rows go through fused SDPA with GQA (sdpa_decode.py): on
-torch 2.13 it beat the grouped matmuls + masked softmax used before by 1.3-2.4x.
+for V. On the CPU (docs/design.md), looping prefills per sequence beats one
+block-diagonal mask. Decode rows go through fused SDPA with GQA (sdpa_decode.py), which
+beat the grouped matmuls + masked softmax used before.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which decode GEMM route serves how many rows, measured on this CPU, once.
 
 A GGUF model's projections can be read two ways in decode: from their stored blocks
-(blocks_kernel.py: 4-8x fewer bytes, but work that grows with every row) or dense
+(kernels/cpu/quant_gemm.py: far fewer bytes, but work that grows with every row) or dense
 (linear.dense_linear: the oneDNN-prepacked copy, or in bf16 on an AMX CPU up to 32 rows
 the tile form of bf16_rows.c over the plain weight, and the GEMM of our own over its packed
 copy where it serves: amx_gemm.c in bf16, f32_gemm.c in float32 on a CPU without AVX-512;
@@ -11,10 +11,11 @@ dtype, so it is measured, not assumed: the model's own projections, every layer 
 streams the weights from memory, as a step does), at 1, 2, 4, ... 16 rows until the blocks
 lose (their cost grows with rows, the dense route's barely), both routes alternated.
 Timed as the calling thread's CPU time with one torch thread, best of a few rounds: a
-wall clock on a shared machine measured the other tenants (a 1-row step read 379 vs
-490 ms under a load of 15, against ~6 vs ~9 ms of CPU time), and both routes spread over
-threads the same way (by output feature), so one thread's ratio is the team's. The answer is cached per CPU, dtype, model shapes and kernel sources, so only a
-machine's first start with a model pays (~0.5-1 s); later starts read a small JSON file.
+wall clock on a shared machine measures the other tenants, and both routes spread over
+threads the same way (by output feature), so one thread's ratio is the team's. The answer
+is cached per CPU, dtype, model shapes and kernel sources, so only a machine's first start
+with a model pays for the measure; later starts read a small JSON file. The start-up log
+states the choice; the per-row figures behind it are logged at debug level.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from prelude.kernels.cpu import native_lib
 from prelude.kernels.cpu.amx_gemm import AmxGemm
 from prelude.kernels.cpu.f32_gemm import F32Gemm
 from prelude.kernels.cpu.bf16_rows import Bf16Rows
-from prelude.kernels.cpu.quant_gemm import BlocksKernel
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.cpu.quant_gemm import QuantKernel
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.layers.linear import dense_linear, own_gemm_kernel, tile_rows_kernel
 
 logger = logging.getLogger("prelude.model.fast_paths.decode_routes")
@@ -59,12 +60,16 @@ class RouteChoice:
     source: str
 
     def describe(self, dtype: torch.dtype, what: str = "every projection") -> str:
+        """The choice in one line, for the start-up log."""
         name = str(dtype).removeprefix("torch.")
         rule = ("the dense route for every row count" if self.blocks_max_rows == 0 else
                 f"GGUF blocks for <= {self.blocks_max_rows} rows, the dense route above")
-        figures = ", ".join(f"{r} rows {b:.1f} vs {d:.1f} ms" for r, (b, d) in sorted(self.ms.items()))
-        return (f"decode GEMMs in {name}, {what}: {rule} ({self.source} on this CPU, blocks vs dense (the "
-                f"projections' routes past the blocks) per step: {figures})")
+        return f"decode GEMMs in {name}, {what}: {rule} ({self.source} on this CPU)"
+
+    def figures(self) -> str:
+        """The per-row timings behind the choice, for the debug log."""
+        rows = ", ".join(f"{r} rows {b:.1f} vs {d:.1f} ms" for r, (b, d) in sorted(self.ms.items()))
+        return f"blocks vs dense (the projections' routes past the blocks) CPU time per step: {rows}"
 
 
 def crossover(ms: dict[int, tuple[float, float]]) -> int:
@@ -78,7 +83,7 @@ def crossover(ms: dict[int, tuple[float, float]]) -> int:
     return best
 
 
-def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.dtype) -> Path:
+def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlQuants]], dtype: torch.dtype) -> Path:
     here = Path(__file__).resolve().parents[2]  # the prelude package
     key = [str(dtype), torch.__version__, ",".join(sorted(native_lib.cpu_isa_flags())),
            str(torch.get_num_threads())]
@@ -88,9 +93,9 @@ def _cache_file(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], dtype: torch.d
     return cache_root() / "kernels" / f"decode-routes-{digest}.json"
 
 
-def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequence[torch.Tensor],
+def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlQuants]], packed: Sequence[torch.Tensor],
                tiles: Sequence[Bf16Rows | None], gemms: Sequence[tuple[AmxGemm | F32Gemm, torch.Tensor] | None],
-               kernel: BlocksKernel, dtype: torch.dtype, rows: int) -> tuple[float, float]:
+               kernel: QuantKernel, dtype: torch.dtype, rows: int) -> tuple[float, float]:
     """(blocks, dense) ms of CPU time for one call of every projection at `rows` rows."""
     xs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] for w, _ in pairs}}
 
@@ -112,7 +117,7 @@ def _time_rows(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], packed: Sequenc
     return 1000 * min(times["blocks"]), 1000 * min(times["dense"])
 
 
-def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel, dtype: torch.dtype,
+def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlQuants]], kernel: QuantKernel, dtype: torch.dtype,
              gemm_copies: Sequence[Callable[[], torch.Tensor | None]] | None) -> dict[int, tuple[float, float]]:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w, _ in pairs]
     tiles = [tile_rows_kernel(w) for w, _ in pairs]  # what each projection's dense calls take
@@ -139,7 +144,7 @@ def _measure(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKer
     return ms
 
 
-def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKernel, dtype: torch.dtype,
+def choose(pairs: Sequence[tuple[torch.Tensor, GgmlQuants]], kernel: QuantKernel, dtype: torch.dtype,
            gemm_copies: Sequence[Callable[[], torch.Tensor | None]] | None = None) -> RouteChoice:
     """The row counts the blocks serve, for the projections `pairs` (dense weight in
     `dtype`, its blocks): from the cache, else measured now and cached. `gemm_copies`: per
@@ -149,11 +154,16 @@ def choose(pairs: Sequence[tuple[torch.Tensor, GgmlBlocks]], kernel: BlocksKerne
     try:
         data = json.loads(path.read_text())
         ms = {int(r): (float(b), float(d)) for r, (b, d) in data["ms"].items()}
-        return RouteChoice(int(data["blocks_max_rows"]), ms, "cached")
+        cached = RouteChoice(int(data["blocks_max_rows"]), ms, "cached")
+        logger.debug("decode routes of %d projection(s) in %s (cached): %s", len(pairs),
+                     str(dtype).removeprefix("torch."), cached.figures())
+        return cached
     except (OSError, ValueError, KeyError, TypeError):
         pass
     ms = _measure(pairs, kernel, dtype, gemm_copies)
     choice = RouteChoice(crossover(ms), ms, "measured")
+    logger.debug("decode routes of %d projection(s) in %s (measured): %s", len(pairs),
+                 str(dtype).removeprefix("torch."), choice.figures())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -1,8 +1,8 @@
 """A decoder's layer loop for small CPU steps in one C call (kernels/cpu/layer_loop.c).
 
 The loop over fused_segments.py's first/between/last makes ~270 kernel calls a SmolLM2-135M
-step, each through ctypes with its Python around it: ~4.5 ms of a 17-25 ms decode step ran
-outside the kernels (a KVM Xeon with AMX, 1-4 rows). layer_loop.c calls the same kernels
+step, each through ctypes with its Python around it, and that overhead is a sizeable share
+of a small decode step. layer_loop.c calls the same kernels
 in the same order on the same kind of buffers, through the entry points of the libraries
 that hold them, so its hidden states (and the K/V it writes) are bit for bit the Python
 loop's, the last layer for the read positions only included.
@@ -14,12 +14,12 @@ prompts or both) through the GGUF blocks up to their bound, else bf16_rows.c's t
 (which needs AMX), and of up to amx_gemm.c's max_rows (128 in its tile form) where it
 serves every projection's calls past the tile form's bound (a 128-token prompt); on a CPU
 with AVX512-BF16 and no AMX (no tile forms), steps of up to the dot-product form's max_rows
-(2,048: the judge's steps of 16 x 64 new tokens, 1.02-1.03x the req/s of the Python loop
-over the same kernels, KVM Zen 4) where it serves every projection's calls past the blocks'
+(2,048: the judge's steps of 16 x 64 new tokens, where the C loop is at least even with
+the Python loop over the same kernels) where it serves every projection's calls past the blocks'
 bound; in float32, steps of up to f32_gemm.c's max_rows (2,048) where it serves every
 projection's calls past the blocks' bound (a CPU with AVX2 and no AVX-512: prompts as well
 as decode rows), else of as many tokens as every projection's GGUF blocks take
-(decode_routes.py's measured bound: 4 rows on the KVM Xeon), the few-row calls oneDNN
+(decode_routes.py's bound, measured on each CPU), the few-row calls oneDNN
 would otherwise serve being out of C's reach. Every other step runs the Python loop.
 Under batch invariance (run-batch) every projection's one route is its own GEMM at every
 row count where one serves, and the loop, rebuilt then (after the attention backend took
@@ -49,7 +49,7 @@ from prelude.kernels.cpu.layer_loop import (
 from prelude.model.attention.cpu_backend import CpuAttention
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.kernels.cpu.cpu_fused import CpuFusedKernels, load_cpu_kernels
-from prelude.kernels.ggml_blocks import KINDS
+from prelude.kernels.ggml_quants import KINDS
 from prelude.model.layers.linear import C_ROUTES, Projection
 from prelude.model.read_positions import ReadPositions
 

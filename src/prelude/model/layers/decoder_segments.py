@@ -49,7 +49,7 @@ def linear(x: torch.Tensor, w: Linear, bias: torch.Tensor | None = None) -> torc
     return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x)
 
 
-class HeadWeights(NamedTuple):
+class PreAttention(NamedTuple):
     """A layer's half before attention."""
 
     input_norm: torch.Tensor
@@ -59,7 +59,7 @@ class HeadWeights(NamedTuple):
     k_norm: torch.Tensor | None
 
 
-class TailWeights(NamedTuple):
+class PostAttention(NamedTuple):
     """A layer's half after attention."""
 
     o_proj: Linear
@@ -87,7 +87,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def attention_inputs(shape: LayerShape, h: torch.Tensor, w: HeadWeights, cos: torch.Tensor, sin: torch.Tensor) -> QKV:
+def attention_inputs(shape: LayerShape, h: torch.Tensor, w: PreAttention, cos: torch.Tensor, sin: torch.Tensor) -> QKV:
     """Residual stream h [T, hidden] -> rotated q [T, Hq, D], k [T, Hkv, D] and v."""
     qkv = linear(rms_norm(h, w.input_norm, shape.eps), w.qkv, w.qkv_bias)
     q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
@@ -108,7 +108,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 
 
-def layer_output(shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, w: TailWeights) -> torch.Tensor:
+def layer_output(shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, w: PostAttention) -> torch.Tensor:
     """Residual stream after a layer, given its attention output [T, Hq, D]."""
     h = h + linear(attn.reshape(-1, shape.q_size), w.o_proj)
     if w.mlp is not None:
@@ -117,21 +117,21 @@ def layer_output(shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, w: Tail
     return h + linear(ACTIVATIONS[shape.activation](gate) * up, w.down)  # type: ignore[arg-type]
 
 
-def first(shape: LayerShape, h: torch.Tensor, w: HeadWeights, cos: torch.Tensor, sin: torch.Tensor) -> QKV:
+def first(shape: LayerShape, h: torch.Tensor, w: PreAttention, cos: torch.Tensor, sin: torch.Tensor) -> QKV:
     return attention_inputs(shape, h, w, cos, sin)
 
 
 def between(
-    shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, tail: TailWeights, head: HeadWeights,
+    shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, post: PostAttention, pre: PreAttention,
     cos: torch.Tensor, sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer i's output half then layer i+1's input half: (h, q, k, v)."""
-    h = layer_output(shape, h, attn, tail)
-    return (h, *attention_inputs(shape, h, head, cos, sin))
+    h = layer_output(shape, h, attn, post)
+    return (h, *attention_inputs(shape, h, pre, cos, sin))
 
 
-def last(shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, tail: TailWeights, norm: torch.Tensor) -> torch.Tensor:
-    return rms_norm(layer_output(shape, h, attn, tail), norm, shape.eps)
+def last(shape: LayerShape, h: torch.Tensor, attn: torch.Tensor, post: PostAttention, norm: torch.Tensor) -> torch.Tensor:
+    return rms_norm(layer_output(shape, h, attn, post), norm, shape.eps)
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-
-
-def pool(hidden: torch.Tensor, method: str) -> torch.Tensor:
-    """[n, H] hidden states of one sequence -> [H] (float32)."""
-    if method == "last":
-        return hidden[-1].float()
-    if method == "mean":
-        return hidden.float().mean(0)
-    if method == "cls":
-        return hidden[0].float()
-    raise ValueError(f"unknown pooling {method!r}")
-
-
-def normalize(vec: torch.Tensor) -> torch.Tensor:
-    return F.normalize(vec, p=2, dim=-1)
 
 
 def prompt_token_logprobs(
@@ -78,8 +62,3 @@ def ordered_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids[bad] = torch.where(at >= above, lowest.gather(1, (at - above).clamp(min=0)), ib)
     return vals, ids
 
-
-def label_logprobs(last_logits: torch.Tensor, label_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """Next-token logprobs of each candidate label's first token after the prompt."""
-    lp = torch.log_softmax(last_logits.float(), dim=-1)
-    return lp[torch.tensor(label_token_ids, dtype=torch.long, device=lp.device)]

@@ -1,32 +1,24 @@
 """Weight projections y = x W^T (+ b), with oneDNN-prepacked weights on CPU where it pays.
 
 Reordering a weight once into oneDNN's blocked layout (the op inductor's freezing pass
-uses) makes the few-row GEMMs of decode fast: bf16 on an AVX512-BF16 CPU, a SmolLM2 layer
-at 1 row 0.26 -> 0.14 ms, 4 rows 0.53 -> 0.28 ms, the 49,152-row LM head at 1-4 rows
-6.1 -> 2.5 ms (bit-identical); float32 on an AVX2-only EPYC, where MKL's few-row sgemm is
-the weak spot, 4 rows through the head 29.8 -> 10.2 ms and through a layer's projections
-0.98 -> 0.59 ms (equal to fp32 rounding). At 128 and 512 rows the two are within 3%.
-In bf16 on an AVX512-BF16 Zen 5 the packed copy is also faster at prefill sizes (a layer's
-projections, one thread: 128 rows 2.26 -> 1.99 ms, 512 rows 7.95 -> 7.54, 1024 rows 15.78 ->
-15.09; two threads, SmolLM2's four shapes: 333 rows 2.63 -> 2.48 ms, 1,003 rows 7.97 -> 7.44,
-1,517 rows 13.24 -> 11.61), and F.linear is a oneDNN kernel per row count there too (the
-packed one is no slower to create and holds less scratch), so every bf16 call takes it:
-the judge's trunk (1,024-row steps) ran F.linear when no decode had made the copy. The
-copy is made on the first call, so a process that only prefills holds the projections
-twice as well (~210 MiB for SmolLM2; PRELUDE_PREPACK=0 holds one). In float32 F.linear is
-MKL's sgemm, which compiles nothing per row count; on an AVX-512 CPU it runs AVX2 code
-(on AMD) and measured 2.2-2.3x slower than oneDNN's packed kernels (128 rows 9.10 -> 3.97
-ms, 1,024 rows 66.1 -> 28.9; the free model's 128-token prompt, one thread: a 128x128 by
-512 projection 154 -> 78 us), but a new row count costs a packed kernel ~0.3-0.5 ms to
-create: float32 takes the packed copy at decode sizes and at 128, 256, ... 2048 rows only
-(a bounded set); a longer or off-step call runs its whole steps there and the rest after
-(AVX2 code: 1.16-1.2x MKL's on a capped Zen 5, even on an AVX2-only EPYC). MKL picks its
-code by CPU vendor, so on a non-Intel AVX-512 CPU the counts between the steps are padded
-up to the next step instead (zero rows, at most 1.6x the rows): the packed kernel on the
-padded rows still measured 1.8-2.2x faster than MKL on the exact ones (SmolLM2's four
-shapes, one thread: 960 rows 61.4 -> 29.2 ms, 1,088 rows 69.5 -> 33.0, 300 rows 20.1 ->
-11.6, 100 rows 7.3 -> 4.0; a float32 judge's steps are such counts); at 70 rows padded to
-128 the two were even, hence the 1.6 bound.
+uses) makes the few-row GEMMs of decode fast: in bf16 on an AVX512-BF16 CPU (bit-identical
+to F.linear), and in float32, where MKL's few-row sgemm is the weak spot (equal to fp32
+rounding). At a few hundred rows the two are close on an AVX2-only CPU.
+On an AVX512-BF16 CPU the bf16 packed copy is faster at prefill sizes too, and F.linear is a oneDNN kernel
+per row count there too (the packed one is no slower to create and holds less scratch),
+so every bf16 call takes it: otherwise the judge's trunk (1,024-row steps) would run
+F.linear whenever no decode had made the copy. The copy is made on the first call, so a
+process that only prefills holds the projections twice as well (PRELUDE_PREPACK=0 holds
+one). In float32 F.linear is MKL's sgemm, which compiles nothing per row count; on a
+non-Intel AVX-512 CPU it runs AVX2 code and is much slower than oneDNN's packed kernels,
+but each new row count costs a packed kernel to create: float32 takes the packed copy at
+decode sizes and at 128, 256, ... 2048 rows only (a bounded set); a longer or off-step
+call runs its whole steps there and the rest after (in AVX2 code oneDNN is at least even
+with MKL). MKL picks its code by CPU vendor, so on a non-Intel AVX-512 CPU the counts
+between the steps are padded up to the next step instead (zero rows, at most
+PACKED_PAD_MAX times the rows): the packed kernel on the padded rows is still faster than
+MKL on the exact ones (a float32 judge's steps are such counts), and at the bound the two
+are even.
 So a prefill's token count, new almost every time, makes a new kernel per projection
 shape in bf16 either way; oneDNN keeps them, each with its own scratch memory (a soak grew
 by hundreds of MiB), so its caches are bounded (ONEDNN_CACHE_BOUNDS below). Both copies
@@ -34,28 +26,22 @@ are kept: projection weights are held twice on a prepacking CPU. GPUs and float1
 plain F.linear.
 
 Up to 16 float32 rows through an LM head (`head=True`) of at least 4 MiB in float32 (c=1
-to 16) take row_gemv.c instead, on an AVX-512 CPU: one row of 64-256 streams the plain weight
-~1.3x faster than oneDNN's one-row kernel (the free model's 25 MB head: ~90 us off a
-128/1 step; wider rows keep oneDNN for one row), 2-16
-rows a blocked copy of it (made on their first call, held beside the others) 1.2-2x
-faster than oneDNN's packed kernels; each in its own fixed sum order (equal to fp32
-rounding, as oneDNN's is to MKL's).
+to 16) take row_gemv.c instead, on an AVX-512 CPU: one row of 64-256 streams the plain
+weight faster than oneDNN's one-row kernel (wider rows keep oneDNN for one row), 2-16 rows
+a blocked copy of it (made on their first call, held beside the others), faster than
+oneDNN's packed kernels; each in its own fixed sum order (equal to fp32 rounding, as
+oneDNN's is to MKL's).
 
 On a CPU with AMX-BF16, bf16 calls of up to 32 rows (decode) take bf16_rows.c's tile form
-over the plain weight instead of oneDNN's packed copy: oneDNN spent ~30-40 us a call before
-any work on a KVM Xeon (model 207), and SmolLM2-135M's 120 projections of a decode step
-took 12.2-14.1 ms against oneDNN's 16.6-22.7 at 1-16 rows, 23.5-26.2 vs 31.0-34.5 at 32
-(alternated, two threads; at 48 rows oneDNN was ahead).
+over the plain weight instead of oneDNN's packed copy, which pays a fixed cost per call
+before any work that dominates a small model's decode step (past 32 rows oneDNN is ahead).
 
 A GGUF checkpoint's projections can also come in their stored block format (Q4_0, Q4_1,
-Q8_0: model/ggml_blocks.py). Few-row calls then read the blocks (model/blocks_kernel.py:
-float32 rows on any AVX2 CPU, bf16 rows on an AVX512-BF16 one): 5-8x fewer bytes, the
-same weights. The blocks' work grows with every row, so up to how many rows they pay is
-measured per CPU and dtype (decode_routes.py; BlocksPath.max_rows). On the AVX2 EPYC,
-SmolLM2-135M's projections and head per decode step (alternated medians): 1 row 32.2 ->
-11.0 ms, 4 rows 40.1 -> 20.2 ms, 8 rows 43.8 -> 38.2 ms, 16 rows 59.4 -> 78.6 ms. On the
-AVX512-BF16 Zen 5 in bf16 (one thread's CPU time): 1 row 12.2 -> 6.6 ms, 4 rows 12.7 ->
-9.6 ms, 8 rows 15.2 -> 18.4 ms.
+Q8_0: kernels/ggml_quants.py). Few-row calls then read the blocks (kernels/cpu/quant_gemm.py:
+float32 rows on any AVX2 CPU, bf16 rows on an AVX512-BF16 one): far fewer bytes, the same
+weights. The blocks' work grows with every row, so up to how many rows they pay is
+measured per CPU and dtype (model/fast_paths/decode_routes.py; QuantPath.max_rows). The
+current figures of every route are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -73,9 +59,9 @@ import torch.nn.functional as F
 from prelude.kernels.cpu import native_lib
 from prelude.kernels.cpu.amx_gemm import AmxGemm, load_amx_gemm
 from prelude.kernels.cpu.bf16_rows import TILE_MAX_ROWS, Bf16Rows, load_bf16_rows
-from prelude.kernels.cpu.quant_gemm import BlocksKernel
+from prelude.kernels.cpu.quant_gemm import QuantKernel
 from prelude.kernels.cpu.f32_gemm import F32Gemm, load_f32_gemm
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.kernels.cpu.row_gemv import BLOCKED_MAX_ROWS, RowGemv, load_row_gemv
 
 
@@ -84,13 +70,12 @@ PACKED_MAX_ROWS = 32  # decode batches take the packed copy at any row count (bf
 # The packed kernel gives a row the same bits at every row count up to here, MKL's F.linear
 # does not (nor at another thread count): identical requests batched differently answer
 # identically (tests/entrypoints/test_multiproc_front.py's embeddings). So few-row float32
-# calls keep it although F.linear is 2-4x faster on a small weight (128 x 128, 1 row:
-# 11.1 vs 2.5 us, docs/benchmarks.md, tenth session).
+# calls keep it although F.linear is faster on a small weight (docs/benchmarks.md).
 # Larger float32 calls take it at these row counts only (a bounded set: each new count is a
 # packed kernel to create, where MKL's F.linear creates none): 128 .. 2048 in steps of 128.
-# oneDNN's kernels measured 2.2-2.3x MKL's on an AVX-512 Zen 5 (MKL runs its AVX2 code on
-# AMD), 1.16-1.2x in AVX2 code on the same CPU capped (PRELUDE_CPU_ISA=avx2 with
-# ONEDNN_MAX_CPU_ISA=AVX2), within 3% on an AVX2-only EPYC: never slower, so every CPU takes
+# oneDNN's kernels are much faster than MKL's on a non-Intel AVX-512 CPU (MKL runs its AVX2
+# code there), somewhat faster in AVX2 code (PRELUDE_CPU_ISA=avx2 with
+# ONEDNN_MAX_CPU_ISA=AVX2), and even on an AVX2-only CPU: never slower, so every CPU takes
 # them. In bf16, whose F.linear is a oneDNN kernel too, splitting other counts into such tiles
 # plus a remainder lost (every call streams the weight again, and the tiles' outputs are
 # copied together), and so did padding; against float32's MKL both gain (float32_pieces,
@@ -100,24 +85,23 @@ PACKED_STEP_MAX_ROWS = 2048
 PACKED_PAD_MAX = 1.6  # float32 on a non-Intel AVX-512 CPU: pad a call up to the next step within this factor
 # float32 calls cut into pieces (float32_pieces) only over weights of at least this many
 # elements: over the free model's 128-wide ones the extra call and the copy of the outputs
-# cost more than the steps save (130 rows, two threads, its four shapes: MKL 0.215 ms, cut
-# 0.274), over SmolLM2's (576 x 576 and up) the cut halves the time (5.14 -> 2.78 ms).
+# cost more than the steps save, over SmolLM2's (576 x 576 and up) the cut about halves
+# the time.
 PIECES_MIN_WEIGHT = 1 << 18
-BLOCKS_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
+QUANT_MAX_ROWS = 8  # calls of up to this many rows read GGUF blocks, unless measured otherwise
 # Bounds oneDNN's and ideep's per-shape caches (defaults 1,024 entries each). Every bf16
 # GEMM goes through oneDNN, packed or not (F.linear too), and each row count is a new
-# kernel that holds its own scratch memory, ~2.8 KiB per row for a 576x1536 weight (1,000
-# rows 2.6 MiB, 3,000 rows 8.7 MiB): a prefill step of ~2,000 tokens cached ~20 MiB over a
-# decoder's 4 weight shapes, and its token count rarely comes back. Bounded at 256, a
-# 100,000-line embeddings job grew by ~1 GiB (the cache full of such steps); at 16, the
-# last 3-4 row counts stay (a decode batch's 5 shapes, the head's included, survive the
-# prefill steps between two of its steps): the job grows by tens of MiB. A row count
-# evicted and seen again pays its kernels' creation, ~0.5 ms a shape.
+# kernel that holds its own scratch memory, growing with its rows: a prefill step of a few
+# thousand tokens caches tens of MiB over a decoder's weight shapes, and its token count
+# rarely comes back. Bounded at 256, a long embeddings job grew by about a GiB (the cache
+# full of such steps); at 16, the last 3-4 row counts stay (a decode batch's 5 shapes, the
+# head's included, survive the prefill steps between two of its steps): the job grows by
+# tens of MiB. A row count evicted and seen again pays its kernels' creation again.
 ONEDNN_CACHE_BOUNDS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 
 
 # A packed copy is made once, by whichever thread asks first: the model's start makes oneDNN's
-# on a thread of its own (LlamaForCausalLM.make_packed_copies) while a call may need one.
+# on a thread of its own (Decoder.make_packed_copies) while a call may need one.
 _COPIES_LOCK = threading.Lock()
 
 
@@ -156,23 +140,23 @@ C_ROUTE_SLOTS = 3  # layer_loop.c's Proj holds this many (upto, via) intervals
 
 
 @dataclass(frozen=True)
-class BlocksPath:
+class QuantPath:
     """A projection's GGUF blocks, the kernel that reads them, and the most rows a call may
     have to read them (decode_routes.py measures where they stop paying on this CPU)."""
 
-    blocks: GgmlBlocks
-    kernel: BlocksKernel
-    max_rows: int = BLOCKS_MAX_ROWS
+    blocks: GgmlQuants
+    kernel: QuantKernel
+    max_rows: int = QUANT_MAX_ROWS
 
 
 class Projection:
-    """A frozen linear layer over `weight` [out, in]. Calls of at most BLOCKS_MAX_ROWS rows
+    """A frozen linear layer over `weight` [out, in]. Calls of at most QUANT_MAX_ROWS rows
     read `blocks` where given; prepacked, bf16 calls of up to TILE_MAX_ROWS rows take the
     tile form on an AMX CPU (tile_rows_take), and a oneDNN copy serves the rest of the calls
     whose row count packed_rows takes (float32 pads some up)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False,
-                 blocks: BlocksPath | None = None, head: bool = False) -> None:
+                 blocks: QuantPath | None = None, head: bool = False) -> None:
         if blocks is not None and (blocks.blocks.out_features, blocks.blocks.in_features) != tuple(weight.shape):
             raise ValueError(f"blocks of {blocks.blocks.out_features}x{blocks.blocks.in_features} for a weight "
                              f"of {tuple(weight.shape)}")
@@ -182,7 +166,7 @@ class Projection:
         self.blocks = blocks
         self.out_features = weight.shape[0]
         # Packed on the first call that takes it, not at load: reordering every projection
-        # took ~0.5 s of a ~3 s start-up, and a float32 server that only scores (at row
+        # is a sizeable share of start-up, and a float32 server that only scores (at row
         # counts off the steps) never needs it. A bf16 server makes them at load
         # (make_packed_copy): every bf16 call takes them, so its first prompt would.
         self._want_packed = prepack
@@ -190,7 +174,7 @@ class Projection:
         # Few-row calls of a wide float32 LM head (`head`) stream it through row_gemv.c (see
         # the module docstring). Only the head: its 2-16 row calls keep a blocked copy
         # beside the weight, which for a decoder's wide projections (Qwen3-0.6B's gate_up:
-        # 25 MB a layer) would cost the trunk's size again, unmeasured there.
+        # 25 MB a layer) would cost the trunk's size again, for a gain not shown there.
         self._row_gemv: RowGemv | None = (load_row_gemv() if head and prepack and blocks is None
                                           and RowGemv.takes(weight) else None)
         # bf16 decode-sized calls on the tile unit over the plain weight (no copy)
@@ -228,9 +212,9 @@ class Projection:
           row's k pairs in order whatever the rows and threads of its call, and faster than
           oneDNN's packed copy up to 1,024 rows there and even at 2,048 (amx_gemm.py's MAX_ROWS);
         - f32_gemm.c where it serves (float32 on AVX2 without AVX-512): a row's k in order
-          whatever the rows and threads of its call, 0.87-0.96x oneDNN's time (f32_gemm.py);
+          whatever the rows and threads of its call, and faster than oneDNN's (f32_gemm.py);
         - else oneDNN's packed copy, one-row calls padded to two rows. Checked row by row on
-          an AVX512-BF16 Zen 4, 1-1,600 rows over SmolLM2's five shapes: bit-equal in bf16;
+          an AVX512-BF16 CPU, 1-1,600 rows over SmolLM2's five shapes: bit-equal in bf16;
           in float32 a one-row call differed from two rows at k = 1,536, and every count from
           two on agreed, hence the padding.
         False where this projection has neither (not a CPU, or PRELUDE_PREPACK=0): its calls
@@ -291,7 +275,7 @@ class Projection:
 
     def amx_copy_from(self, source: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
         """amx_gemm.c's copy as `source(make)` gives it: one an earlier start kept
-        (model/prepared.py), or make()'s. Nothing where amx_gemm.c does not serve."""
+        (model/loading/prepared.py), or make()'s. Nothing where amx_gemm.c does not serve."""
         if self._amx is None:
             return
         packed = source(self._amx_weight)
@@ -408,8 +392,8 @@ class Projection:
         if self._one_route and x.numel():
             return self._one_route_call(x)
         # A bf16 prefill's calls ([tokens, features], past the few-row routes) straight to the
-        # packed copy: the general path's reshapes, slice and checks cost ~20 us a call, ~2
-        # ms of a 128-token SmolLM2-135M prefill's 121 calls (the same op on the same rows).
+        # packed copy: the general path's reshapes, slice and checks add up over a short
+        # prefill's hundred-odd calls (the same op on the same rows).
         if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > self._few_rows_max
                 and x.is_contiguous()):
             if self._amx is not None and x.shape[0] <= self._amx.max_rows:
@@ -561,7 +545,7 @@ def describe_routes(dtype: torch.dtype) -> str:
     if not _float32_pads(dtype):
         return steps + ", MKL's sgemm for the rows past the last whole step"
     return (steps + f", other counts padded up to the next step within {PACKED_PAD_MAX}x: MKL's sgemm runs its "
-            f"AVX2 code on this {native_lib.cpu_vendor()} AVX-512 CPU (measured 2x slower on an AMD Zen 5)")
+            f"AVX2 code on this {native_lib.cpu_vendor()} AVX-512 CPU")
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

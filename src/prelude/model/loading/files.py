@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 from safetensors.torch import load_file
@@ -26,8 +27,10 @@ from safetensors.torch import load_file
 from prelude.cache_dirs import cache_root
 from prelude.config import ModelConfig
 from prelude.model.arch.bert import EncoderConfig
+from prelude.model.loading import token_scorer
 from prelude.model.registry import config_for
-from prelude.kernels.ggml_blocks import BLOCKS_FILE, GgmlBlocks, load_blocks
+from prelude.model.sentence_modules import SentenceModules, matryoshka_dimensions, read_sentence_modules
+from prelude.kernels.ggml_quants import BLOCKS_FILE, GgmlQuants, load_blocks
 from prelude.tokenizer.base import Tokenizer
 from prelude.tokenizer.loading import load_tokenizer
 
@@ -44,7 +47,10 @@ class LoadedModel:
     tokenizer: Tokenizer  # fasttoken when it passed its equality gate, else HF tokenizers
     model_dir: Path
     name: str
-    blocks: dict[str, GgmlBlocks]  # a GGUF's block-format projections by HF name ({} for others)
+    blocks: dict[str, GgmlQuants]  # a GGUF's block-format projections by HF name ({} for others)
+    sentence: SentenceModules | None = None  # a sentence-transformers folder's modules
+    matryoshka: tuple[int, ...] | None = None  # sizes its vectors may be cut to (sentence_modules.py)
+    score_template: str | None = None  # a token reranker's prompt template (token_scorer.py)
 
 
 def default_model_path() -> Path:
@@ -111,8 +117,8 @@ def cached_gguf_dir(gguf_path: Path) -> Path | None:
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached HF-style directory of a GGUF, converting it (atomically) on first use."""
-    # imported only where a conversion runs: the gguf package is 36-98 ms here of a
-    # warm start that reads the cached copy
+    # imported only where a conversion runs: importing the gguf package would be a visible
+    # share of a warm start that reads the cached copy
     target = _converted_target(gguf_path)
     if (target / "config.json").exists():
         if not (target / BLOCKS_FILE).exists():  # converted before blocks were kept
@@ -149,7 +155,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def prepared_dir() -> Path:
-    """Where the prepared weights of every checkpoint are kept (model/prepared.py)."""
+    """Where the prepared weights of every checkpoint are kept (model/loading/prepared.py)."""
     return cache_root() / "prepared"
 
 
@@ -178,16 +184,33 @@ def resolve_model_dir(model: str | None) -> tuple[Path, str]:
     raise FileNotFoundError(f"--model {model!r} is neither a HF model directory nor a .gguf file")
 
 
-def load_model_files(model: str | None) -> LoadedModel:
+def load_model_files(model: str | None, hf_overrides: Mapping[str, Any] | None = None) -> LoadedModel:
+    """`hf_overrides`: fields that replace config.json's (vLLM's --hf-overrides), e.g.
+    `{"is_matryoshka": true}` or a reranker's `classifier_from_token`."""
     model_dir, name = resolve_model_dir(model)
     with open(model_dir / "config.json", encoding="utf-8") as f:
-        raw = json.load(f)
-    config = config_for(raw, model_dir)
+        raw = {**json.load(f), **(hf_overrides or {})}
+    config = config_for(token_scorer.as_token_classifier(raw), model_dir)
+    weights = base_model_names(load_weights(model_dir))
+    tokenizer = load_tokenizer(model_dir)
+    token_scorer.add_score_head(raw, weights, tokenizer)
     return LoadedModel(
         config=config,
-        weights=load_weights(model_dir),
-        tokenizer=load_tokenizer(model_dir),
+        weights=weights,
+        tokenizer=tokenizer,
         model_dir=model_dir,
         name=name,
         blocks=load_blocks(model_dir / BLOCKS_FILE),
+        sentence=read_sentence_modules(model_dir, int(config.hidden_size)),
+        matryoshka=matryoshka_dimensions(raw),
+        score_template=token_scorer.score_template(raw),
     )
+
+
+def base_model_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A decoder trunk saved on its own (a sentence-transformers folder's `Qwen3Model`:
+    `embed_tokens.weight`, `layers.0...`) under the names a *ForCausalLM checkpoint gives it
+    (`model.embed_tokens.weight`); other checkpoints as they are."""
+    if "embed_tokens.weight" not in weights or "model.embed_tokens.weight" in weights:
+        return weights
+    return {k if k.startswith(("lm_head.", "score.")) else "model." + k: v for k, v in weights.items()}

@@ -1,6 +1,6 @@
 """Convert a GGUF file (llama / qwen2 / qwen3 architectures) into an HF-style directory.
 
-The file is read with model/gguf_file.py; tensors are dequantized to float32 (Q4_0, Q4_1 and
+The file is read with model/loading/gguf_file.py; tensors are dequantized to float32 (Q4_0, Q4_1 and
 Q8_0 from their blocks, other types with the `gguf` package); llama.cpp's tensor names
 map to HF names, and the rotary row permutation that llama.cpp's converter applies to
 llama-architecture q/k projections is undone. The tokenizer is rebuilt from the GGUF's
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tokenizers import normalizers
 
-from prelude.kernels.ggml_blocks import BLOCKS_FILE, GgmlBlocks, save_blocks
+from prelude.kernels.ggml_quants import BLOCKS_FILE, GgmlQuants, save_blocks
 from prelude.model.loading.gguf_file import GgufFile
 from prelude.model.registry import gguf_architecture
 
@@ -171,15 +171,15 @@ def rotary_heads(reader: GgufFile, name: str) -> int | None:
     return n_heads if "q_proj" in name else int(reader.field(f"{arch}.attention.head_count_kv", n_heads))
 
 
-def gguf_blocks(reader: GgufFile) -> dict[str, GgmlBlocks]:
+def gguf_blocks(reader: GgufFile) -> dict[str, GgmlQuants]:
     """The projections stored in a block format the decode kernel reads (Q4_0, Q4_1,
     Q8_0), by HF name, rows in HF order (llama's q/k rotary permutation undone)."""
-    out: dict[str, GgmlBlocks] = {}
+    out: dict[str, GgmlQuants] = {}
     for t in reader.tensors:
         if len(t.shape) != 2:
             continue
         rows = int(t.shape[1])  # ggml dims are (K, N)
-        blocks = GgmlBlocks.from_gguf(t.tensor_type.name, np.asarray(t.data).reshape(rows, -1), rows)
+        blocks = GgmlQuants.from_gguf(t.tensor_type.name, np.asarray(t.data).reshape(rows, -1), rows)
         if blocks is None:
             continue
         name = hf_name(t.name)
@@ -197,13 +197,13 @@ def write_gguf_blocks(gguf_path: Path, out_dir: Path) -> None:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json,
-    and the block-format projections (ggml_blocks.BLOCKS_FILE)."""
+    and the block-format projections (ggml_quants.BLOCKS_FILE)."""
     reader = GgufFile(gguf_path)
     blocks = gguf_blocks(reader)  # rows already in HF order
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name in blocks:  # expanded from its blocks: bit-equal to gguf's dequantizer, ~5x faster
+        if name in blocks:  # expanded from its blocks: bit-equal to gguf's dequantizer, and faster
             weights[name] = blocks[name].dequantize().contiguous()
             continue
         array = gguf_dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)

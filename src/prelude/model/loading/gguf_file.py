@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensor table, read with `struct` from one memory map.
 
-`gguf.GGUFReader` builds a numpy view per metadata part: for SmolLM2's 49,152 tokens and
-48,900 merges that was 5.0 s of a 6.7 s first start's conversion. Here a string is one
-`struct.unpack_from` and a slice, so the whole header reads in ~0.1 s. Tensor data stays
+`gguf.GGUFReader` builds a numpy view per metadata part: for a vocabulary of tens of
+thousands of tokens and merges that was most of a first start's conversion. Here a string
+is one `struct.unpack_from` and a slice, so the whole header reads quickly. Tensor data stays
 in the memory map (a numpy view per tensor, as the gguf reader gives); `gguf` still names
 the quantization types and their block sizes, and dequantizes the types Prelude has no
 block code for. Little-endian GGUF v2/v3 only (what llama.cpp has written since 2023).

@@ -1,9 +1,9 @@
 """Tensors a decoder's build derives from its checkpoint, kept on disk between starts.
 
-A bf16 start of SmolLM2-135M cast every float32 tensor, stacked q/k/v and gate/up into
-fused weights and stacked their GGUF blocks alike: ~0.3 s alone, ~0.6 s in a server,
-where the HTTP modules import on the other thread meanwhile and the build is the start's
-critical path. The first start writes what it derived into one safetensors file; later
+A bf16 start casts every float32 tensor, stacks q/k/v and gate/up into fused weights and
+stacks their GGUF blocks alike, and in a server, where the HTTP modules import on the
+other thread meanwhile, that build is the start's critical path. The first start writes
+what it derived into one safetensors file; later
 starts map that file (pages read on first touch, shared with the page cache) and derive
 nothing.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from prelude.kernels.ggml_blocks import GgmlBlocks
+from prelude.kernels.ggml_quants import GgmlQuants
 
 logger = logging.getLogger("prelude.model.loading.prepared")
 
@@ -46,7 +46,7 @@ MIN_CHECKPOINT_BYTES = 128 << 20
 KEEP_OTHER_CODE = 1
 _FOLDER = "\x00folder"  # metadata: the checkpoint's folder, so a save can drop files of deleted ones
 # The modules whose code decides each entry's bits: a change to any of them is a new file.
-_DERIVING_CODE = ("model/arch/llama.py", "kernels/ggml_blocks.py", "model/loading/prepared.py", "kernels/cpu/amx_gemm.py",
+_DERIVING_CODE = ("model/decoder.py", "kernels/ggml_quants.py", "model/loading/prepared.py", "kernels/cpu/amx_gemm.py",
                   "kernels/cpu/amx_gemm.c")  # under the prelude package
 
 
@@ -98,7 +98,7 @@ class PreparedTensors:
         self._used[key] = found
         return found
 
-    def blocks(self, key: str, make: Callable[[], GgmlBlocks | None]) -> GgmlBlocks | None:
+    def blocks(self, key: str, make: Callable[[], GgmlQuants | None]) -> GgmlQuants | None:
         """The block-format entry `key` (None is an answer too): the file's, else `make()`."""
         kind = self._kinds.get(key)
         parts = {p: self._stored[f"{key}.{p}"] for p in ("qs", "d", "m") if f"{key}.{p}" in self._stored}
@@ -118,7 +118,7 @@ class PreparedTensors:
         if kind == "none":
             return None
         self._used |= {f"{key}.{p}": t for p, t in parts.items()}
-        return GgmlBlocks(kind, parts["qs"], parts["d"], parts.get("m"))
+        return GgmlQuants(kind, parts["qs"], parts["d"], parts.get("m"))
 
     def save(self) -> bool:
         """Write the entries this build used, when it derived any (atomically: a reader never
@@ -187,7 +187,7 @@ def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     """A safetensors file whose every tensor starts on a 64-byte boundary of the file (and so
     of a mapping of it). safetensors' own writer packs tensors at 8 bytes: a mapped bf16
     weight then splits every 64-byte load over two cache lines, and the kernels that read
-    plain weights (few-row projections, the head) ran up to ~1.2x slower. The format allows
+    plain weights (few-row projections, the head) ran measurably slower. The format allows
     no holes, so a gap is a named uint8 filler, which readers skip."""
     header: dict[str, object] = {"__metadata__": metadata}
     layout: list[torch.Tensor | int] = []  # tensors, and filler byte counts between them
@@ -234,7 +234,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGN == 0 else t.clone()
 
 
-def _block_parts(blocks: GgmlBlocks) -> dict[str, torch.Tensor]:
+def _block_parts(blocks: GgmlQuants) -> dict[str, torch.Tensor]:
     parts = {"qs": blocks.qs, "d": blocks.d}
     if blocks.m is not None:
         parts["m"] = blocks.m

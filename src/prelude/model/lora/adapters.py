@@ -15,22 +15,21 @@ and this batch's per-token slot index, -1 for the base) as an explicit argument;
 each projection operand so that the decoder's `linear(...)` call sites add the delta.
 Without a LoraStep the forward is the plain one: no extra op.
 
-On the CPU, two ways, never a loop over rows (measured on the 2-core EPYC, one thread, a
-576 -> 960 projection with 4 adapters of rank 16 on q/k/v):
-- few tokens (decode, <= DENSE_MAX_TOKENS): one call of a C kernel (lora_cpu.c) in which
-  every token reads its own slot (bf16, 4 tokens: 15 us; on an AVX512-BF16 CPU from the
-  StreamLayout slots: each token's A and B one sequential stream, a decode step's deltas
-  ~25% faster than row-major slots); without it, every slot at once
-  on oneDNN-prepacked copies: x @ A as [in, slots k R], masked to each token's own
-  slot, then one expand-and-add with B viewed [slots k R, out] (three calls, ~35 us; with
-  aten's unpacked bf16 matmuls 44 us, and 136 us as one shrink and expand per adapter);
+On the CPU, these ways, never a loop over rows:
+- few tokens (decode, <= DENSE_MAX_TOKENS): one call of a C kernel (kernels/cpu/lora_cpu.c)
+  in which every token reads its own slot (on an AVX512-BF16 CPU from the StreamLayout
+  slots: each token's A and B one sequential stream, faster than row-major slots);
+  without it, every slot at once on oneDNN-prepacked copies: x @ A as [in, slots k R],
+  masked to each token's own slot, then one expand-and-add with B viewed [slots k R, out]
+  (three calls, faster than aten's unpacked bf16 matmuls, and far faster than one shrink
+  and expand per adapter);
 - more tokens (prefill), bf16 on an AVX512-BF16 CPU: one call of the grouped C kernel
   (lora_cpu.c's lora_sgmv): tokens grouped by slot, each slot's A and B's diagonal blocks
-  repacked once per call into vdpbf16ps pairs, tiles of 8 tokens sharing them (the default
-  model's 7 projections x 4 adapters x 128 tokens, one layer: 1.15 -> 0.58 ms, one thread);
+  repacked once per call into vdpbf16ps pairs, tiles of 8 tokens sharing them;
 - otherwise (float32, or no AVX512-BF16): grouped by adapter, one shrink and one expand
   per distinct adapter over its rows (a view when contiguous, else an index).
-On CUDA a Triton kernel pair (lora_kernels.py) reads the per-token slot index, so a
+The figures are in docs/benchmarks.md (`python -m benchmarks.lora`).
+On CUDA a Triton kernel pair (kernels/triton/lora.py) reads the per-token slot index, so a
 captured CUDA graph takes the index as an input like the token ids.
 """
 
@@ -46,7 +45,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from prelude.config import ModelConfig
-from prelude.model.layers.decoder_segments import HeadWeights, Linear, TailWeights, linear
+from prelude.model.layers.decoder_segments import PreAttention, Linear, PostAttention, linear
 from prelude.model.layers.linear import bound_onednn_caches, prepack_enabled
 from prelude.kernels.cpu.lora_cpu import CPU_KERNEL_DTYPES, SlotOperands, StreamLayout, load_lora_kernel
 
@@ -236,10 +235,9 @@ class LoraSlots:
         self.device = torch.device(device)
         self._pieces = _pieces(config)
         self.heads: list[torch.Tensor | None] = [None] * num_slots
-        # The all-slots path's operands reordered once for oneDNN (as model/linear.py's
-        # Projection does for decode-sized calls): unpacked, these small bf16 matmuls took
-        # ~400 us per call in the profiler (the step 1.53x the base's; packed 1.33x). Made
-        # on first use after a load.
+        # The all-slots path's operands reordered once for oneDNN (as model/layers/linear.py's
+        # Projection does for decode-sized calls): unpacked, these small bf16 matmuls cost
+        # a large share of a LoRA decode step. Made on first use after a load.
         # The C kernel serves decode where it loads; the packed copies are its fallback.
         self.kernel = load_lora_kernel() if self.device.type == "cpu" and dtype in CPU_KERNEL_DTYPES else None
         self.prepack = self.kernel is None and prepack_enabled(dtype, self.device)
@@ -454,8 +452,8 @@ class LoraLinear:
     def __init__(self, base: Linear, bias: torch.Tensor | None, slots: LoraSlots, layer: int, proj: str,
                  batch: LoraBatch) -> None:
         self.base, self.bias, self.slots, self.layer, self.proj, self.batch = base, bias, slots, layer, proj, batch
-        # A few-token call's C kernel and operands, found once a step: decode makes ~120
-        # calls, each ~45 us of base projection, where every microsecond of Python shows.
+        # A few-token call's C kernel and operands, found once a step: decode makes about a
+        # hundred calls, each a short base projection, where every microsecond of Python shows.
         kernel = slots.kernel
         ops = slots.operands.get((layer, proj)) if kernel is not None else None
         few = batch.one_hot is not None or batch.device_index
@@ -486,10 +484,10 @@ class LoraStep:
     slots: LoraSlots
     batch: LoraBatch
 
-    def head(self, layer: int, w: HeadWeights) -> HeadWeights:
+    def pre_attention(self, layer: int, w: PreAttention) -> PreAttention:
         return w._replace(qkv=LoraLinear(w.qkv, w.qkv_bias, self.slots, layer, "qkv", self.batch), qkv_bias=None)
 
-    def tail(self, layer: int, w: TailWeights) -> TailWeights:
+    def post_attention(self, layer: int, w: PostAttention) -> PostAttention:
         s, batch = self.slots, self.batch
         if w.gate_up is None or w.down is None:  # a mixture of experts: adapters on it are refused at load
             return w._replace(o_proj=LoraLinear(w.o_proj, None, s, layer, "o_proj", batch))

@@ -3,7 +3,7 @@
 A GGUF checkpoint is converted once into float32 safetensors (what prefill GEMMs and
 every other engine read), and its quantized projections are also kept as they were
 stored, repacked into three plain arrays per weight: few-row calls (decode) read those
-through model/blocks_kernel.py, 5-8x fewer bytes than float32. Expanded, a block equals
+through kernels/cpu/quant_gemm.py, far fewer bytes than float32. Expanded, a block equals
 gguf's own dequantization bit for bit (`dequantize`), so both copies hold the same weights.
 
 Stored beside the converted model as BLOCKS_FILE, with tensor names
@@ -26,7 +26,7 @@ _GGUF_TYPES = {"Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
 
 
 @dataclass(frozen=True)
-class GgmlBlocks:
+class GgmlQuants:
     """One weight [N, K] in blocks of 32 along K: qs uint8 [N, K/2] (4-bit, ggml's nibble
     order) or int8 [N, K] (8-bit), scales d float32 [N, K/32], mins m (q4_1 only)."""
 
@@ -58,12 +58,12 @@ class GgmlBlocks:
             w = w + self.m.unsqueeze(-1)
         return w.reshape(n, nb * BLOCK)
 
-    def select_rows(self, index: torch.Tensor) -> GgmlBlocks:
-        return GgmlBlocks(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
+    def select_rows(self, index: torch.Tensor) -> GgmlQuants:
+        return GgmlQuants(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
                           None if self.m is None else self.m[index].contiguous())
 
     @staticmethod
-    def cat(parts: list[GgmlBlocks | None]) -> GgmlBlocks | None:
+    def cat(parts: list[GgmlQuants | None]) -> GgmlQuants | None:
         """Rows of several weights stacked (fused q/k/v, gate/up); None unless every part
         has blocks of one kind over the same K."""
         first = parts[0]
@@ -71,11 +71,11 @@ class GgmlBlocks:
                                 for p in parts):
             return None
         ps = [p for p in parts if p is not None]
-        return GgmlBlocks(first.kind, torch.cat([p.qs for p in ps]), torch.cat([p.d for p in ps]),
+        return GgmlQuants(first.kind, torch.cat([p.qs for p in ps]), torch.cat([p.d for p in ps]),
                           None if first.m is None else torch.cat([p.m for p in ps if p.m is not None]))
 
     @staticmethod
-    def from_gguf(gguf_type: str, raw: np.ndarray, rows: int) -> GgmlBlocks | None:
+    def from_gguf(gguf_type: str, raw: np.ndarray, rows: int) -> GgmlQuants | None:
         """From a GGUF tensor's stored bytes (uint8, `rows` x a row's blocks); None for a
         type this module does not keep."""
         if gguf_type not in _GGUF_TYPES:
@@ -85,7 +85,7 @@ class GgmlBlocks:
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "q4_1" else None
         qs = blocks[..., 4 if kind == "q4_1" else 2:].reshape(rows, -1)
-        return GgmlBlocks(kind, torch.from_numpy(qs.copy()), torch.from_numpy(d),
+        return GgmlQuants(kind, torch.from_numpy(qs.copy()), torch.from_numpy(d),
                           None if m is None else torch.from_numpy(m))
 
     def to_tensors(self, name: str) -> dict[str, torch.Tensor]:
@@ -95,7 +95,7 @@ class GgmlBlocks:
         return out
 
 
-def save_blocks(blocks: dict[str, GgmlBlocks], path: Path) -> None:
+def save_blocks(blocks: dict[str, GgmlQuants], path: Path) -> None:
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -104,15 +104,15 @@ def save_blocks(blocks: dict[str, GgmlBlocks], path: Path) -> None:
     save_file(tensors, str(path), metadata={name: b.kind for name, b in blocks.items()})
 
 
-def load_blocks(path: Path) -> dict[str, GgmlBlocks]:
+def load_blocks(path: Path) -> dict[str, GgmlQuants]:
     """The blocks stored beside a converted GGUF ({} when there is no such file)."""
     if not path.is_file():
         return {}
     from safetensors import safe_open
 
-    out: dict[str, GgmlBlocks] = {}
+    out: dict[str, GgmlQuants] = {}
     with safe_open(str(path), framework="pt") as f:
         for name, kind in (f.metadata() or {}).items():
             m = f.get_tensor(f"{name}.m") if kind == "q4_1" else None
-            out[name] = GgmlBlocks(kind, f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), m)
+            out[name] = GgmlQuants(kind, f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), m)
     return out
