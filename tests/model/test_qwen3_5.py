@@ -52,7 +52,7 @@ def build(hf: Any, dtype: torch.dtype = torch.float32, raw: dict[str, Any] | Non
 def oneshot_hidden(model: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
     """One forward of whole prompts on scratch state (what a OneShot step computes)."""
     builder = InputBuilder(torch.device("cpu"), 16, False)
-    inputs = builder.pack([RowLayout(p, range(len(p)), [-1] * len(p), (), len(p), False, decode=False)
+    inputs = builder.flatten([RowLayout(p, range(len(p)), [-1] * len(p), (), len(p), False, decode=False)
                            for p in prompts], write_kv=False)
     hidden = model.forward(inputs.input_ids, inputs.positions, inputs.meta, model.allocate_kv_cache(1, 16))
     return [hidden[s:s + len(p)] for s, p in zip(inputs.starts, prompts)]
@@ -194,7 +194,7 @@ def test_packed_items_each_continue_the_shared_state() -> None:
         positions += range(len(shared), len(shared) + len(item))
         segments += [i] * len(item)
     builder = InputBuilder(torch.device("cpu"), 16, False, recurrent=True)
-    inputs = builder.pack([RowLayout(ids, positions, [-1] * len(ids), (), len(ids), False, decode=False,
+    inputs = builder.flatten([RowLayout(ids, positions, [-1] * len(ids), (), len(ids), False, decode=False,
                                      segments=segments)], write_kv=False)
     assert inputs.meta.states is not None and inputs.meta.states.rows[0].items == (3, 2, 1)
     hidden = model.forward(inputs.input_ids, inputs.positions, inputs.meta, model.allocate_kv_cache(1, 16))
@@ -210,7 +210,7 @@ def test_state_rows_batch_decode_rows_and_keep_prompt_rows_apart() -> None:
     layouts = [RowLayout([1, 2, 3], range(3), [0, 1, 2], (0,), 3, True, decode=False, state_slot=2, fresh=True),
                RowLayout([4], [7], [9], (1, 2), 8, True, decode=True, state_slot=0, fresh=False),
                RowLayout([5], [0], [-1], (), 1, False, decode=False)]
-    states = builder.pack(layouts, write_kv=True).meta.states
+    states = builder.flatten(layouts, write_kv=True).meta.states
     assert states is not None
     assert states.rows == (StateRow(0, 3, 2, True), StateRow(4, 1, -1, True))
     assert states.step_tokens is not None and states.step_tokens.tolist() == [3]
