@@ -56,8 +56,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     system = (k_beta @ k.transpose(-1, -2)) * pair
     eye_mask = above.logical_not().tril(-1)
     system = system * eye_mask + torch.eye(chunk, dtype=system.dtype, device=system.device)
-    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    # one solve for both right-hand sides, on contiguous operands (LAPACK copies strided ones)
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * decay.exp().unsqueeze(-1)], dim=-1)
+    u, w = torch.linalg.solve_triangular(system.contiguous(), rhs, upper=False, unitriangular=True).split([dv, dk], -1)
     inner = (q @ k.transpose(-1, -2)) * pair  # within-chunk scores, causal incl. the diagonal
     q_decayed = q * decay.exp().unsqueeze(-1)
     k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
