@@ -257,3 +257,16 @@ def test_qwen3_next_bf16_stays_close() -> None:
         ref = hf(torch.tensor([prompt])).logits[0].softmax(-1)
     got = model.compute_logits(oneshot_hidden(model, [prompt])[0]).softmax(-1)
     assert (got - ref).abs().max() < 0.05
+
+
+def test_the_random_qwen3_5_shape_builds_and_computes(tmp_path: Any) -> None:
+    """The benchmark shape's weights, at a smaller width: every tensor read, finite output."""
+    from prelude.testing.random_model import SHAPES, random_hybrid_weights
+
+    cfg = {**SHAPES["qwen3.5-0.8b"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "linear_key_head_dim": 8, "linear_value_head_dim": 8}
+    model = registry.build_model(registry.config_for(cfg), random_hybrid_weights(cfg, dtype=torch.float32),
+                                 torch.float32, torch.device("cpu"), None)
+    hidden = oneshot_hidden(model, [list(range(20))])[0]
+    assert torch.isfinite(model.compute_logits(hidden)).all()
