@@ -170,3 +170,29 @@ def test_qwen3_next_greedy_matches_transformers_through_chunks_and_slots() -> No
         assert result.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
     engine.check_integrity()
     assert engine.kv.num_free_slots == 2
+
+
+def test_a_saved_checkpoint_starts_through_the_loader(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A Qwen3.5 checkpoint directory (safetensors, config.json, a tokenizer) served as a
+    user starts it: through the loader and the registry, the start-up log saying the slots."""
+    import shutil
+
+    from prelude.model.loading.files import load_model_files
+
+    source = load_model_files(None).model_dir  # the default model's tokenizer
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
+    hf = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, tmp_path / name)
+    with caplog.at_level("INFO"):
+        llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory_gib=0.01, max_num_seqs=4)
+    assert "recurrent state: 4 slots x" in caplog.text and "prefix caching: off" in caplog.text
+    prompt = [11, 12, 13, 14, 15]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
