@@ -196,3 +196,19 @@ def test_a_saved_checkpoint_starts_through_the_loader(tmp_path: Any, caplog: pyt
     prompt = [11, 12, 13, 14, 15]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+
+
+def test_a_hand_off_request_is_refused_and_the_engine_serves_on(make_engine: Any) -> None:
+    from dataclasses import replace
+
+    from prelude.engine.client import InvalidRequestError
+
+    engine = make_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    req = replace(engine.prepare("h", [5, 6, 7], params), hand_off=True)
+    with pytest.raises(InvalidRequestError, match="disaggregation is not served"):
+        engine.enqueue(req)
+    assert not engine.has_unfinished()
+    engine.add_request("after", [5, 6, 7], params)
+    while engine.has_unfinished():
+        engine.step()
