@@ -212,3 +212,18 @@ def test_a_hand_off_request_is_refused_and_the_engine_serves_on(make_engine: Any
     engine.add_request("after", [5, 6, 7], params)
     while engine.has_unfinished():
         engine.step()
+
+
+def test_prompt_logprobs_of_a_oneshot_row_match_transformers(hf_model: Any, make_engine: Any) -> None:
+    engine = make_engine()
+    prompt = list(range(40, 60))
+    engine.add_request("p", prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], -1)
+    assert got is not None and got[0] is None and len(got) == len(prompt)
+    for i, lp in enumerate(got[1:], start=1):
+        assert lp is not None and abs(lp.logprob - ref[i - 1][prompt[i]].item()) < 1e-3
