@@ -144,9 +144,12 @@ def test_openai_client_async_and_the_input_cached_for_the_next_request(server) -
     text = bytes(t for t in prompt if t < 256).decode()
     assert '{"id":7,"body":"refund please"}' in text and "<system>Be strict." in text  # developer: a system turn
     # the second request about the same input reads it from the prefix cache (whole blocks of 4)
-    shared = len(second.answers[0].model_dump()["prompt_token_ids"]) - len(bytes(
-        "<user>Which team?", "utf-8"))
-    assert second.usage.input_tokens_details.cached_tokens >= (shared // 4) * 4 - 4 > 0
+    prompts = [a.model_dump()["prompt_token_ids"] for a in second.answers]
+    shared = next(i for i in range(len(prompts[0])) if len({tuple(p[: i + 1]) for p in prompts}) > 1)
+    assert bytes(prompts[0][:shared]).decode().endswith("<assistant>Noted.<system>Be strict.<user>")
+    rendered_input = shared - len(b"<user>")
+    # each of the second request's three rows reads the input's whole blocks from the cache
+    assert second.usage.input_tokens_details.cached_tokens >= 3 * ((rendered_input // 4) * 4 - 4) > 0
 
 
 def test_packed_and_one_by_one_give_equal_answers(server, hf_model) -> None:  # noqa: ANN001

@@ -65,6 +65,12 @@ def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def _hidden(runner: ModelRunner, row: BatchRow) -> torch.Tensor:
+    """The final hidden states of one row's every position (what a classifier reads the last of)."""
+    inputs = runner.inputs.paged((row,))
+    return runner.model.forward(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
+
+
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
@@ -141,7 +147,7 @@ def test_engine_greedy_with_a_cached_prefix_longer_than_the_window(backend: str)
     assert second.outputs[0].token_ids == _hf_greedy(hf, shared + [9, 10, 11], 10)
 
 
-def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_tower() -> None:
+def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_tower(tmp_path) -> None:  # noqa: ANN001
     torch.manual_seed(7)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
@@ -158,6 +164,15 @@ def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_
     assert kv.allocate("a", len(p))
     (got,) = _logits(runner, [BatchRow("a", p, 0, kv.block_table("a"), None)])
     assert (got - _hf_logits(hf, p)).abs().max().item() <= 1e-4
+    # the saved checkpoint names its tensors language_model.model.*: the same model
+    from safetensors.torch import load_file
+
+    hf.save_pretrained(str(tmp_path))
+    saved = ModelRunner.create(config_for(raw), load_file(str(tmp_path / "model.safetensors")),
+                               ExecutorConfig(device="cpu", dtype="float32"), 4)
+    saved.allocate_kv_cache(16)
+    (again,) = _logits(saved, [BatchRow("b", p, 0, kv.block_table("a"), None)])
+    assert torch.equal(again, got)
 
 
 def test_the_classifier_scores_equal_transformers() -> None:
@@ -170,7 +185,7 @@ def test_the_classifier_scores_equal_transformers() -> None:
     kv = KVCacheManager(16, 4)
     p = _prompts(10, (13,))[0]
     assert kv.allocate("a", len(p))
-    hidden, _ = runner.forward_rows((BatchRow("a", p, 0, kv.block_table("a"), None),))
+    hidden = _hidden(runner, BatchRow("a", p, 0, kv.block_table("a"), None))
     with torch.no_grad():
         want = hf(torch.tensor([p])).logits[0]
     assert (runner.model.classify(hidden) - want).abs().max().item() <= 1e-4
@@ -217,3 +232,23 @@ def test_a_lora_adapter_on_every_projection_equals_peft_merged(tmp_path) -> None
     got = runner.model.compute_logits(hidden)
     assert (got - _hf_logits(merged, p)).abs().max().item() <= 1e-4
     assert (got - _hf_logits(hf_gemma(seed=11), p)).abs().max().item() > 1e-2  # the adapter does change them
+
+
+def test_the_multimodal_classifier_scores_equal_transformers() -> None:
+    torch.manual_seed(13)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=TEXT, vision_config=vision, mm_tokens_per_image=4, num_labels=2)
+    hf = _perturb(transformers.Gemma3ForSequenceClassification(cfg)).float().eval()
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    config = config_for(_raw(hf))
+    assert len(config.id2label) == 2
+    runner = ModelRunner.create(config, weights, ExecutorConfig(device="cpu", dtype="float32"), 4)
+    runner.allocate_kv_cache(16)
+    kv = KVCacheManager(16, 4)
+    p = _prompts(14, (9,))[0]
+    assert kv.allocate("a", len(p))
+    hidden = _hidden(runner, BatchRow("a", p, 0, kv.block_table("a"), None))
+    with torch.no_grad():
+        want = hf(torch.tensor([p])).logits[0]
+    assert (runner.model.classify(hidden) - want).abs().max().item() <= 1e-4

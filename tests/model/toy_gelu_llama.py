@@ -4,6 +4,7 @@ layer loop say they do not run it)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ def _config(raw: dict[str, Any], model_dir: Path | None = None) -> ModelConfig:
     hf_config.require(NAME, raw, "hidden_act", ("gelu_pytorch_tanh",), None)
     theta, scaling = hf_config.rope_of(NAME, raw)
     config = ModelConfig.from_hf_dict(raw)
-    return ModelConfig(**{**config.__dict__, "architecture": NAME, "rope_theta": theta, "rope_scaling": scaling})
+    return replace(config, architecture=NAME, rope_theta=theta, rope_scaling=scaling)
 
 
 class ToyGeluLlamaForCausalLM(Decoder):

@@ -61,14 +61,20 @@ from prelude.params import EmbedSetup, LoraRequest
 logger = logging.getLogger("prelude.executor")
 
 
+def _unlike_llama(model: Model) -> str | None:
+    """What differs from the Llama layer in a decoder's description (None: nothing, or no
+    description)."""
+    spec = getattr(model, "spec", None)
+    return spec.is_plain_llama() if spec is not None else None
+
+
 def fused_segments_for(model: Model, config: ExecutorConfig) -> DecoderSegments | None:
     """The fused segments (model/layers/fused_segments.py) for a decoder: over the Triton kernels on
     CUDA, over the C kernels for float32 and bfloat16 on the CPU; None (the model's own eager
     segments) when turned off or where the kernels cannot run."""
     if not config.fused_kernels or model.is_encoder:
         return None
-    spec = getattr(model, "spec", None)
-    unlike = spec.is_plain_llama() if spec is not None else None
+    unlike = _unlike_llama(model)
     if unlike is not None:
         logger.info("elementwise ops: eager (the fused kernels compute the Llama layer; this model has %s)", unlike)
         return None
@@ -193,6 +199,8 @@ class ModelRunner:
             why_not = "compiled segments are for the CPU (GPUs use CUDA graphs)"
         elif self.model.is_encoder:
             why_not = "encoders run eagerly"
+        elif (unlike := _unlike_llama(self.model)) is not None:
+            why_not = f"compiled segments compute the Llama layer; this model has {unlike}"
         elif not getattr(self.model, "weights_are_plain", False):
             why_not = "the model was built with prepacked oneDNN weights (build it through ModelRunner.create)"
         if why_not:

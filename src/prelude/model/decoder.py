@@ -268,6 +268,9 @@ class Decoder:
         self.layer_loop: LayerLoop | None = self._layer_loop()
         if self.layer_loop is not None:
             logger.info("steps of 1-%d tokens: the layer loop in one C call (layer_loop.c)", self.layer_loop.max_rows)
+        elif (unlike := spec.is_plain_llama()) is not None:
+            logger.info("every step: the layers in Python (the C layer loop computes the Llama layer; this model "
+                        "has %s)", unlike)
 
     @staticmethod
     def _check_spec(spec: DecoderSpec) -> None:

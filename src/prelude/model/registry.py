@@ -5,6 +5,7 @@ architecture file (model/arch/); anything else is refused at start in one line."
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from prelude.kernels.ggml_quants import GgmlQuants
 from prelude.model.arch import bert, gemma3, llama, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from prelude.model.attention import AttentionBackend
 from prelude.model.base import Architecture, DerivedTensors, Model, UnsupportedCheckpoint
+
+logger = logging.getLogger("prelude.model.registry")
 
 _ARCHITECTURES: dict[str, Architecture] = {}
 # model_type -> the architecture of a config that names none (configs built in code)
@@ -97,5 +100,6 @@ def build_model(
     segments take). `blocks`: a GGUF's block-format projections by HF name. `prepared`: what
     an earlier start derived from these weights (model/loading/prepared.py)."""
     arch = lookup(config.architecture)
+    logger.info("architecture %s (model/arch/%s.py)", arch.name, arch.family)
     return arch.build(config, weights, dtype, device, attention=attention, max_positions=max_positions,
                       prepack=prepack, blocks=blocks or {}, prepared=prepared)

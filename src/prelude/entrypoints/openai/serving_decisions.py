@@ -164,10 +164,11 @@ def _scores(row: _Row, out: RequestOutput, logprobs: list[list[float]], labels: 
     scores one per option."""
     scores = list(out.scores or ())
     ids = row.pooling.label_token_ids
+    where = {token: i for i, token in enumerate(ids)}
     for at, (q, option) in enumerate(row.reads):
         if option is None:  # the question's one-token options, read at its end
-            mine = scores[at * len(ids) : (at + 1) * len(ids)]
-            logprobs[q][:] = [mine[ids.index(label[0])] for label in labels[q]]
+            base = at * len(ids)
+            logprobs[q][:] = [scores[base + where[label[0]]] for label in labels[q]]
         else:
             logprobs[q][option] = scores[at]
 

@@ -27,16 +27,24 @@ def decode_attention(
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     length = rows.max_context_len
     nb = (length + block_size - 1) // block_size
-    index = rows.block_tables[:, :nb].reshape(-1)
-    keys = k_cache.index_select(0, index).view(batch, nb * block_size, num_kv_heads, head_dim)[:, :length]
-    values = v_cache.index_select(0, index).view(batch, nb * block_size, num_kv_heads, head_dim)[:, :length]
+    # A window: the blocks before every row's window are not read (on the CPU, where the
+    # rows' lengths are at hand without a device sync)
+    first = 0
+    if window is not None and rows.context_lens.device.type == "cpu":
+        first = max(0, int(rows.context_lens.min()) - window) // block_size
+    start = first * block_size
+    index = rows.block_tables[:, first:nb].reshape(-1)
+    keys = k_cache.index_select(0, index).view(batch, (nb - first) * block_size, num_kv_heads, head_dim)
+    values = v_cache.index_select(0, index).view(batch, (nb - first) * block_size, num_kv_heads, head_dim)
+    keys, values = keys[:, :length - start], values[:, :length - start]
+    positions = torch.arange(start, length, device=q.device)
     # One row's context length is the maximum by definition (unless max_context_len is
     # only a bound: a graph bucket's buffers): no padding to mask.
     mask = None
     if batch > 1 or not rows.max_is_a_row_len:
-        mask = (torch.arange(length, device=q.device) < rows.context_lens.unsqueeze(1))[:, None, None, :]
+        mask = (positions < rows.context_lens.unsqueeze(1))[:, None, None, :]
     if window is not None:
-        near = (torch.arange(length, device=q.device) >= (rows.context_lens - window).unsqueeze(1))[:, None, None, :]
+        near = (positions >= (rows.context_lens - window).unsqueeze(1))[:, None, None, :]
         mask = near if mask is None else mask & near
     out = F.scaled_dot_product_attention(
         q.index_select(0, rows.query_index).unsqueeze(2),  # [B, Hq, 1, D]

@@ -84,11 +84,13 @@ def _prefill_row(
         q_pos = torch.arange(n, device=q.device).unsqueeze(1) + offset
         mask = torch.arange(row.context_len, device=q.device).unsqueeze(0) <= q_pos
         causal = False
-    if window is not None:
+    if window is not None:  # keys before the first query's window are left out, the rest masked
+        first = max(0, row.context_len - n - window + 1)
         q_pos = torch.arange(n, device=q.device).unsqueeze(1) + (row.context_len - n)
-        k_pos = torch.arange(row.context_len, device=q.device).unsqueeze(0)
+        k_pos = torch.arange(first, row.context_len, device=q.device).unsqueeze(0)
         near = k_pos > q_pos - window
-        mask = (near & (k_pos <= q_pos)) if mask is None else mask & near
+        mask = (near & (k_pos <= q_pos)) if mask is None else mask[:, first:] & near
+        k_row, v_row = k_row[first:], v_row[first:]
         causal = False
     out = F.scaled_dot_product_attention(
         q_row,
