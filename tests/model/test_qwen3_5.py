@@ -270,3 +270,15 @@ def test_the_random_qwen3_5_shape_builds_and_computes(tmp_path: Any) -> None:
                                  torch.float32, torch.device("cpu"), None)
     hidden = oneshot_hidden(model, [list(range(20))])[0]
     assert torch.isfinite(model.compute_logits(hidden)).all()
+
+
+def test_strong_decays_still_match_the_reference() -> None:
+    """Per-token log decays of up to -6: within a chunk the decays pass through the range
+    whose exp is a subnormal float, which the kernel takes as zero."""
+    q, k, v, _, beta, state = _inputs(130, 2, 4, 24, 20, torch.float32, seed=3)
+    decay = -torch.rand(1, 130, 4, generator=torch.Generator().manual_seed(4)) * 6
+    ref_out, ref_state = hf_qwen3_5.torch_chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state,
+                                                                  output_final_state=True,
+                                                                  use_qk_l2norm_in_kernel=True)
+    out, got_state = chunk_gated_delta_rule(q, k, v, decay, beta, state)
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(got_state, ref_state, atol=1e-5)
