@@ -154,3 +154,76 @@ def test_aborts_and_failed_steps_give_slots_back(make_engine: Any) -> None:
     assert engine.kv.num_free_slots == 3  # the failed step's rows gave theirs back
     while engine.has_unfinished():  # the one left waiting runs to its end
         engine.step()
+
+
+def test_qwen3_next_greedy_matches_transformers_through_chunks_and_slots() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=24,
+        linear_value_head_dim=20, max_position_embeddings=512, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, eos_token_id=256)
+    hf = transformers.Qwen3NextForCausalLM(cfg).float().eval()
+    engine = tiny_engine(hf, max_num_batched_tokens=8, max_recurrent_slots=2)
+    results = LLM(engine=engine).generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for prompt, result in zip(PROMPTS[:4], results):
+        assert result.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+    engine.check_integrity()
+    assert engine.kv.num_free_slots == 2
+
+
+def test_a_saved_checkpoint_starts_through_the_loader(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A Qwen3.5 checkpoint directory (safetensors, config.json, a tokenizer) served as a
+    user starts it: through the loader and the registry, the start-up log saying the slots."""
+    import shutil
+
+    from prelude.model.loading.files import load_model_files
+
+    source = load_model_files(None).model_dir  # the default model's tokenizer
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
+    hf = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, tmp_path / name)
+    with caplog.at_level("INFO"):
+        llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory_gib=0.01, max_num_seqs=4)
+    assert "recurrent state: 4 slots x" in caplog.text and "prefix caching: off" in caplog.text
+    prompt = [11, 12, 13, 14, 15]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+
+
+def test_a_hand_off_request_is_refused_and_the_engine_serves_on(make_engine: Any) -> None:
+    from dataclasses import replace
+
+    from prelude.engine.client import InvalidRequestError
+
+    engine = make_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    req = replace(engine.prepare("h", [5, 6, 7], params), hand_off=True)
+    with pytest.raises(InvalidRequestError, match="disaggregation is not served"):
+        engine.enqueue(req)
+    assert not engine.has_unfinished()
+    engine.add_request("after", [5, 6, 7], params)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_prompt_logprobs_of_a_oneshot_row_match_transformers(hf_model: Any, make_engine: Any) -> None:
+    engine = make_engine()
+    prompt = list(range(40, 60))
+    engine.add_request("p", prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], -1)
+    assert got is not None and got[0] is None and len(got) == len(prompt)
+    for i, lp in enumerate(got[1:], start=1):
+        assert lp is not None and abs(lp.logprob - ref[i - 1][prompt[i]].item()) < 1e-3

@@ -52,7 +52,7 @@ def build(hf: Any, dtype: torch.dtype = torch.float32, raw: dict[str, Any] | Non
 def oneshot_hidden(model: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
     """One forward of whole prompts on scratch state (what a OneShot step computes)."""
     builder = InputBuilder(torch.device("cpu"), 16, False)
-    inputs = builder.pack([RowLayout(p, range(len(p)), [-1] * len(p), (), len(p), False, decode=False)
+    inputs = builder.flatten([RowLayout(p, range(len(p)), [-1] * len(p), (), len(p), False, decode=False)
                            for p in prompts], write_kv=False)
     hidden = model.forward(inputs.input_ids, inputs.positions, inputs.meta, model.allocate_kv_cache(1, 16))
     return [hidden[s:s + len(p)] for s, p in zip(inputs.starts, prompts)]
@@ -194,7 +194,7 @@ def test_packed_items_each_continue_the_shared_state() -> None:
         positions += range(len(shared), len(shared) + len(item))
         segments += [i] * len(item)
     builder = InputBuilder(torch.device("cpu"), 16, False, recurrent=True)
-    inputs = builder.pack([RowLayout(ids, positions, [-1] * len(ids), (), len(ids), False, decode=False,
+    inputs = builder.flatten([RowLayout(ids, positions, [-1] * len(ids), (), len(ids), False, decode=False,
                                      segments=segments)], write_kv=False)
     assert inputs.meta.states is not None and inputs.meta.states.rows[0].items == (3, 2, 1)
     hidden = model.forward(inputs.input_ids, inputs.positions, inputs.meta, model.allocate_kv_cache(1, 16))
@@ -210,9 +210,75 @@ def test_state_rows_batch_decode_rows_and_keep_prompt_rows_apart() -> None:
     layouts = [RowLayout([1, 2, 3], range(3), [0, 1, 2], (0,), 3, True, decode=False, state_slot=2, fresh=True),
                RowLayout([4], [7], [9], (1, 2), 8, True, decode=True, state_slot=0, fresh=False),
                RowLayout([5], [0], [-1], (), 1, False, decode=False)]
-    states = builder.pack(layouts, write_kv=True).meta.states
+    states = builder.flatten(layouts, write_kv=True).meta.states
     assert states is not None
     assert states.rows == (StateRow(0, 3, 2, True), StateRow(4, 1, -1, True))
     assert states.step_tokens is not None and states.step_tokens.tolist() == [3]
     assert states.step_slots is not None and states.step_slots.tolist() == [0]
     assert StateRows(()).step_tokens is None
+
+
+# --- Qwen3-Next: the same trunk, experts with a gated shared expert, grouped projections ---
+
+
+def hf_next(seed: int = 0, **kw: Any) -> Any:
+    torch.manual_seed(seed)
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=24, linear_value_head_dim=20, max_position_embeddings=512, num_experts=6,
+                num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=48,
+                decoder_sparse_step=1, mlp_only_layers=[1])
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**base, **kw})).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def test_qwen3_next_float32_equals_transformers() -> None:
+    hf = hf_next()
+    model = build(hf)
+    assert model.spec.layers[0].mlp.kind == "moe" and model.spec.layers[1].mlp.kind == "dense"
+    prompts = [torch.randint(0, 300, (n,)).tolist() for n in (90, 5)]
+    for prompt, hidden in zip(prompts, oneshot_hidden(model, prompts)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        logits = model.compute_logits(hidden)
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+        assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3
+
+
+def test_qwen3_next_bf16_stays_close() -> None:
+    hf = hf_next(1)
+    model = build(hf, torch.bfloat16)
+    prompt = torch.randint(0, 300, (30,)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].softmax(-1)
+    got = model.compute_logits(oneshot_hidden(model, [prompt])[0]).softmax(-1)
+    assert (got - ref).abs().max() < 0.05
+
+
+def test_the_random_qwen3_5_shape_builds_and_computes(tmp_path: Any) -> None:
+    """The benchmark shape's weights, at a smaller width: every tensor read, finite output."""
+    from prelude.testing.random_model import SHAPES, random_hybrid_weights
+
+    cfg = {**SHAPES["qwen3.5-0.8b"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "linear_key_head_dim": 8, "linear_value_head_dim": 8}
+    model = registry.build_model(registry.config_for(cfg), random_hybrid_weights(cfg, dtype=torch.float32),
+                                 torch.float32, torch.device("cpu"), None)
+    hidden = oneshot_hidden(model, [list(range(20))])[0]
+    assert torch.isfinite(model.compute_logits(hidden)).all()
+
+
+def test_strong_decays_still_match_the_reference() -> None:
+    """Per-token log decays of up to -6: within a chunk the decays pass through the range
+    whose exp is a subnormal float, which the kernel takes as zero."""
+    q, k, v, _, beta, state = _inputs(130, 2, 4, 24, 20, torch.float32, seed=3)
+    decay = -torch.rand(1, 130, 4, generator=torch.Generator().manual_seed(4)) * 6
+    ref_out, ref_state = hf_qwen3_5.torch_chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state,
+                                                                  output_final_state=True,
+                                                                  use_qk_l2norm_in_kernel=True)
+    out, got_state = chunk_gated_delta_rule(q, k, v, decay, beta, state)
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(got_state, ref_state, atol=1e-5)

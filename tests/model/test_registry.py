@@ -141,17 +141,3 @@ def test_a_toy_architecture_is_one_file_and_matches_transformers() -> None:
     hf.config.architectures = ["LlamaForCausalLM"]
     with pytest.raises(UnsupportedCheckpoint, match="hidden_act"):
         registry.config_for(hf.config.to_dict())
-
-
-# Architectures teams serve today that their own issues add; until then each is refused in
-# one line by name (an issue that adds one removes it here and tests it against transformers).
-NOT_YET_SERVED = {
-    "Qwen3NextForCausalLM": lambda: transformers.Qwen3NextConfig(**TINY),
-}
-
-
-@pytest.mark.parametrize("name", list(NOT_YET_SERVED))
-def test_a_family_not_yet_served_is_refused_by_name(name: str) -> None:
-    raw = {**NOT_YET_SERVED[name]().to_dict(), "architectures": [name]}
-    with pytest.raises(UnsupportedCheckpoint, match=f"^architecture {name} is not supported; supported: "):
-        registry.config_for(raw)

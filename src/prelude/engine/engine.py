@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from prelude.config import EngineConfig
+from prelude.engine.client import InvalidRequestError
 from prelude.engine.validation import RequestRules, validate_request
 from prelude.engine.grammar import GrammarCompiler
 from prelude.forward_batch import BatchOutput, DecodeBatch, MixedBatch, OneShotBatch
@@ -261,6 +262,9 @@ class LLMEngine:
         """Queue a prepared request (engine thread only)."""
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.hand_off and self.num_state_slots:
+            raise InvalidRequestError("prefill/decode disaggregation is not served for this model: the KV hand-off "
+                                      "does not carry the recurrent state of its linear-attention layers")
         needs_forward = req.max_output_tokens > 0 or req.pooling is not None or req.params.prompt_logprobs is not None
         if not needs_forward:
             req.finish_reason = FinishReason.LENGTH

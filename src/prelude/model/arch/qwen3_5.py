@@ -12,7 +12,7 @@ state pool's slots (model/attention/metadata.py StateRows says which row uses wh
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,8 @@ class HybridConfig(ModelConfig):
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def rotary_dim(self) -> int:
@@ -120,14 +122,14 @@ def hybrid_config(name: str, raw: dict[str, Any], handled: tuple[str, ...] = ())
     return config
 
 
-def describe(config: HybridConfig, mlp: MlpSpec) -> DecoderSpec:
+def describe(config: HybridConfig, mlps: Sequence[MlpSpec]) -> DecoderSpec:
     rope = RopeSpec(config.rope_theta, config.rope_scaling, config.rotary_dim)
     full = AttentionSpec("full", config.num_attention_heads, config.num_key_value_heads, config.head_dim, rope,
                          config.head_dim**-0.5, qk_norm=True, output_gate=True)
     linear = AttentionSpec("linear", config.linear_num_value_heads, config.linear_num_key_heads,
                            config.linear_value_head_dim, None, config.linear_key_head_dim**-0.5)
     layers = tuple(LayerSpec(full if t == _FULL else linear, mlp, "rms_one_plus", config.rms_norm_eps)
-                   for t in config.layer_types)
+                   for t, mlp in zip(config.layer_types, mlps, strict=True))
     return DecoderSpec(config.architecture, config.hidden_size, config.vocab_size, layers, "rms_one_plus",
                        tie_word_embeddings=config.tie_word_embeddings)
 
@@ -199,7 +201,7 @@ class HybridDecoder:
             raise UnsupportedCheckpoint(f"architecture {config.architecture}: GGUF block-format weights are not "
                                         "served for hybrid models yet")
         self.config = config
-        self.spec = describe(config, self.mlp_spec(config))
+        self.spec = describe(config, [self.mlp_spec(config, i) for i in range(config.num_hidden_layers)])
         self.dtype = dtype
         self.device = torch.device(device)
         prepack = prepack and prepack_enabled(dtype, self.device)
@@ -227,8 +229,8 @@ class HybridDecoder:
 
     # --- building --------------------------------------------------------------------
 
-    @staticmethod
-    def mlp_spec(config: HybridConfig) -> MlpSpec:
+    def mlp_spec(self, config: HybridConfig, layer: int) -> MlpSpec:
+        """Layer `layer`'s MLP (Qwen3-Next: experts on some layers)."""
         return MlpSpec("dense", "silu", config.intermediate_size)
 
     def mlp(self, cast: CastWeights, prefix: str, prepack: bool) -> Any:

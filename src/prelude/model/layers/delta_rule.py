@@ -15,6 +15,15 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64
+# Decays below exp(-60) are taken as 0: their terms are ~1e-26 of the ones they are summed
+# with, far below float32's rounding, while exp of -87..-103 gives subnormal floats, whose
+# arithmetic is ~100x slower on x86 (a prompt whose decays land there took ~30x longer).
+_LOG_ZERO = -60.0
+
+
+def _decay(log: torch.Tensor) -> torch.Tensor:
+    """exp(log), with exp(x) for x < _LOG_ZERO exactly 0."""
+    return log.masked_fill(log < _LOG_ZERO, float("-inf")).exp()
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -50,18 +59,19 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     decay = g.cumsum(-1)  # log of the decay from the chunk's start to each position
     above = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     # exp(decay_i - decay_j) for j <= i, 0 above the diagonal
-    pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(above, float("-inf")).exp()
+    pair = _decay((decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(above, float("-inf")))
     k_beta = k * beta.unsqueeze(-1)
     # (I + strictly-lower(k_beta k^T * pair)) u = beta v: the chunk's updates as one solve
     system = (k_beta @ k.transpose(-1, -2)) * pair
     eye_mask = above.logical_not().tril(-1)
     system = system * eye_mask + torch.eye(chunk, dtype=system.dtype, device=system.device)
-    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    # one solve for both right-hand sides, on contiguous operands (LAPACK copies strided ones)
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * _decay(decay).unsqueeze(-1)], dim=-1)
+    u, w = torch.linalg.solve_triangular(system.contiguous(), rhs, upper=False, unitriangular=True).split([dv, dk], -1)
     inner = (q @ k.transpose(-1, -2)) * pair  # within-chunk scores, causal incl. the diagonal
-    q_decayed = q * decay.exp().unsqueeze(-1)
-    k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
-    chunk_decay = decay[..., -1].exp()[..., None, None]  # [B, Hv, n, 1, 1]
+    q_decayed = q * _decay(decay).unsqueeze(-1)
+    k_to_end = k * _decay(decay[..., -1:] - decay).unsqueeze(-1)
+    chunk_decay = _decay(decay[..., -1])[..., None, None]  # [B, Hv, n, 1, 1]
     s = (torch.zeros(batch, hv, dk, dv, dtype=torch.float32, device=q.device) if state is None
          else state.to(torch.float32).clone())
     out = torch.empty_like(v)
@@ -80,7 +90,7 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     hv, dk = v.shape[-2], k.shape[-1]
     q = l2norm(_heads_for_values(q, hv).float()) * dk**-0.5
     k = l2norm(_heads_for_values(k, hv).float())
-    state.mul_(g.float().exp()[..., None, None])
+    state.mul_(_decay(g.float())[..., None, None])
     predicted = (state * k.unsqueeze(-1)).sum(-2)  # S^T k: [B, Hv, dv]
     delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
     state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))

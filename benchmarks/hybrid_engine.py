@@ -1,0 +1,113 @@
+"""A hybrid model (random-weight Qwen3.5 of the smallest shape: 18 Gated DeltaNet and 6 gated
+attention layers) in the engine, Prelude alone, in-process (no HTTP):
+
+    python -m benchmarks.hybrid_engine [--dtype bfloat16] [--vocab 49152] [--scale 1.0]
+
+- oneshot_512x1: 16 prompts of 512 tokens, one token each (OneShot rows: no state slot);
+- paged_128x32: 4 prompts of 128 tokens, 32 greedy tokens each (one state slot each);
+- mixed: 64 OneShot prompts of 128 tokens beside 8 decodes of 32 tokens with 8 slots: the
+  OneShot rows must hold no slot and nothing may be refused.
+`--scale` multiplies the request counts (0.25: a quick look). Token ids at random; the vocab
+is cut (`--vocab`) as peers' runs of this shape were. Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from typing import Any
+
+import torch
+
+from prelude.bench.results import write_json
+from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
+from prelude.engine.engine import LLMEngine
+from prelude.executor.runner import ModelRunner
+from prelude.model.registry import config_for
+from prelude.params import SamplingParams
+from prelude.testing.random_model import SHAPES, random_hybrid_weights
+
+
+class _Ids:
+    """The engine's tokenizer where every input is token ids."""
+
+    vocab_size = 49152
+    bos_token_id = None
+    eos_token_ids = frozenset({0})
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def _engine(dtype: str, vocab: int, slots: int) -> LLMEngine:
+    cfg = {**SHAPES["qwen3.5-0.8b"], "vocab_size": vocab}
+    executor = ExecutorConfig(device="cpu", dtype=dtype)
+    weights = random_hybrid_weights(cfg, dtype=getattr(torch, dtype))
+    runner = ModelRunner.create(config_for(cfg), weights, executor, 16)
+    engine_cfg = EngineConfig(executor=executor, cache=CacheConfig(block_size=16, max_recurrent_slots=slots),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64))
+    tokenizer = _Ids()
+    tokenizer.vocab_size = vocab
+    return LLMEngine(runner, tokenizer, engine_cfg, "random-qwen3.5-0.8b")  # type: ignore[arg-type]
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _run(engine: LLMEngine, jobs: list[tuple[list[int], SamplingParams]]) -> dict[str, float]:
+    """Submit `jobs` at once and step to the end; also the most state slots held at once by
+    the OneShot ones (their max_tokens is 1: they must hold none)."""
+    start = time.perf_counter()
+    oneshot = set()
+    for i, (ids, params) in enumerate(jobs):
+        rid = f"r{i}-{start}"
+        engine.add_request(rid, ids, params)
+        if params.max_tokens == 1:
+            oneshot.add(rid)
+    out_tokens = 0
+    oneshot_slots = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            out_tokens += len(out.new_token_ids)
+        oneshot_slots = max(oneshot_slots, sum(engine.kv.state_slot(rid) is not None for rid in oneshot))
+    seconds = time.perf_counter() - start
+    engine.check_integrity()
+    return {"seconds": seconds, "requests_per_s": len(jobs) / seconds, "output_tokens_per_s": out_tokens / seconds,
+            "max_slots_held_by_oneshot": oneshot_slots}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--out", default="benchmarks/results/hybrid_engine.json")
+    args = p.parse_args()
+    n = lambda k: max(1, int(k * args.scale))  # noqa: E731
+    engine = _engine(args.dtype, args.vocab, slots=8)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    chat = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    _run(engine, [(q, one) for q in _prompts(2, 64, args.vocab, 0)])  # warm-up: packed copies, first calls
+    results: dict[str, Any] = {"cpu_count": os.cpu_count(), "dtype": args.dtype, "vocab": args.vocab,
+                               "state_slots": engine.num_state_slots,
+                               "state_mib_per_slot": engine.info.state_bytes_per_slot / 2**20}
+    results["oneshot_512x1"] = _run(engine, [(q, one) for q in _prompts(n(16), 512, args.vocab, 1)])
+    results["paged_128x32"] = _run(engine, [(q, chat) for q in _prompts(n(4), 128, args.vocab, 2)])
+    mixed = [(q, one) for q in _prompts(n(64), 128, args.vocab, 3)] + \
+            [(q, chat) for q in _prompts(min(8, n(8)), 128, args.vocab, 4)]
+    results["mixed_oneshot_beside_decodes"] = _run(engine, mixed)
+    for name, figures in results.items():
+        print(f"{name}: {figures}")
+    write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
