@@ -180,7 +180,48 @@ class DecoderLayer:
         return (self.qkv, self.o_proj, *mlp)
 
 
-class Decoder:
+class DecoderHeads:
+    """The heads a decoder serves over its final hidden states, shared by the architectures
+    whose trunks differ (`rope`, `lm_head`, `_lm_head_proj` and `score` are the model's)."""
+
+    rope: RotaryEmbedding
+    lm_head: torch.Tensor | None
+    _lm_head_proj: Projection | None
+    score: torch.Tensor | None
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.rope.cos.shape[0])
+
+    @property
+    def can_generate(self) -> bool:
+        return self.lm_head is not None
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project the selected rows [R, hidden] to float32 logits [R, vocab]."""
+        if self._lm_head_proj is None:
+            raise RuntimeError("this checkpoint has no language-model head")
+        return self._lm_head_proj(hidden).float()
+
+    @torch.inference_mode()
+    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of only the given vocabulary ids: [R, hidden] x ids [K] -> [R, K] (float32).
+        A gather of K rows of the head's weight, not a full-vocabulary projection."""
+        if self.lm_head is None:
+            raise RuntimeError("this checkpoint has no language-model head")
+        return F.linear(hidden, self.lm_head.index_select(0, token_ids)).float()
+
+    @torch.inference_mode()
+    def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:
+        """Classification / reward head on a sequence's last token, as HF's
+        *ForSequenceClassification does: [n, hidden] -> [labels] (float32)."""
+        if self.score is None:
+            raise RuntimeError("this checkpoint has no classification head")
+        return F.linear(hidden_row[-1], self.score).float()
+
+
+class Decoder(DecoderHeads):
     """Inference-only decoder over shared layers, as `spec` describes it: weights are plain
     tensors, no autograd."""
 
@@ -474,20 +515,6 @@ class Decoder:
     default_pooling = "last"
     computes_read_positions = True
 
-    @property
-    def max_positions(self) -> int:
-        return int(self.rope.cos.shape[0])
-
-    @property
-    def can_generate(self) -> bool:
-        return self.lm_head is not None
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project the selected rows [R, hidden] to float32 logits [R, vocab]."""
-        if self._lm_head_proj is None:
-            raise RuntimeError("this checkpoint has no language-model head")
-        return self._lm_head_proj(hidden).float()
 
     @torch.inference_mode()
     def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
@@ -503,22 +530,6 @@ class Decoder:
             return None
         out = head.weight.shape[0]
         return self._head_argmax.argmax(hidden, out if vocab_limit is None else min(vocab_limit, out))
-
-    @torch.inference_mode()
-    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of only the given vocabulary ids: [R, hidden] x ids [K] -> [R, K] (float32).
-        A gather of K rows of the head's weight, not a full-vocabulary projection."""
-        if self.lm_head is None:
-            raise RuntimeError("this checkpoint has no language-model head")
-        return F.linear(hidden, self.lm_head.index_select(0, token_ids)).float()
-
-    @torch.inference_mode()
-    def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:
-        """Classification / reward head on a sequence's last token, as HF's
-        *ForSequenceClassification does: [n, hidden] -> [labels] (float32)."""
-        if self.score is None:
-            raise RuntimeError("this checkpoint has no classification head")
-        return F.linear(hidden_row[-1], self.score).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           populate: Populate = "off") -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from prelude.config import ModelConfig, Populate
 from prelude.model.arch import hf_config
@@ -26,7 +25,7 @@ from prelude.model.attention import AttentionBackend, get_attention_backend
 from prelude.model.attention.kv_memory import zeroed_kv_tensors
 from prelude.model.attention.metadata import AttentionMetadata, StateRow, StateRows
 from prelude.model.base import Architecture, DerivedTensors, KVCaches, NothingKept, UnsupportedCheckpoint
-from prelude.model.decoder import CastWeights
+from prelude.model.decoder import CastWeights, DecoderHeads
 from prelude.model.layers.decoder_segments import ACTIVATIONS
 from prelude.model.layers.gated_attention import GatedAttention, GatedAttentionShape, rms_norm_one_plus
 from prelude.model.layers.gated_delta_net import DeltaNetShape, GatedDeltaNet
@@ -183,7 +182,7 @@ class HybridLayer:
         self.mixer, self.mlp, self.input_norm, self.post_norm = mixer, mlp, input_norm, post_norm
 
 
-class HybridDecoder:
+class HybridDecoder(DecoderHeads):
     """Inference-only hybrid decoder over the shared layers. kv_caches holds, per layer,
     (K blocks, V blocks) for a full-attention layer and (conv states, recurrent states) of
     the state pool's slots for a linear one."""
@@ -285,34 +284,8 @@ class HybridDecoder:
 
     # --- heads -----------------------------------------------------------------------
 
-    @property
-    def max_positions(self) -> int:
-        return int(self.rope.cos.shape[0])
-
-    @property
-    def can_generate(self) -> bool:
-        return self.lm_head is not None
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._lm_head_proj is None:
-            raise RuntimeError("this checkpoint has no language-model head")
-        return self._lm_head_proj(hidden).float()
-
     def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
         return None
-
-    @torch.inference_mode()
-    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            raise RuntimeError("this checkpoint has no language-model head")
-        return F.linear(hidden, self.lm_head.index_select(0, token_ids)).float()
-
-    @torch.inference_mode()
-    def classify(self, hidden_row: torch.Tensor) -> torch.Tensor:
-        if self.score is None:
-            raise RuntimeError("this checkpoint has no classification head")
-        return F.linear(hidden_row[-1], self.score).float()
 
     def make_packed_copies(self) -> int:
         return 0
