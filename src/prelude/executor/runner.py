@@ -530,7 +530,10 @@ class ModelRunner:
             return
         src_t = torch.tensor(src, dtype=torch.long, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        # A hybrid model's linear layers keep state slots, not blocks: its attention layers only
+        full_layers = getattr(self.model, "full_layers", None)
+        paged = self.kv_caches if full_layers is None else [self.kv_caches[i] for i in full_layers]
+        for k_cache, v_cache in paged:
             for cache in (k_cache, v_cache):
                 slots = cache.view(-1, *cache.shape[2:])  # [blocks * block_size, kv_heads, head_dim]
                 slots.index_copy_(0, dst_t, slots.index_select(0, src_t))
