@@ -71,6 +71,9 @@ class BatchRow:
     state_slot: int | None = None
     # A prefix-cache hit's state checkpoint the row starts from instead (its first row only)
     restore_slot: int | None = None
+    # A hit ending inside a block (first row only): the cached block whose first
+    # start_pos % block_size slots are copied into the row's block at start_pos before it runs
+    copy_from: int | None = None
     # State checkpoints the row writes: (absolute position, checkpoint slot), the state
     # after the first `position` tokens of the sequence
     state_saves: tuple[tuple[int, int], ...] = ()

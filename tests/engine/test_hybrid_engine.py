@@ -198,7 +198,7 @@ def test_a_saved_checkpoint_starts_through_the_loader(tmp_path: Any, caplog: pyt
             shutil.copy(source / name, tmp_path / name)
     with caplog.at_level("INFO"):
         llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory_gib=0.01, max_num_seqs=4)
-    assert "recurrent state: 4 slots x" in caplog.text and "prefix caching: off" in caplog.text
+    assert "recurrent state: 4 slots x" in caplog.text and "state checkpoint slots" in caplog.text
     prompt = [11, 12, 13, 14, 15]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)

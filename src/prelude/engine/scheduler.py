@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from prelude.config import SchedulerConfig
 from prelude.forward_batch import (
@@ -241,6 +241,9 @@ class Scheduler:
         self._low_priority_left: int | None = None
         self._low_priority_cap: int | None = None
         self._chunking: set[str] = set()  # OneShot requests whose chunk is in a step not yet ended
+        # Models with recurrent layers: where an admitted request's prompt parts from the cached
+        # ones (past its hit), for its first row's checkpoint (taken by _row)
+        self._parts: dict[str, int] = {}
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -325,6 +328,7 @@ class Scheduler:
             if request in queue:
                 queue.remove(request)
         self.kv.free(request.request_id)
+        self._parts.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
 
     def has_work(self) -> bool:
@@ -342,19 +346,24 @@ class Scheduler:
             per_token += 2 * self.vocab_size * 4
         return n * per_token
 
-    def _cached_prefix(self, req: Request, tokens: list[int]) -> tuple[list[int], CheckpointHit | None]:
+    def _cached_prefix(self, req: Request, tokens: list[int],
+                       inside_blocks: bool = False) -> tuple[list[int], CheckpointHit | None]:
         """The cached blocks a request starts after, and (models with recurrent layers)
-        the hit with the state checkpoint at their end; ([], None): none."""
+        the hit with the state checkpoint at their end, which may end inside the next block
+        where `inside_blocks` allows it (the row then copies that block's first slots);
+        ([], None): none."""
         if self.kv.checkpoints is not None:
             limit = None
             if not reuses_prefix(req):
                 if not req.pooled_upto:
                     return [], None
                 limit = req.pooled_upto
-            hit, _ = self.kv.state_hit(tokens, namespace(req), limit=limit)
+            hit, agreed = self.kv.state_hit(tokens, namespace(req), inside_blocks and limit is None, limit)
             if limit is not None and (hit is None or hit.num_tokens != limit):
                 req.pooled_upto, req.pooled = 0, None  # its checkpoint was evicted: pool again from the start
                 return [], None
+            if agreed > (hit.num_tokens if hit is not None else 0):
+                self._parts[req.request_id] = agreed  # its first row keeps a checkpoint where it parts
             return (hit.blocks, hit) if hit is not None else ([], None)
         if reuses_prefix(req):
             return self.kv.match(tokens, namespace(req)), None
@@ -463,6 +472,7 @@ class Scheduler:
                 prefix = hit.blocks if hit is not None else []
             else:
                 prefix, hit = self._cached_prefix(req, shareable)
+                self._parts.pop(req.request_id, None)
             key = self.kv.first_uncached_key(shareable, len(prefix), namespace(req))
             # a peer of a leader in this step rides: the leader's blocks join its prefix
             leader = riders_of.get(key) if key is not None and reuses_prefix(req) and not state else None
@@ -644,16 +654,19 @@ class Scheduler:
         return BatchRow(
             req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
             sample_spec(req) if finishes else None, head, req.lora, self.kv.state_slot(req.request_id),
-            *self._state_checkpoints(req, start, n),
+            **self._state_checkpoints(req, start, n),
         )
 
-    def _state_checkpoints(self, req: Request, start: int, n: int) -> tuple[int | None, tuple[tuple[int, int], ...]]:
+    def _state_checkpoints(self, req: Request, start: int, n: int) -> dict[str, Any]:
         """A paged row's state checkpoints (models with recurrent layers): the one its
-        first row restores, and those it writes on the stride (pending slots)."""
+        first row restores, those it writes (pending slots) on the stride and where its
+        prompt parts from the cached ones, and the block a hit inside a block copies."""
         if self.kv.checkpoints is None:
-            return None, ()
-        saves = self.kv.save_slots(self.kv.checkpoint_positions(start, start + n))
-        return self.kv.restore_slot(req.request_id), saves
+            return {}
+        part = self._parts.pop(req.request_id, None)
+        saves = self.kv.save_slots(self.kv.checkpoint_positions(start, start + n, () if part is None else (part,)))
+        return {"restore_slot": self.kv.restore_slot(req.request_id), "state_saves": saves,
+                "copy_from": self.kv.copy_source(req.request_id)}
 
     def _tokens_for(self, req: Request, budget: int, first: bool) -> int:
         """Tokens this request computes now; 0 if it must wait for a bigger budget."""
@@ -772,7 +785,7 @@ class Scheduler:
                 rows.append(BatchRow(req.request_id, [CARRIED_TOKEN_PLACEHOLDER], req.num_tokens,
                                      list(self.kv.block_table(req.request_id)), sample_spec(req, carried=1),
                                      None, req.lora, self.kv.state_slot(req.request_id),
-                                     *self._state_checkpoints(req, req.num_tokens, 1)))
+                                     **self._state_checkpoints(req, req.num_tokens, 1)))
                 result.carried.append(req.request_id)
             else:
                 victims.remove(req)
@@ -881,23 +894,29 @@ class Scheduler:
         """Admit a waiting request: attach its cached prefix and allocate its first chunk.
         Returns the chunk size, None to skip it this step, 0 when the pool is full."""
         tokens = req.all_token_ids
-        prefix, hit = self._cached_prefix(req, tokens) if req.num_computed_tokens == 0 else ([], None)
+        prefix, hit = (self._cached_prefix(req, tokens, inside_blocks=True) if req.num_computed_tokens == 0
+                       else ([], None))
         if self._defer(req, self.kv.first_uncached_key(tokens, len(prefix), namespace(req)), leaders):
+            self._parts.pop(req.request_id, None)
             return None
-        if prefix:
-            self.kv.attach(req.request_id, prefix, hit.slot if hit is not None else None)
-            req.num_computed_tokens = len(prefix) * self.kv.block_size
+        attached = hit is not None or bool(prefix)
+        if attached:
+            self.kv.attach(req.request_id, prefix, hit.slot if hit is not None else None,
+                           hit.copy_from if hit is not None else None)
+            req.num_computed_tokens = hit.num_tokens if hit is not None else len(prefix) * self.kv.block_size
+        n_cached = req.num_computed_tokens
         n = self._tokens_for(req, min(budget, cap or budget), first)
         # the watermark spares running decodes a preemption: with none running it would only
         # keep a pool of up to 100 blocks from ever admitting a request that needs all of it
         reserve = self.watermark_blocks if self.admitted else 0
         if n == 0 or not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=reserve):
-            if prefix:  # not admitted after all: let go of the attached prefix
+            self._parts.pop(req.request_id, None)
+            if attached:  # not admitted after all: let go of the attached prefix
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0
             return None if n == 0 else 0
         if req.num_preemptions == 0:
-            self.kv.record(len(prefix) * self.kv.block_size, req.num_prompt_tokens - len(prefix) * self.kv.block_size)
+            self.kv.record(n_cached, req.num_prompt_tokens - n_cached)
         self.waiting.remove(req)
         self.admitted.append(req)
         req.status = RequestStatus.RUNNING

@@ -68,6 +68,7 @@ class KVCacheManager:
         # A paged request that hit a checkpointed prefix: the checkpoint its first row
         # restores (pinned until that row's step ends)
         self._restores: dict[str, int] = {}
+        self._copies: dict[str, int] = {}  # and the block holding its hit's last tokens (see attach)
 
     @property
     def num_free_blocks(self) -> int:
@@ -177,16 +178,26 @@ class KVCacheManager:
         self.stats.reused_tokens += reused
         self.stats.computed_tokens += computed
 
-    def attach(self, request_id: str, blocks: list[int], restore: int | None = None) -> None:
+    def attach(self, request_id: str, blocks: list[int], restore: int | None = None,
+               copy_from: int | None = None) -> None:
         """Start a request's table with shared cached blocks (pinned while it holds them);
         `restore`: the checkpoint of the state at their end (models with recurrent layers),
-        pinned until the request's first row has read it (`restored`)."""
+        pinned until the request's first row has read it (`restored`); `copy_from`: a hit
+        ending inside the next block, the cached block whose first slots that row copies
+        into the request's own copy of it (its next allocated block), pinned as long."""
         assert request_id not in self._tables
         self.pool.acquire(blocks)
         self._tables[request_id] = list(blocks)
         if restore is not None:
             self.hold_checkpoint(restore)
             self._restores[request_id] = restore
+        if copy_from is not None:
+            self.pool.acquire([copy_from])
+            self._copies[request_id] = copy_from
+
+    def copy_source(self, request_id: str) -> int | None:
+        """The cached block the request's next row copies its hit's last slots from."""
+        return self._copies.get(request_id)
 
     def restore_slot(self, request_id: str) -> int | None:
         """The checkpoint the request's next row starts from (None: its own slot or zeros)."""
@@ -197,6 +208,9 @@ class KVCacheManager:
         slot = self._restores.pop(request_id, None)
         if slot is not None:
             self.release_checkpoint(slot)
+        block = self._copies.pop(request_id, None)
+        if block is not None:
+            self.pool.release([block])
 
     def cache_computed(self, request_id: str, tokens: list[int], num_computed: int, namespace: str = "") -> None:
         """Publish the request's full blocks whose K/V are computed."""
@@ -283,7 +297,7 @@ class KVCacheManager:
         if self.prefix is not None:
             self.prefix.check_integrity()
             cached = self.prefix.cached_blocks()
-        self.pool.check_integrity(self._tables.values(), cached)
+        self.pool.check_integrity([*self._tables.values(), self._copies.values()], cached)
         if self.slots is not None:
             self.slots.check_integrity(self._slots.values())
         elif self._slots:
