@@ -457,10 +457,9 @@ class Scheduler:
         riders_of: dict[tuple[object, ...], OneShotLeader] = {}  # first uncached key -> its leader row
         # Models with recurrent layers (state checkpoints): no riders (a rider would need the
         # leader's state at their parting point within the same forward); a leader instead
-        # keeps a checkpoint where each deferred peer parts from it (see _checkpoint_rows).
+        # keeps a checkpoint where its peers part from it (see _checkpoint_rows).
         state = self.kv.checkpoints is not None
-        peers_of: dict[tuple[object, ...], list[list[int]]] = {}  # a leader's key -> its deferred peers
-        state_rows: list[tuple[int, list[int], int, int, int, tuple[object, ...] | None]] = []
+        state_rows: list[tuple[int, list[int], int, int, int]] = []
         for req in ordered:
             if oneshot_group(req) != group:
                 continue
@@ -501,8 +500,6 @@ class Scheduler:
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
             if not riding and self._defer(req, key, leaders):
-                if state and key is not None:
-                    peers_of.setdefault(key, []).append(shareable)
                 continue
             if not self._adapter_fits(req, result):
                 continue
@@ -517,7 +514,7 @@ class Scheduler:
                 if hit is not None:
                     self.kv.hold_checkpoint(hit.slot)
                 published_end = (len(prefix) + len(publish_blocks)) * bs
-                state_rows.append((len(rows), shareable, n_cached, published_end, agreed, key))
+                state_rows.append((len(rows), shareable, n_cached, published_end, agreed))
             else:
                 # A hit after a shared block may go on inside the next block when this row
                 # publishes it (its copy of that block takes the cached slots): a rubric or a chat
@@ -545,8 +542,10 @@ class Scheduler:
             self._took_low_priority(req, n)
             budget -= n
             memory -= mem
-        if state_rows:
-            self._checkpoint_rows(rows, state_rows, peers_of)
+        if state_rows:  # peers: the step's later rows, and up to 16 prompts still waiting (deferred ones too)
+            left = set(taken)
+            waiting = [shareable_tokens(r) for r in ordered if r not in left and oneshot_group(r) == group][:16]
+            self._checkpoint_rows(rows, state_rows, waiting)
         for req in taken:
             self.oneshot_waiting.remove(req)
             self.oneshot_admitted.add(req)
@@ -554,19 +553,23 @@ class Scheduler:
             req.scheduled_time = req.scheduled_time or now
         return rows, taken
 
-    def _checkpoint_rows(self, rows: list[OneShotRow],
-                         state_rows: list[tuple[int, list[int], int, int, int, tuple[object, ...] | None]],
-                         peers_of: dict[tuple[object, ...], list[list[int]]]) -> None:
+    def _checkpoint_rows(self, rows: list[OneShotRow], state_rows: list[tuple[int, list[int], int, int, int]],
+                         waiting: list[list[int]]) -> None:
         """The state checkpoints the step's OneShot rows write out of their scratch state:
-        on the stride within the blocks they publish; where a deferred peer's prompt parts
-        from a leader's (the peer's hit next step is then token-exact, as a dense model's,
-        also short of a block or of the stride); where a row's prompt parts from the cached
-        prompts it agrees with beyond its hit (the next such prompt hits there)."""
-        for i, shareable, n_cached, published_end, agreed, key in state_rows:
-            peers = peers_of.get(key, []) if key is not None else []
-            parts = {min(common_prefix(shareable, peer), len(peer) - 1) for peer in peers[:8]}
+        on the stride within the blocks they publish; where a peer's prompt (a later row of
+        the step, or one still waiting) parts from the row's beyond its hit (the peer's hit
+        is then token-exact, as a dense model's, also short of a block or of the stride);
+        where a row's prompt parts from the cached prompts it agrees with beyond its hit
+        (the next such prompt hits there)."""
+        for k, (i, shareable, n_cached, published_end, agreed) in enumerate(state_rows):
+            parts: set[int] = set()
+            for peer in [row[1] for row in state_rows[k + 1 :]] + waiting:
+                # one token past the hit tells a peer that may part later from one that can not
+                if len(peer) > n_cached + 1 and len(shareable) > n_cached and peer[n_cached] == shareable[n_cached]:
+                    parts.add(min(common_prefix(shareable, peer), len(peer) - 1))
             if agreed > n_cached:
                 parts.add(agreed)
+            parts = set(sorted(parts)[-4:])  # the deepest few: each is a state copy and a slot
             # a checkpoint needs a cached node holding its last token: a block this row
             # publishes, or one its prompt agrees with
             positions = [p for p in self.kv.checkpoint_positions(n_cached, len(shareable), tuple(parts))
