@@ -99,7 +99,7 @@ class KVCacheManager:
         if self.prefix is None:
             return []
         if self.checkpoints is not None:
-            hit, _ = self.prefix.checkpoint_hit(tokens, len(tokens) - 1, namespace, inside_blocks=False)
+            hit, _ = self.prefix.checkpoint_hit(tokens, len(tokens) - 1, namespace, inside_blocks=False, scan=False)
             return hit.blocks if hit is not None else []
         return self.prefix.match(tokens, (len(tokens) - 1) // self.block_size, namespace)
 

@@ -163,13 +163,14 @@ class PrefixCache:
             if slot is not None:
                 yield offset, slot
 
-    def checkpoint_hit(self, tokens: list[int], limit: int, namespace: str = "",
-                       inside_blocks: bool = True) -> tuple[CheckpointHit | None, int]:
+    def checkpoint_hit(self, tokens: list[int], limit: int, namespace: str = "", inside_blocks: bool = True,
+                       scan: bool = True) -> tuple[CheckpointHit | None, int]:
         """The longest cached prefix of `tokens`, at most `limit` tokens long, that ends at a
         checkpoint (None: none), and how far the cached K/V agree with `tokens` at all
         (within `limit`: where a row computing them could add one). `inside_blocks`: hits
         may end inside a block (a row that copies that block's first slots); otherwise only
-        at block boundaries."""
+        at block boundaries. `scan` False: the agreement past the full blocks is not looked
+        up (a block-boundary hit needs none)."""
         node = self._roots.get(namespace)
         if node is None or limit <= 0:
             return None, 0
@@ -192,7 +193,7 @@ class PrefixCache:
             node = child
             i += 1
         agreed = min(i * bs, limit)
-        if agreed < limit and node in self._first:  # the next block's tokens, against cached children
+        if scan and agreed < limit and node in self._first:  # the next block's tokens, against cached children
             want = _token_bytes(tokens[i * bs : i * bs + min(limit - i * bs, bs)])
             for n, block in enumerate(self._children(node)):
                 if n == PARTIAL_SCAN:

@@ -71,8 +71,8 @@ class StateRow:
     # of its own slot's or zeros (-1: none)
     restore: int = -1
     # Checkpoints: (tokens into the row, slot) - the state after that many of the row's
-    # tokens is copied to that slot, in increasing order, within the shared part. A row
-    # restoring a checkpoint that an earlier row of the step saves is computed after it.
+    # tokens is copied to that slot, in increasing order, within the shared part. No row
+    # restores a slot another row of the step saves: the rows stay independent.
     saves: tuple[tuple[int, int], ...] = ()
 
 
