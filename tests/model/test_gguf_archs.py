@@ -65,3 +65,72 @@ def test_qwen3moe_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tmp
     dequantized_like_file(hf, "qwen3moe", qtype)
     runner, kv = _runner(loaded)
     _prefill_then_decode(hf, runner, kv, tol=1e-4 if qtype == F32 else 2e-4)
+
+
+# --- gemma3 ----------------------------------------------------------------------------
+
+GEMMA_WINDOW = 6
+
+
+def _hf_gemma3(seed: int = 0) -> Any:
+    from tests.model.test_gemma3 import TEXT, _perturb
+
+    torch.manual_seed(seed)
+    # llama.cpp's gemma3: one global layer every 6, the sliding ones at RoPE base 10 000, the
+    # attention scale head_dim ** -0.5
+    cfg = transformers.Gemma3TextConfig(**{
+        **TEXT, "vocab_size": 300, "num_hidden_layers": 6, "sliding_window": GEMMA_WINDOW, "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
+    return _perturb(transformers.Gemma3ForCausalLM(cfg)).eval()
+
+
+def _greedy_and_logits(hf: Any, runner: ModelRunner, kv: KVCacheManager, prompt: list[int], steps: int,
+                       tol: float) -> None:
+    """Prefill then greedy decode one row: each step's logits within `tol` of transformers'
+    on the same tokens, and the greedy tokens transformers'."""
+    from prelude.forward_batch import BatchRow
+    from tests.model.test_decoder_numerics import _run
+
+    seq = list(prompt)
+    start = 0
+    for _ in range(steps):
+        assert kv.allocate("r", len(seq))
+        (got,) = _run(runner, [BatchRow("r", seq[start:], start, kv.block_table("r"), None)])
+        with torch.no_grad():
+            want = hf(torch.tensor([seq])).logits[0, start:].float()
+        assert (got - want).abs().max().item() <= tol
+        assert int(got[-1].argmax()) == int(want[-1].argmax())
+        start = len(seq)
+        seq.append(int(want[-1].argmax()))
+
+
+@pytest.mark.parametrize("qtype", [F32, BF16, Q8_0], ids=lambda q: q.name)
+def test_gemma3_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    hf = _hf_gemma3()
+    loaded = _load(hf, "gemma3", qtype, tmp_path, monkeypatch)
+    c = loaded.config
+    assert c.architecture == "Gemma3ForCausalLM"
+    assert c.layer_kinds == ("sliding",) * 5 + ("full",) and c.window == GEMMA_WINDOW
+    assert (c.rope_theta, c.local_rope_theta, dict(c.rope_scaling or ())["factor"]) == (1_000_000.0, 10_000.0, 4.0)
+    if qtype == Q8_0:
+        assert loaded.blocks["model.layers.0.self_attn.q_proj.weight"].kind == "q8_0"
+    dequantized_like_file(hf, "gemma3", qtype)
+    runner, kv = _runner(loaded)
+    prompt = torch.randint(0, 256, (3 * GEMMA_WINDOW,), generator=torch.Generator().manual_seed(1)).tolist()
+    _greedy_and_logits(hf, runner, kv, prompt, steps=4, tol=1e-4 if qtype == F32 else 2e-4)
+
+
+def test_gemma3_gguf_tokenizer_equals_transformers_gguf_tokenizer(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sentencepiece vocabulary rebuilt from the file splits text as transformers' own
+    GGUF tokenizer does (merges in Gemma's file order, spaces as U+2581, byte fallback)."""
+    hf = _hf_gemma3()
+    loaded = _load(hf, "gemma3", F32, tmp_path, monkeypatch)
+    path = tmp_path / "gemma3-F32.gguf"
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the and is", "  then there is", "théâtre\n\tand", "<eos> in the", "a  b   c"]:
+        assert loaded.tokenizer.encode(text) == ref.encode(text), text
+        assert loaded.tokenizer.decode(ref.encode(text), skip_special_tokens=True) == \
+            ref.decode(ref.encode(text), skip_special_tokens=True)
+    assert loaded.tokenizer.encode("the")[0] == 2  # <bos> first, as the file's add_bos_token says
