@@ -50,8 +50,9 @@ def bpe_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     tokens = list(alphabet)
     merges: list[str] = []
     sp = alphabet[ord(" ")]
-    for pair in [("t", "h"), ("th", "e"), (sp, "the"), ("i", "n"), (sp, "a"), ("e", "r"), (sp, "in"), ("o", "n"),
-                 ("a", "n"), ("an", "d"), (sp, "and"), ("r", "e"), ("o", "u"), (sp, "t"), ("e", "n"), ("i", "s")]:
+    # in an order BPE training gives: every token reachable through the merges before it
+    for pair in [("t", "h"), ("th", "e"), (sp, "the"), ("i", "n"), (sp, "in"), ("a", "n"), ("an", "d"), (sp, "and"),
+                 ("e", "r"), ("o", "n"), ("r", "e"), ("o", "u"), (sp, "t"), ("e", "n"), ("i", "s"), (sp, "a")]:
         if len(tokens) >= size - 2:
             break
         merges.append(" ".join(pair))

@@ -134,3 +134,49 @@ def test_gemma3_gguf_tokenizer_equals_transformers_gguf_tokenizer(tmp_path: Path
         assert loaded.tokenizer.decode(ref.encode(text), skip_special_tokens=True) == \
             ref.decode(ref.encode(text), skip_special_tokens=True)
     assert loaded.tokenizer.encode("the")[0] == 2  # <bos> first, as the file's add_bos_token says
+
+
+# --- qwen35 ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [F32, Q8_0], ids=lambda q: q.name)
+def test_qwen35_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two value heads a key head, so the value-head order llama.cpp tiles is undone on
+    every DeltaNet tensor; the 4th layer is a gated full-attention layer."""
+    pytest.importorskip("transformers.models.qwen3_5")
+    from prelude.model import registry
+    from tests.model.test_qwen3_5 import hf_model, oneshot_hidden
+
+    hf = hf_model(5)
+    loaded = _load(hf, "qwen35", qtype, tmp_path, monkeypatch)
+    c = loaded.config
+    assert c.architecture == "Qwen3_5ForCausalLM" and loaded.blocks == {}  # hybrids read the float32 copy
+    assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            c.rotary_dim) == (2, 4, 24, 20, 8)
+    for name, tensor in hf.state_dict().items():
+        if qtype == F32 and name in loaded.weights:  # the checkpoint's own values back (up to float32 rounding)
+            assert torch.allclose(loaded.weights[name], tensor.float(), rtol=1e-6, atol=1e-6), name
+    dequantized_like_file(hf, "qwen35", qtype)
+    model = registry.build_model(c, loaded.weights, torch.float32, torch.device("cpu"), None)
+    prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 3)]
+    for prompt, hidden in zip(prompts, oneshot_hidden(model, prompts)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        logits = model.compute_logits(hidden)
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+        assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3
+
+
+def test_qwen35_gguf_tokenizer_and_metadata(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The byte-level vocabulary with Qwen3.5's split pattern, its control tokens whole,
+    the chat template and end-of-turn token from the file's metadata."""
+    pytest.importorskip("transformers.models.qwen3_5")
+    from tests.model.test_qwen3_5 import hf_model
+
+    loaded = _load(hf_model(6), "qwen35", F32, tmp_path, monkeypatch)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="qwen35-F32.gguf")
+    for text in ["the and then", "in 2024 there is<|im_end|>", "théâtre\n\n  and"]:
+        assert loaded.tokenizer.encode(text) == ref.encode(text), text
+    assert 299 in loaded.tokenizer.eos_token_ids and loaded.config.eos_token_ids == (299,)
