@@ -5,7 +5,9 @@ package's name map), its metadata keys, and the value conventions it applies:
   gated norm);
 - qwen3moe: experts stacked per layer as ffn_gate_exps / ffn_up_exps / ffn_down_exps;
 - qwen35: A_log stored as -exp(A_log), conv1d squeezed, dt_bias as ssm_dt.bias, and the
-  value heads of the DeltaNet tensors moved from grouped (by key head) to tiled order.
+  value heads of the DeltaNet tensors moved from grouped (by key head) to tiled order;
+- qwen3next: the same values (no value-head reordering), in_proj_qkvz split into
+  attn_qkv and attn_gate, experts stacked, the shared expert's gate a vector.
 Written independently of the loader's inverse (model/loading/gguf_arch.py), so a test that
 loads the file checks both against the same published conventions.
 
@@ -124,6 +126,25 @@ def _qwen35_tensor(name: str, t: torch.Tensor, cfg: Any) -> tuple[str, torch.Ten
     return name, t
 
 
+def _qwen3next_tensors(name: str, t: torch.Tensor, cfg: Any) -> list[tuple[str, torch.Tensor]]:
+    """Qwen3-Next: in_proj_qkvz (rows grouped by key head: q, k, v, z) split into the q, k, v
+    blocks (`in_proj_qkv`) and z (`in_proj_z`); the shared expert's gate a vector; the
+    values as for Qwen3.5 but with no value-head reordering."""
+    if name.endswith("in_proj_qkvz.weight"):
+        groups, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        vg = cfg.linear_num_value_heads // groups * cfg.linear_value_head_dim
+        q, k, v, z = t.reshape(groups, -1, t.shape[-1]).split([kd, kd, vg, vg], dim=1)
+        flat = lambda x: x.reshape(-1, t.shape[-1])  # noqa: E731
+        base = name.removesuffix("in_proj_qkvz.weight")
+        return [(base + "in_proj_qkv.weight", torch.cat([flat(q), flat(k), flat(v)])), (base + "in_proj_z.weight", flat(z))]
+    if name.endswith("shared_expert_gate.weight"):
+        return [(name, t.reshape(-1))]
+    groups = cfg.linear_num_key_heads
+    flat_cfg = type("Cfg", (), {**{k: getattr(cfg, k) for k in ("linear_key_head_dim", "linear_value_head_dim")},
+                                "linear_num_key_heads": groups, "linear_num_value_heads": groups})  # no reorder
+    return [_qwen35_tensor(name, t, flat_cfg)]
+
+
 def _tensors(model: Any, arch: str) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors under their (HF) names, with llama.cpp's value conventions applied."""
     cfg = model.config
@@ -132,15 +153,18 @@ def _tensors(model: Any, arch: str) -> list[tuple[str, torch.Tensor]]:
         t = t.detach().float()
         if arch == "gemma3" and name.endswith("norm.weight"):
             t = t + 1
-        if arch == "qwen3moe" and name.endswith("mlp.experts.gate_up_proj"):
+        if arch in ("qwen3moe", "qwen3next") and name.endswith("mlp.experts.gate_up_proj"):
             inter = t.shape[1] // 2
             base = name.removesuffix("gate_up_proj")
             out += [(base + "gate_proj.weight", t[:, :inter]), (base + "up_proj.weight", t[:, inter:])]
             continue
-        if arch == "qwen3moe" and name.endswith("mlp.experts.down_proj"):
+        if arch in ("qwen3moe", "qwen3next") and name.endswith("mlp.experts.down_proj"):
             name += ".weight"
         if arch == "qwen35":
             name, t = _qwen35_tensor(name, t, cfg)
+        if arch == "qwen3next":
+            out += _qwen3next_tensors(name, t, cfg)
+            continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         out.append((name, t))
@@ -188,11 +212,13 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     else:
         w.add_rope_freq_base(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen3next"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch == "qwen35":
+    if arch == "qwen3next":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch in ("qwen35", "qwen3next"):
         w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
         w.add_ssm_state_size(cfg.linear_key_head_dim)
         w.add_ssm_group_count(cfg.linear_num_key_heads)
@@ -200,6 +226,7 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
         w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
         w.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
         w.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.25)))
+    if arch == "qwen35":
         w.add_rope_dimension_sections([11, 11, 10, 0])
 
 

@@ -190,3 +190,34 @@ def test_qwen35_gguf_tokenizer_and_metadata(tmp_path: Path, monkeypatch: pytest.
     for text in ["the and then", "in 2024 there is<|im_end|>", "théâtre\n\n  and"]:
         assert loaded.tokenizer.encode(text) == ref.encode(text), text
     assert 299 in loaded.tokenizer.eos_token_ids and loaded.config.eos_token_ids == (299,)
+
+
+# --- qwen3next -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [F32, Q8_0], ids=lambda q: q.name)
+def test_qwen3next_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """in_proj_qkvz regrouped from llama.cpp's q, k, v blocks and z; experts with the
+    sigmoid-gated shared expert on every layer (llama.cpp's qwen3next)."""
+    from prelude.model import registry
+    from tests.model.test_qwen3_5 import hf_next, oneshot_hidden
+
+    hf = hf_next(7, mlp_only_layers=[])
+    loaded = _load(hf, "qwen3next", qtype, tmp_path, monkeypatch)
+    c = loaded.config
+    assert c.architecture == "Qwen3NextForCausalLM" and loaded.blocks == {}
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size,
+            c.mlp_only_layers, c.norm_topk_prob) == (6, 2, 40, 48, (), True)
+    if qtype == F32:
+        for name, tensor in hf.state_dict().items():
+            assert torch.allclose(loaded.weights[name], tensor.float(), rtol=1e-6, atol=1e-6), name
+    dequantized_like_file(hf, "qwen3next", qtype)
+    model = registry.build_model(c, loaded.weights, torch.float32, torch.device("cpu"), None)
+    prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (33, 2)]
+    for prompt, hidden in zip(prompts, oneshot_hidden(model, prompts)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        logits = model.compute_logits(hidden)
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+        assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3

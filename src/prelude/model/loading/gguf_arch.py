@@ -62,6 +62,7 @@ _HYBRID = {"post_attention_norm.weight": "post_attention_layernorm.weight",
            "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
            "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
            "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+           "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",  # older qwen3next files: HF's grouped rows as they are
            "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
            "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_norm.weight": "linear_attn.norm.weight",
            "ssm_out.weight": "linear_attn.out_proj.weight"}
@@ -152,6 +153,8 @@ def hf_tensor(reader: GgufFile, arch: str, name: str, array: np.ndarray) -> np.n
         elif name.endswith("conv1d.weight"):
             array = array.reshape(array.shape[0], 1, array.shape[-1])
         array = _value_head_order(reader, arch, name, array)
+    if name.endswith("shared_expert_gate.weight") and array.ndim == 1:  # llama.cpp holds it as a vector
+        array = array.reshape(1, -1)
     return array
 
 
@@ -231,12 +234,14 @@ def _gemma3(reader: GgufFile, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _experts(reader: GgufFile, arch: str) -> dict[str, Any]:
+def _experts(reader: GgufFile, arch: str, layers: int) -> dict[str, Any]:
     get = lambda k, d=None: reader.field(f"{arch}.{k}", d)  # noqa: E731
+    routed = {int(m.group(1)) for t in reader.tensors if (m := re.fullmatch(r"blk\.(\d+)\.ffn_gate_inp\.weight", t.name))}
     return {"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
             "moe_intermediate_size": int(get("expert_feed_forward_length", 0) or 0),
             # llama.cpp's qwen3moe / qwen3next graphs renormalize the chosen experts' weights
-            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+            "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(layers) if i not in routed]}
 
 
 def _layer_types(reader: GgufFile, arch: str, layers: int) -> list[str]:
@@ -258,7 +263,7 @@ def _hybrid(reader: GgufFile, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch == "qwen35":
         return {**out, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
     shared = int(get("expert_shared_feed_forward_length", 0) or 0)
-    return {**out, **_experts(reader, arch), "shared_expert_intermediate_size": shared,
+    return {**out, **_experts(reader, arch, cfg["num_hidden_layers"]), "shared_expert_intermediate_size": shared,
             "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
 
 
@@ -268,7 +273,7 @@ def hf_config(reader: GgufFile, arch: str, vocab_size: int, tied: bool) -> dict[
     if arch == "gemma3":
         return _gemma3(reader, arch, cfg)
     if arch == "qwen3moe":
-        return {**cfg, **_experts(reader, arch), "hidden_act": "silu", "architectures": ["Qwen3MoeForCausalLM"],
+        return {**cfg, **_experts(reader, arch, cfg["num_hidden_layers"]), "hidden_act": "silu", "architectures": ["Qwen3MoeForCausalLM"],
                 "model_type": "qwen3_moe"}
     if arch in HYBRIDS:
         return _hybrid(reader, arch, cfg)
