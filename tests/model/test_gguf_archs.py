@@ -221,3 +221,28 @@ def test_qwen3next_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tm
         logits = model.compute_logits(hidden)
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
         assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3
+
+
+# --- what is refused -------------------------------------------------------------------
+
+
+def test_a_gguf_tensor_no_architecture_reads_is_refused_at_start_in_one_line(tmp_path: Path) -> None:
+    """A fused ffn_gate_up_exps (a layout not verified here) is refused from the header, before
+    any conversion, in one line naming the tensor."""
+    from prelude.startup import StartupError, check_model
+
+    path = tmp_path / "fused.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_tensor("token_embd.weight", torch.zeros(300, 64).numpy())
+    w.add_tensor("blk.0.ffn_gate_up_exps.weight", torch.zeros(8, 64, 64).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(StartupError) as info:
+        check_model(str(path), None)
+    message = str(info.value)
+    assert "\n" not in message and "blk.0.ffn_gate_up_exps.weight is not supported" in message

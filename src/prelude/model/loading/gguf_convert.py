@@ -26,6 +26,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tokenizers import normalizers
 
 from prelude.kernels.ggml_quants import BLOCKS_FILE, GgmlQuants, save_blocks
+from prelude.model.base import UnsupportedCheckpoint
 from prelude.model.loading import gguf_arch
 from prelude.model.loading.gguf_file import GgufFile, GgufTensor
 from prelude.model.loading.gguf_spm import spm_tokenizer
@@ -256,6 +257,23 @@ def write_gguf_blocks(gguf_path: Path, out_dir: Path) -> None:
     save_blocks(gguf_blocks(GgufFile(gguf_path)), out_dir / BLOCKS_FILE)
 
 
+def check_gguf(reader: GgufFile) -> None:
+    """Refuse in one line (UnsupportedCheckpoint), from the header alone, a GGUF whose
+    architecture, tensors or config no architecture file computes."""
+    from prelude.model.registry import config_for
+
+    arch = str(reader.field("general.architecture"))
+    gguf_architecture(arch)
+    if arch in _LLAMA_LIKE:
+        return
+    layers = gguf_arch.trunk_layers(reader, arch)
+    names = {hf_name(t.name, arch, layers) for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise UnsupportedCheckpoint(f"GGUF architecture {arch!r}: the file has no token_embd.weight")
+    config_for(hf_config(reader, int(embed.shape[1]), "lm_head.weight" not in names))
+
+
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
@@ -265,7 +283,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     and the block-format projections (ggml_quants.BLOCKS_FILE)."""
     reader = GgufFile(gguf_path)
     arch = str(reader.field("general.architecture"))
-    gguf_architecture(arch)  # refuses what no architecture file computes, before any work
+    check_gguf(reader)  # refuses what no architecture file computes, before any work
     layers = gguf_arch.trunk_layers(reader, arch) if arch not in _LLAMA_LIKE else None
     blocks = gguf_blocks(reader)  # rows already in HF order
     weights: dict[str, torch.Tensor] = {}
