@@ -246,3 +246,54 @@ def test_a_gguf_tensor_no_architecture_reads_is_refused_at_start_in_one_line(tmp
         check_model(str(path), None)
     message = str(info.value)
     assert "\n" not in message and "blk.0.ffn_gate_up_exps.weight is not supported" in message
+
+
+# --- the whole engine, and the writer against transformers' own GGUF loader ------------
+
+
+def _hf_greedy(hf: Any, ids: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma3", "qwen35"])
+def test_llm_serves_the_gguf_file_as_transformers_generates(arch: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM(model=<file>.gguf)`: converted once, tokenized with the file's vocabulary, and the
+    greedy continuation of a text prompt is transformers' on the same ids (float32, Q8_0
+    projections and experts kept in their blocks for decode)."""
+    from prelude import LLM, SamplingParams
+
+    if arch == "qwen35":
+        pytest.importorskip("transformers.models.qwen3_5")
+        from tests.model.test_qwen3_5 import hf_model
+
+        hf = hf_model(8)
+    elif arch == "gemma3":
+        hf = _hf_gemma3(3)
+    else:
+        from tests.model.test_qwen3_moe import hf_moe
+
+        hf = hf_moe(3, norm_topk_prob=True, mlp_only_layers=[])
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path / "cache"))
+    qtype = F32 if arch == "qwen35" else Q8_0
+    path = write_gguf(hf, arch, tmp_path / f"{arch}.gguf", qtype)
+    dequantized_like_file(hf, arch, qtype)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64, block_size=4)
+    text = "the and then there is"
+    ids = llm.tokenizer.encode(text, add_special_tokens=True)
+    (out,) = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == _hf_greedy(hf, ids, 6)
+
+
+def test_transformers_reads_the_written_gemma3_gguf_as_the_original_model(tmp_path: Path) -> None:
+    """The test writer's conventions agree with transformers' GGUF loader (which undoes
+    llama.cpp's (1 + w) norms itself): the weights it reads back are the original ones."""
+    hf = _hf_gemma3(4)
+    write_gguf(hf, "gemma3", tmp_path / "m.gguf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32)
+    assert ref.config.layer_types == list(hf.config.layer_types) and ref.config.sliding_window == GEMMA_WINDOW
+    got = ref.state_dict()
+    for name, tensor in hf.state_dict().items():
+        assert torch.allclose(got[name], tensor, atol=1e-6), name
