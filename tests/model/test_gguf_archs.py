@@ -297,3 +297,26 @@ def test_transformers_reads_the_written_gemma3_gguf_as_the_original_model(tmp_pa
     got = ref.state_dict()
     for name, tensor in hf.state_dict().items():
         assert torch.allclose(got[name], tensor, atol=1e-6), name
+
+
+def test_qwen3moe_q8_gguf_in_bf16_stays_close_to_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16: the experts' blocks read with bf16 activations where the CPU has AVX512-BF16,
+    the bf16 copy elsewhere; logits within bf16 tolerance of transformers' float32."""
+    from prelude.forward_batch import BatchRow
+    from tests.model.test_decoder_numerics import _run
+    from tests.model.test_qwen3_moe import hf_moe
+
+    hf = hf_moe(9, norm_topk_prob=True, mlp_only_layers=[])
+    loaded = _load(hf, "qwen3moe", Q8_0, tmp_path, monkeypatch)
+    dequantized_like_file(hf, "qwen3moe", Q8_0)
+    runner, kv = _runner(loaded, "bfloat16")
+    seq = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(9)).tolist()
+    start = 0
+    for _ in range(4):  # the prompt, then decode steps of one row (the blocks' calls)
+        assert kv.allocate("r", len(seq))
+        (got,) = _run(runner, [BatchRow("r", seq[start:], start, kv.block_table("r"), None)])
+        with torch.no_grad():
+            want = hf(torch.tensor([seq])).logits[0, start:].float()
+        assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+        start = len(seq)
+        seq.append(int(want[-1].argmax()))

@@ -220,6 +220,10 @@ def gguf_blocks(reader: GgufFile) -> dict[str, GgmlQuants]:
     float32 expansion alone."""
     arch = str(reader.field("general.architecture"))
     if arch in gguf_arch.HYBRIDS:
+        quantized = sum(t.tensor_type.name not in ("F32", "F16", "BF16") for t in reader.tensors)
+        if quantized:
+            logger.info("%s: %d quantized tensors served from their float32 expansion (the hybrid layers read no "
+                        "GGUF blocks)", arch, quantized)
         return {}
     layers = gguf_arch.trunk_layers(reader, arch) if arch not in _LLAMA_LIKE else None
     out: dict[str, GgmlQuants] = {}
