@@ -189,8 +189,10 @@ def _quantized(gguf_name: str, t: torch.Tensor, qtype: gguf.GGMLQuantizationType
     return t.shape[-1] % block == 0
 
 
-def _metadata(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
-    w.add_block_count(cfg.num_hidden_layers)
+def _metadata(w: gguf.GGUFWriter, arch: str, cfg: Any, mtp_layers: int) -> None:
+    w.add_block_count(cfg.num_hidden_layers + mtp_layers)
+    if mtp_layers:
+        w.add_uint32(f"{arch}.nextn_predict_layers", mtp_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -258,14 +260,17 @@ def _tokenizer(w: gguf.GGUFWriter, arch: str, vocab_size: int) -> None:
 
 
 def write_gguf(model: Any, arch: str, path: Path,
-               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+               extra: dict[str, np.ndarray] | None = None, mtp_layers: int = 0) -> Path:
     """`model` (a transformers causal LM of `arch`'s family) as a GGUF at `path`: the
-    projections in `qtype` (F32, F16, BF16 or a block type), the rest in F32."""
+    projections in `qtype` (F32, F16, BF16 or a block type), the rest in F32. `extra`:
+    more tensors by GGUF name; `mtp_layers`: that many of them are trailing blocks of a
+    multi-token-prediction head (counted in block_count, as llama.cpp writes them)."""
     cfg = model.config
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), arch)
-    _metadata(w, arch, cfg)
+    _metadata(w, arch, cfg, mtp_layers)
     _tokenizer(w, arch, cfg.vocab_size)
     for name, t in _tensors(model, arch):
         gname = _gguf_name(name_map, name)
@@ -277,6 +282,8 @@ def write_gguf(model: Any, arch: str, path: Path,
                 w.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, array)
+    for gname, array in (extra or {}).items():
+        w.add_tensor(gname, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

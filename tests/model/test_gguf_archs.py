@@ -320,3 +320,23 @@ def test_qwen3moe_q8_gguf_in_bf16_stays_close_to_transformers(tmp_path: Path, mo
         assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
         start = len(seq)
         seq.append(int(want[-1].argmax()))
+
+
+def test_qwen35_multi_token_prediction_blocks_are_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The trailing `nextn_predict_layers` blocks (a draft model no answer reads) are not
+    layers of the served model, and the log says they were left out."""
+    pytest.importorskip("transformers.models.qwen3_5")
+    import numpy as np
+
+    from tests.model.test_qwen3_5 import hf_model
+
+    hf = hf_model(10)
+    extra = {"blk.4.attn_norm.weight": np.ones(64, np.float32),
+             "blk.4.nextn.eh_proj.weight": np.zeros((64, 128), np.float32)}
+    monkeypatch.setenv("PRELUDE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(hf, "qwen35", tmp_path / "mtp.gguf", extra=extra, mtp_layers=1)
+    with caplog.at_level("INFO"):
+        loaded = load_model_files(str(path))
+    assert loaded.config.num_hidden_layers == 4 and not any("layers.4." in n for n in loaded.weights)
+    assert "multi-token-prediction head (2 tensors) left out" in caplog.text

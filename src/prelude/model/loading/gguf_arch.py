@@ -98,7 +98,7 @@ def hf_name(arch: str, gguf_name: str, layers: int | None = None) -> str | None:
     """The HF name of a GGUF tensor; None for a block past `layers` (a multi-token-
     prediction head, left out). Refused in one line for a tensor no HF model holds."""
     names = _LAYER_NAMES.get(arch, _LAYER)
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+(?:\.(?:weight|bias))?)", gguf_name)
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
     if m:
         layer, part = int(m.group(1)), m.group(2)
         if layers is not None and layer >= layers:
@@ -189,7 +189,7 @@ def regroup_qkvz(reader: GgufFile, arch: str, weights: dict[str, Any], cat: Call
 def _rope_scaling(reader: GgufFile, arch: str) -> dict[str, Any] | None:
     kind = reader.field(f"{arch}.rope.scaling.type")
     factor = reader.field(f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or factor in (None, 0, 1, 1.0) and kind == "linear":
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 0, 1)):
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
