@@ -198,3 +198,21 @@ def test_bidirectional_with_a_head_is_refused_in_one_line() -> None:
     with pytest.raises(UnsupportedCheckpoint) as info:
         config_for(raw)
     assert "use_bidirectional_attention" in str(info.value) and "\n" not in str(info.value)
+
+
+# google/embeddinggemma-300m's config.json (its shapes and the fields that decide the numbers)
+PUBLISHED = {"architectures": ["Gemma3TextModel"], "model_type": "gemma3_text", "_sliding_window_pattern": 6,
+             "attention_bias": False, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+             "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 768,
+             "intermediate_size": 1152, "max_position_embeddings": 2048, "num_attention_heads": 3,
+             "num_hidden_layers": 24, "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+             "rope_local_base_freq": 10000.0, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": 512,
+             "use_bidirectional_attention": True, "vocab_size": 262144, "pad_token_id": 0, "eos_token_id": 1,
+             "bos_token_id": 2}
+
+
+def test_the_published_config_is_read_as_an_encoder() -> None:
+    cfg = config_for(PUBLISHED)
+    assert cfg.bidirectional and cfg.window == 512 and not cfg.tie_word_embeddings
+    assert [i for i, kind in enumerate(cfg.layer_kinds) if kind == "full"] == [5, 11, 17, 23]
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 256)
