@@ -36,14 +36,14 @@ class PaddedRows:
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> [B, H, L, D] (zeros past each row's end)."""
         if self.at is None:
-            return x.view(self.batch, self.longest, *x.shape[1:]).transpose(1, 2)
+            return x.reshape(self.batch, self.longest, *x.shape[1:]).transpose(1, 2)
         grid = x.new_zeros(self.batch * self.longest, *x.shape[1:])
         grid.index_copy_(0, self.at, x)
         return grid.view(self.batch, self.longest, *x.shape[1:]).transpose(1, 2)
 
     def unpad(self, out: torch.Tensor) -> torch.Tensor:
         """[B, H, L, D] -> [T, H, D]."""
-        flat = out.transpose(1, 2).reshape(self.batch * self.longest, *out.shape[1:2], out.shape[3])
+        flat = out.transpose(1, 2).reshape(self.batch * self.longest, out.shape[1], out.shape[3])
         return flat if self.at is None else flat.index_select(0, self.at)
 
     def mask(self, radius: int | None) -> torch.Tensor | None:
