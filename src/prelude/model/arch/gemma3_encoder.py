@@ -43,14 +43,6 @@ class Gemma3Encoder(Gemma3ForCausalLM):
                     "prompt, %d sliding ones %d tokens on either side; no KV, every request OneShot",
                     config.architecture, len(config.layer_kinds) - sliding, sliding, config.window // 2)
 
-    @property
-    def can_generate(self) -> bool:
-        return False
-
-    @property
-    def max_positions(self) -> int:
-        return int(self.rope.cos.shape[0])
-
     @torch.inference_mode()
     def forward(  # type: ignore[override]
         self,
