@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from prelude.model.attention.metadata import AttentionMetadata
 
+_MIN_CHUNK = 64  # queries a chunk holds at least, under a narrow window
+
 
 class PaddedRows:
     """The rows of one forward as a padded batch [B, L]: token i of row b sits at b * L + i.
@@ -64,6 +66,26 @@ class PaddedRows:
         return self._masks[radius]
 
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               radius: int | None) -> torch.Tensor:
+        """Padded [B, H, L, D] attention, keys within `radius` where given. Rows much longer
+        than their window run in query chunks, each over the keys its window can reach:
+        a 2,048-token row under a 256-token radius computes 3/8 of the scores."""
+        mask, gqa = self.mask(radius), q.shape[1] != k.shape[1]
+        chunk = max(_MIN_CHUNK, radius or 0)
+        if radius is None or 2 * (chunk + 2 * radius) > self.longest:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        assert mask is not None
+        out = torch.empty_like(q)
+        for start in range(0, self.longest, chunk):
+            end = min(self.longest, start + chunk)
+            lo, hi = max(0, start - radius), min(self.longest, end + radius)
+            out[:, :, start:end] = F.scaled_dot_product_attention(
+                q[:, :, start:end], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask[..., start:end, lo:hi],
+                scale=scale, enable_gqa=gqa)
+        return out
+
+
 class BidirectionalAttention:
     """The attention backend interface without a cache: attend, return [T, Hq, D]."""
 
@@ -91,9 +113,7 @@ class BidirectionalAttention:
     ) -> torch.Tensor:
         """`k_cache`, `v_cache`: not read (nothing is kept). `window`: a sliding layer's span,
         centred on the query: it sees `window // 2` positions on either side (transformers'
-        bidirectional Gemma 3: |i - j| < window // 2); None: its whole row."""
+        bidirectional Gemma 3: |i - j| < window // 2 + 1); None: its whole row."""
         rows = self.rows(meta, q.device)
-        out = F.scaled_dot_product_attention(
-            rows.pad(q), rows.pad(k), rows.pad(v), attn_mask=rows.mask(None if window is None else window // 2),
-            scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        return rows.unpad(out)
+        return rows.unpad(rows.attend(rows.pad(q), rows.pad(k), rows.pad(v), scale,
+                                      None if window is None else window // 2))
