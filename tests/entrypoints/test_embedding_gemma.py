@@ -35,7 +35,7 @@ if not hasattr(transformers.Gemma3TextConfig(), "use_bidirectional_attention"):
 WINDOW = 8  # config.json's sliding_window: a sliding layer sees 4 tokens on either side
 LONG = ("what is the capital of france paris is the capital of france the fruit of a banana is yellow "
         "what is the fruit of a banana the capital of france is paris")
-TEXTS = ["paris", "what is the capital of france", "banana is yellow", LONG]
+TEXTS = ["paris", "what is the capital of france", "banana is yellow", LONG, " ".join([LONG] * 5)]
 QUERY = "given a web search query retrieve passages query :"
 DOCUMENT = "document :"
 
@@ -94,13 +94,15 @@ def test_the_long_input_spans_several_windows(folder: tuple[Path, Any, Any, LLME
     path, _, model, engine = folder
     assert json.loads((path / "config.json").read_text())["sliding_window"] == WINDOW
     assert len(model.tokenize([LONG])["input_ids"][0]) > 3 * WINDOW
+    # long enough for the attention's query chunks (model/attention/bidirectional.py)
+    assert len(model.tokenize(TEXTS[-1:])["input_ids"][0]) > 2 * (64 + WINDOW)
     assert engine.is_encoder and not engine.can_generate
 
 
 def test_every_token_equals_transformers_on_rows_of_several_lengths(
         folder: tuple[Path, Any, Any, LLMEngine]) -> None:
-    """One forward of four rows (padded to the longest inside the attention) against each
-    row alone through transformers: every position of every row, the long one included."""
+    """One forward of five rows (padded to the longest inside the attention) against each
+    row alone through transformers: every position of every row, the long ones included."""
     path, _, model, engine = folder
     hf = transformers.Gemma3TextModel.from_pretrained(str(path), dtype=torch.float32).eval()
     rows = [ids.tolist() for ids in model.tokenize(TEXTS)["input_ids"]]
@@ -144,9 +146,9 @@ def test_the_window_decides_the_vectors(folder: tuple[Path, Any, Any, LLMEngine]
     finally:
         front.shutdown()
     lengths = [int(m.sum()) for m in model.tokenize(TEXTS)["attention_mask"]]
-    assert [n - 1 <= WINDOW // 2 for n in lengths] == [True, False, True, False]
+    assert [n - 1 <= WINDOW // 2 for n in lengths] == [True, False, True, False, False]
     cos = _cosines(wide, _vectors(_embed(app)))
-    assert min(cos[0], cos[2]) >= 0.9999 and max(cos[1], cos[3]) < 0.9999
+    assert min(cos[0], cos[2]) >= 0.9999 and max(cos[1], cos[3], cos[4]) < 0.9999
 
 
 def test_prompt_name_and_the_default_prompt(folder: tuple[Path, Any, Any, LLMEngine]) -> None:
