@@ -175,9 +175,10 @@ class ModelRunner:
         if lora is not None:
             if model.is_encoder:
                 raise ValueError("LoRA adapters are for decoder models")
-            if self.state_bytes_per_slot:
-                raise ValueError("LoRA adapters are not served yet for models with recurrent layers")
-            self.adapters = AdapterSlots(cfg, lora, model.dtype, self.device)  # type: ignore[arg-type]
+            # a model whose layers differ (a hybrid) says which projections adapters may target
+            layout = getattr(model, "lora_layout", None)
+            self.adapters = AdapterSlots(layout() if layout is not None else cfg,  # type: ignore[arg-type]
+                                         lora, model.dtype, self.device)
         self._lora_forward = functools.partial(model.forward, segments=segments) if segments else model.forward
         self.step_threads = StepThreads(self.device, *decoder_flops(cfg))
         # CPU decoders: the last layer computes only the positions the heads read (read_rows.py);

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from prelude.model.layers.decoder_segments import Linear, linear
 from prelude.model.spec import MoeSpec
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -42,16 +43,16 @@ class WeightSource(Protocol):
 
 class SharedExpert:
     """A dense gated MLP every token runs, its output scaled by sigmoid(x . gate) where the
-    checkpoint has a gate (`shared_expert_gate`)."""
+    checkpoint has a gate (`shared_expert_gate`). Each weight may be a callable instead (a
+    projection with LoRA deltas, model/lora/adapters.py)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None,
-                 activation: Activation) -> None:
+    def __init__(self, gate_up: Linear, down: Linear, gate: Linear | None, activation: Activation) -> None:
         self.gate_up, self.down, self.gate, self.activation = gate_up, down, gate, activation
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        out = F.linear(self.activation(g) * u, self.down)
-        return out if self.gate is None else torch.sigmoid(F.linear(x, self.gate)) * out
+        g, u = linear(x, self.gate_up).chunk(2, dim=-1)
+        out = linear(self.activation(g) * u, self.down)
+        return out if self.gate is None else torch.sigmoid(linear(x, self.gate)) * out
 
 
 class SparseMoe:
