@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from prelude.config import EngineConfig
-from prelude.engine.client import InvalidRequestError
 from prelude.engine.validation import RequestRules, validate_request
 from prelude.engine.grammar import GrammarCompiler
 from prelude.forward_batch import BatchOutput, DecodeBatch, MixedBatch, OneShotBatch
@@ -262,9 +261,6 @@ class LLMEngine:
         """Queue a prepared request (engine thread only)."""
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if req.hand_off and self.num_state_slots:
-            raise InvalidRequestError("prefill/decode disaggregation is not served for this model: the KV hand-off "
-                                      "does not carry the recurrent state of its linear-attention layers")
         needs_forward = req.max_output_tokens > 0 or req.pooling is not None or req.params.prompt_logprobs is not None
         if not needs_forward:
             req.finish_reason = FinishReason.LENGTH
@@ -466,13 +462,14 @@ class LLMEngine:
     # --- KV hand-off (prefill/decode disaggregation, see handoff.py) ------------------
 
     def _hand_off(self, req: Request) -> None:
-        """The first token is out: copy the request's KV blocks out and end its life here.
+        """The first token is out: copy the request's KV blocks (and state slot) out and end its life here.
         Its blocks go back through the normal path (full prompt blocks were published to
         the prefix cache as they filled, so they stay hit-able here)."""
         blocks = self.scheduler.computed_blocks(req)
+        slot = self.kv.state_slot(req.request_id)
         self._handoffs.append(KVHandoff(
             resumable_copy(req), req.num_computed_tokens, self.block_size, self.runner.read_kv_blocks(blocks),
-            exported_at=time.monotonic()))
+            exported_at=time.monotonic(), state=[] if slot is None else self.runner.read_state(slot)))
         self.handoff_counts["exported"] += 1
         self.scheduler.finish(req)  # not recorded here: the decode engine records the whole request
         del self._requests[req.request_id]
@@ -486,7 +483,7 @@ class LLMEngine:
 
     def import_kv(self, handoff: KVHandoff) -> None:
         """Continue a request another engine prefilled (engine thread only): allocate
-        blocks, copy its KV in and run it as a decode whose stream continues after the
+        blocks (and a state slot), copy its KV (and state) in and run it as a decode whose stream continues after the
         first token. With no room in the pool it falls back to recomputing its prompt
         here, as a preempted request would."""
         req = resumable_copy(handoff.request)
@@ -498,6 +495,10 @@ class LLMEngine:
                 or handoff.num_blocks != blocks_needed(handoff.num_computed_tokens, self.block_size):
             raise ValueError(f"hand-off of {rid!r} does not fit this engine (block size {handoff.block_size}, "
                              f"{handoff.num_computed_tokens} tokens in {handoff.num_blocks} blocks)")
+        if bool(handoff.state) != bool(self.num_state_slots):
+            raise ValueError(f"hand-off of {rid!r} does not fit this engine: it carries "
+                             f"{'a' if handoff.state else 'no'} recurrent state, this model keeps "
+                             f"{'one' if self.num_state_slots else 'none'}")
         if self.attach_grammar(req).grammar is not None:
             req.grammar.accept(handoff.first_token)
         # Replay the first token into a fresh stream: its text state becomes the prefill
@@ -521,14 +522,21 @@ class LLMEngine:
             self._ready.append(emit(req, stream, len(stream.text), finished=True))
             return
         try:  # the scheduler allocates, the runner fills the blocks; a failed copy frees them
-            adopted = self.scheduler.adopt(req, handoff.num_computed_tokens,
-                                           lambda table: self.runner.write_kv_blocks(table, handoff.kv))
+            adopted = self.scheduler.adopt(req, handoff.num_computed_tokens, lambda table: self._copy_in(rid, table,
+                                                                                                        handoff))
         except BaseException:
             del self._requests[rid], self._streams[rid]
             raise
         if not adopted:
             self.handoff_counts["imported_recomputed"] += 1
             self.scheduler.add(req)
+
+    def _copy_in(self, request_id: str, table: list[int], handoff: KVHandoff) -> None:
+        """Fill an adopted request's blocks, and its state slot, from a hand-off."""
+        self.runner.write_kv_blocks(table, handoff.kv)
+        slot = self.kv.state_slot(request_id)
+        if slot is not None:
+            self.runner.write_state(slot, handoff.state)
 
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)

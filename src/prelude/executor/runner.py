@@ -333,30 +333,58 @@ class ModelRunner:
         self.num_state_slots = state_slots
         self._scratch_slot = num_blocks * self.block_size
 
-    # --- KV hand-off (prefill/decode disaggregation): whole blocks, no request state ----
+    # --- KV hand-off (prefill/decode disaggregation): whole blocks, and a recurrent ----
+    # --- model's state slot ------------------------------------------------------------
+
+    def _kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The layers whose caches are KV blocks (a hybrid's linear layers hold state slots)."""
+        state_layers = set(getattr(self.model, "linear_layers", ())) if self.state_bytes_per_slot else set()
+        return [kv for i, kv in enumerate(self.kv_caches) if i not in state_layers]
+
+    def _state_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per recurrent layer, its (conv states, recurrent states) of every slot."""
+        if not self.state_bytes_per_slot:
+            return []
+        return [self.kv_caches[i] for i in getattr(self.model, "linear_layers", ())]
 
     @torch.inference_mode()
     def read_kv_blocks(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Host copies of the K/V of `blocks`, per layer ([len(blocks), block_size, heads,
-        head_dim] each): what another runner's `write_kv_blocks` takes."""
-        if self.state_bytes_per_slot:
-            raise ValueError("the KV hand-off does not carry recurrent state: not served for this model")
+        """Host copies of the K/V of `blocks`, per attention layer ([len(blocks), block_size,
+        heads, head_dim] each): what another runner's `write_kv_blocks` takes."""
         (index,) = copy_int64(self.device, blocks)
-        return [(k.index_select(0, index).to("cpu"), v.index_select(0, index).to("cpu")) for k, v in self.kv_caches]
+        return [(k.index_select(0, index).to("cpu"), v.index_select(0, index).to("cpu")) for k, v in self._kv_layers()]
 
     @torch.inference_mode()
     def write_kv_blocks(self, blocks: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy K/V read by `read_kv_blocks` (any runner of the same model) into `blocks`."""
-        if self.state_bytes_per_slot:
-            raise ValueError("the KV hand-off does not carry recurrent state: not served for this model")
-        if len(kv) != len(self.kv_caches):
-            raise ValueError(f"KV of {len(kv)} layers for a model of {len(self.kv_caches)}")
+        layers = self._kv_layers()
+        if len(kv) != len(layers):
+            raise ValueError(f"KV of {len(kv)} layers for a model of {len(layers)}")
         (index,) = copy_int64(self.device, blocks)
-        for (k, v), (src_k, src_v) in zip(self.kv_caches, kv):
+        for (k, v), (src_k, src_v) in zip(layers, kv):
             if src_k.shape[1:] != k.shape[1:] or src_k.shape[0] != len(blocks):
                 raise ValueError(f"KV blocks of shape {tuple(src_k.shape)} do not fit {len(blocks)} x {tuple(k.shape[1:])}")
             k.index_copy_(0, index, src_k.to(device=k.device, dtype=k.dtype))
             v.index_copy_(0, index, src_v.to(device=v.device, dtype=v.dtype))
+
+    @torch.inference_mode()
+    def read_state(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of one state slot, per recurrent layer (conv state, recurrent state):
+        what another runner's `write_state` takes ([] for a model without such layers)."""
+        return [(conv[slot].to("cpu", copy=True), rec[slot].to("cpu", copy=True)) for conv, rec in self._state_layers()]
+
+    @torch.inference_mode()
+    def write_state(self, slot: int, state: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy a state read by `read_state` (any runner of the same model) into `slot`."""
+        layers = self._state_layers()
+        if len(state) != len(layers):
+            raise ValueError(f"recurrent state of {len(state)} layers for a model of {len(layers)}")
+        for (conv, rec), (src_conv, src_rec) in zip(layers, state):
+            if src_conv.shape != conv.shape[1:] or src_rec.shape != rec.shape[1:]:
+                raise ValueError(f"a recurrent state of shapes {tuple(src_conv.shape)}, {tuple(src_rec.shape)} does "
+                                 f"not fit {tuple(conv.shape[1:])}, {tuple(rec.shape[1:])}")
+            conv[slot].copy_(src_conv)
+            rec[slot].copy_(src_rec)
 
     def capture_graphs(self, max_model_len: int, capture: Capture | None = None,
                        config: GraphConfig | None = None) -> None:
