@@ -95,3 +95,27 @@ def test_an_adapter_on_experts_is_refused_when_it_loads(tmp_path: Path) -> None:
         r=4, target_modules=["q_proj", "in_proj_qkvz", "out_proj"], init_lora_weights=False,
     )).save_pretrained(str(tmp_path / "ok"))
     assert engine.check_adapter(LoraRequest("ok", str(tmp_path / "ok"), 2)) == ()
+
+
+def test_oneshot_rows_take_their_adapter(tmp_path: Path) -> None:
+    """Prompt logprobs of a one-token request (a OneShot row: its state on scratch) under an
+    adapter equal the merged model's, beside a base row in the same step."""
+    merged = save_adapter(tmp_path / "a", 3, TARGETS, 8)
+    engine = tiny_engine(hf_qwen3_5(), lora=LoraConfig(max_loras=1, max_lora_rank=8))
+    prompt = list(range(7, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    got: dict[str, list[float]] = {}
+    for rid, lora in (("a", LoraRequest("a", str(tmp_path / "a"), 1)), ("base", None)):
+        engine.add_request(rid, prompt, params, lora=lora)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                got[out.request_id] = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    engine.check_integrity()
+    assert engine.kv.num_free_slots == engine.num_state_slots  # OneShot rows hold no slot
+    for rid, model in (("a", merged), ("base", hf_qwen3_5())):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+        want = [ref[i - 1, t].item() for i, t in enumerate(prompt) if i > 0]
+        assert got[rid] == pytest.approx(want, abs=1e-3), rid
+    assert got["a"] != pytest.approx(got["base"], abs=1e-2)
