@@ -305,7 +305,10 @@ class HybridDecoder(DecoderHeads):
         return HybridLayer(mixer, self.adapted_mlp(index, layer.mlp, lora), layer.input_norm, layer.post_norm)
 
     def adapted_mlp(self, index: int, mlp: Any, lora: LoraStep) -> Any:
-        return DenseMlp(lora.linear(index, "gate_up", mlp.gate_up), lora.linear(index, "down", mlp.down))
+        adapted = copy.copy(mlp)
+        adapted.gate_up = lora.linear(index, "gate_up", mlp.gate_up)
+        adapted.down = lora.linear(index, "down", mlp.down)
+        return adapted
 
     # --- the forward -----------------------------------------------------------------
 
