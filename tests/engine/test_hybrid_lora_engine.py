@@ -24,7 +24,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 SHAPE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
                              linear_num_value_heads=4, linear_key_head_dim=24, linear_value_head_dim=20,
-                             max_position_embeddings=512, eos_token_id=256, tie_word_embeddings=False)
+                             max_position_embeddings=1024, eos_token_id=256, tie_word_embeddings=False)
 
 
 def hf_qwen3_5() -> Any:
@@ -119,3 +119,39 @@ def test_oneshot_rows_take_their_adapter(tmp_path: Path) -> None:
         want = [ref[i - 1, t].item() for i, t in enumerate(prompt) if i > 0]
         assert got[rid] == pytest.approx(want, abs=1e-3), rid
     assert got["a"] != pytest.approx(got["base"], abs=1e-2)
+
+
+def _greedy_logprobs(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    tokens = hf_greedy(model, prompt, n)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return tokens, logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def test_cached_prefixes_and_their_states_stay_with_their_adapter(tmp_path: Path) -> None:
+    """A prompt served under an adapter, then under the base, then under the adapter again:
+    the prefix cache (KV and recurrent-state checkpoints) never crosses adapters, and the
+    hit under the same adapter gives the cold tokens and logprobs."""
+    merged = save_adapter(tmp_path / "a", 5, TARGETS, 8)
+    lora = LoraRequest("a", str(tmp_path / "a"), 1)
+    engine = tiny_engine(hf_qwen3_5(), lora=LoraConfig(max_loras=1, max_lora_rank=8), num_blocks=400,
+                         max_num_batched_tokens=256)
+    prompt = [3 + (i * 7) % 250 for i in range(530)]  # past the default checkpoint stride (512 tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    want = {"base": _greedy_logprobs(hf_qwen3_5(), prompt, 4), "a": _greedy_logprobs(merged, prompt, 4)}
+    assert want["base"][1] != pytest.approx(want["a"][1], abs=1e-2)
+    reused = []
+    for i, which in enumerate((lora, None, lora)):
+        before = engine.metrics()["prefix_reused_tokens_total"]
+        engine.add_request(str(i), prompt, params, lora=which)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens.extend(o.new_token_ids)
+                logprobs.extend(lp.logprob for lp in o.logprobs)
+        wanted_tokens, wanted_logprobs = want["a" if which is not None else "base"]
+        assert tokens == wanted_tokens and logprobs == pytest.approx(wanted_logprobs, abs=1e-3), i
+        reused.append(engine.metrics()["prefix_reused_tokens_total"] - before)
+    assert reused[0] == reused[1] == 0 and reused[2] > 0  # the base found nothing of the adapter's
+    engine.check_integrity()
