@@ -72,53 +72,78 @@ int64_t prelude_moe_packed_down(int bf, int64_t hidden, int64_t inter) {
     return blocks_of(hidden) * 16 * k_steps(bf, blocks_of(inter) * 16);
 }
 
-/* One packed element: the logical weight's (row, k) and (row, k + 1) as a bf16 pair, or
- * its (row, k) as float32; zero past `rows_valid` or `k_valid`. */
-static inline uint32_t bf_pair(const uint16_t *w, int64_t ld, int64_t row, int valid, int64_t c, int64_t k) {
-    if (!valid) return 0;
-    const uint32_t lo = c < k ? w[row * ld + c] : 0, hi = c + 1 < k ? w[row * ld + c + 1] : 0;
-    return lo | (hi << 16);
+#if HAVE_F32
+/* 16 weight rows from w (valid of them real, row stride ld elements, k wide) into dst, k
+ * step by k step (a bf16 pair or a float32), `stride` 32-bit words apart: dst[p * stride +
+ * j] is step p of row j, zero past the valid rows and past k. Whole 16-step spans of whole
+ * blocks go 16 x 16 words through a transpose. */
+static void pack_rows16(int bf, const void *w, int64_t ld, int64_t valid, int64_t k, int64_t steps, uint32_t *dst,
+                        int64_t stride) {
+    const int64_t per_step = bf ? 2 : 1;
+    int64_t p0 = 0;
+    if (valid == 16)
+        for (; (p0 + 16) * per_step <= k; p0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = _mm512_loadu_si512((const char *)w + (j * ld + p0 * per_step) * (bf ? 2 : 4));
+            transpose16(r);
+            for (int q = 0; q < 16; q++) _mm512_storeu_si512(dst + (p0 + q) * stride, r[q]);
+        }
+    for (int64_t p = p0; p < steps; p++)
+        for (int64_t j = 0; j < 16; j++) {
+            uint32_t word = 0;
+            if (j < valid) {
+                if (bf) {
+                    const uint16_t *row = (const uint16_t *)w + j * ld;
+                    const int64_t c = 2 * p;
+                    word = (c < k ? row[c] : 0) | (uint32_t)(c + 1 < k ? row[c + 1] : 0) << 16;
+                } else if (p < k) {
+                    memcpy(&word, (const float *)w + j * ld + p, 4);
+                }
+            }
+            dst[p * stride + j] = word;
+        }
 }
+#endif
 
 /* gate_up [E, 2I, H] (each expert's I gate rows, then its I up rows) and down [E, H, I],
  * both contiguous, into gu_p and dn_p (prelude_moe_packed_* elements an expert). */
 int prelude_moe_pack(int bf, const void *gate_up, const void *down, int64_t experts, int64_t hidden, int64_t inter,
                      void *gu_p, void *dn_p, int threads) {
-    if (experts <= 0 || hidden <= 0 || inter <= 0) return 1;
-    const int64_t ib = blocks_of(inter), hb = blocks_of(hidden), i16 = ib * 16;
+#if HAVE_F32
+    if (experts <= 0 || hidden <= 0 || inter <= 0 || (bf && !HAVE_BF16)) return 1;
+    const int64_t ib = blocks_of(inter), hb = blocks_of(hidden), i16 = ib * 16, es = bf ? 2 : 4;
     const int64_t kh = k_steps(bf, hidden), ki = k_steps(bf, i16);
+    /* in 32-bit words: a bf16 element is half of one */
     const int64_t gu_e = prelude_moe_packed_gate_up(bf, hidden, inter), dn_e = prelude_moe_packed_down(bf, hidden, inter);
-    const int64_t gu_groups = (ib + GU_BLOCKS - 1) / GU_BLOCKS, dn_groups = (hb + DN_BLOCKS - 1) / DN_BLOCKS;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t e = 0; e < experts; e++)
-        for (int64_t g = 0; g < gu_groups; g++) {
+        for (int64_t blk = 0; blk < ib; blk++) {
+            const int64_t g = blk / GU_BLOCKS, s = blk % GU_BLOCKS;
             const int64_t nb = ib - g * GU_BLOCKS < GU_BLOCKS ? ib - g * GU_BLOCKS : GU_BLOCKS, ns = 2 * nb;
-            const int64_t base = e * gu_e + g * GU_BLOCKS * 2 * 16 * kh;
-            for (int64_t p = 0; p < kh; p++)
-                for (int64_t s = 0; s < ns; s++)
-                    for (int64_t j = 0; j < 16; j++) {
-                        const int64_t i = (g * GU_BLOCKS + (s < nb ? s : s - nb)) * 16 + j;
-                        const int64_t row = e * 2 * inter + (s < nb ? i : inter + i);
-                        const int64_t at = base + (p * ns + s) * 16 + j;
-                        if (bf) ((uint32_t *)gu_p)[at] = bf_pair(gate_up, hidden, row, i < inter, 2 * p, hidden);
-                        else ((float *)gu_p)[at] = i < inter ? ((const float *)gate_up)[row * hidden + p] : 0.0f;
-                    }
+            uint32_t *base = (uint32_t *)gu_p + e * gu_e + g * GU_BLOCKS * 2 * 16 * kh;
+            const int64_t valid = inter - blk * 16 < 16 ? inter - blk * 16 : 16;
+            const char *gate = (const char *)gate_up + ((e * 2 * inter + blk * 16) * hidden) * es;
+            const char *up = gate + inter * hidden * es;
+            pack_rows16(bf, gate, hidden, valid, hidden, kh, base + s * 16, ns * 16);
+            pack_rows16(bf, up, hidden, valid, hidden, kh, base + (nb + s) * 16, ns * 16);
         }
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t e = 0; e < experts; e++)
-        for (int64_t g = 0; g < dn_groups; g++) {
+        for (int64_t blk = 0; blk < hb; blk++) {
+            const int64_t g = blk / DN_BLOCKS, s = blk % DN_BLOCKS;
             const int64_t nb = hb - g * DN_BLOCKS < DN_BLOCKS ? hb - g * DN_BLOCKS : DN_BLOCKS;
-            const int64_t base = e * dn_e + g * DN_BLOCKS * 16 * ki;
-            for (int64_t p = 0; p < ki; p++)
-                for (int64_t s = 0; s < nb; s++)
-                    for (int64_t j = 0; j < 16; j++) {
-                        const int64_t o = (g * DN_BLOCKS + s) * 16 + j, row = e * hidden + o;
-                        const int64_t at = base + (p * nb + s) * 16 + j;
-                        if (bf) ((uint32_t *)dn_p)[at] = bf_pair(down, inter, row, o < hidden, 2 * p, inter);
-                        else ((float *)dn_p)[at] = o < hidden && p < inter ? ((const float *)down)[row * inter + p] : 0.0f;
-                    }
+            uint32_t *base = (uint32_t *)dn_p + e * dn_e + g * DN_BLOCKS * 16 * ki;
+            const int64_t valid = hidden - blk * 16 < 16 ? hidden - blk * 16 : 16;
+            const char *rows = (const char *)down + ((e * hidden + blk * 16) * inter) * es;
+            pack_rows16(bf, rows, inter, valid, inter, ki, base + s * 16, nb * 16);
         }
     return 0;
+#else
+    (void)bf; (void)gate_up; (void)down; (void)experts; (void)hidden; (void)inter; (void)gu_p; (void)dn_p;
+    (void)threads;
+    return 1;
+#endif
 }
 
 #if HAVE_F32

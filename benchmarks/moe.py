@@ -1,0 +1,184 @@
+"""The mixture-of-experts layers of Qwen3-30B-A3B cut to 4 layers (random bf16 weights at the
+published shapes: hidden 2048, 128 experts, top-8, moe_intermediate_size 768,
+norm_topk_prob), on the CPU: the experts on moe_experts.c ("new") against torch's grouped
+F.linear path ("old"), within one run, on the same weights.
+
+- memory bandwidth: the best read rate of a 1 GiB buffer, summed in 64 MiB chunks (numpy,
+  one thread and two), the figure decode is held against;
+- decode at c=1: tokens one at a time through the 4 layers (router, top-8, experts). Bytes a
+  token reads: the router's weight and the packed copies of the experts it chose, as the
+  kernel reads them (each chosen expert's blocks once a step; tests/model/test_qwen3_moe.py
+  and tests/kernels/test_moe_experts.py check that nothing else is read); against the
+  active experts' own bytes (3 x hidden x intermediate x 2 an expert): the ratio, and the
+  GB/s the time gives against the measured bandwidth;
+- prefill: `--prefill` tokens (512) through the 4 layers, tok/s, old and new.
+Times are medians and minima of wall-clock rounds (the machine may be shared: its load
+average is recorded). Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from prelude.model.layers.moe import SparseMoe
+
+# Qwen3-30B-A3B's config.json (the MoE shapes are what count)
+HIDDEN, EXPERTS, TOP_K, MOE_INTERMEDIATE, LAYERS = 2048, 128, 8, 768, 4
+
+
+def memory_bandwidth(gib: float = 1.0, chunk_mib: int = 64, rounds: int = 3) -> dict[str, float]:
+    """Best read GB/s of a buffer larger than the caches, chunk by chunk, on 1 and 2 threads."""
+    buf = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)
+    chunks = buf.reshape(-1, chunk_mib * (1 << 20) // 4)
+    out: dict[str, float] = {}
+    for threads in (1, 2):
+        best = float("inf")
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for _ in range(rounds):
+                for i in range(0, len(chunks), threads):
+                    part = chunks[i:i + threads]
+                    t0 = time.perf_counter()
+                    list(pool.map(np.add.reduce, part))
+                    best = min(best, (time.perf_counter() - t0) / part.nbytes)
+        out[f"read_gbs_{threads}_thread"] = 1 / best / 1e9
+    out["read_gbs"] = max(out.values())
+    return out
+
+
+def build_layers(seed: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each layer's router, gate_up [E, 2I, H] and down [E, H, I], initializer-scaled."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(LAYERS):
+        router = (torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.02).to(dtype)
+        gate_up = torch.empty(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN, dtype=dtype)
+        down = torch.empty(EXPERTS, HIDDEN, MOE_INTERMEDIATE, dtype=dtype)
+        for e in range(EXPERTS):  # an expert at a time: no float32 copy of a whole layer
+            gate_up[e] = torch.randn(2 * MOE_INTERMEDIATE, HIDDEN, generator=gen) * 0.02
+            down[e] = torch.randn(HIDDEN, MOE_INTERMEDIATE, generator=gen) * 0.02
+        layers.append((router, gate_up, down))
+    return layers
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _summary(seconds: list[float]) -> dict[str, float]:
+    return {"median_ms": 1000 * statistics.median(seconds), "min_ms": 1000 * min(seconds)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--decode-tokens", type=int, default=24, help="tokens decoded one at a time (c=1)")
+    p.add_argument("--prefill", type=int, default=512, help="tokens of the prefill")
+    p.add_argument("--rounds", type=int, default=3, help="prefill rounds of the new path (the old one runs once)")
+    p.add_argument("--skip-old", action="store_true", help="the new path only")
+    p.add_argument("--out", default="bench_results/moe")
+    args = p.parse_args()
+    from prelude.bench.results import write_json
+
+    dtype = torch.bfloat16
+    result: dict[str, Any] = {"args": vars(args), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+                              "load_average_before": os.getloadavg(),
+                              "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K,
+                                        "moe_intermediate": MOE_INTERMEDIATE, "layers": LAYERS, "dtype": "bfloat16"}}
+    result["bandwidth"] = memory_bandwidth()
+    print(f"memory read bandwidth: {result['bandwidth']['read_gbs']:.1f} GB/s "
+          f"(1 thread {result['bandwidth']['read_gbs_1_thread']:.1f}, 2 threads "
+          f"{result['bandwidth']['read_gbs_2_thread']:.1f})")
+
+    weights = build_layers(0, dtype)
+    t0 = time.perf_counter()
+    new = [SparseMoe(r, gu, dn, TOP_K, True, F.silu) for r, gu, dn in weights]
+    result["pack_seconds"] = time.perf_counter() - t0
+    if new[0].path != "cpu_kernel":
+        raise SystemExit("moe_experts.c does not serve bf16 here (it needs AVX512-BF16): nothing new to measure")
+    old = [SparseMoe(r, gu, dn, TOP_K, True, F.silu, own_kernels=False) for r, gu, dn in weights]
+    expert_bytes = 3 * HIDDEN * MOE_INTERMEDIATE * dtype.itemsize
+    packed_bytes = new[0].packed.nbytes // EXPERTS  # type: ignore[union-attr]
+    router_bytes = EXPERTS * HIDDEN * dtype.itemsize
+    print(f"packed {LAYERS} layers in {result['pack_seconds']:.1f} s; an expert {expert_bytes / 1e6:.2f} MB, "
+          f"its packed copy {packed_bytes / 1e6:.2f} MB")
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        # decode, c=1: each token through the 4 layers (each layer its own input: the residual
+        # stream's normed hidden, random here)
+        tokens = [[torch.randn(1, HIDDEN, generator=gen).to(dtype) for _ in range(LAYERS)]
+                  for _ in range(args.decode_tokens + 2)]
+        for path, blocks in (("new", new), ("old", old)):
+            if path == "old" and args.skip_old:
+                continue
+            seconds, active, read = [], [], []
+            for i, xs in enumerate(tokens):
+                chosen = [len(set(b.route(x)[1].flatten().tolist())) for b, x in zip(blocks, xs)]
+                dt = _timed(lambda: [b(x) for b, x in zip(blocks, xs)])
+                if i < 2:  # warm-up
+                    continue
+                seconds.append(dt)
+                active.append(sum(chosen) * expert_bytes)
+                read.append(sum(chosen) * packed_bytes + LAYERS * router_bytes)
+            s = _summary(seconds)
+            entry = {**s, "tokens_per_s_median": 1000 / s["median_ms"],
+                     "active_expert_bytes_per_token": statistics.mean(active),
+                     "bytes_read_per_token": statistics.mean(read)}
+            entry["read_over_active"] = entry["bytes_read_per_token"] / entry["active_expert_bytes_per_token"]
+            entry["gbs_median"] = entry["bytes_read_per_token"] / s["median_ms"] / 1e6
+            entry["gbs_best"] = entry["bytes_read_per_token"] / s["min_ms"] / 1e6
+            entry["of_bandwidth_median"] = entry["gbs_median"] / result["bandwidth"]["read_gbs"]
+            entry["of_bandwidth_best"] = entry["gbs_best"] / result["bandwidth"]["read_gbs"]
+            result[f"decode_{path}"] = entry
+            print(f"decode c=1 {path}: {s['median_ms']:.1f} ms/token median ({s['min_ms']:.1f} best) over "
+                  f"{LAYERS} layers; reads {entry['bytes_read_per_token'] / 1e6:.1f} MB/token = "
+                  f"{entry['read_over_active']:.3f}x the active experts' "
+                  f"{entry['active_expert_bytes_per_token'] / 1e6:.1f} MB; {entry['gbs_median']:.1f} GB/s median "
+                  f"({entry['gbs_best']:.1f} best) = {entry['of_bandwidth_median']:.0%} "
+                  f"({entry['of_bandwidth_best']:.0%}) of the measured bandwidth")
+
+        # prefill: `--prefill` tokens through the 4 layers
+        xs = [torch.randn(args.prefill, HIDDEN, generator=gen).to(dtype) for _ in range(LAYERS)]
+        for path, blocks, rounds in (("new", new, args.rounds), ("old", old, 1)):
+            if path == "old" and args.skip_old:
+                continue
+            if path == "new":
+                [b(x) for b, x in zip(blocks, xs)]  # warm-up
+            seconds = [_timed(lambda: [b(x) for b, x in zip(blocks, xs)]) for _ in range(rounds)]
+            s = _summary(seconds)
+            entry = {**s, "tokens_per_s_median": args.prefill * 1000 / s["median_ms"],
+                     "tokens_per_s_best": args.prefill * 1000 / s["min_ms"]}
+            result[f"prefill_{path}"] = entry
+            print(f"prefill {args.prefill} tokens {path}: {entry['tokens_per_s_median']:.0f} tok/s median "
+                  f"({entry['tokens_per_s_best']:.0f} best) over {LAYERS} layers")
+        if not args.skip_old:
+            result["prefill_speedup_median"] = (result["prefill_new"]["tokens_per_s_median"]
+                                                / result["prefill_old"]["tokens_per_s_median"])
+            result["decode_speedup_median"] = result["decode_old"]["median_ms"] / result["decode_new"]["median_ms"]
+            print(f"new vs old: prefill {result['prefill_speedup_median']:.1f}x, decode "
+                  f"{result['decode_speedup_median']:.1f}x (medians)")
+        # the new path agrees with the old (on 64 of the prefill's tokens a layer)
+        diff = max((n(x[:64]).float() - o(x[:64]).float()).abs().max().item() / o(x[:64]).float().abs().max().item()
+                   for n, o, x in zip(new, old, xs)) if not args.skip_old else None
+        result["new_vs_old_max_relative_difference"] = diff
+    result["load_average_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out.with_suffix(".json"), result)
+    print(f"load average {result['load_average_before']} -> {result['load_average_after']}; wrote "
+          f"{out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
