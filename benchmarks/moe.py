@@ -3,9 +3,10 @@ published shapes: hidden 2048, 128 experts, top-8, moe_intermediate_size 768,
 norm_topk_prob), on the CPU: the experts on moe_experts.c ("new") against torch's grouped
 F.linear path ("old"), within one run, on the same weights.
 
-- memory bandwidth: the best read rate of a 1 GiB buffer, summed in 64 MiB chunks (numpy,
+- memory bandwidth: the best read rate of a 1 GiB buffer, read in 64 MiB chunks (numpy,
   one thread and two), the figure decode is held against;
-- decode at c=1: tokens one at a time through the 4 layers (router, top-8, experts). Bytes a
+- decode at c=1: tokens one at a time through the 4 layers (router, top-8, experts), on
+  torch's thread count and on one thread, each layer's call timed alone. Bytes a
   token reads: the router's weight and the packed copies of the experts it chose, as the
   kernel reads them (each chosen expert's blocks once a step; tests/model/test_qwen3_moe.py
   and tests/kernels/test_moe_experts.py check that nothing else is read); against the
@@ -36,8 +37,9 @@ from prelude.model.layers.moe import SparseMoe
 HIDDEN, EXPERTS, TOP_K, MOE_INTERMEDIATE, LAYERS = 2048, 128, 8, 768, 4
 
 
-def memory_bandwidth(gib: float = 1.0, chunk_mib: int = 64, rounds: int = 3) -> dict[str, float]:
-    """Best read GB/s of a buffer larger than the caches, chunk by chunk, on 1 and 2 threads."""
+def memory_bandwidth(gib: float = 1.0, chunk_mib: int = 64, rounds: int = 6) -> dict[str, float]:
+    """Best read GB/s of a buffer larger than the caches, a chunk at a time (numpy's dot of a
+    chunk with itself: BLAS streams it with little work a byte), on 1 and 2 threads."""
     buf = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)
     chunks = buf.reshape(-1, chunk_mib * (1 << 20) // 4)
     out: dict[str, float] = {}
@@ -45,10 +47,10 @@ def memory_bandwidth(gib: float = 1.0, chunk_mib: int = 64, rounds: int = 3) -> 
         best = float("inf")
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             for _ in range(rounds):
-                for i in range(0, len(chunks), threads):
+                for i in range(0, len(chunks) - threads + 1, threads):
                     part = chunks[i:i + threads]
                     t0 = time.perf_counter()
-                    list(pool.map(np.add.reduce, part))
+                    list(pool.map(lambda c: np.dot(c, c), part))
                     best = min(best, (time.perf_counter() - t0) / part.nbytes)
         out[f"read_gbs_{threads}_thread"] = 1 / best / 1e9
     out["read_gbs"] = max(out.values())
@@ -78,6 +80,37 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def _summary(seconds: list[float]) -> dict[str, float]:
     return {"median_ms": 1000 * statistics.median(seconds), "min_ms": 1000 * min(seconds)}
+
+
+def _decode(blocks: list[SparseMoe], tokens: list[list[torch.Tensor]], expert_bytes: int, packed_bytes: int,
+            router_bytes: int, bandwidth_gbs: float) -> dict[str, float]:
+    """Each token through the layers, each layer's call timed on its own (a call reads a few
+    tens of MB: short enough to fall between a shared machine's other work now and then)."""
+    per_token, calls, active, read = [], [], [], []
+    best: list[float] = [float("inf")] * len(blocks)
+    for i, xs in enumerate(tokens):
+        total = 0.0
+        for layer, (block, x) in enumerate(zip(blocks, xs)):
+            chosen = len(set(block.route(x)[1].flatten().tolist()))
+            dt = _timed(lambda: block(x))
+            if i < 2:  # warm-up
+                continue
+            total += dt
+            nbytes = chosen * packed_bytes + router_bytes
+            calls.append(nbytes / dt / 1e9)
+            best[layer] = min(best[layer], dt)
+            active.append(chosen * expert_bytes)
+            read.append(nbytes)
+        if i >= 2:
+            per_token.append(total)
+    entry = {"median_ms": 1000 * statistics.median(per_token), "best_ms": 1000 * sum(best),
+             "active_expert_bytes_per_token": len(blocks) * statistics.mean(active),
+             "bytes_read_per_token": len(blocks) * statistics.mean(read),
+             "gbs_median": statistics.median(calls), "gbs_best": max(calls)}
+    entry["read_over_active"] = entry["bytes_read_per_token"] / entry["active_expert_bytes_per_token"]
+    entry["of_bandwidth_median"] = entry["gbs_median"] / bandwidth_gbs
+    entry["of_bandwidth_best"] = entry["gbs_best"] / bandwidth_gbs
+    return entry
 
 
 def main() -> None:
@@ -119,34 +152,23 @@ def main() -> None:
         # stream's normed hidden, random here)
         tokens = [[torch.randn(1, HIDDEN, generator=gen).to(dtype) for _ in range(LAYERS)]
                   for _ in range(args.decode_tokens + 2)]
+        threads = torch.get_num_threads()
         for path, blocks in (("new", new), ("old", old)):
             if path == "old" and args.skip_old:
                 continue
-            seconds, active, read = [], [], []
-            for i, xs in enumerate(tokens):
-                chosen = [len(set(b.route(x)[1].flatten().tolist())) for b, x in zip(blocks, xs)]
-                dt = _timed(lambda: [b(x) for b, x in zip(blocks, xs)])
-                if i < 2:  # warm-up
-                    continue
-                seconds.append(dt)
-                active.append(sum(chosen) * expert_bytes)
-                read.append(sum(chosen) * packed_bytes + LAYERS * router_bytes)
-            s = _summary(seconds)
-            entry = {**s, "tokens_per_s_median": 1000 / s["median_ms"],
-                     "active_expert_bytes_per_token": statistics.mean(active),
-                     "bytes_read_per_token": statistics.mean(read)}
-            entry["read_over_active"] = entry["bytes_read_per_token"] / entry["active_expert_bytes_per_token"]
-            entry["gbs_median"] = entry["bytes_read_per_token"] / s["median_ms"] / 1e6
-            entry["gbs_best"] = entry["bytes_read_per_token"] / s["min_ms"] / 1e6
-            entry["of_bandwidth_median"] = entry["gbs_median"] / result["bandwidth"]["read_gbs"]
-            entry["of_bandwidth_best"] = entry["gbs_best"] / result["bandwidth"]["read_gbs"]
-            result[f"decode_{path}"] = entry
-            print(f"decode c=1 {path}: {s['median_ms']:.1f} ms/token median ({s['min_ms']:.1f} best) over "
-                  f"{LAYERS} layers; reads {entry['bytes_read_per_token'] / 1e6:.1f} MB/token = "
-                  f"{entry['read_over_active']:.3f}x the active experts' "
-                  f"{entry['active_expert_bytes_per_token'] / 1e6:.1f} MB; {entry['gbs_median']:.1f} GB/s median "
-                  f"({entry['gbs_best']:.1f} best) = {entry['of_bandwidth_median']:.0%} "
-                  f"({entry['of_bandwidth_best']:.0%}) of the measured bandwidth")
+            for n_threads in sorted({threads, 1}, reverse=True):
+                torch.set_num_threads(n_threads)
+                entry = _decode(blocks, tokens, expert_bytes, packed_bytes, router_bytes,
+                                result["bandwidth"]["read_gbs"])
+                result[f"decode_{path}_{n_threads}_threads"] = entry
+                print(f"decode c=1 {path}, {n_threads} thread(s): {entry['median_ms']:.1f} ms/token median "
+                      f"({entry['best_ms']:.1f} from each layer's best call) over {LAYERS} layers; reads "
+                      f"{entry['bytes_read_per_token'] / 1e6:.1f} MB/token = {entry['read_over_active']:.3f}x the "
+                      f"active experts' {entry['active_expert_bytes_per_token'] / 1e6:.1f} MB; a layer's call "
+                      f"{entry['gbs_median']:.1f} GB/s median, {entry['gbs_best']:.1f} best = "
+                      f"{entry['of_bandwidth_median']:.0%} / {entry['of_bandwidth_best']:.0%} of the measured "
+                      "bandwidth")
+            torch.set_num_threads(threads)
 
         # prefill: `--prefill` tokens through the 4 layers
         xs = [torch.randn(args.prefill, HIDDEN, generator=gen).to(dtype) for _ in range(LAYERS)]
@@ -165,7 +187,8 @@ def main() -> None:
         if not args.skip_old:
             result["prefill_speedup_median"] = (result["prefill_new"]["tokens_per_s_median"]
                                                 / result["prefill_old"]["tokens_per_s_median"])
-            result["decode_speedup_median"] = result["decode_old"]["median_ms"] / result["decode_new"]["median_ms"]
+            result["decode_speedup_median"] = (result[f"decode_old_{threads}_threads"]["median_ms"]
+                                               / result[f"decode_new_{threads}_threads"]["median_ms"])
             print(f"new vs old: prefill {result['prefill_speedup_median']:.1f}x, decode "
                   f"{result['decode_speedup_median']:.1f}x (medians)")
         # the new path agrees with the old (on 64 of the prefill's tokens a layer)

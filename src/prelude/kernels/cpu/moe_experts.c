@@ -54,6 +54,8 @@
 #define DN_BLOCKS 6  /* output blocks of 16 a down unit */
 #define TILE_ROWS 4  /* rows a register tile: 4 x 6 accumulators of the 32 registers */
 #define TILE_OUT 96  /* floats a tile row holds: 6 blocks of 16 */
+/* chosen experts a thread before a unit is a whole expert (prelude_moe_experts) */
+#define WHOLE_EXPERTS_PER_THREAD 4
 /* a call reading fewer weight bytes than this runs on the calling thread: waking the team
  * costs more */
 #define PAR_MIN_BYTES (1 << 18)
@@ -307,6 +309,24 @@ static float round1(int bf, float v) {
 typedef struct {
     int64_t expert, group;
 } Unit;
+
+/* Unit (e, g) of gate/up: expert e's rows (its slots [start[e], start[e + 1])) through
+ * intermediate group g. */
+static void gate_up_group(int bf, const void *x, int64_t ldx, const int64_t *start, const int64_t *rows, int64_t e,
+                          int64_t g, const void *gu_p, int64_t ib, int64_t kh, int64_t gu_e, void *act, int64_t i16) {
+    const int64_t s0 = start[e], nb = ib - g * GU_BLOCKS < GU_BLOCKS ? ib - g * GU_BLOCKS : GU_BLOCKS;
+    const void *w = (const uint32_t *)gu_p + e * gu_e + g * GU_BLOCKS * 2 * 16 * kh;
+    gate_up_unit(bf, x, ldx, rows + s0, start[e + 1] - s0, w, nb, kh, at(bf, act, s0 * i16), i16, g * GU_BLOCKS * 16);
+}
+
+/* Unit (e, g) of down: expert e's rows of act through output group g, into y. */
+static void down_group(int bf, const void *act, int64_t i16, const int64_t *start, int64_t e, int64_t g,
+                       const void *dn_p, int64_t hb, int64_t ki, int64_t dn_e, const float *rw, void *y, int64_t hidden) {
+    const int64_t s0 = start[e], nb = hb - g * DN_BLOCKS < DN_BLOCKS ? hb - g * DN_BLOCKS : DN_BLOCKS;
+    const void *w = (const uint32_t *)dn_p + e * dn_e + g * DN_BLOCKS * 16 * ki;
+    down_unit(bf, at(bf, act, s0 * i16), i16, start[e + 1] - s0, w, nb, ki, rw + s0, at(bf, y, s0 * hidden), hidden,
+              g * DN_BLOCKS * 16);
+}
 #endif
 
 /* out [T, H] (row stride ldo) = the experts' MLPs of x [T, H] (row stride ldx): row t
@@ -386,25 +406,30 @@ int prelude_moe_experts(int bf, const void *x, int64_t t_n, int64_t ldx, const i
         if (start[e + 1] > start[e])
             for (int64_t g = 0; g < dn_groups; g++) dn_units[dn_n++] = (Unit){e, g};
     const int par = threads > 1 && active * (gu_e + dn_e) * 4 >= PAR_MIN_BYTES;
+    /* With enough chosen experts a unit is a whole expert (gate/up, then down, on one
+     * thread): one wait for the slowest thread a call instead of three. On a shared machine
+     * a thread may be off its core for a time slice, and each wait can cost one. */
+    const int whole_experts = active >= WHOLE_EXPERTS_PER_THREAD * threads;
 #pragma omp parallel num_threads(threads) if (par)
     {
         /* dynamic: a unit's cost follows its expert's row count; which thread runs it does
          * not change a bit of it */
+        if (whole_experts) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < gu_n; u++) {
-            const int64_t e = units[u].expert, g = units[u].group, s0 = start[e];
-            const int64_t nb = ib - g * GU_BLOCKS < GU_BLOCKS ? ib - g * GU_BLOCKS : GU_BLOCKS;
-            const void *w = at(bf, gu_p, (e * gu_e + g * GU_BLOCKS * 2 * 16 * kh) * (bf ? 2 : 1));
-            gate_up_unit(bf, x, ldx, rows + s0, start[e + 1] - s0, w, nb, kh, at(bf, act, s0 * i16), i16,
-                         g * GU_BLOCKS * 16);
-        }
+            for (int64_t a = 0; a < active; a++) {
+                const int64_t e = units[a * gu_groups].expert;
+                for (int64_t g = 0; g < gu_groups; g++)
+                    gate_up_group(bf, x, ldx, start, rows, e, g, gu_p, ib, kh, gu_e, act, i16);
+                for (int64_t g = 0; g < dn_groups; g++)
+                    down_group(bf, act, i16, start, e, g, dn_p, hb, ki, dn_e, rw, y, hidden);
+            }
+        } else {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < dn_n; u++) {
-            const int64_t e = dn_units[u].expert, g = dn_units[u].group, s0 = start[e];
-            const int64_t nb = hb - g * DN_BLOCKS < DN_BLOCKS ? hb - g * DN_BLOCKS : DN_BLOCKS;
-            const void *w = at(bf, dn_p, (e * dn_e + g * DN_BLOCKS * 16 * ki) * (bf ? 2 : 1));
-            down_unit(bf, at(bf, act, s0 * i16), i16, start[e + 1] - s0, w, nb, ki, rw + s0, at(bf, y, s0 * hidden),
-                      hidden, g * DN_BLOCKS * 16);
+            for (int64_t u = 0; u < gu_n; u++)
+                gate_up_group(bf, x, ldx, start, rows, units[u].expert, units[u].group, gu_p, ib, kh, gu_e, act, i16);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < dn_n; u++)
+                down_group(bf, act, i16, start, dn_units[u].expert, dn_units[u].group, dn_p, hb, ki, dn_e, rw, y, hidden);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < t_n; t++) {
@@ -413,7 +438,8 @@ int prelude_moe_experts(int bf, const void *x, int64_t t_n, int64_t ldx, const i
                 const int64_t left = hidden - o;
                 const __mmask16 keep = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
                 __m512 sum = _mm512_setzero_ps();
-                for (int64_t j = 0; j < k; j++) sum = round16(bf, _mm512_add_ps(sum, load16(bf, y, v[j] * hidden + o, keep)));
+                for (int64_t j = 0; j < k; j++)
+                    sum = round16(bf, _mm512_add_ps(sum, load16(bf, y, v[j] * hidden + o, keep)));
                 store16(bf, out, t * ldo + o, sum, keep);
             }
         }
