@@ -14,7 +14,8 @@ F.linear path ("old"), within one run, on the same weights.
   GB/s the time gives against the measured bandwidth;
 - prefill: `--prefill` tokens (512) through the 4 layers, tok/s, old and new.
 Times are medians and minima of wall-clock rounds (the machine may be shared: its load
-average is recorded). Writes JSON.
+average is recorded; the prefill's process CPU time too, which a shared machine's wait
+for a core does not count). Writes JSON.
 """
 
 from __future__ import annotations
@@ -177,13 +178,19 @@ def main() -> None:
                 continue
             if path == "new":
                 [b(x) for b, x in zip(blocks, xs)]  # warm-up
+            cpu0 = time.process_time()
             seconds = [_timed(lambda: [b(x) for b, x in zip(blocks, xs)]) for _ in range(rounds)]
+            cpu = (time.process_time() - cpu0) / rounds
             s = _summary(seconds)
+            # the experts' multiply-adds (3 GEMMs of hidden x intermediate a token and expert)
+            flops = 2 * 3 * HIDDEN * MOE_INTERMEDIATE * TOP_K * args.prefill * LAYERS
             entry = {**s, "tokens_per_s_median": args.prefill * 1000 / s["median_ms"],
-                     "tokens_per_s_best": args.prefill * 1000 / s["min_ms"]}
+                     "tokens_per_s_best": args.prefill * 1000 / s["min_ms"], "cpu_seconds": cpu,
+                     "expert_gflop_per_cpu_second": flops / cpu / 1e9}
             result[f"prefill_{path}"] = entry
             print(f"prefill {args.prefill} tokens {path}: {entry['tokens_per_s_median']:.0f} tok/s median "
-                  f"({entry['tokens_per_s_best']:.0f} best) over {LAYERS} layers")
+                  f"({entry['tokens_per_s_best']:.0f} best) over {LAYERS} layers; {cpu:.2f} CPU-s a round "
+                  f"(all threads, waits included), {entry['expert_gflop_per_cpu_second']:.0f} expert GFLOP a CPU-s")
         if not args.skip_old:
             result["prefill_speedup_median"] = (result["prefill_new"]["tokens_per_s_median"]
                                                 / result["prefill_old"]["tokens_per_s_median"])
