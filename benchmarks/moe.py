@@ -114,6 +114,39 @@ def _decode(blocks: list[SparseMoe], tokens: list[list[torch.Tensor]], expert_by
     return entry
 
 
+def _measure(path: str, blocks: list[SparseMoe], tokens: list[list[torch.Tensor]], xs: list[torch.Tensor],
+             rounds: int, threads: int, expert_bytes: int, read_bytes: int, router_bytes: int, args: Any,
+             result: dict[str, Any]) -> None:
+    """Decode at torch's thread count and one thread, then the prefill, of one path."""
+    for n_threads in sorted({threads, 1}, reverse=True):
+        torch.set_num_threads(n_threads)
+        entry = _decode(blocks, tokens, expert_bytes, read_bytes, router_bytes, result["bandwidth"]["read_gbs"])
+        result[f"decode_{path}_{n_threads}_threads"] = entry
+        print(f"decode c=1 {path}, {n_threads} thread(s): {entry['median_ms']:.1f} ms/token median "
+              f"({entry['best_ms']:.1f} from each layer's best call) over {LAYERS} layers; reads "
+              f"{entry['bytes_read_per_token'] / 1e6:.1f} MB/token = {entry['read_over_active']:.3f}x the "
+              f"active experts' {entry['active_expert_bytes_per_token'] / 1e6:.1f} MB; a layer's call "
+              f"{entry['gbs_median']:.1f} GB/s median, {entry['gbs_best']:.1f} best = "
+              f"{entry['of_bandwidth_median']:.0%} / {entry['of_bandwidth_best']:.0%} of the measured bandwidth")
+    torch.set_num_threads(threads)
+    if rounds > 1:  # a warm-up where there are rounds to spare (the old path's one round is long)
+        for b, x in zip(blocks, xs):
+            b(x)
+    cpu0 = time.process_time()
+    seconds = [_timed(lambda: [b(x) for b, x in zip(blocks, xs)]) for _ in range(rounds)]
+    cpu = (time.process_time() - cpu0) / rounds
+    s = _summary(seconds)
+    # the experts' multiply-adds (3 GEMMs of hidden x intermediate a token and expert)
+    flops = 2 * 3 * HIDDEN * MOE_INTERMEDIATE * TOP_K * args.prefill * LAYERS
+    entry = {**s, "tokens_per_s_median": args.prefill * 1000 / s["median_ms"],
+             "tokens_per_s_best": args.prefill * 1000 / s["min_ms"], "cpu_seconds": cpu,
+             "expert_gflop_per_cpu_second": flops / cpu / 1e9}
+    result[f"prefill_{path}"] = entry
+    print(f"prefill {args.prefill} tokens {path}: {entry['tokens_per_s_median']:.0f} tok/s median "
+          f"({entry['tokens_per_s_best']:.0f} best) over {LAYERS} layers; {cpu:.2f} CPU-s a round "
+          f"(all threads, waits included), {entry['expert_gflop_per_cpu_second']:.0f} expert GFLOP a CPU-s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--decode-tokens", type=int, default=24, help="tokens decoded one at a time (c=1)")
@@ -135,73 +168,49 @@ def main() -> None:
           f"{result['bandwidth']['read_gbs_2_thread']:.1f})")
 
     weights = build_layers(0, dtype)
-    t0 = time.perf_counter()
-    new = [SparseMoe(r, gu, dn, TOP_K, True, F.silu) for r, gu, dn in weights]
-    result["pack_seconds"] = time.perf_counter() - t0
-    if new[0].path != "cpu_kernel":
-        raise SystemExit("moe_experts.c does not serve bf16 here (it needs AVX512-BF16): nothing new to measure")
-    old = [SparseMoe(r, gu, dn, TOP_K, True, F.silu, own_kernels=False) for r, gu, dn in weights]
     expert_bytes = 3 * HIDDEN * MOE_INTERMEDIATE * dtype.itemsize
-    packed_bytes = new[0].packed.nbytes // EXPERTS  # type: ignore[union-attr]
     router_bytes = EXPERTS * HIDDEN * dtype.itemsize
-    print(f"packed {LAYERS} layers in {result['pack_seconds']:.1f} s; an expert {expert_bytes / 1e6:.2f} MB, "
-          f"its packed copy {packed_bytes / 1e6:.2f} MB")
-
     gen = torch.Generator().manual_seed(1)
+    # decode, c=1: each token through the 4 layers (each layer its own input, as the residual
+    # stream's normed hidden would be: random here); prefill: `--prefill` tokens a layer
+    tokens = [[torch.randn(1, HIDDEN, generator=gen).to(dtype) for _ in range(LAYERS)]
+              for _ in range(args.decode_tokens + 2)]
+    xs = [torch.randn(args.prefill, HIDDEN, generator=gen).to(dtype) for _ in range(LAYERS)]
+    threads = torch.get_num_threads()
+    references: list[torch.Tensor] = []
     with torch.inference_mode():
-        # decode, c=1: each token through the 4 layers (each layer its own input: the residual
-        # stream's normed hidden, random here)
-        tokens = [[torch.randn(1, HIDDEN, generator=gen).to(dtype) for _ in range(LAYERS)]
-                  for _ in range(args.decode_tokens + 2)]
-        threads = torch.get_num_threads()
-        for path, blocks in (("new", new), ("old", old)):
-            if path == "old" and args.skip_old:
-                continue
-            for n_threads in sorted({threads, 1}, reverse=True):
-                torch.set_num_threads(n_threads)
-                entry = _decode(blocks, tokens, expert_bytes, packed_bytes, router_bytes,
-                                result["bandwidth"]["read_gbs"])
-                result[f"decode_{path}_{n_threads}_threads"] = entry
-                print(f"decode c=1 {path}, {n_threads} thread(s): {entry['median_ms']:.1f} ms/token median "
-                      f"({entry['best_ms']:.1f} from each layer's best call) over {LAYERS} layers; reads "
-                      f"{entry['bytes_read_per_token'] / 1e6:.1f} MB/token = {entry['read_over_active']:.3f}x the "
-                      f"active experts' {entry['active_expert_bytes_per_token'] / 1e6:.1f} MB; a layer's call "
-                      f"{entry['gbs_median']:.1f} GB/s median, {entry['gbs_best']:.1f} best = "
-                      f"{entry['of_bandwidth_median']:.0%} / {entry['of_bandwidth_best']:.0%} of the measured "
-                      "bandwidth")
-            torch.set_num_threads(threads)
-
-        # prefill: `--prefill` tokens through the 4 layers
-        xs = [torch.randn(args.prefill, HIDDEN, generator=gen).to(dtype) for _ in range(LAYERS)]
-        for path, blocks, rounds in (("new", new, args.rounds), ("old", old, 1)):
-            if path == "old" and args.skip_old:
-                continue
-            if path == "new":
-                [b(x) for b, x in zip(blocks, xs)]  # warm-up
-            cpu0 = time.process_time()
-            seconds = [_timed(lambda: [b(x) for b, x in zip(blocks, xs)]) for _ in range(rounds)]
-            cpu = (time.process_time() - cpu0) / rounds
-            s = _summary(seconds)
-            # the experts' multiply-adds (3 GEMMs of hidden x intermediate a token and expert)
-            flops = 2 * 3 * HIDDEN * MOE_INTERMEDIATE * TOP_K * args.prefill * LAYERS
-            entry = {**s, "tokens_per_s_median": args.prefill * 1000 / s["median_ms"],
-                     "tokens_per_s_best": args.prefill * 1000 / s["min_ms"], "cpu_seconds": cpu,
-                     "expert_gflop_per_cpu_second": flops / cpu / 1e9}
-            result[f"prefill_{path}"] = entry
-            print(f"prefill {args.prefill} tokens {path}: {entry['tokens_per_s_median']:.0f} tok/s median "
-                  f"({entry['tokens_per_s_best']:.0f} best) over {LAYERS} layers; {cpu:.2f} CPU-s a round "
-                  f"(all threads, waits included), {entry['expert_gflop_per_cpu_second']:.0f} expert GFLOP a CPU-s")
+        # old first, on the checkpoint's tensors; then each layer packed and its tensors let go,
+        # so the process holds the experts about once (4.8 GB), not twice
         if not args.skip_old:
+            old = [SparseMoe(r, gu, dn, TOP_K, True, F.silu, own_kernels=False) for r, gu, dn in weights]
+            _measure("old", old, tokens, xs, 1, threads, expert_bytes, expert_bytes, router_bytes, args, result)
+            references = [o(x[:64]) for o, x in zip(old, xs)]
+            del old
+        new = []
+        t0 = time.perf_counter()
+        while weights:
+            router, gate_up, down = weights.pop(0)
+            new.append(SparseMoe(router, gate_up, down, TOP_K, True, F.silu))
+            del gate_up, down
+        result["pack_seconds"] = time.perf_counter() - t0
+        if new[0].path != "cpu_kernel":
+            raise SystemExit("moe_experts.c does not serve bf16 here (it needs AVX512-BF16): nothing new to measure")
+        packed_bytes = new[0].packed.nbytes // EXPERTS  # type: ignore[union-attr]
+        print(f"packed {LAYERS} layers in {result['pack_seconds']:.1f} s; an expert {expert_bytes / 1e6:.2f} MB, "
+              f"its packed copy {packed_bytes / 1e6:.2f} MB")
+        _measure("new", new, tokens, xs, args.rounds, threads, expert_bytes, packed_bytes, router_bytes, args, result)
+        if references:
             result["prefill_speedup_median"] = (result["prefill_new"]["tokens_per_s_median"]
                                                 / result["prefill_old"]["tokens_per_s_median"])
             result["decode_speedup_median"] = (result[f"decode_old_{threads}_threads"]["median_ms"]
                                                / result[f"decode_new_{threads}_threads"]["median_ms"])
+            # the new path agrees with the old (on 64 of the prefill's tokens a layer)
+            result["new_vs_old_max_relative_difference"] = max(
+                (n(x[:64]).float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+                for n, x, ref in zip(new, xs, references))
             print(f"new vs old: prefill {result['prefill_speedup_median']:.1f}x, decode "
-                  f"{result['decode_speedup_median']:.1f}x (medians)")
-        # the new path agrees with the old (on 64 of the prefill's tokens a layer)
-        diff = max((n(x[:64]).float() - o(x[:64]).float()).abs().max().item() / o(x[:64]).float().abs().max().item()
-                   for n, o, x in zip(new, old, xs)) if not args.skip_old else None
-        result["new_vs_old_max_relative_difference"] = diff
+                  f"{result['decode_speedup_median']:.1f}x (medians); outputs within "
+                  f"{result['new_vs_old_max_relative_difference']:.2%} of the largest")
     result["load_average_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
