@@ -30,7 +30,7 @@ def _torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: 
     """torch's grouped path (F.linear an expert, in x's dtype): what the kernel replaces."""
     router = torch.zeros(gate_up.shape[0], x.shape[1], dtype=x.dtype)
     block = SparseMoe(router, gate_up, down, experts.shape[1], False, F.silu, own_kernels=False)
-    return block.experts(x, weights.to(x.dtype), experts)
+    return block.run_experts(x, weights.to(x.dtype), experts)
 
 
 def _routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

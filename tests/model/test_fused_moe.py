@@ -39,7 +39,7 @@ def _torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: 
            experts: torch.Tensor) -> torch.Tensor:
     router = torch.zeros(gate_up.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     block = SparseMoe(router, gate_up, down, experts.shape[1], False, F.silu, own_kernels=False)
-    return block.experts(x, weights.to(x.dtype), experts)
+    return block.run_experts(x, weights.to(x.dtype), experts)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

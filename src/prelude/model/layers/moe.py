@@ -153,23 +153,23 @@ class SparseMoe:
             return x.clone()
         if not self.per_row:
             weights, experts = self.route(x)
-            out = self.experts(x, weights, experts)
+            out = self.run_experts(x, weights, experts)
             return out if self.shared is None else out + self.shared(x)
         if self._cpu is None:  # the router's, the experts' and the shared expert's GEMMs one row at a time
             return torch.cat([self._alone(x[t:t + 1]) for t in range(x.shape[0])])
         # the CPU kernel gives each row its own bits whatever shares the call: one call for all
         routed = [self.route(x[t:t + 1]) for t in range(x.shape[0])]
-        out = self.experts(x, torch.cat([w for w, _ in routed]), torch.cat([e for _, e in routed]))
+        out = self.run_experts(x, torch.cat([w for w, _ in routed]), torch.cat([e for _, e in routed]))
         if self.shared is None:
             return out
         return out + torch.cat([self.shared(x[t:t + 1]) for t in range(x.shape[0])])
 
     def _alone(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        out = self.experts(x, weights, experts)
+        out = self.run_experts(x, weights, experts)
         return out if self.shared is None else out + self.shared(x)
 
-    def experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The chosen experts' outputs summed with their weights: x [T, hidden], weights and
         experts [T, k] (route's) -> [T, hidden]."""
         if self._cpu is not None and self._packed is not None:
