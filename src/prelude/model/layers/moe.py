@@ -19,12 +19,16 @@ Where the experts run:
   expert into blocks, one launch for gate/up with SiLU(gate) * up, one for down;
 - elsewhere (no kernel for the dtype or device, or `own_kernels=False`), torch: the tokens
   sorted by expert, one F.linear an expert over its tokens (gate and up fused, then down),
-  each expert's rows padded to a power of two so oneDNN's per-shape kernels stay few.
+  each expert's rows padded to a power of two so oneDNN's per-shape kernels stay few;
+- a GGUF's experts kept in their quantized blocks (`read_blocks`): steps of few enough
+  tokens read the blocks, expert by expert (fewer bytes than any float copy); longer steps
+  take one of the ways above.
 
 Batch invariance (`make_batch_invariant`): each token alone through the router and the
 shared expert (one-row GEMMs: a GEMM's bits for a row can depend on how many rows it runs
 with, as BLAS picks its kernel and blocking by row count), and through its experts by the
-CPU kernel over all the step's tokens (per row already), else alone as well.
+CPU kernel over all the step's tokens (per row already), else (the torch path, or a GGUF's
+blocks) alone as well.
 """
 
 from __future__ import annotations
@@ -36,9 +40,33 @@ import torch
 import torch.nn.functional as F
 
 from prelude.kernels.cpu.moe_experts import MoeExperts, PackedExperts, load_moe_experts
+from prelude.kernels.ggml_quants import GgmlQuants
+from prelude.model.layers.linear import QuantPath
 from prelude.model.spec import MoeSpec
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExpertBlocks:
+    """A GGUF's experts kept in their quantized blocks (kernels/ggml_quants.py): expert e's
+    gate_up and down weights as views of the stacked blocks, read by the block kernel for
+    calls of at most `max_rows` rows (a decode step's tokens an expert), which read a
+    quarter to a seventh of float32's bytes. Larger calls take the float32/bf16 copy."""
+
+    def __init__(self, gate_up: QuantPath, down: QuantPath, num_experts: int) -> None:
+        self.kernel, self.max_rows = gate_up.kernel, min(gate_up.max_rows, down.max_rows)
+        self.kind = gate_up.blocks.kind
+        self.experts = [(_rows(gate_up.blocks, e, num_experts), _rows(down.blocks, e, num_experts))
+                        for e in range(num_experts)]
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return 0 < x.shape[0] <= self.max_rows and self.kernel.takes(x.dtype)
+
+
+def _rows(blocks: GgmlQuants, e: int, num_experts: int) -> GgmlQuants:
+    n = blocks.out_features // num_experts
+    part = lambda t: t[e * n:(e + 1) * n]  # noqa: E731 - contiguous rows: a view
+    return GgmlQuants(blocks.kind, part(blocks.qs), part(blocks.d), None if blocks.m is None else part(blocks.m))
 
 
 class WeightSource(Protocol):
@@ -85,6 +113,7 @@ class SparseMoe:
         self.top_k, self.norm_topk_prob, self.activation, self.shared = top_k, norm_topk_prob, activation, shared
         self.hidden, self.intermediate = int(down.shape[1]), int(down.shape[2])
         self.per_row = False  # make_batch_invariant
+        self.expert_blocks: ExpertBlocks | None = None  # read_blocks
         self._cpu: MoeExperts | None = None
         self._packed: PackedExperts | None = None
         self._triton = False
@@ -136,6 +165,11 @@ class SparseMoe:
                                   if prefix + "shared_expert_gate.weight" in weights else None, activation)
         return SparseMoe(router, gate_up, down, spec.top_k, spec.norm_topk_prob, activation, shared)
 
+    def read_blocks(self, gate_up: QuantPath, down: QuantPath) -> None:
+        """Few-row expert calls read these GGUF blocks (rows: expert after expert, as
+        gate_up and down stack them) from now on."""
+        self.expert_blocks = ExpertBlocks(gate_up, down, self.num_experts)
+
     def make_batch_invariant(self) -> None:
         """Every token alone from now on (the module docstring says why)."""
         self.per_row = True
@@ -155,7 +189,9 @@ class SparseMoe:
             weights, experts = self.route(x)
             out = self.run_experts(x, weights, experts)
             return out if self.shared is None else out + self.shared(x)
-        if self._cpu is None:  # the router's, the experts' and the shared expert's GEMMs one row at a time
+        if self._cpu is None or self.expert_blocks is not None:
+            # the router's, the experts' and the shared expert's GEMMs one row at a time (a
+            # GGUF's blocks serve one row, the kernel a step's rows: one way for every row)
             return torch.cat([self._alone(x[t:t + 1]) for t in range(x.shape[0])])
         # the CPU kernel gives each row its own bits whatever shares the call: one call for all
         routed = [self.route(x[t:t + 1]) for t in range(x.shape[0])]
@@ -172,6 +208,8 @@ class SparseMoe:
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The chosen experts' outputs summed with their weights: x [T, hidden], weights and
         experts [T, k] (route's) -> [T, hidden]."""
+        if self.expert_blocks is not None and self.expert_blocks.takes(x):
+            return self._grouped(x, weights, experts)  # every expert's rows few enough for the blocks
         if self._cpu is not None and self._packed is not None:
             return self._cpu.forward(x if x.stride(-1) == 1 else x.contiguous(), weights, experts, self._packed)
         assert self.gate_up is not None and self.down is not None
@@ -182,6 +220,11 @@ class SparseMoe:
         return self._grouped(x, weights, experts)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        blocks = self.expert_blocks
+        if blocks is not None and blocks.takes(x):
+            gate_up, down = blocks.experts[e]
+            gate, up = blocks.kernel.linear(x, gate_up).chunk(2, dim=-1)
+            return blocks.kernel.linear(self.activation(gate) * up, down)
         assert self.gate_up is not None and self.down is not None
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
         return F.linear(self.activation(gate) * up, self.down[e])
@@ -197,7 +240,8 @@ class SparseMoe:
         tokens, slots = order // k, order % k
         # oneDNN (a CPU's GEMMs outside float32) makes and caches a kernel per row count:
         # each expert's rows padded to a power of two keep those few (zero rows, dropped)
-        pad = x.device.type == "cpu" and x.dtype != torch.float32
+        pad = (x.device.type == "cpu" and x.dtype != torch.float32
+               and not (self.expert_blocks is not None and self.expert_blocks.takes(x)))
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -233,7 +277,11 @@ def describe(layers: Mapping[int, SparseMoe], dtype: torch.dtype) -> str:
     how = ways[first.path] + "; a step reads only the chosen experts' weights"
     if first.per_row:
         how += (" (batch-invariant: router and shared expert one row at a time" +
-                (", the kernel per row already)" if first.path == "cpu_kernel" else ", the experts too)"))
+                (", the kernel per row already)" if first.path == "cpu_kernel" and first.expert_blocks is None
+                 else ", the experts too)"))
     shared = ", a gated shared expert" if first.shared is not None else ""
+    if first.expert_blocks is not None:
+        how += (f"; steps of up to {first.expert_blocks.max_rows} tokens read the experts' GGUF "
+                f"{first.expert_blocks.kind} blocks")
     return (f"mixture of experts on {len(layers)} layers: {first.num_experts} experts, top-{first.top_k}{shared}, "
             f"{str(dtype).removeprefix('torch.')}: {how}")
