@@ -19,7 +19,7 @@ from prelude.forward_batch import BatchRow
 from prelude.kv.kv_manager import KVCacheManager
 from prelude.model.arch.qwen3_moe import expert_layers
 from prelude.kernels.cpu.moe_experts import load_moe_experts
-from prelude.model.layers.moe import SharedExpert, SparseMoe
+from prelude.model.layers.moe import SharedExpert, SparseMoe, describe
 from prelude.model.lora.adapters import LoraError, read_adapter
 from prelude.model.registry import config_for
 
@@ -241,6 +241,18 @@ def test_a_step_reads_only_the_experts_its_tokens_chose(own_kernels: bool) -> No
     assert torch.isfinite(block(x)).all()
     _poison(block, made, next(iter(chosen)))  # the poison reaches the output once a chosen expert has it
     assert not torch.isfinite(block(x)).all()
+
+
+def test_the_start_up_line_names_the_way_the_experts_run() -> None:
+    block, _ = _block(1)
+    plain, _ = _block(1, own_kernels=False)
+    assert plain.path == "torch" and plain.gate_up is not None
+    assert "torch F.linear" in describe({0: plain}, torch.float32)
+    if load_moe_experts() is not None:  # the packed copy replaces the checkpoint's tensors
+        assert block.path == "cpu_kernel" and block.gate_up is None and block.packed is not None
+        assert "moe_experts.c" in describe({0: block}, torch.float32)
+    block.make_batch_invariant()
+    assert "batch-invariant" in describe({0: block}, torch.float32)
 
 
 def test_batch_invariant_engine_answers_a_row_alike_alone_and_batched() -> None:
