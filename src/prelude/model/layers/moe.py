@@ -32,9 +32,9 @@ from prelude.model.spec import MoeSpec
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
-class ExpertBlocks:
-    """A GGUF's experts kept in their quantized blocks (kernels/ggml_quants.py): expert e's
-    gate_up and down weights as views of the stacked blocks, read by the block kernel for
+class ExpertQuants:
+    """A GGUF's experts kept in their quants (kernels/ggml_quants.py): expert e's gate_up
+    and down weights as views of the stacked quants, read by the quant kernel for
     calls of at most `max_rows` rows (a decode step's tokens an expert), which read a
     quarter to a seventh of float32's bytes. Larger calls take the float32/bf16 copy."""
 
@@ -92,7 +92,7 @@ class SparseMoe:
         self.router, self.gate_up, self.down = router, gate_up, down
         self.top_k, self.norm_topk_prob, self.activation, self.shared = top_k, norm_topk_prob, activation, shared
         self.per_row = False  # make_batch_invariant
-        self.expert_blocks: ExpertBlocks | None = None  # read_blocks
+        self.expert_quants: ExpertQuants | None = None  # read_quants
 
     @property
     def num_experts(self) -> int:
@@ -123,10 +123,10 @@ class SparseMoe:
                                   if prefix + "shared_expert_gate.weight" in weights else None, activation)
         return SparseMoe(router, gate_up, down, spec.top_k, spec.norm_topk_prob, activation, shared)
 
-    def read_blocks(self, gate_up: QuantPath, down: QuantPath) -> None:
-        """Few-row expert calls read these GGUF blocks (rows: expert after expert, as
+    def read_quants(self, gate_up: QuantPath, down: QuantPath) -> None:
+        """Few-row expert calls read these GGUF quants (rows: expert after expert, as
         gate_up and down stack them) from now on."""
-        self.expert_blocks = ExpertBlocks(gate_up, down, self.num_experts)
+        self.expert_quants = ExpertQuants(gate_up, down, self.num_experts)
 
     def make_batch_invariant(self) -> None:
         """Every token alone from now on (the module docstring says why)."""
@@ -141,11 +141,11 @@ class SparseMoe:
         return weights.to(x.dtype), experts
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        blocks = self.expert_blocks
-        if blocks is not None and blocks.takes(x):
-            gate_up, down = blocks.experts[e]
-            gate, up = blocks.kernel.linear(x, gate_up).chunk(2, dim=-1)
-            return blocks.kernel.linear(self.activation(gate) * up, down)
+        quants = self.expert_quants
+        if quants is not None and quants.takes(x):
+            gate_up, down = quants.experts[e]
+            gate, up = quants.kernel.linear(x, gate_up).chunk(2, dim=-1)
+            return quants.kernel.linear(self.activation(gate) * up, down)
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
         return F.linear(self.activation(gate) * up, self.down[e])
 
@@ -188,8 +188,8 @@ def describe(layers: Mapping[int, SparseMoe], dtype: torch.dtype) -> str:
            "tokens grouped by expert, one GEMM an expert over the tokens that chose it (torch F.linear); "
            "a step reads only the chosen experts' weights")
     shared = ", a gated shared expert" if first.shared is not None else ""
-    if first.expert_blocks is not None:
-        how += (f"; calls of up to {first.expert_blocks.max_rows} rows an expert read its GGUF "
-                f"{first.expert_blocks.kind} blocks")
+    if first.expert_quants is not None:
+        how += (f"; calls of up to {first.expert_quants.max_rows} rows an expert read its GGUF "
+                f"{first.expert_quants.kind} quants")
     return (f"mixture of experts on {len(layers)} layers: {first.num_experts} experts, top-{first.top_k}{shared}, "
             f"{str(dtype).removeprefix('torch.')}: {how}")

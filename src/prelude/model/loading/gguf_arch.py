@@ -17,8 +17,8 @@ its model loaders):
   [channels, kernel]; `ssm_dt.bias` is dt_bias. qwen35 (not qwen3next) stores the value heads
   of every DeltaNet tensor in "tiled" order (value head j of key group g at j * groups + g)
   where HF groups them by key head (g * per_group + j); qwen3next splits in_proj_qkvz into
-  `attn_qkv` (q, k, v blocks) and `attn_gate` (z). The trailing `nextn_predict_layers`
-  blocks are a multi-token-prediction head (a draft model), which no answer reads.
+  `attn_qkv` (the q, k, v parts) and `attn_gate` (z). The trailing `nextn_predict_layers`
+  layers are a multi-token-prediction head (a draft model), which no answer reads.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def architectures() -> tuple[str, ...]:
 
 
 def mtp_layers(reader: GgufFile, arch: str) -> int:
-    """How many trailing blocks are a multi-token-prediction head (left out)."""
+    """How many trailing layers are a multi-token-prediction head (left out)."""
     return int(reader.field(f"{arch}.nextn_predict_layers", 0) or 0)
 
 
@@ -169,7 +169,7 @@ def fuse_experts(weights: dict[str, Any], layers: int, cat: Callable[[list[Any],
 
 
 def regroup_qkvz(reader: GgufFile, arch: str, weights: dict[str, Any], cat: Callable[[list[Any], int], Any]) -> None:
-    """qwen3next: `in_proj_qkv` (q, k, v blocks) and `in_proj_z` back into HF's in_proj_qkvz,
+    """qwen3next: `in_proj_qkv` (the q, k, v parts) and `in_proj_z` back into HF's in_proj_qkvz,
     whose rows are grouped by key head (each group's q, k, v, z together). In place."""
     get = lambda k: int(reader.field(f"{arch}.{k}"))  # noqa: E731
     groups, k_dim = get("ssm.group_count"), get("ssm.state_size")
