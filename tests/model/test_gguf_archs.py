@@ -340,3 +340,17 @@ def test_qwen35_multi_token_prediction_layers_are_left_out(tmp_path: Path, monke
         loaded = load_model_files(str(path))
     assert loaded.config.num_hidden_layers == 4 and not any("layers.4." in n for n in loaded.weights)
     assert "multi-token-prediction head (2 tensors) left out" in caplog.text
+
+
+def test_a_fused_qkv_in_a_hybrids_full_attention_layer_is_refused_in_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("transformers.models.qwen3_5")
+    import numpy as np
+
+    from prelude.startup import StartupError, check_model
+    from tests.model.test_qwen3_5 import hf_model
+
+    path = write_gguf(hf_model(11), "qwen35", tmp_path / "fused.gguf",
+                      extra={"blk.3.attn_qkv.weight": np.zeros((384, 64), np.float32)})
+    with pytest.raises(StartupError) as info:
+        check_model(str(path), None)
+    assert "\n" not in str(info.value) and "layer 3 is a full-attention layer" in str(info.value)

@@ -80,11 +80,6 @@ HYBRIDS = ("qwen35", "qwen3next")
 _ONE_PLUS_NORMS = ("gemma3",) + HYBRIDS
 
 
-def architectures() -> tuple[str, ...]:
-    """The GGUF architectures whose tensors this module names."""
-    return tuple(_LAYER_NAMES)
-
-
 def mtp_layers(reader: GgufFile, arch: str) -> int:
     """How many trailing layers are a multi-token-prediction head (left out)."""
     return int(reader.field(f"{arch}.nextn_predict_layers", 0) or 0)
@@ -95,7 +90,7 @@ def trunk_layers(reader: GgufFile, arch: str) -> int:
 
 
 def hf_name(arch: str, gguf_name: str, layers: int | None = None) -> str | None:
-    """The HF name of a GGUF tensor; None for a block past `layers` (a multi-token-
+    """The HF name of a GGUF tensor; None for a layer past `layers` (a multi-token-
     prediction head, left out). Refused in one line for a tensor no HF model holds."""
     names = _LAYER_NAMES.get(arch, _LAYER)
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
@@ -109,6 +104,20 @@ def hf_name(arch: str, gguf_name: str, layers: int | None = None) -> str | None:
     if gguf_name not in _GLOBAL:
         raise UnsupportedCheckpoint(f"GGUF architecture {arch!r}: tensor {gguf_name} is not supported")
     return _GLOBAL[gguf_name]
+
+
+def check_layer_kinds(reader: GgufFile, arch: str, names: set[str | None]) -> None:
+    """A hybrid's DeltaNet tensors only in its DeltaNet layers (those with `ssm_a`): a fused
+    attn_qkv in a full-attention layer is refused in one line, not read as a DeltaNet's."""
+    if arch not in HYBRIDS:
+        return
+    layers = trunk_layers(reader, arch)
+    linear = {i for i, kind in enumerate(_layer_types(reader, arch, layers)) if kind == "linear_attention"}
+    for name in names:
+        m = re.fullmatch(r"model\.layers\.(\d+)\.linear_attn\..+", name or "")
+        if m and int(m.group(1)) not in linear:
+            raise UnsupportedCheckpoint(f"GGUF architecture {arch!r}: layer {m.group(1)} is a full-attention layer "
+                                        f"but holds {name.rsplit('.', 2)[-2]} (a fused q/k/v is not supported there)")
 
 
 # --- tensors ---------------------------------------------------------------------------

@@ -272,6 +272,7 @@ def check_gguf(reader: GgufFile) -> None:
         return
     layers = gguf_arch.trunk_layers(reader, arch)
     names = {hf_name(t.name, arch, layers) for t in reader.tensors}
+    gguf_arch.check_layer_kinds(reader, arch, names)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise UnsupportedCheckpoint(f"GGUF architecture {arch!r}: the file has no token_embd.weight")
