@@ -66,14 +66,14 @@ def test_qwen3moe_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tmp
     runner, kv = _runner(loaded)
     read: list[int] = []
     moe = runner.model.layers[0].moe
-    if qtype in (Q8_0, Q4_0) and moe.expert_quants is not None:  # None: no block kernel on this CPU
-        experts = {b.qs.data_ptr() for pair in moe.expert_quants.experts for b in pair}
-        kernel = type(moe.expert_quants.kernel)
+    if qtype in (Q8_0, Q4_0) and moe.expert_blocks is not None:  # None: no block kernel on this CPU
+        experts = {b.qs.data_ptr() for pair in moe.expert_blocks.experts for b in pair}
+        kernel = type(moe.expert_blocks.kernel)
         linear = kernel.linear
         monkeypatch.setattr(kernel, "linear", lambda self, x, blocks, bias=None: (
             read.append(blocks.qs.data_ptr() in experts), linear(self, x, blocks, bias))[1])
     _prefill_then_decode(hf, runner, kv, tol=1e-4 if qtype == F32 else 2e-4)
-    if qtype in (Q8_0, Q4_0) and moe.expert_quants is not None:
+    if qtype in (Q8_0, Q4_0) and moe.expert_blocks is not None:
         assert any(read)  # decode's few rows an expert read the experts' quants
 
 
