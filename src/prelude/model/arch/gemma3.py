@@ -277,7 +277,8 @@ class Gemma3ForCausalLM(Decoder):
 
 
 ARCHITECTURES = tuple(
-    (Architecture(name, "gemma3", _config, Gemma3ForCausalLM), types)
+    (Architecture(name, "gemma3", _config, Gemma3ForCausalLM, gguf=("gemma3",) if name == "Gemma3ForCausalLM" else ()),
+     types)
     for name, types in (("Gemma3ForCausalLM", ("gemma3_text",)), ("Gemma3ForConditionalGeneration", ("gemma3",)),
                         ("Gemma3TextForSequenceClassification", ()), ("Gemma3ForSequenceClassification", ()))
 )
