@@ -8,10 +8,10 @@ GELU-tanh gated MLP; the attention scale query_pre_attn_scalar ** -0.5; sliding-
 layers interleaved with global ones (`layer_types`, or one global layer every
 `sliding_window_pattern`), each kind with its own RoPE base and scaling; a soft-cap of the
 final logits where set. The forward is composed here over the trunk's weights
-(model/decoder.py); the global layers attend through the configured backend, the sliding
-ones through the torch backend with the window applied as a mask (the C and Triton kernels
-take no window). Every layer keeps the whole context's KV; the context is not capped by
-the window (global layers see everything).
+(model/decoder.py; the C layer loop computes the Llama layer, not this one); the global
+layers attend through the configured backend, the sliding ones through it too where it
+takes a window (the C kernel), else through the torch backend with the window as a mask.
+The context is not capped by the window (global layers see everything).
 """
 
 from __future__ import annotations
@@ -181,13 +181,16 @@ class Gemma3ForCausalLM(Decoder):
                                                    layer.post_mlp_norm, layer.q_norm, layer.k_norm))
                        for layer in self.layers]
         self._final_norm = one_plus(self.norm)
-        self._windowed = TorchAttention()
+        # Sliding layers attend through the configured backend where it takes a window (the C
+        # kernel), else through the torch backend with the window as a mask
+        takes_window = bool(getattr(self.attention, "takes_window", False))
+        self._windowed = self.attention if takes_window else TorchAttention()
         if "sliding" in config.layer_kinds:
             backend = getattr(self.attention, "name", "torch")
-            how = ("" if backend == "torch" else
-                   f" (the {backend} backend takes no window; the global layers attend through it)")
-            logger.info("%s: %d of %d layers slide a %d-token window, attended through the torch backend with the "
-                        "window as a mask%s; every layer keeps the whole context's KV", config.architecture,
+            how = (f"the {backend} backend with the window" if takes_window or backend == "torch" else
+                   f"the torch backend with the window as a mask (the {backend} backend takes no window; the "
+                   "global layers attend through it)")
+            logger.info("%s: %d of %d layers slide a %d-token window, attended through %s", config.architecture,
                         config.layer_kinds.count("sliding"), len(config.layer_kinds), config.window, how)
 
     @staticmethod

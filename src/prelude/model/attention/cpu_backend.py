@@ -95,6 +95,7 @@ class CpuAttention:
     name = "cpu"
     reads_prefill_tensors = False  # a CPU backend: no captured graphs
     attends_tails = True  # forward(..., tail_queries=): only each prefill row's last queries
+    takes_window = True  # forward(..., window=): a sliding-window layer
     devices = ("cpu",)
 
     def __init__(self, kernel: CpuAttentionKernel, amx: bool | None = None) -> None:
@@ -203,12 +204,15 @@ class CpuAttention:
         meta: AttentionMetadata,
         scale: float,
         tail_queries: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """`tail_queries` ([prefill rows] int64, or None: all): attend only each prefill
         row's last so many queries; the other rows of the result are left unwritten (their
-        K/V are written all the same). Decode rows are always attended."""
+        K/V are written all the same). Decode rows are always attended. `window`: a
+        sliding-window layer's span (each query sees its last `window` positions, itself
+        included; table entries wholly before a row's window are never read); None: all."""
         if not self.serves(q, k_cache):
-            return self._fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
+            return self._fallback.forward(q, k, v, k_cache, v_cache, meta, scale, window=window)
         rows = self._rows(meta)
         tail = None
         if tail_queries is not None:
@@ -228,6 +232,7 @@ class CpuAttention:
             k_cache.shape[1], *rows.pre_args, None if tail is None else tail.data_ptr(), *rows.rest_args,
             out.data_ptr(), out.stride(0), out.stride(1),
             q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(), self.options,
+            window or 0,
         )
         if rc != 0:
             raise RuntimeError(f"cpu_attention.c refused the forward's arguments (code {rc})")
