@@ -69,6 +69,9 @@ class BatchRow:
     # Models with recurrent layers: the request's slot of the state pool, which the row's
     # tokens continue (start_pos 0: from a zero state); None: the model has no such layers.
     state_slot: int | None = None
+    # Models whose sliding-window layers keep their K/V in a pool of their own: the
+    # request's table there, aligned with block_table (-1: released, before the window)
+    window_table: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ class OneShotRow:
     item_lens: tuple[int, ...] = ()
     lora: LoraRequest | None = None  # the row's adapter (None: the base model)
     copy_from: int | None = None  # a hit ending inside a block: the cached block to copy from
+    # Models with a window pool: the sliding layers' blocks, aligned with prefix_blocks +
+    # publish_blocks (-1: none, before the first new token's window)
+    window_blocks: tuple[int, ...] | None = None
 
     @property
     def shared_len(self) -> int:

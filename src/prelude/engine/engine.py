@@ -78,11 +78,12 @@ class LLMEngine:
         self.block_size = block_size = runner.block_size
         limit = config.scheduler.max_model_len or info.max_position_embeddings
         self.num_state_slots = 0
+        self.num_window_blocks = 0
         if info.is_encoder:
             num_blocks = 1  # encoders keep no KV: every request is OneShot
             self.max_model_len = min(limit, info.max_position_embeddings)
         else:
-            num_blocks, self.num_state_slots, why = self._kv_blocks(config)
+            num_blocks, self.num_state_slots, self.num_window_blocks, why = self._kv_blocks(config)
             if info.sliding_window:
                 # Full attention equals sliding-window attention only within the window.
                 limit = min(limit, info.sliding_window)
@@ -96,8 +97,10 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=prefix_caching,
             max_cached_blocks=config.cache.max_cached_blocks, num_state_slots=self.num_state_slots,
+            window=info.kv_window if self.num_window_blocks else 0, num_window_blocks=self.num_window_blocks,
         )
-        runner.allocate_kv_cache(num_blocks, populate=config.cache.populate_kv, state_slots=self.num_state_slots)
+        runner.allocate_kv_cache(num_blocks, populate=config.cache.populate_kv, state_slots=self.num_state_slots,
+                                 window_blocks=self.num_window_blocks)
         if not info.is_encoder:
             runner.capture_graphs(self.max_model_len)  # a no-op off CUDA or with enforce_eager
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len,
@@ -132,11 +135,19 @@ class LLMEngine:
         self._finished: deque[tuple[object, ...]] = deque(maxlen=10_000)
         self.observer: EngineObserver | None = None  # e.g. the server's Prometheus metrics
         if not info.is_encoder:
+            per_block = info.kv_bytes_per_block - (info.window_kv_bytes_per_block if self.num_window_blocks else 0)
             logger.info(
-                "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d; budget: %s%s",
-                num_blocks, block_size, num_blocks * info.kv_bytes_per_block / 2**30, info.device, self.max_model_len,
+                "KV cache: %d blocks x %d tokens (%.2f GiB)%s on %s, max_model_len %d; budget: %s%s",
+                num_blocks, block_size, num_blocks * per_block / 2**30,
+                " for the global layers" if self.num_window_blocks else "", info.device, self.max_model_len,
                 why, _POPULATED.get(config.cache.populate_kv, "") if info.device == "cpu" else "",
             )
+        if self.kv.windows is not None:
+            logger.info(
+                "KV cache of the sliding layers: %d blocks x %d tokens (%.2f GiB), a pool of their own; a request "
+                "holds its %d-token window there (at most %d blocks between steps), blocks behind the window go back",
+                self.num_window_blocks, block_size, self.num_window_blocks * info.window_kv_bytes_per_block / 2**30,
+                self.kv.windows.window, self.kv.windows.max_blocks_per_request)
         if self.num_state_slots:
             logger.info(
                 "recurrent state: %d slots x %.2f MiB (%.2f GiB) on %s, one per running paged request; OneShot "
@@ -145,10 +156,13 @@ class LLMEngine:
                 info.device)
         runner.start_background_work()  # e.g. --compile background: off the loading path
 
-    def _kv_blocks(self, config: EngineConfig) -> tuple[int, int, str]:
-        """How many KV blocks and recurrent-state slots, and why (see executor/kv_sizing.py).
-        Slots come out of the same budget: one per running sequence (max_num_seqs, capped
-        by max_recurrent_slots), at most half the budget, at least one."""
+    def _kv_blocks(self, config: EngineConfig) -> tuple[int, int, int, str]:
+        """How many KV blocks, recurrent-state slots and window blocks, and why (see
+        executor/kv_sizing.py). Slots come out of the same budget: one per running sequence
+        (max_num_seqs, capped by max_recurrent_slots), at most half the budget, at least one.
+        Window blocks (a model with sliding layers beside global ones): what max_num_seqs
+        requests' windows and a step's new tokens take, but no more than the blocks every
+        layer would get without a pool of their own (so the global layers never get fewer)."""
         per_slot = self.info.state_bytes_per_slot
         wanted = 0
         if per_slot:
@@ -157,8 +171,15 @@ class LLMEngine:
                 if config.cache.max_recurrent_slots < 1:
                     raise ValueError("--max-recurrent-slots must be at least 1")
                 wanted = min(wanted, config.cache.max_recurrent_slots)
+        window_wanted = 0
+        if self.info.kv_window:
+            sched, bs = config.scheduler, self.block_size
+            step_tokens = max(sched.max_num_batched_tokens, sched.max_oneshot_tokens or 0)
+            per_request = (self.info.kv_window - 1 + bs - 1) // bs + 1
+            window_wanted = sched.max_num_seqs * (per_request + 1) + (step_tokens + bs - 1) // bs
         if config.cache.num_blocks:
-            return config.cache.num_blocks, wanted, "num_blocks set explicitly"
+            n = config.cache.num_blocks
+            return n, wanted, min(window_wanted, n), "num_blocks set explicitly"
         runner, sched = self.runner, config.scheduler
         memory = None
         if config.cache.kv_cache_memory_gib is None:  # measured only when it decides something
@@ -170,8 +191,14 @@ class LLMEngine:
             resident_bytes=runner.adapters.nbytes if runner.adapters is not None else 0,  # LoRA slots
         )
         slots = min(wanted, max(1, budget.bytes // 2 // per_slot)) if per_slot else 0
-        blocks = max(1, (budget.bytes - slots * per_slot) // max(1, self.info.kv_bytes_per_block))
-        return blocks, slots, budget.reason
+        left = budget.bytes - slots * per_slot
+        blocks = max(1, left // max(1, self.info.kv_bytes_per_block))
+        if window_wanted:
+            window_blocks = min(window_wanted, blocks)
+            per_global = self.info.kv_bytes_per_block - self.info.window_kv_bytes_per_block
+            blocks = max(1, (left - window_blocks * self.info.window_kv_bytes_per_block) // max(1, per_global))
+            return blocks, slots, window_blocks, budget.reason
+        return blocks, slots, 0, budget.reason
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -562,6 +589,8 @@ class LLMEngine:
             "kv_blocks_total": self.kv.pool.num_blocks,
             "kv_blocks_free": self.kv.pool.num_free_blocks,
             "kv_blocks_cached_evictable": self.kv.pool.num_evictable_blocks,
+            # the sliding layers' pool (0 without one): what the requests' windows and the cache hold there
+            **self._window_metrics(),
             "recurrent_slots_total": self.num_state_slots,
             "recurrent_slots_free": self.kv.num_free_slots or 0,
             "prefix_cache_blocks": self.kv.prefix.num_cached_blocks if self.kv.prefix else 0,
@@ -576,6 +605,14 @@ class LLMEngine:
             "prefix_evicted_blocks_total": self.kv.prefix.num_evicted if self.kv.prefix else 0,
             **{f"kv_handoffs_{k}_total": v for k, v in self.handoff_counts.items()},
         }
+
+    def _window_metrics(self) -> dict[str, float]:
+        w = self.kv.windows
+        if w is None:
+            return {"kv_window_blocks_total": 0, "kv_window_blocks_free": 0, "kv_window_blocks_held": 0,
+                    "kv_window_blocks_cached_evictable": 0}
+        return {"kv_window_blocks_total": w.pool.num_blocks, "kv_window_blocks_free": w.pool.num_free_blocks,
+                "kv_window_blocks_held": w.held(), "kv_window_blocks_cached_evictable": w.pool.num_evictable_blocks}
 
     def check_integrity(self) -> None:
         """KV bookkeeping: every block free or held exactly by the requests listing it."""

@@ -81,6 +81,11 @@ class ScheduleResult:
         return self.batch.oneshot_rows if isinstance(self.batch, MixedBatch) else ()
 
 
+def _window(entries: list[int] | None) -> tuple[int, ...] | None:
+    """A snapshot of a window table for a row (the manager's own list moves on)."""
+    return None if entries is None else tuple(entries)
+
+
 def lora_namespace(lora: LoraRequest | None) -> str:
     """The prefix-cache namespace of an adapter's rows: K/V are shared only under the same
     adapter (the base's is "")."""
@@ -289,6 +294,7 @@ class Scheduler:
                 req.num_computed_tokens += n
                 if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
                     self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens, namespace(req))
+                self.kv.advance(request_id, req.num_computed_tokens)
         if ok and plan.oneshot:
             self.gather.step_ended(len(plan.oneshot), len(self.oneshot_waiting), time.monotonic())
         self._chunking.difference_update(r.request_id for r in plan.chunked)
@@ -333,7 +339,7 @@ class Scheduler:
         if reuses_prefix(req):
             return self.kv.match(tokens, namespace(req))
         if req.pooled_upto:  # a running pool goes on after the blocks its chunks published
-            found = self.kv.match(tokens, namespace(req))[: req.pooled_upto // self.kv.block_size]
+            found = self.kv.match(tokens[: req.pooled_upto + 1], namespace(req))
             if len(found) * self.kv.block_size == req.pooled_upto:
                 return found
             req.pooled_upto, req.pooled = 0, None  # some were evicted: pool again from the start
@@ -474,7 +480,7 @@ class Scheduler:
                 req.request_id, prompt, sample_spec(req), head_spec(req),
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
                 item_lens=req.pooling.item_lens if req.pooling is not None else (), lora=req.lora,
-                copy_from=copy_from,
+                copy_from=copy_from, window_blocks=_window(self.kv.step_window(prefix, publish_blocks)),
             ))
             taken.append(req)
             self._took_low_priority(req, n)
@@ -513,7 +519,8 @@ class Scheduler:
         self.kv.record(n_cached, end - n_cached)
         head = head_spec(req, chunk=True) if pools_running(req) else None
         return OneShotRow(req.request_id, req.prompt_token_ids[:end], None, head, num_cached=n_cached,
-                          prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora)
+                          prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora,
+                          window_blocks=_window(self.kv.step_window(prefix, publish)))
 
     def _oneshot_budget(self) -> int:
         return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
@@ -559,6 +566,7 @@ class Scheduler:
         return BatchRow(
             req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
             sample_spec(req) if finishes else None, head, req.lora, self.kv.state_slot(req.request_id),
+            _window(self.kv.window_table(req.request_id)),
         )
 
     def _tokens_for(self, req: Request, budget: int, first: bool) -> int:
@@ -677,7 +685,8 @@ class Scheduler:
                     continue
                 rows.append(BatchRow(req.request_id, [CARRIED_TOKEN_PLACEHOLDER], req.num_tokens,
                                      list(self.kv.block_table(req.request_id)), sample_spec(req, carried=1),
-                                     None, req.lora, self.kv.state_slot(req.request_id)))
+                                     None, req.lora, self.kv.state_slot(req.request_id),
+                                     _window(self.kv.window_table(req.request_id))))
                 result.carried.append(req.request_id)
             else:
                 victims.remove(req)

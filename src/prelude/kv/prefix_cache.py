@@ -20,7 +20,7 @@ were tracked again by every insert and walked item by item.
 from __future__ import annotations
 
 from array import array
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prelude.kv.block_pool import BlockPool
 
@@ -71,6 +71,9 @@ class PrefixCache:
         self._next: dict[int, int] = {}
         self._prev: dict[int, int] = {}
         self.num_evicted = 0
+        # Called with each block leaving the tree, before it is freed (the sliding layers'
+        # partner of the block goes with it: kv/window_tables.py)
+        self.on_drop: Callable[[int], None] | None = None
         pool.set_evictor(self.evict)
 
     def _key(self, tokens: list[int], i: int) -> bytes:
@@ -189,6 +192,8 @@ class PrefixCache:
             # points past it, and likewise from the other side
             _relink(self._first if prev is None else self._next, parent if prev is None else prev, nxt)
             _relink(self._last if nxt is None else self._prev, parent if nxt is None else nxt, prev)
+            if self.on_drop is not None:
+                self.on_drop(node)
             self.pool.evict(node)
             self.num_evicted += 1
         return len(subtree)

@@ -113,12 +113,14 @@ class CpuAttention:
         # Every row in the wide form, decode rows included (make_batch_invariant)
         self.all_wide = False
         self._fallback = TorchAttention()
-        # (metadata, its row tensors): every layer of a forward gets the same metadata object
-        self._prepared: tuple[AttentionMetadata, _Rows] | None = None
+        # (metadata, its row tensors): every layer of a forward gets the same metadata object,
+        # or one of two (the sliding layers' own, AttentionMetadata.window): the last two kept
+        self._prepared: list[tuple[AttentionMetadata, _Rows]] = []
 
     def _rows(self, meta: AttentionMetadata) -> _Rows:
-        if self._prepared is not None and self._prepared[0] is meta:
-            return self._prepared[1]
+        for seen, rows in self._prepared:
+            if seen is meta:
+                return rows
         pre = _prefill_tensors(meta)
         if pre is not None:
             pre = PrefillTensors(_i64(pre.query_start), _i64(pre.query_lens), _i64(pre.context_lens),
@@ -131,7 +133,7 @@ class CpuAttention:
         slots = _i64(meta.slot_mapping) if meta.slot_mapping is not None else None
         rows = _Rows(pre, dec_index, dec_lens, dec_tables, segments, slots,
                      *_row_args(pre, dec_index, dec_lens, dec_tables, segments, slots))
-        self._prepared = (meta, rows)
+        self._prepared = [(meta, rows), *self._prepared[:1]]
         return rows
 
     def make_batch_invariant(self) -> None:
