@@ -266,6 +266,49 @@ def test_oneshot_rows_hit_a_cached_prefix_longer_than_the_window(backend: str) -
     assert engine.metrics()["kv_window_blocks_held"] == 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_replayed_decode_buckets_read_the_window_pool_as_eager_steps_do(backend: str) -> None:
+    # Decode steps replayed from static buckets (CUDA graphs, emulated here): the window pool's
+    # tables and slots are static inputs beside the global ones; padding rows write to its
+    # scratch block. The tokens equal the eager engine's and transformers'.
+    from prelude.executor.graphs import Capture, GraphConfig
+
+    hf = hf_gemma(seed=13)
+    prompts = _prompts(14, (4 * WINDOW + 1, 5, 11))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def generate(capture: bool) -> tuple[dict[str, list[int]], int]:
+        engine = tiny_engine(hf, attention_backend=backend)
+        replays = 0
+        if capture:
+            engine.runner.capture_graphs(engine.max_model_len, Capture.EMULATE,
+                                         GraphConfig(decode_batch_sizes=(1, 2, 4), capture_prefill=False))
+            graphs = engine.runner.graphs
+            assert graphs is not None
+            run = graphs.run
+
+            def counting(*args: Any) -> Any:
+                nonlocal replays
+                hidden = run(*args)
+                replays += hidden is not None
+                return hidden
+
+            graphs.run = counting  # type: ignore[method-assign]
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            engine.check_integrity()
+        return out, replays
+
+    eager, _ = generate(False)
+    replayed, replays = generate(True)
+    assert replayed == eager and replays >= 5
+    assert eager["0"] == _hf_greedy(hf, prompts[0], 8)
+
+
 def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_tower(tmp_path) -> None:  # noqa: ANN001
     torch.manual_seed(7)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,

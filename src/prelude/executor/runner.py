@@ -388,10 +388,6 @@ class ModelRunner:
             capture = Capture.CUDA
         if self.model.is_encoder or not self.kv_caches or self.state_bytes_per_slot:
             return  # recurrent layers run eagerly (their rows' states are not graph inputs)
-        if self.num_window_blocks:
-            logger.info("CUDA graphs: off (the sliding layers' window pool is not a graph input yet): every step "
-                        "runs eagerly")
-            return
         attention = getattr(self.model, "attention", None)
         reads_row_tensors = bool(getattr(attention, "reads_prefill_tensors", False))
         config = config or GraphConfig(capture_prefill=reads_row_tensors)
@@ -411,6 +407,7 @@ class ModelRunner:
         self.graphs = GraphRunner(
             forward, config, self.device, self.block_size, max_blocks_per_row=-(-max_model_len // self.block_size),
             scratch_slot=self._scratch_slot, capture=capture, adapter_index=adapter_index,
+            window_scratch_slot=self.num_window_blocks * self.block_size if self.num_window_blocks else None,
         )
 
     # --- forwards -----------------------------------------------------------------------
