@@ -309,6 +309,24 @@ def test_replayed_decode_buckets_read_the_window_pool_as_eager_steps_do(backend:
     assert eager["0"] == _hf_greedy(hf, prompts[0], 8)
 
 
+def test_a_hand_off_request_is_refused_with_a_window_pool() -> None:
+    # The KV hand-off carries the global pool's blocks only: refused by name (a 400), and the
+    # engine serves on
+    from dataclasses import replace
+
+    from prelude.engine.client import InvalidRequestError
+
+    engine = tiny_engine(hf_gemma(seed=2))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="sliding-window layers' pool"):
+        engine.enqueue(replace(engine.prepare("h", [5, 6, 7], params), hand_off=True))
+    assert not engine.has_unfinished()
+    engine.add_request("after", [5, 6, 7], params)
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
 def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_tower(tmp_path) -> None:  # noqa: ANN001
     torch.manual_seed(7)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,

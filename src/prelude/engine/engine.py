@@ -292,6 +292,9 @@ class LLMEngine:
         if req.hand_off and self.num_state_slots:
             raise InvalidRequestError("prefill/decode disaggregation is not served for this model: the KV hand-off "
                                       "does not carry the recurrent state of its linear-attention layers")
+        if req.hand_off and self.num_window_blocks:
+            raise InvalidRequestError("prefill/decode disaggregation is not served for this model: the KV hand-off "
+                                      "does not carry its sliding-window layers' pool")
         needs_forward = req.max_output_tokens > 0 or req.pooling is not None or req.params.prompt_logprobs is not None
         if not needs_forward:
             req.finish_reason = FinishReason.LENGTH
