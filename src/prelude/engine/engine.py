@@ -36,7 +36,7 @@ from prelude.engine.request import (
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.engine.stage_trace import StageTrace
-from prelude.executor.kv_sizing import kv_cache_budget
+from prelude.executor.kv_sizing import kv_cache_budget, split_window_pool, window_blocks_wanted
 from prelude.executor.outputs import CarriedTokens, LaunchedStep
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
@@ -173,10 +173,9 @@ class LLMEngine:
                 wanted = min(wanted, config.cache.max_recurrent_slots)
         window_wanted = 0
         if self.info.kv_window:
-            sched, bs = config.scheduler, self.block_size
-            step_tokens = max(sched.max_num_batched_tokens, sched.max_oneshot_tokens or 0)
-            per_request = (self.info.kv_window - 1 + bs - 1) // bs + 1
-            window_wanted = sched.max_num_seqs * (per_request + 1) + (step_tokens + bs - 1) // bs
+            sched = config.scheduler
+            window_wanted = window_blocks_wanted(self.info.kv_window, self.block_size, sched.max_num_seqs,
+                                                 max(sched.max_num_batched_tokens, sched.max_oneshot_tokens or 0))
         if config.cache.num_blocks:
             n = config.cache.num_blocks
             return n, wanted, min(window_wanted, n), "num_blocks set explicitly"
@@ -192,13 +191,11 @@ class LLMEngine:
         )
         slots = min(wanted, max(1, budget.bytes // 2 // per_slot)) if per_slot else 0
         left = budget.bytes - slots * per_slot
-        blocks = max(1, left // max(1, self.info.kv_bytes_per_block))
         if window_wanted:
-            window_blocks = min(window_wanted, blocks)
-            per_global = self.info.kv_bytes_per_block - self.info.window_kv_bytes_per_block
-            blocks = max(1, (left - window_blocks * self.info.window_kv_bytes_per_block) // max(1, per_global))
+            blocks, window_blocks = split_window_pool(left, self.info.kv_bytes_per_block,
+                                                      self.info.window_kv_bytes_per_block, window_wanted)
             return blocks, slots, window_blocks, budget.reason
-        return blocks, slots, 0, budget.reason
+        return max(1, left // max(1, self.info.kv_bytes_per_block)), slots, 0, budget.reason
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
