@@ -37,6 +37,7 @@ class WindowTables:
         self.pool = BlockPool(num_blocks)
         self.pool.set_evictor(self.evict)
         self._tables: dict[str, list[int]] = {}
+        self._released: dict[str, int] = {}  # entries before this index are RELEASED (slide's start)
         self._partner: dict[int, int] = {}  # global layers' cached block -> its window block
         self._paired: dict[int, int] = {}  # window block -> the global block it partners
         # window blocks beside a OneShot step's publish blocks (global block -> window block)
@@ -69,10 +70,13 @@ class WindowTables:
         table = self._tables.get(request_id)
         if not table:
             return 0
-        out = [i for i in range(min(self.first_needed(next_position), len(table))) if table[i] != RELEASED]
-        self.pool.release(table[i] for i in out)
-        for i in out:
-            table[i] = RELEASED
+        start, end = self._released.get(request_id, 0), min(self.first_needed(next_position), len(table))
+        if end <= start:
+            return 0
+        out = [b for b in table[start:end] if b != RELEASED]
+        self.pool.release(out)
+        table[start:end] = [RELEASED] * (end - start)
+        self._released[request_id] = end
         return len(out)
 
     def attach(self, request_id: str, prefix: list[int]) -> None:
@@ -83,9 +87,11 @@ class WindowTables:
         table = [RELEASED] * start + [self._partner[b] for b in prefix[start:]]
         self.pool.acquire(b for b in table if b != RELEASED)
         self._tables[request_id] = table
+        self._released[request_id] = start
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
+        self._released.pop(request_id, None)
         if table:
             self.pool.release(b for b in reversed(table) if b != RELEASED)
 
@@ -189,5 +195,8 @@ class WindowTables:
             raise AssertionError("OneShot window holds outlived their step")
         if {v: k for k, v in self._partner.items()} != self._paired:
             raise AssertionError("window partners are inconsistent")
+        for rid, table in self._tables.items():
+            if any(b != RELEASED for b in table[: self._released.get(rid, 0)]):
+                raise AssertionError(f"request {rid}: a window entry held before its released ones")
         self.pool.check_integrity([[b for b in t if b != RELEASED] for t in self._tables.values()],
                                   set(self._paired))
