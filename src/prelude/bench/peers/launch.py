@@ -165,7 +165,10 @@ def _vllm_spec(port: int, opts: PeerOptions) -> PeerSpec:
     env = vllm_env(Path(model_dir))
     return PeerSpec("vllm", (opts.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", opts.dtype,
-                             "--served-model-name", opts.served_model_name),
+                             "--served-model-name", opts.served_model_name,
+                             # the longest request here is 3,072 + 768 + 1: a checkpoint's own
+                             # limit (262,144 on Qwen3.5) would not fit its KV space
+                             "--max-model-len", "8192"),
                     "/health", opts.served_model_name, frozenset({COMPLETIONS}), env=env,
                     cold_env=(("VLLM_CACHE_ROOT", "{tmp}"),))
 
