@@ -9,7 +9,9 @@ One prompt `--windows` windows long (chunks of --chunk tokens), then `--decode` 
 tokens. After every step it records the blocks the request holds in the sliding layers'
 pool and in the global layers' pool; the goal: at most window / block + 1 blocks on each
 sliding layer while the prompt and its decode run, all of them back in the pool after.
-Prints the figures and writes JSON.
+Also times one sliding layer's attention over the window pool (a 512-token chunk after 1,536
+cached tokens; 16 decode rows at 2,048): the C kernel with its window against the torch
+backend with the window as a mask. Prints the figures and writes JSON.
 """
 
 from __future__ import annotations
@@ -80,6 +82,50 @@ def random_gemma3_weights(cfg: dict[str, Any], dtype: torch.dtype, seed: int = 0
     return w
 
 
+def time_attention(dtype: torch.dtype, window: int = 512, bs: int = 16, repeats: int = 5) -> dict[str, float]:
+    """One sliding layer's attention (Gemma-3-1B's heads: 4 query heads, 1 KV head of 256) over
+    a window pool: a 512-token chunk after 1,536 cached tokens, and 16 decode rows at 2,048
+    tokens; the C kernel with its window against the torch backend with the window as a mask.
+    Milliseconds a call, the best of `repeats`."""
+    from prelude.model.attention.cpu_backend import load_cpu_attention
+    from prelude.model.attention.metadata import AttentionMetadata, DecodeRows, PrefillSlice
+    from prelude.model.attention.torch_backend import TorchAttention
+
+    gen = torch.Generator().manual_seed(0)
+    per_row = 2048 // bs
+    rows = 17
+    scratch = rows * per_row
+    kc = torch.randn(scratch + 1, bs, 1, 256, generator=gen).to(dtype)
+    vc = torch.randn(scratch + 1, bs, 1, 256, generator=gen).to(dtype)
+    tables = torch.arange(rows * per_row).view(rows, per_row)
+    for r in range(rows):  # the entries behind each row's window are released (the scratch block)
+        first_query = 1536 if r == 0 else 2047
+        tables[r, : max(0, first_query - window + 1) // bs] = scratch
+    out: dict[str, float] = {}
+    for name, n_new in (("chunk_512_after_1536", 512), ("decode_16_rows_at_2048", 1)):
+        if n_new > 1:
+            slots = tables[0, 1536 // bs:].repeat_interleave(bs) * bs + torch.arange(512) % bs
+            meta = AttentionMetadata(slots, (PrefillSlice(0, 512, 2048, tables[0]),), None, bs)
+        else:
+            slots = tables[1:, 2047 // bs] * bs + 2047 % bs
+            meta = AttentionMetadata(slots, (), DecodeRows(torch.arange(16), tables[1:], torch.full((16,), 2048), 2048),
+                                     bs)
+        t = meta.slot_mapping.numel()  # type: ignore[union-attr]
+        q = torch.randn(t, 4, 256, generator=gen).to(dtype)
+        k = torch.randn(t, 1, 256, generator=gen).to(dtype)
+        v = torch.randn(t, 1, 256, generator=gen).to(dtype)
+        for backend_name, backend in (("cpu", load_cpu_attention()), ("torch", TorchAttention())):
+            if backend is None:
+                continue
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                backend.forward(q, k, v, kc, vc, meta, 256 ** -0.5, window=window)
+                best = min(best, time.perf_counter() - start)
+            out[f"{name}_{backend_name}_ms"] = round(best * 1e3, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -132,6 +178,7 @@ def main() -> None:
         "window_pool_blocks": windows.pool.num_blocks,
         "window_pool_blocks_available_after": windows.pool.num_available_blocks,
         "within_bound": most <= bound and windows.pool.num_available_blocks == windows.pool.num_blocks,
+        "sliding_layer_attention": time_attention(getattr(torch, args.dtype)),
         "steps": steps, "seconds": round(seconds, 2), "cpu_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
     }
@@ -139,6 +186,7 @@ def main() -> None:
           f"of {sliding} sliding layers (bound {bound}), {steps[-1]['global_blocks_held']} blocks on each global "
           f"layer; after it: {windows.pool.num_available_blocks}/{windows.pool.num_blocks} window blocks "
           f"available; {seconds:.1f} s")
+    print("one sliding layer's attention (ms, best of 5):", result["sliding_layer_attention"])
     write_json(args.out, result)
 
 
