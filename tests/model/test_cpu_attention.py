@@ -307,8 +307,9 @@ def _released(meta: AttentionMetadata, window: int, marker: int) -> AttentionMet
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [1, 7, 16, 40])
 @pytest.mark.parametrize("released", ["poisoned", "negative"])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 8), (37, 5)])  # 37: an odd head_dim, pairs padded
 def test_window_sees_only_each_querys_last_positions(backend: CpuAttention, dtype: torch.dtype, window: int,
-                                                     released: str) -> None:
+                                                     released: str, head_dim: int, block_size: int) -> None:
     # A sliding-window layer: fresh prompts longer than the window, chunks over long prefixes
     # (own K/V in the pool or the forward's), decodes, segments, against the torch backend's
     # masked reference. The blocks wholly before each row's first window are "released": their
@@ -317,7 +318,7 @@ def test_window_sees_only_each_querys_last_positions(backend: CpuAttention, dtyp
     seg = (0, 0, 0, 1, 1, 2, 2, 2, 3)
     rows = [Row(0, 150), Row(0, 90, own_in_cache=False), Row(100, 64), Row(77, 33, own_in_cache=False),
             Row(200, 1), Row(39, 1), Row(5, 1), Row(60, 3), Row(30, len(seg), own_in_cache=False, segments=seg)]
-    b = make_batch(rows, 9, 3, 64, block_size=8, dtype=dtype, seed=window)
+    b = make_batch(rows, 9, 3, head_dim, block_size=block_size, dtype=dtype, seed=window)
     held = {int(x) for s in b.meta.prefills for x in s.block_table}
     assert b.meta.decodes is not None
     held |= {int(x) for x in b.meta.decodes.block_tables.flatten()}
