@@ -4,7 +4,9 @@ RMSNorm and the output projection.
 
 The layer's state per sequence is (conv inputs [C, K - 1] in the model dtype, recurrent
 state [Hv, dk, dv] float32), kept in a slot of the state pool (StateRows says which);
-OneShot rows (slot -1) run on a zero state that is dropped after the forward.
+OneShot rows (slot -1) run on a zero state that is dropped after the forward. A row may
+start from a checkpoint slot (a prefix-cache hit) and copy its state at given tokens into
+checkpoint slots (StateRow.restore / saves): it runs in pieces cut there, no token loop.
 """
 
 from __future__ import annotations
@@ -88,10 +90,19 @@ class GatedDeltaNet:
         out = x.new_empty(x.shape[0], s.num_v_heads, s.v_dim)
         for row in rows.rows:
             kept = row.slot >= 0 and conv_states is not None and rec_states is not None
-            conv_in = None if row.fresh or not kept else conv_states[row.slot]  # type: ignore[index]
-            rec_in = None if row.fresh or not kept else rec_states[row.slot]  # type: ignore[index]
+            source = row.restore if row.restore >= 0 else (row.slot if kept and not row.fresh else -1)
+            conv_new = None if source < 0 else conv_states[source]  # type: ignore[index]
+            rec_new = None if source < 0 else rec_states[source]  # type: ignore[index]
             shared = row.length - sum(row.items)
-            conv_new, rec_new = self._run(mixed, g, beta, out, row.start, shared, conv_in, rec_in)
+            at = row.start
+            for offset, slot in row.saves:  # the shared part in pieces, a checkpoint after each
+                if offset > at - row.start:
+                    conv_new, rec_new = self._run(mixed, g, beta, out, at, row.start + offset - at, conv_new, rec_new)
+                    at = row.start + offset
+                conv_states[slot].copy_(conv_new if conv_new is not None else 0)  # type: ignore[index]
+                rec_states[slot].copy_(rec_new if rec_new is not None else 0)  # type: ignore[index]
+            if at < row.start + shared or conv_new is None:
+                conv_new, rec_new = self._run(mixed, g, beta, out, at, row.start + shared - at, conv_new, rec_new)
             at = row.start + shared
             for n in row.items:  # each item continues the shared part's state on its own
                 self._run(mixed, g, beta, out, at, n, conv_new, rec_new)
@@ -109,6 +120,9 @@ class GatedDeltaNet:
             out.index_copy_(0, idx, o)
             conv_states.index_copy_(0, slots, conv)
             rec_states.index_copy_(0, slots, rec)
+            for slot, checkpoint in rows.step_saves:
+                conv_states[checkpoint].copy_(conv_states[slot])
+                rec_states[checkpoint].copy_(rec_states[slot])
         normed = gated_rms_norm(out, self.norm, z.reshape(-1, s.num_v_heads, s.v_dim), s.eps)
         return self.out_proj(normed.reshape(x.shape[0], s.value_size))
 
