@@ -32,7 +32,7 @@ int prelude_paged_attention(const void *q, int64_t sqt, int64_t sqh, const void 
     *pre_own, const int64_t *pre_tables, int64_t pre_tstride, const int64_t *pre_tail, int64_t n_dec, const int64_t
     *dec_index, const int64_t *dec_ctx, const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments, const
     int64_t *slots, int64_t n_slots, void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads, int64_t d,
-    float scale, int bf16, int threads, int options);
+    float scale, int bf16, int threads, int options, int64_t window);
 
 /* cpu_fused.c */
 int prelude_add_rms_norm(const void *x, int64_t stride_x, const void *r, int64_t stride_r, const void *w, void *h,
