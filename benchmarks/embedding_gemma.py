@@ -129,7 +129,8 @@ def main() -> None:
     tokens = sum(map(len, texts))
     engine = _prelude(raw, weights, args.dtype, args.vocab)
     results: dict[str, Any] = {"texts": len(texts), "tokens": tokens, "long_texts": args.long, "dtype": args.dtype,
-                               "vocab": args.vocab, "layers": args.layers, "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                               "vocab": args.vocab, "layers": args.layers, "cpus": os.cpu_count(),
+                               "threads": torch.get_num_threads(),
                                "loadavg": os.getloadavg()[0]}
     _run_prelude(engine, texts[:8] + texts[-1:])  # warm-up: kernels built, packed copies made
     _run_transformers(model, texts[:8] + texts[-1:], args.batch)

@@ -77,6 +77,9 @@ class BatchRow:
     # State checkpoints the row writes: (absolute position, checkpoint slot), the state
     # after the first `position` tokens of the sequence
     state_saves: tuple[tuple[int, int], ...] = ()
+    # Models whose sliding-window layers keep their K/V in a pool of their own: the
+    # request's table there, aligned with block_table (-1: released, before the window)
+    window_table: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ class OneShotRow:
     # state: (absolute position within the shared part, checkpoint slot)
     restore_slot: int | None = None
     state_saves: tuple[tuple[int, int], ...] = ()
+    # Models with a window pool: the sliding layers' blocks, aligned with prefix_blocks +
+    # publish_blocks (-1: none, before the first new token's window)
+    window_blocks: tuple[int, ...] | None = None
 
     @property
     def shared_len(self) -> int:

@@ -204,22 +204,6 @@ def test_a_saved_checkpoint_starts_through_the_loader(tmp_path: Any, caplog: pyt
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
 
 
-def test_a_hand_off_request_is_refused_and_the_engine_serves_on(make_engine: Any) -> None:
-    from dataclasses import replace
-
-    from prelude.engine.client import InvalidRequestError
-
-    engine = make_engine()
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    req = replace(engine.prepare("h", [5, 6, 7], params), hand_off=True)
-    with pytest.raises(InvalidRequestError, match="disaggregation is not served"):
-        engine.enqueue(req)
-    assert not engine.has_unfinished()
-    engine.add_request("after", [5, 6, 7], params)
-    while engine.has_unfinished():
-        engine.step()
-
-
 def test_prompt_logprobs_of_a_oneshot_row_match_transformers(hf_model: Any, make_engine: Any) -> None:
     engine = make_engine()
     prompt = list(range(40, 60))

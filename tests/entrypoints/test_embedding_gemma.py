@@ -45,9 +45,9 @@ def gemma3_trunk(extra: dict[str, Any]) -> Any:
     cfg = transformers.Gemma3TextConfig(
         vocab_size=len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=512,
-        query_pre_attn_scalar=16, use_bidirectional_attention=True, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+        query_pre_attn_scalar=16, pad_token_id=0, eos_token_id=2, bos_token_id=1,
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
-                     "sliding_attention"], **extra)
+                     "sliding_attention"], **{"use_bidirectional_attention": True, **extra})
     return transformers.Gemma3TextModel(cfg).float().eval()
 
 
@@ -218,3 +218,18 @@ def test_the_published_config_is_read_as_an_encoder() -> None:
     assert cfg.bidirectional and cfg.window == 512 and not cfg.tie_word_embeddings
     assert [i for i, kind in enumerate(cfg.layer_kinds) if kind == "full"] == [5, 11, 17, 23]
     assert (cfg.rope_theta, cfg.local_rope_theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 256)
+
+
+def test_a_causal_gemma3_trunk_is_served_as_a_decoder(tmp_path: Path) -> None:
+    """`Gemma3TextModel` without the flag: the causal trunk (last-token pooling here)."""
+    write_st_folder(tmp_path, trunk=lambda extra: gemma3_trunk({**extra, "use_bidirectional_attention": False}),
+                    pooling="lasttoken")
+    engine = _engine(tmp_path)
+    assert not engine.is_encoder
+    front = AsyncEngine(engine)
+    try:
+        got = _vectors(_embed(build_app(front)))
+    finally:
+        front.shutdown()
+    want = st.SentenceTransformer(str(tmp_path), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    assert min(_cosines(got, want)) >= 0.9999

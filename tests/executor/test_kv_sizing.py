@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from prelude.executor.kv_sizing import GIB, DeviceMemory, kv_cache_budget
+from prelude.executor.kv_sizing import GIB, DeviceMemory, kv_cache_budget, split_window_pool, window_blocks_wanted
 
 
 def _h100(in_use_gib: float, peak_gib: float = 2.0, graphs_gib: float = 0.5) -> DeviceMemory:
@@ -80,3 +80,19 @@ def test_a_server_fills_its_pool_beside_start_up_and_a_batch_job_before_its_firs
     args = p.parse_args(["--model", "x"])
     assert _engine_config(argparse.Namespace(**vars(args), command="serve")).cache.populate_kv == "background"
     assert _engine_config(argparse.Namespace(**vars(args), command="run-batch")).cache.populate_kv == "start"
+
+
+def test_a_window_pool_takes_what_the_windows_need_and_the_global_layers_the_rest() -> None:
+    # Gemma-3-1B's shape in bf16, blocks of 16: 4 global layers (64 KiB a block), 22 sliding (352 KiB)
+    per_block, window_per_block = 26 * 16 * 1024, 22 * 16 * 1024
+    wanted = window_blocks_wanted(512, 16, max_num_seqs=64, step_tokens=2048)
+    assert wanted == 64 * 34 + 128  # 33 blocks a window, one more at an edge, and a step's chunk
+    glob, window = split_window_pool(GIB, per_block, window_per_block, wanted)
+    assert window == wanted
+    assert glob * (per_block - window_per_block) + window * window_per_block <= GIB
+    assert glob > GIB // per_block  # more context for the global layers than one shared pool gives
+    # a budget too small for every window: the window pool never takes more than a shared pool's
+    # blocks, so the global layers never get fewer than they would have
+    glob, window = split_window_pool(GIB // 8, per_block, window_per_block, wanted)
+    assert window == GIB // 8 // per_block and glob == GIB // 8 // per_block + (GIB // 8 % per_block) // (
+        per_block - window_per_block)

@@ -128,7 +128,7 @@ def _qwen35_tensor(name: str, t: torch.Tensor, cfg: Any) -> tuple[str, torch.Ten
 
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg: Any) -> list[tuple[str, torch.Tensor]]:
     """Qwen3-Next: in_proj_qkvz (rows grouped by key head: q, k, v, z) split into the q, k, v
-    blocks (`in_proj_qkv`) and z (`in_proj_z`); the shared expert's gate a vector; the
+    parts (`in_proj_qkv`) and z (`in_proj_z`); the shared expert's gate a vector; the
     values as for Qwen3.5 but with no value-head reordering."""
     if name.endswith("in_proj_qkvz.weight"):
         groups, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim
@@ -264,7 +264,7 @@ def write_gguf(model: Any, arch: str, path: Path,
                extra: dict[str, np.ndarray] | None = None, mtp_layers: int = 0) -> Path:
     """`model` (a transformers causal LM of `arch`'s family) as a GGUF at `path`: the
     projections in `qtype` (F32, F16, BF16 or a block type), the rest in F32. `extra`:
-    more tensors by GGUF name; `mtp_layers`: that many of them are trailing blocks of a
+    more tensors by GGUF name; `mtp_layers`: that many of them are trailing layers of a
     multi-token-prediction head (counted in block_count, as llama.cpp writes them)."""
     cfg = model.config
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)

@@ -1,6 +1,7 @@
 """The encoders' attention (model/attention/bidirectional.py) against a plain per-row softmax:
-rows of several lengths padded together, grouped-query heads, the whole row or a window
-of `window // 2` positions on either side, rows long enough to run in query chunks."""
+rows of several lengths padded together (in batches of like lengths), grouped-query heads,
+the whole row or a window of `window // 2` positions on either side, rows long enough to
+run in query chunks."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[
 
 
 @pytest.mark.parametrize("window", [None, 6, 40, 1000])
-@pytest.mark.parametrize("lengths", [[150, 37, 1, 200], [160, 160], [9]])
+@pytest.mark.parametrize("lengths", [[150, 37, 1, 200], [37, 200, 150], [160, 160], [12, 9, 7], [9]])
 def test_rows_equal_a_per_row_softmax(window: int | None, lengths: list[int]) -> None:
     gen = torch.Generator().manual_seed(len(lengths) * 100 + (window or 0))
     total = sum(lengths)

@@ -7,7 +7,7 @@ the same rounded inputs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ctypes
 import shutil
@@ -284,3 +284,57 @@ def test_registry_picks_the_kernel_on_cpu_and_sdpa_when_switched_off(monkeypatch
     assert isinstance(get_attention_backend("cpu", torch.device("cpu")), CpuAttention)
     monkeypatch.setenv("PRELUDE_CPU_ATTENTION", "0")
     assert isinstance(get_attention_backend("cpu", torch.device("cpu")), TorchAttention)
+
+
+def _released(meta: AttentionMetadata, window: int, marker: int) -> AttentionMetadata:
+    """`meta` with each row's table entries for blocks wholly before its first query's
+    window set to `marker`, as a sliding layer's table holds them once released."""
+    bs = meta.block_size
+
+    def cut(table: torch.Tensor, first_query: int) -> torch.Tensor:
+        out = table.clone()
+        out[: max(0, first_query - window + 1) // bs] = marker
+        return out
+
+    prefills = tuple(replace(s, block_table=cut(s.block_table, s.context_len - s.query_len)) for s in meta.prefills)
+    decodes = meta.decodes
+    if decodes is not None:
+        tables = torch.stack([cut(t, int(n) - 1) for t, n in zip(decodes.block_tables, decodes.context_lens)])
+        decodes = replace(decodes, block_tables=tables)
+    return replace(meta, prefills=prefills, decodes=decodes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+@pytest.mark.parametrize("released", ["poisoned", "negative"])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 8), (37, 5)])  # 37: an odd head_dim, pairs padded
+def test_window_sees_only_each_querys_last_positions(backend: CpuAttention, dtype: torch.dtype, window: int,
+                                                     released: str, head_dim: int, block_size: int) -> None:
+    # A sliding-window layer: fresh prompts longer than the window, chunks over long prefixes
+    # (own K/V in the pool or the forward's), decodes, segments, against the torch backend's
+    # masked reference. The blocks wholly before each row's first window are "released": their
+    # entries point at a NaN block, or are -1 (never read: a read would put NaN in the output
+    # or fault).
+    seg = (0, 0, 0, 1, 1, 2, 2, 2, 3)
+    rows = [Row(0, 150), Row(0, 90, own_in_cache=False), Row(100, 64), Row(77, 33, own_in_cache=False),
+            Row(200, 1), Row(39, 1), Row(5, 1), Row(60, 3), Row(30, len(seg), own_in_cache=False, segments=seg)]
+    b = make_batch(rows, 9, 3, head_dim, block_size=block_size, dtype=dtype, seed=window)
+    held = {int(x) for s in b.meta.prefills for x in s.block_table}
+    assert b.meta.decodes is not None
+    held |= {int(x) for x in b.meta.decodes.block_tables.flatten()}
+    marker = max(set(range(b.k_cache.shape[0])) - held)  # a spare block, no row's
+    if released == "negative":
+        marker = -1
+    else:
+        b.k_cache[marker] = float("nan")
+        b.v_cache[marker] = float("nan")
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    out = backend.forward(b.q, b.k, b.v, kc, vc, _released(b.meta, window, marker), 0.3, window=window)
+    f = (lambda x: x.float()) if dtype != torch.float32 else (lambda x: x.clone())  # noqa: E731
+    ref = TorchAttention().forward(f(b.q), f(b.k), f(b.v), f(b.k_cache), f(b.v_cache), b.meta, 0.3, window=window)
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    # and the window changes the answer: without it the rows see their whole prefix
+    full = TorchAttention().forward(f(b.q), f(b.k), f(b.v), f(b.k_cache), f(b.v_cache), b.meta, 0.3)
+    assert not torch.allclose(full.float(), ref.float(), atol=0.1)

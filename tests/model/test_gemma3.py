@@ -136,6 +136,7 @@ def test_engine_greedy_with_a_cached_prefix_longer_than_the_window(backend: str)
     hf = hf_gemma(seed=5)
     engine = tiny_engine(hf, attention_backend=backend, max_num_batched_tokens=16)
     assert engine.max_model_len > WINDOW * 4  # the window caps no request's context
+    assert engine.kv.windows is not None  # the sliding layers keep their window in a pool of their own
     llm = LLM(engine=engine)
     shared = _prompts(6, (22,))[0]  # 5 full blocks of 4: over three windows
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -145,6 +146,185 @@ def test_engine_greedy_with_a_cached_prefix_longer_than_the_window(backend: str)
     (second,) = llm.generate([shared + [9, 10, 11]], params)
     assert engine.metrics()["prefix_reused_tokens_total"] - reused >= 20  # the prefix hit, past the window
     assert second.outputs[0].token_ids == _hf_greedy(hf, shared + [9, 10, 11], 10)
+
+
+def _window_runner(hf: Any, backend: str, dtype: str) -> tuple[ModelRunner, KVCacheManager]:
+    """A runner whose sliding layers keep their K/V in a pool of their own (16 blocks beside
+    64 for the global layers), and the manager of both."""
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    runner = ModelRunner.create(config_for(_raw(hf)), weights,
+                                ExecutorConfig(device="cpu", dtype=dtype, attention_backend=backend), 4)
+    runner.allocate_kv_cache(64, window_blocks=16)
+    return runner, KVCacheManager(64, 4, window=WINDOW, num_window_blocks=16)
+
+
+def _step_rows(kv: KVCacheManager, steps: list[tuple[str, list[int], int]]) -> list[BatchRow]:
+    rows = []
+    for rid, tokens, start in steps:
+        assert kv.allocate(rid, start + len(tokens))
+        table = kv.window_table(rid)
+        assert table is not None
+        rows.append(BatchRow(rid, tokens, start, kv.block_table(rid), None, window_table=tuple(table)))
+    return rows
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_window_pool_of_their_own_gives_transformers_logits(backend: str, dtype: str) -> None:
+    # Chunks of a prompt four windows long, then decodes, batched with a short prompt: the
+    # sliding layers read their window from a pool whose entries behind it were released
+    hf = hf_gemma(seed=8, dtype=torch.float32 if dtype == "float32" else torch.bfloat16)
+    runner, kv = _window_runner(hf, backend, dtype)
+    assert kv.windows is not None
+    long, short = _prompts(9, (4 * WINDOW + 1, 5))
+    tol = 1e-4 if dtype == "float32" else None
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        if tol is not None:
+            assert (got - want).abs().max().item() <= tol
+        else:
+            assert (got.float() - want).abs().max().item() <= 0.05 * want.abs().max().item()
+
+    done = 0
+    for chunk in (7, 9, 9):  # each chunk's window reaches back into the cached part
+        steps = [("l", long[done:done + chunk], done)] + ([("s", short, 0)] if done == 0 else [])
+        got = _logits(runner, _step_rows(kv, steps))
+        done += chunk
+        close(got[0], _hf_logits(hf, long[:done])[done - chunk:])
+        for rid, n in (("l", done), ("s", len(short))):
+            kv.advance(rid, n)
+        assert sum(b >= 0 for b in kv.window_table("l") or []) <= kv.windows.max_blocks_per_request
+    seqs = {"l": long[:done], "s": list(short)}
+    for _ in range(4):  # decodes past the window
+        for s in seqs.values():
+            s.append(int(_hf_logits(hf, s)[-1].argmax()))
+        got = _logits(runner, _step_rows(kv, [(rid, [s[-1]], len(s) - 1) for rid, s in seqs.items()]))
+        for (rid, s), g in zip(seqs.items(), got):
+            close(g[-1], _hf_logits(hf, s)[-1])
+            kv.advance(rid, len(s))
+            assert sum(b >= 0 for b in kv.window_table(rid) or []) <= kv.windows.max_blocks_per_request
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_engine_holds_a_window_of_kv_on_sliding_layers_through_a_long_prompt(backend: str) -> None:
+    # A prompt four windows long in chunks, then its decode: the sliding layers' pool holds at
+    # most the window and a block of the request's K/V after every step; the global layers
+    # keep the whole context; the text is transformers'; everything returns to the pools.
+    hf = hf_gemma(seed=7)
+    engine = tiny_engine(hf, attention_backend=backend, max_num_batched_tokens=8)
+    windows = engine.kv.windows
+    assert windows is not None and windows.max_blocks_per_request == WINDOW // 4 + 1 + (WINDOW % 4 > 1)
+    prompt = _prompts(8, (4 * WINDOW + 1,))[0]
+    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    held, tokens = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        engine.check_integrity()
+        table = windows.table("long")
+        if table:
+            held.append(sum(b >= 0 for b in table))
+            assert len(engine.kv.block_table("long")) == len(table)  # the global layers keep every block
+    assert len(held) >= 4 * WINDOW // 8 + 12 - 1 and max(held) <= windows.max_blocks_per_request
+    assert tokens == _hf_greedy(hf, prompt, 12)
+    metrics = engine.metrics()
+    assert metrics["kv_window_blocks_held"] == 0 and metrics["kv_window_blocks_total"] == windows.pool.num_blocks
+    assert metrics["kv_window_blocks_free"] + metrics["kv_window_blocks_cached_evictable"] == windows.pool.num_blocks
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_oneshot_rows_hit_a_cached_prefix_longer_than_the_window(backend: str) -> None:
+    # OneShot requests (one token with logprobs) over a shared prefix three windows long: the
+    # first publishes its blocks with their window blocks beside; later ones, alone and two
+    # in one step, read the prefix's last window from there. Logprobs are transformers'.
+    hf = hf_gemma(seed=11)
+    engine = tiny_engine(hf, attention_backend=backend, max_num_batched_tokens=64)
+    assert engine.kv.windows is not None
+    shared = _prompts(12, (3 * WINDOW + 5,))[0]
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
+    waves = [[shared + [1, 2]], [shared + [3]], [shared + [4, 5, 6], shared + [7, 8]]]
+    reused = engine.metrics()["prefix_reused_tokens_total"]
+    for w, wave in enumerate(waves):
+        outs = {}
+        for i, p in enumerate(wave):
+            engine.add_request(f"{w}.{i}", p, one)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] = out
+            engine.check_integrity()
+        for i, p in enumerate(wave):
+            out = outs[f"{w}.{i}"]
+            want = torch.log_softmax(_hf_logits(hf, p)[-1], -1)
+            assert out.new_token_ids == (int(want.argmax()),)
+            assert abs(out.logprobs[0].logprob - want.max().item()) <= 1e-4
+            for tok, lp in out.logprobs[0].top:
+                assert abs(lp - want[tok].item()) <= 1e-4
+            if w:
+                assert out.num_cached_tokens >= 3 * WINDOW  # the hit reaches past the window
+    assert engine.metrics()["prefix_reused_tokens_total"] - reused >= 3 * 3 * WINDOW
+    assert engine.metrics()["kv_window_blocks_held"] == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_replayed_decode_buckets_read_the_window_pool_as_eager_steps_do(backend: str) -> None:
+    # Decode steps replayed from static buckets (CUDA graphs, emulated here): the window pool's
+    # tables and slots are static inputs beside the global ones; padding rows write to its
+    # scratch block. The tokens equal the eager engine's and transformers'.
+    from prelude.executor.graphs import Capture, GraphConfig
+
+    hf = hf_gemma(seed=13)
+    prompts = _prompts(14, (4 * WINDOW + 1, 5, 11))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def generate(capture: bool) -> tuple[dict[str, list[int]], int]:
+        engine = tiny_engine(hf, attention_backend=backend)
+        replays = 0
+        if capture:
+            engine.runner.capture_graphs(engine.max_model_len, Capture.EMULATE,
+                                         GraphConfig(decode_batch_sizes=(1, 2, 4), capture_prefill=False))
+            graphs = engine.runner.graphs
+            assert graphs is not None
+            run = graphs.run
+
+            def counting(*args: Any) -> Any:
+                nonlocal replays
+                hidden = run(*args)
+                replays += hidden is not None
+                return hidden
+
+            graphs.run = counting  # type: ignore[method-assign]
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            engine.check_integrity()
+        return out, replays
+
+    eager, _ = generate(False)
+    replayed, replays = generate(True)
+    assert replayed == eager and replays >= 5
+    assert eager["0"] == _hf_greedy(hf, prompts[0], 8)
+
+
+def test_a_hand_off_request_is_refused_with_a_window_pool() -> None:
+    # The KV hand-off carries the global pool's blocks only: refused by name (a 400), and the
+    # engine serves on
+    from dataclasses import replace
+
+    from prelude.engine.client import InvalidRequestError
+
+    engine = tiny_engine(hf_gemma(seed=2))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="sliding-window layers' pool"):
+        engine.enqueue(replace(engine.prepare("h", [5, 6, 7], params), hand_off=True))
+    assert not engine.has_unfinished()
+    engine.add_request("after", [5, 6, 7], params)
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
 
 
 def test_the_text_model_of_a_multimodal_checkpoint_is_served_without_its_vision_tower(tmp_path) -> None:  # noqa: ANN001

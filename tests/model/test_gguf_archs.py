@@ -55,7 +55,7 @@ def test_qwen3moe_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tmp
     loaded = _load(hf, "qwen3moe", qtype, tmp_path, monkeypatch)
     assert loaded.config.architecture == "Qwen3MoeForCausalLM"
     assert loaded.config.moe.num_experts == 8 and loaded.config.moe.top_k == 2 and loaded.config.moe.norm_topk_prob
-    if qtype in (Q8_0, Q4_0):  # experts and projections kept in their blocks for decode
+    if qtype in (Q8_0, Q4_0):  # experts and projections kept in their quants for decode
         assert loaded.blocks["model.layers.0.mlp.experts.gate_up_proj"].kind == qtype.name.lower()
         assert loaded.blocks["model.layers.0.mlp.experts.down_proj"].out_features == 8 * 64
         for name in ("gate_up_proj", "down_proj"):
@@ -74,7 +74,7 @@ def test_qwen3moe_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tmp
             read.append(blocks.qs.data_ptr() in experts), linear(self, x, blocks, bias))[1])
     _prefill_then_decode(hf, runner, kv, tol=1e-4 if qtype == F32 else 2e-4)
     if qtype in (Q8_0, Q4_0) and moe.expert_blocks is not None:
-        assert any(read)  # decode's few rows an expert read the experts' blocks
+        assert any(read)  # decode's few rows an expert read the experts' quants
 
 
 # --- gemma3 ----------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_qwen35_gguf_tokenizer_and_metadata(tmp_path: Path, monkeypatch: pytest.
 @pytest.mark.parametrize("qtype", [F32, Q8_0], ids=lambda q: q.name)
 def test_qwen3next_gguf_equals_transformers(qtype: gguf.GGMLQuantizationType, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """in_proj_qkvz regrouped from llama.cpp's q, k, v blocks and z; experts with the
+    """in_proj_qkvz regrouped from llama.cpp's q, k, v parts and z; experts with the
     sigmoid-gated shared expert on every layer (llama.cpp's qwen3next)."""
     from prelude.model import registry
     from tests.model.test_qwen3_5 import hf_next, oneshot_hidden
@@ -261,7 +261,7 @@ def test_llm_serves_the_gguf_file_as_transformers_generates(arch: str, tmp_path:
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """`LLM(model=<file>.gguf)`: converted once, tokenized with the file's vocabulary, and the
     greedy continuation of a text prompt is transformers' on the same ids (float32, Q8_0
-    projections and experts kept in their blocks for decode)."""
+    projections and experts kept in their quants for decode)."""
     from prelude import LLM, SamplingParams
 
     if arch == "qwen35":
@@ -300,7 +300,7 @@ def test_transformers_reads_the_written_gemma3_gguf_as_the_original_model(tmp_pa
 
 
 def test_qwen3moe_q8_gguf_in_bf16_stays_close_to_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16: the experts' blocks read with bf16 activations where the CPU has AVX512-BF16,
+    """bf16: the experts' quants read with bf16 activations where the CPU has AVX512-BF16,
     the bf16 copy elsewhere; logits within bf16 tolerance of transformers' float32."""
     from prelude.forward_batch import BatchRow
     from tests.model.test_decoder_numerics import _run
@@ -312,7 +312,7 @@ def test_qwen3moe_q8_gguf_in_bf16_stays_close_to_transformers(tmp_path: Path, mo
     runner, kv = _runner(loaded, "bfloat16")
     seq = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(9)).tolist()
     start = 0
-    for _ in range(4):  # the prompt, then decode steps of one row (the blocks' calls)
+    for _ in range(4):  # the prompt, then decode steps of one row (the quants' calls)
         assert kv.allocate("r", len(seq))
         (got,) = _run(runner, [BatchRow("r", seq[start:], start, kv.block_table("r"), None)])
         with torch.no_grad():
@@ -322,9 +322,9 @@ def test_qwen3moe_q8_gguf_in_bf16_stays_close_to_transformers(tmp_path: Path, mo
         seq.append(int(want[-1].argmax()))
 
 
-def test_qwen35_multi_token_prediction_blocks_are_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_qwen35_multi_token_prediction_layers_are_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """The trailing `nextn_predict_layers` blocks (a draft model no answer reads) are not
+    """The trailing `nextn_predict_layers` layers (a draft model no answer reads) are not
     layers of the served model, and the log says they were left out."""
     pytest.importorskip("transformers.models.qwen3_5")
     import numpy as np
@@ -340,3 +340,17 @@ def test_qwen35_multi_token_prediction_blocks_are_left_out(tmp_path: Path, monke
         loaded = load_model_files(str(path))
     assert loaded.config.num_hidden_layers == 4 and not any("layers.4." in n for n in loaded.weights)
     assert "multi-token-prediction head (2 tensors) left out" in caplog.text
+
+
+def test_a_fused_qkv_in_a_hybrids_full_attention_layer_is_refused_in_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("transformers.models.qwen3_5")
+    import numpy as np
+
+    from prelude.startup import StartupError, check_model
+    from tests.model.test_qwen3_5 import hf_model
+
+    path = write_gguf(hf_model(11), "qwen35", tmp_path / "fused.gguf",
+                      extra={"blk.3.attn_qkv.weight": np.zeros((384, 64), np.float32)})
+    with pytest.raises(StartupError) as info:
+        check_model(str(path), None)
+    assert "\n" not in str(info.value) and "layer 3 is a full-attention layer" in str(info.value)

@@ -554,6 +554,55 @@ def test_random_batches_sweep(interp: Run, seed: int) -> None:
     interp(check_random_batch, seed)
 
 
+def _released(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """`meta` with each row's table entries for blocks wholly before its first query's
+    window set to -1, as a sliding layer's window table holds them once released."""
+    from dataclasses import replace
+
+    bs = meta.block_size
+
+    def cut(table: torch.Tensor, first_query: int) -> torch.Tensor:
+        out = table.clone()
+        out[: max(0, first_query - window + 1) // bs] = -1
+        return out
+
+    prefills = tuple(replace(s, block_table=cut(s.block_table, s.context_len - s.query_len)) for s in meta.prefills)
+    decodes = meta.decodes
+    if decodes is not None:
+        tables = torch.stack([cut(t, int(n) - 1) for t, n in zip(decodes.block_tables, decodes.context_lens)])
+        decodes = replace(decodes, block_tables=tables)
+    return replace(meta, prefills=prefills, decodes=decodes)
+
+
+WINDOW_ROWS = [Row(0, 40), Row(0, 30, own_in_cache=False), Row(37, 20), Row(25, 9, own_in_cache=False),
+               Row(70, 1), Row(9, 1), Row(3, 1)]
+
+
+def check_window_sees_each_querys_last_positions(window: int, num_splits: int) -> None:
+    # A sliding-window layer's rows (fresh prompts longer than the window, chunks and OneShot
+    # rows over prefixes, decodes with split-K), their entries before the window released (-1:
+    # never read), against the torch backend's masked reference
+    tri = _kernels()
+    b = make_batch(WINDOW_ROWS, 4, 2, block_size=4, seed=window)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    released = _released(b.meta, window)
+    out = _backend().TritonAttention().forward(b.q, b.k, b.v, kc, vc, released, 0.25, window=window)
+    ref = TorchAttention().forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.meta, 0.25, window=window)
+    assert_close(out, ref)
+    rows = released.decodes
+    split = torch.zeros_like(b.q)
+    tri.paged_decode(b.q, kc, vc, split, rows.query_index, rows.block_tables, rows.context_lens, 0.25,
+                     num_splits=num_splits, block_n=16, window=window)
+    assert_close(split[rows.query_index], ref[rows.query_index])
+    full = TorchAttention().forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.meta, 0.25)
+    assert not torch.allclose(full, ref, atol=0.1)  # the window changes the answer
+
+
+@pytest.mark.parametrize("window,num_splits", [(1, 1), (6, 2), (16, 4)])
+def test_window_sees_each_querys_last_positions(interp: Run, window: int, num_splits: int) -> None:
+    interp(check_window_sees_each_querys_last_positions, window, num_splits)
+
+
 # --- CUDA: the compiled kernels -------------------------------------------------------------
 
 
@@ -579,3 +628,24 @@ def test_compiled_kernels_on_cuda(dtype: torch.dtype) -> None:
     ref = TorchAttention().forward(f(b.q), f(b.k), f(b.v), kr, vr, meta, 0.088)
     assert_close(out.cpu(), ref, atol=2e-2)
     assert torch.equal(kc.cpu().float(), kr) and torch.equal(vc.cpu().float(), vr)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_kernels_take_a_window_on_cuda(dtype: torch.dtype) -> None:
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("TRITON_INTERPRET is set for this process")
+    from prelude.model.attention.triton_backend import TritonAttention
+
+    rows = [Row(0, 700), Row(63, 1), Row(900, 45), Row(2048, 1), Row(600, 90, own_in_cache=False), Row(5, 1)]
+    b = make_batch(rows, 16, 4, head_dim=128, block_size=16, dtype=dtype)
+    dev = torch.device("cuda")
+    meta = _released(b.meta, 512)
+    meta_dev = AttentionMetadata(meta.slot_mapping.to(dev), meta.prefills, meta.decodes, meta.block_size,
+                                 kept_tokens=meta.kept_tokens)
+    kc, vc = b.k_cache.to(dev), b.v_cache.to(dev)
+    out = TritonAttention().forward(b.q.to(dev), b.k.to(dev), b.v.to(dev), kc, vc, meta_dev, 0.088, window=512)
+    f = lambda x: x.float()  # noqa: E731
+    ref = TorchAttention().forward(f(b.q), f(b.k), f(b.v), f(b.k_cache), f(b.v_cache), b.meta, 0.088, window=512)
+    assert_close(out.cpu(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)

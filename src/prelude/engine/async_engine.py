@@ -127,9 +127,17 @@ class AsyncEngine:
                 error = str(exc)
             pool = engine.kv.pool
             free, cached = pool.num_free_blocks, pool.num_evictable_blocks
-            return {"ok": error is None, "error": error, "blocks_total": pool.num_blocks, "blocks_free": free,
-                    "blocks_cached_unreferenced": cached, "blocks_held": pool.num_blocks - free - cached,
-                    "requests_in_engine": engine.num_unfinished}
+            out: dict[str, object] = {
+                "ok": error is None, "error": error, "blocks_total": pool.num_blocks, "blocks_free": free,
+                "blocks_cached_unreferenced": cached, "blocks_held": pool.num_blocks - free - cached,
+                "requests_in_engine": engine.num_unfinished}
+            windows = engine.kv.windows
+            if windows is not None:  # the sliding layers' pool (kv/window_tables.py)
+                wfree, wcached = windows.pool.num_free_blocks, windows.pool.num_evictable_blocks
+                out |= {"window_blocks_total": windows.pool.num_blocks, "window_blocks_free": wfree,
+                        "window_blocks_cached_unreferenced": wcached,
+                        "window_blocks_held": windows.pool.num_blocks - wfree - wcached}
+            return out
 
         return await self.call_on_engine_thread(check)
 

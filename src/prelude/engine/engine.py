@@ -36,7 +36,7 @@ from prelude.engine.request import (
 )
 from prelude.engine.scheduler import ScheduleResult, Scheduler
 from prelude.engine.stage_trace import StageTrace
-from prelude.executor.kv_sizing import kv_cache_budget
+from prelude.executor.kv_sizing import kv_cache_budget, split_window_pool, window_blocks_wanted
 from prelude.executor.outputs import CarriedTokens, LaunchedStep
 from prelude.executor.runner import ModelRunner
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
@@ -78,11 +78,13 @@ class LLMEngine:
         self.block_size = block_size = runner.block_size
         limit = config.scheduler.max_model_len or info.max_position_embeddings
         self.num_state_slots = self.num_checkpoint_slots = 0
+        self.num_window_blocks = 0
         if info.is_encoder:
             num_blocks = 1  # encoders keep no KV: every request is OneShot
             self.max_model_len = min(limit, info.max_position_embeddings)
         else:
-            num_blocks, self.num_state_slots, self.num_checkpoint_slots, why = self._kv_blocks(config)
+            (num_blocks, self.num_state_slots, self.num_checkpoint_slots, self.num_window_blocks,
+             why) = self._kv_blocks(config)
             if info.sliding_window:
                 # Full attention equals sliding-window attention only within the window.
                 limit = min(limit, info.sliding_window)
@@ -99,11 +101,13 @@ class LLMEngine:
             max_cached_blocks=config.cache.max_cached_blocks, num_state_slots=self.num_state_slots,
             num_checkpoint_slots=self.num_checkpoint_slots if prefix_caching else 0,
             checkpoint_stride=config.cache.state_checkpoint_stride,
+            window=info.kv_window if self.num_window_blocks else 0, num_window_blocks=self.num_window_blocks,
         )
         if not prefix_caching:
             self.num_checkpoint_slots = 0
         runner.allocate_kv_cache(num_blocks, populate=config.cache.populate_kv,
-                                 state_slots=self.num_state_slots + self.num_checkpoint_slots)
+                                 state_slots=self.num_state_slots + self.num_checkpoint_slots,
+                                 window_blocks=self.num_window_blocks)
         if not info.is_encoder:
             runner.capture_graphs(self.max_model_len)  # a no-op off CUDA or with enforce_eager
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len,
@@ -138,11 +142,19 @@ class LLMEngine:
         self._finished: deque[tuple[object, ...]] = deque(maxlen=10_000)
         self.observer: EngineObserver | None = None  # e.g. the server's Prometheus metrics
         if not info.is_encoder:
+            per_block = info.kv_bytes_per_block - (info.window_kv_bytes_per_block if self.num_window_blocks else 0)
             logger.info(
-                "KV cache: %d blocks x %d tokens (%.2f GiB) on %s, max_model_len %d; budget: %s%s",
-                num_blocks, block_size, num_blocks * info.kv_bytes_per_block / 2**30, info.device, self.max_model_len,
+                "KV cache: %d blocks x %d tokens (%.2f GiB)%s on %s, max_model_len %d; budget: %s%s",
+                num_blocks, block_size, num_blocks * per_block / 2**30,
+                " for the global layers" if self.num_window_blocks else "", info.device, self.max_model_len,
                 why, _POPULATED.get(config.cache.populate_kv, "") if info.device == "cpu" else "",
             )
+        if self.kv.windows is not None:
+            logger.info(
+                "KV cache of the sliding layers: %d blocks x %d tokens (%.2f GiB), a pool of their own; a request "
+                "holds its %d-token window there (at most %d blocks between steps), blocks behind the window go back",
+                self.num_window_blocks, block_size, self.num_window_blocks * info.window_kv_bytes_per_block / 2**30,
+                self.kv.windows.window, self.kv.windows.max_blocks_per_request)
         if self.num_state_slots:
             logger.info(
                 "recurrent state: %d slots x %.2f MiB (%.2f GiB) on %s, one per running paged request; OneShot "
@@ -157,12 +169,15 @@ class LLMEngine:
                 self.num_checkpoint_slots * info.state_bytes_per_slot / 2**30, config.cache.state_checkpoint_stride)
         runner.start_background_work()  # e.g. --compile background: off the loading path
 
-    def _kv_blocks(self, config: EngineConfig) -> tuple[int, int, int, str]:
-        """How many KV blocks, recurrent-state slots and state checkpoint slots, and why
-        (see executor/kv_sizing.py). Slots come out of the same budget: one per running
-        sequence (max_num_seqs, capped by max_recurrent_slots), at most half the budget, at
-        least one; checkpoints (with prefix caching) a quarter of it unless
-        max_state_checkpoints says."""
+    def _kv_blocks(self, config: EngineConfig) -> tuple[int, int, int, int, str]:
+        """How many KV blocks, recurrent-state slots, state checkpoint slots and window
+        blocks, and why (see executor/kv_sizing.py). Slots come out of the same budget: one
+        per running sequence (max_num_seqs, capped by max_recurrent_slots), at most half the
+        budget, at least one; checkpoints (with prefix caching) a quarter of it unless
+        max_state_checkpoints says. Window blocks (a model with sliding layers beside global
+        ones): what max_num_seqs requests' windows and a step's new tokens take, but no more
+        than the blocks every layer would get without a pool of their own (so the global
+        layers never get fewer)."""
         per_slot = self.info.state_bytes_per_slot
         wanted = 0
         checkpoints = config.cache.max_state_checkpoints
@@ -176,8 +191,14 @@ class LLMEngine:
                 if config.cache.max_recurrent_slots < 1:
                     raise ValueError("--max-recurrent-slots must be at least 1")
                 wanted = min(wanted, config.cache.max_recurrent_slots)
+        window_wanted = 0
+        if self.info.kv_window:
+            sched = config.scheduler
+            window_wanted = window_blocks_wanted(self.info.kv_window, self.block_size, sched.max_num_seqs,
+                                                 max(sched.max_num_batched_tokens, sched.max_oneshot_tokens or 0))
         if config.cache.num_blocks:
-            return (config.cache.num_blocks, wanted, 16 if checkpoints is None else checkpoints,
+            n = config.cache.num_blocks
+            return (n, wanted, 16 if checkpoints is None else checkpoints, min(window_wanted, n),
                     "num_blocks set explicitly")
         runner, sched = self.runner, config.scheduler
         memory = None
@@ -192,8 +213,12 @@ class LLMEngine:
         slots = min(wanted, max(1, budget.bytes // 2 // per_slot)) if per_slot else 0
         if checkpoints is None:
             checkpoints = max(1, budget.bytes // 4 // per_slot)
-        blocks = max(1, (budget.bytes - (slots + checkpoints) * per_slot) // max(1, self.info.kv_bytes_per_block))
-        return blocks, slots, checkpoints, budget.reason
+        left = budget.bytes - (slots + checkpoints) * per_slot
+        if window_wanted:
+            blocks, window_blocks = split_window_pool(left, self.info.kv_bytes_per_block,
+                                                      self.info.window_kv_bytes_per_block, window_wanted)
+            return blocks, slots, checkpoints, window_blocks, budget.reason
+        return max(1, left // max(1, self.info.kv_bytes_per_block)), slots, checkpoints, 0, budget.reason
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -284,9 +309,9 @@ class LLMEngine:
         """Queue a prepared request (engine thread only)."""
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if req.hand_off and self.num_state_slots:
+        if req.hand_off and self.num_window_blocks:
             raise InvalidRequestError("prefill/decode disaggregation is not served for this model: the KV hand-off "
-                                      "does not carry the recurrent state of its linear-attention layers")
+                                      "does not carry its sliding-window layers' pool")
         needs_forward = req.max_output_tokens > 0 or req.pooling is not None or req.params.prompt_logprobs is not None
         if not needs_forward:
             req.finish_reason = FinishReason.LENGTH
@@ -488,13 +513,14 @@ class LLMEngine:
     # --- KV hand-off (prefill/decode disaggregation, see handoff.py) ------------------
 
     def _hand_off(self, req: Request) -> None:
-        """The first token is out: copy the request's KV blocks out and end its life here.
+        """The first token is out: copy the request's KV blocks (and state slot) out and end its life here.
         Its blocks go back through the normal path (full prompt blocks were published to
         the prefix cache as they filled, so they stay hit-able here)."""
         blocks = self.scheduler.computed_blocks(req)
+        slot = self.kv.state_slot(req.request_id)
         self._handoffs.append(KVHandoff(
             resumable_copy(req), req.num_computed_tokens, self.block_size, self.runner.read_kv_blocks(blocks),
-            exported_at=time.monotonic()))
+            exported_at=time.monotonic(), state=[] if slot is None else self.runner.read_state(slot)))
         self.handoff_counts["exported"] += 1
         self.scheduler.finish(req)  # not recorded here: the decode engine records the whole request
         del self._requests[req.request_id]
@@ -508,7 +534,7 @@ class LLMEngine:
 
     def import_kv(self, handoff: KVHandoff) -> None:
         """Continue a request another engine prefilled (engine thread only): allocate
-        blocks, copy its KV in and run it as a decode whose stream continues after the
+        blocks (and a state slot), copy its KV (and state) in and run it as a decode whose stream continues after the
         first token. With no room in the pool it falls back to recomputing its prompt
         here, as a preempted request would."""
         req = resumable_copy(handoff.request)
@@ -520,6 +546,10 @@ class LLMEngine:
                 or handoff.num_blocks != blocks_needed(handoff.num_computed_tokens, self.block_size):
             raise ValueError(f"hand-off of {rid!r} does not fit this engine (block size {handoff.block_size}, "
                              f"{handoff.num_computed_tokens} tokens in {handoff.num_blocks} blocks)")
+        if bool(handoff.state) != bool(self.num_state_slots):
+            raise ValueError(f"hand-off of {rid!r} does not fit this engine: it carries "
+                             f"{'a' if handoff.state else 'no'} recurrent state, this model keeps "
+                             f"{'one' if self.num_state_slots else 'none'}")
         if self.attach_grammar(req).grammar is not None:
             req.grammar.accept(handoff.first_token)
         # Replay the first token into a fresh stream: its text state becomes the prefill
@@ -543,14 +573,21 @@ class LLMEngine:
             self._ready.append(emit(req, stream, len(stream.text), finished=True))
             return
         try:  # the scheduler allocates, the runner fills the blocks; a failed copy frees them
-            adopted = self.scheduler.adopt(req, handoff.num_computed_tokens,
-                                           lambda table: self.runner.write_kv_blocks(table, handoff.kv))
+            adopted = self.scheduler.adopt(req, handoff.num_computed_tokens, lambda table: self._copy_in(rid, table,
+                                                                                                        handoff))
         except BaseException:
             del self._requests[rid], self._streams[rid]
             raise
         if not adopted:
             self.handoff_counts["imported_recomputed"] += 1
             self.scheduler.add(req)
+
+    def _copy_in(self, request_id: str, table: list[int], handoff: KVHandoff) -> None:
+        """Fill an adopted request's blocks, and its state slot, from a hand-off."""
+        self.runner.write_kv_blocks(table, handoff.kv)
+        slot = self.kv.state_slot(request_id)
+        if slot is not None:
+            self.runner.write_state(slot, handoff.state)
 
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
@@ -584,6 +621,8 @@ class LLMEngine:
             "kv_blocks_total": self.kv.pool.num_blocks,
             "kv_blocks_free": self.kv.pool.num_free_blocks,
             "kv_blocks_cached_evictable": self.kv.pool.num_evictable_blocks,
+            # the sliding layers' pool (0 without one): what the requests' windows and the cache hold there
+            **self._window_metrics(),
             "recurrent_slots_total": self.num_state_slots,
             "recurrent_slots_free": self.kv.num_free_slots or 0,
             "state_checkpoint_slots_total": self.num_checkpoint_slots,
@@ -602,6 +641,14 @@ class LLMEngine:
             "prefix_evicted_blocks_total": self.kv.prefix.num_evicted if self.kv.prefix else 0,
             **{f"kv_handoffs_{k}_total": v for k, v in self.handoff_counts.items()},
         }
+
+    def _window_metrics(self) -> dict[str, float]:
+        w = self.kv.windows
+        if w is None:
+            return {"kv_window_blocks_total": 0, "kv_window_blocks_free": 0, "kv_window_blocks_held": 0,
+                    "kv_window_blocks_cached_evictable": 0}
+        return {"kv_window_blocks_total": w.pool.num_blocks, "kv_window_blocks_free": w.pool.num_free_blocks,
+                "kv_window_blocks_held": w.held(), "kv_window_blocks_cached_evictable": w.pool.num_evictable_blocks}
 
     def check_integrity(self) -> None:
         """KV bookkeeping: every block free or held exactly by the requests listing it."""

@@ -3,19 +3,23 @@
 A prefill engine computes a prompt, samples the first token (so the time to first token
 is the prefill side's), copies the request's KV blocks out and lets go of them; a decode
 engine copies them into blocks of its own and continues the request as a running decode
-whose output stream picks up after the first token. The payload is plain data (host
+whose output stream picks up after the first token. A model with recurrent layers hands
+over the request's state slot too (each linear layer's conv and recurrent state after
+the prompt), which the decode engine copies into a slot of its own. The payload is plain data (host
 tensors and the Request's state), so it travels through Ray's object store as it is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from prelude.engine.request import Request, RequestStatus
 
-KVBlocks = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V of [blocks, block_size, heads, head_dim]
+KVBlocks = list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: K, V of [blocks, block_size, heads, head_dim]
+# per recurrent layer: conv state [channels, kernel - 1], recurrent state [heads, k dim, v dim] (float32)
+RecurrentState = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class KVHandoff:
     block_size: int
     kv: KVBlocks  # the request's blocks in table order, the last one possibly partly filled
     exported_at: float = 0.0  # the prefill engine's monotonic clock at the hand-off
+    state: RecurrentState = field(default_factory=list)  # [] for a model without recurrent layers
 
     @property
     def request_id(self) -> str:
@@ -40,7 +45,7 @@ class KVHandoff:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+        return sum(a.nbytes + b.nbytes for a, b in (*self.kv, *self.state))
 
 
 def resumable_copy(req: Request) -> Request:

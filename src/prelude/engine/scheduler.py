@@ -82,6 +82,11 @@ class ScheduleResult:
         return self.batch.oneshot_rows if isinstance(self.batch, MixedBatch) else ()
 
 
+def _window(entries: list[int] | None) -> tuple[int, ...] | None:
+    """A snapshot of a window table for a row (the manager's own list moves on)."""
+    return None if entries is None else tuple(entries)
+
+
 def lora_namespace(lora: LoraRequest | None) -> str:
     """The prefix-cache namespace of an adapter's rows: K/V are shared only under the same
     adapter (the base's is "")."""
@@ -293,6 +298,7 @@ class Scheduler:
                 req.num_computed_tokens += n
                 if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
                     self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens, namespace(req))
+                self.kv.advance(request_id, req.num_computed_tokens)
         if self.kv.checkpoints is not None and isinstance(plan.batch, (DecodeBatch, MixedBatch)):
             for row in plan.batch.rows:  # state checkpoints: attached to the blocks just cached, or freed
                 req = admitted.get(row.request_id)
@@ -368,7 +374,7 @@ class Scheduler:
         if reuses_prefix(req):
             return self.kv.match(tokens, namespace(req)), None
         if req.pooled_upto:  # a running pool goes on after the blocks its chunks published
-            found = self.kv.match(tokens, namespace(req))[: req.pooled_upto // self.kv.block_size]
+            found = self.kv.match(tokens[: req.pooled_upto + 1], namespace(req))
             if len(found) * self.kv.block_size == req.pooled_upto:
                 return found, None
             req.pooled_upto, req.pooled = 0, None  # some were evicted: pool again from the start
@@ -537,6 +543,7 @@ class Scheduler:
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
                 item_lens=req.pooling.item_lens if req.pooling is not None else (), lora=req.lora,
                 copy_from=copy_from, restore_slot=hit.slot if state and hit is not None else None,
+                window_blocks=_window(self.kv.step_window(prefix, publish_blocks)),
             ))
             taken.append(req)
             self._took_low_priority(req, n)
@@ -611,7 +618,8 @@ class Scheduler:
             saves = self.kv.save_slots(self.kv.checkpoint_positions(n_cached, end, (end,)))
         return OneShotRow(req.request_id, req.prompt_token_ids[:end], None, head, num_cached=n_cached,
                           prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora,
-                          restore_slot=restore, state_saves=saves)
+                          restore_slot=restore, state_saves=saves,
+                          window_blocks=_window(self.kv.step_window(prefix, publish)))
 
     def _oneshot_budget(self) -> int:
         return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
@@ -657,6 +665,7 @@ class Scheduler:
         return BatchRow(
             req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
             sample_spec(req) if finishes else None, head, req.lora, self.kv.state_slot(req.request_id),
+            window_table=_window(self.kv.window_table(req.request_id)),
             **self._state_checkpoints(req, start, n),
         )
 
@@ -788,6 +797,7 @@ class Scheduler:
                 rows.append(BatchRow(req.request_id, [CARRIED_TOKEN_PLACEHOLDER], req.num_tokens,
                                      list(self.kv.block_table(req.request_id)), sample_spec(req, carried=1),
                                      None, req.lora, self.kv.state_slot(req.request_id),
+                                     window_table=_window(self.kv.window_table(req.request_id)),
                                      **self._state_checkpoints(req, req.num_tokens, 1)))
                 result.carried.append(req.request_id)
             else:

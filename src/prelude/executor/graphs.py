@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -85,8 +85,13 @@ class GraphRunner:
     """Buckets of replayable forwards over one model's KV caches."""
 
     def __init__(self, forward: Forward, config: GraphConfig, device: torch.device, block_size: int,
-                 max_blocks_per_row: int, scratch_slot: int, capture: Capture, adapter_index: bool = False) -> None:
+                 max_blocks_per_row: int, scratch_slot: int, capture: Capture, adapter_index: bool = False,
+                 window_scratch_slot: int | None = None) -> None:
+        """`window_scratch_slot`: a model whose sliding layers keep their K/V in a pool of their
+        own (AttentionMetadata.window): that pool's scratch slot, and every bucket holds static
+        window tables and slots beside the global ones."""
         self.config = config
+        self.window_scratch_slot = window_scratch_slot
         self.adapter_index = adapter_index
         self.device = device
         self.block_size = block_size
@@ -129,6 +134,10 @@ class GraphRunner:
         )
         slots = torch.full((b,), self.scratch_slot, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(slot_mapping=slots, prefills=(), decodes=rows, block_size=self.block_size)
+        if self.window_scratch_slot is not None:  # the same rows over the window pool: tables and slots apart
+            window_slots = torch.full((b,), self.window_scratch_slot, dtype=torch.long, device=self.device)
+            meta = replace(meta, window=replace(meta, slot_mapping=window_slots, decodes=replace(
+                rows, block_tables=self._zeros(b, self.max_blocks))))
         return self._zeros(b), self._zeros(b), meta
 
     def _prefill_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -140,6 +149,10 @@ class GraphRunner:
         slots = torch.full((n,), -1, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(slot_mapping=slots, prefills=(), decodes=None, block_size=self.block_size,
                                  prefill_tensors=tensors)
+        if self.window_scratch_slot is not None:
+            window_slots = torch.full((n,), -1, dtype=torch.long, device=self.device)
+            meta = replace(meta, window=replace(meta, slot_mapping=window_slots, prefill_tensors=replace(
+                tensors, block_tables=self._zeros(r, self.max_blocks))))
         return self._zeros(n), self._zeros(n), meta
 
     # --- replay ----------------------------------------------------------------------------
@@ -155,6 +168,8 @@ class GraphRunner:
         t = ids.shape[0]
         if adapter_slots is not None and not self.adapter_index:
             return None
+        if (meta.window is None) != (self.window_scratch_slot is None):
+            return None  # the buckets' window buffers and the step's window metadata go together
         if meta.decodes is not None and not meta.prefills and meta.prefill_tensors is None:
             replay = self._pick(self._decode, t)
             if replay is None or meta.slot_mapping is None or meta.kept_tokens is not None:
@@ -195,6 +210,14 @@ class GraphRunner:
         assert slots is not None
         slots.fill_(self.scratch_slot)
         slots[:b].copy_(meta.slot_mapping)
+        if meta.window is not None and replay.meta.window is not None:  # the window pool's tables and slots
+            wsrc, wdst = meta.window.decodes, replay.meta.window.decodes
+            wslots = replay.meta.window.slot_mapping
+            assert wsrc is not None and wdst is not None and wslots is not None and meta.window.slot_mapping is not None
+            wdst.block_tables.zero_()
+            wdst.block_tables[:b, : wsrc.block_tables.shape[1]].copy_(wsrc.block_tables)
+            wslots.fill_(self.window_scratch_slot)
+            wslots[:b].copy_(meta.window.slot_mapping)
 
     def _fill_prefill(self, replay: _Replay, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         src, dst = meta.prefill_tensors, replay.meta.prefill_tensors
@@ -213,3 +236,12 @@ class GraphRunner:
         slots.fill_(-1)
         if meta.slot_mapping is not None:
             slots[:t].copy_(meta.slot_mapping)
+        if meta.window is not None and replay.meta.window is not None:  # the window pool's tables and slots
+            wsrc, wdst = meta.window.prefill_tensors, replay.meta.window.prefill_tensors
+            wslots = replay.meta.window.slot_mapping
+            assert wsrc is not None and wdst is not None and wslots is not None
+            wdst.block_tables.zero_()
+            wdst.block_tables[:r, : wsrc.block_tables.shape[1]].copy_(wsrc.block_tables)
+            wslots.fill_(-1)
+            if meta.window.slot_mapping is not None:
+                wslots[:t].copy_(meta.window.slot_mapping)

@@ -9,7 +9,7 @@ views as the forward's `StepInputs` and attention metadata.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -94,6 +94,10 @@ class InputBuilder:
         self.block_size = block_size
         self.is_encoder = is_encoder
         self.recurrent = recurrent  # the model has recurrent layers: say each row's state (StateRows)
+        # The window pool's scratch block (set with the KV tensors), None without one: rows
+        # then carry their window tables, and the sliding layers get metadata of their own
+        # (AttentionMetadata.window); released entries point at the scratch block there
+        self.window_scratch: int | None = None
 
     def flatten(self, layouts: list[RowLayout], write_kv: bool) -> StepInputs:
         """Flatten rows into device inputs with one host-to-device copy."""
@@ -241,18 +245,37 @@ class InputBuilder:
         return RowLayout(r.token_ids[r.num_cached :], positions, slots, table, n, False, decode=False,
                           segments=segments, **state)  # type: ignore[arg-type]
 
+    def _window_entries(self, entries: Sequence[int] | None) -> tuple[int, ...]:
+        if entries is None:
+            raise ValueError("a row without its window table, for a model whose sliding layers have a pool of their own")
+        scratch = self.window_scratch
+        return tuple(scratch if b < 0 else b for b in entries)
+
+    def _with_window(self, inputs: StepInputs, paged: Sequence[BatchRow], oneshot: Sequence[OneShotRow]) -> StepInputs:
+        """`inputs` with the sliding layers' metadata: the same rows over the window pool."""
+        if self.window_scratch is None:
+            return inputs
+        layouts = [self.paged_layout(replace(r, block_table=list(self._window_entries(r.window_table))))
+                   for r in paged]
+        for r in oneshot:
+            entries = self._window_entries(r.window_blocks)
+            n = len(r.prefix_blocks)
+            layouts.append(self.oneshot_layout(replace(r, prefix_blocks=entries[:n], publish_blocks=entries[n:])))
+        window = self.flatten(layouts, write_kv=True).meta
+        return replace(inputs, meta=replace(inputs.meta, window=window))
+
     def paged(self, rows: Sequence[BatchRow]) -> StepInputs:
-        return self.flatten([self.paged_layout(r) for r in rows], write_kv=True)
+        return self._with_window(self.flatten([self.paged_layout(r) for r in rows], write_kv=True), rows, ())
 
     def fused(self, paged: Sequence[BatchRow], oneshot: Sequence[OneShotRow]) -> StepInputs:
         """Paged rows, then OneShot rows, in one forward: the paged rows write their K/V
         to their blocks, the OneShot rows only to the blocks they publish (if any)."""
         assert not self.is_encoder, "encoders keep no KV: they have no paged rows"
         layouts = [self.paged_layout(r) for r in paged] + [self.oneshot_layout(r) for r in oneshot]
-        return self.flatten(layouts, write_kv=True)
+        return self._with_window(self.flatten(layouts, write_kv=True), paged, oneshot)
 
     def oneshot(self, rows: Sequence[OneShotRow]) -> StepInputs:
-        inputs = self.flatten([self.oneshot_layout(r) for r in rows], write_kv=True)
+        inputs = self._with_window(self.flatten([self.oneshot_layout(r) for r in rows], write_kv=True), (), rows)
         if not self.is_encoder:
             return inputs
         types = [t for r in rows for t in (r.head.pooling.token_type_ids if r.head and r.head.pooling

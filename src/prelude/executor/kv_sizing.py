@@ -42,6 +42,26 @@ class KVBudget:
     reason: str  # logged: where the number came from
 
 
+def window_blocks_wanted(window: int, block_size: int, max_num_seqs: int, step_tokens: int) -> int:
+    """Window-pool blocks that `max_num_seqs` running requests' windows (window / block + 1
+    each, one more at a block edge) and a step's new tokens (a prompt chunk's blocks before
+    its window slides) take."""
+    per_request = (window - 1 + block_size - 1) // block_size + 1
+    return max_num_seqs * (per_request + 1) + (step_tokens + block_size - 1) // block_size
+
+
+def split_window_pool(budget_bytes: int, bytes_per_block: int, window_bytes_per_block: int,
+                      wanted: int) -> tuple[int, int]:
+    """(global blocks, window blocks) for a model whose sliding layers (`window_bytes_per_block`
+    of `bytes_per_block`, every layer's) keep a pool of their own: the window pool gets what
+    it wants, but never more than the blocks every layer would share without it, so the
+    global layers never get fewer blocks than they would; they take the rest."""
+    shared = max(1, budget_bytes // max(1, bytes_per_block))
+    window = max(1, min(wanted, shared))
+    per_global = max(1, bytes_per_block - window_bytes_per_block)
+    return max(1, (budget_bytes - window * window_bytes_per_block) // per_global), window
+
+
 def kv_cache_budget(
     memory: DeviceMemory | None,
     *,

@@ -21,6 +21,7 @@ import torch
 
 from prelude.config import LoraConfig, ModelConfig
 from prelude.model.lora.adapters import LoraAdapter, LoraSlots, read_adapter
+from prelude.model.lora.layout import LoraLayout
 from prelude.params import LoraRequest
 
 logger = logging.getLogger("prelude.executor.lora")
@@ -32,8 +33,9 @@ HOST_COPIES_MIN = 4
 class AdapterSlots:
     """Which adapter (by LoraRequest.id) sits in which slot, LRU order first to last."""
 
-    def __init__(self, model_config: ModelConfig, config: LoraConfig, dtype: torch.dtype,
+    def __init__(self, model_config: ModelConfig | LoraLayout, config: LoraConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
+        """`model_config`: a dense trunk's config, or the model's own LoraLayout (a hybrid's)."""
         self.model_config = model_config
         self.config = config
         self.slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, dtype, device)

@@ -28,3 +28,7 @@ class ModelInfo:
     classify_pad_id: int | None = None
     # Models with recurrent (linear-attention) layers: one sequence's state in bytes (0: none)
     state_bytes_per_slot: int = 0
+    # Models with sliding-window layers beside global ones: the window (tokens) and those
+    # layers' share of kv_bytes_per_block, which a pool of their own can hold (0: none)
+    kv_window: int = 0
+    window_kv_bytes_per_block: int = 0

@@ -142,6 +142,11 @@ class ModelRunner:
         state_bytes = getattr(model, "state_bytes_per_slot", None)
         self.state_bytes_per_slot = int(state_bytes()) if state_bytes is not None else 0
         self.num_state_slots = 0
+        # Sliding-window layers beside global ones: their K/V may live in a pool of their own
+        # (allocate_kv_cache's window_blocks), each request keeping only its window there
+        window_bytes = getattr(model, "window_kv_bytes_per_block", None)
+        self.window_kv_bytes_per_block = int(window_bytes(block_size)) if window_bytes is not None else 0
+        self.num_window_blocks = 0
         self.inputs = InputBuilder(self.device, block_size, model.is_encoder, recurrent=self.state_bytes_per_slot > 0)
         cfg = model.config
         default_pooling = sentence.pooling if sentence is not None else model.default_pooling
@@ -166,6 +171,8 @@ class ModelRunner:
             score_template=score_template,
             classify_pad_id=getattr(cfg, "pad_token_id", None) if cfg.id2label and not model.is_encoder else None,
             state_bytes_per_slot=self.state_bytes_per_slot,
+            kv_window=int(getattr(model, "kv_window", 0)) if self.window_kv_bytes_per_block else 0,
+            window_kv_bytes_per_block=self.window_kv_bytes_per_block,
         )
         segments = fused_segments_for(model, self.config)  # once: it logs what it picked
         self.forwards: ForwardProvider = self._forward_provider(segments)
@@ -175,9 +182,10 @@ class ModelRunner:
         if lora is not None:
             if model.is_encoder:
                 raise ValueError("LoRA adapters are for decoder models")
-            if self.state_bytes_per_slot:
-                raise ValueError("LoRA adapters are not served yet for models with recurrent layers")
-            self.adapters = AdapterSlots(cfg, lora, model.dtype, self.device)  # type: ignore[arg-type]
+            # a model whose layers differ (a hybrid) says which projections adapters may target
+            layout = getattr(model, "lora_layout", None)
+            self.adapters = AdapterSlots(layout() if layout is not None else cfg,  # type: ignore[arg-type]
+                                         lora, model.dtype, self.device)
         self._lora_forward = functools.partial(model.forward, segments=segments) if segments else model.forward
         self.step_threads = StepThreads(self.device, *decoder_flops(cfg))
         # CPU decoders: the last layer computes only the positions the heads read (read_rows.py);
@@ -321,41 +329,83 @@ class ModelRunner:
         """Sample only ids below `emittable` (a padded head has rows no tokenizer can spell)."""
         self.emittable_vocab = emittable
 
-    def allocate_kv_cache(self, num_blocks: int, populate: Populate = "off", state_slots: int = 0) -> None:
+    def allocate_kv_cache(self, num_blocks: int, populate: Populate = "off", state_slots: int = 0,
+                          window_blocks: int = 0) -> None:
         """`num_blocks` for the KV manager, plus one scratch block that no request owns:
         padding rows of a replayed graph write their K/V there. `populate`: CacheConfig's.
-        `state_slots`: the state pool of a model with recurrent layers (state_bytes_per_slot)."""
+        `state_slots`: the state pool of a model with recurrent layers (state_bytes_per_slot).
+        `window_blocks`: the sliding layers' own pool (window_kv_bytes_per_block; 0: those
+        layers share the `num_blocks` pool, every request keeping its whole context there),
+        plus its scratch block, where rows' released entries point."""
         if state_slots and not self.state_bytes_per_slot:
             raise ValueError("state slots for a model without recurrent layers")
-        extra = {"state_slots": state_slots} if self.state_bytes_per_slot else {}
+        if window_blocks and not self.window_kv_bytes_per_block:
+            raise ValueError("a window pool for a model without sliding-window layers")
+        extra: dict[str, int] = {"state_slots": state_slots} if self.state_bytes_per_slot else {}
+        if window_blocks:
+            extra["window_blocks"] = window_blocks + 1
         self.kv_caches = self.model.allocate_kv_cache(num_blocks + 1, self.block_size, populate, **extra)
         self.num_state_slots = state_slots
+        self.num_window_blocks = window_blocks
+        self.inputs.window_scratch = window_blocks if window_blocks else None
         self._scratch_slot = num_blocks * self.block_size
 
-    # --- KV hand-off (prefill/decode disaggregation): whole blocks, no request state ----
+    # --- KV hand-off (prefill/decode disaggregation): whole blocks, and a recurrent ----
+    # --- model's state slot ------------------------------------------------------------
+
+    def _kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The layers whose caches are KV blocks (a hybrid's linear layers hold state slots)."""
+        state_layers = set(getattr(self.model, "linear_layers", ())) if self.state_bytes_per_slot else set()
+        return [kv for i, kv in enumerate(self.kv_caches) if i not in state_layers]
+
+    def _state_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per recurrent layer, its (conv states, recurrent states) of every slot."""
+        if not self.state_bytes_per_slot:
+            return []
+        return [self.kv_caches[i] for i in getattr(self.model, "linear_layers", ())]
 
     @torch.inference_mode()
     def read_kv_blocks(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Host copies of the K/V of `blocks`, per layer ([len(blocks), block_size, heads,
-        head_dim] each): what another runner's `write_kv_blocks` takes."""
-        if self.state_bytes_per_slot:
-            raise ValueError("the KV hand-off does not carry recurrent state: not served for this model")
+        """Host copies of the K/V of `blocks`, per attention layer ([len(blocks), block_size,
+        heads, head_dim] each): what another runner's `write_kv_blocks` takes."""
+        if self.num_window_blocks:
+            raise ValueError("the KV hand-off does not carry the sliding layers' window pool: not served for this model")
         (index,) = copy_int64(self.device, blocks)
-        return [(k.index_select(0, index).to("cpu"), v.index_select(0, index).to("cpu")) for k, v in self.kv_caches]
+        return [(k.index_select(0, index).to("cpu"), v.index_select(0, index).to("cpu")) for k, v in self._kv_layers()]
 
     @torch.inference_mode()
     def write_kv_blocks(self, blocks: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy K/V read by `read_kv_blocks` (any runner of the same model) into `blocks`."""
-        if self.state_bytes_per_slot:
-            raise ValueError("the KV hand-off does not carry recurrent state: not served for this model")
-        if len(kv) != len(self.kv_caches):
-            raise ValueError(f"KV of {len(kv)} layers for a model of {len(self.kv_caches)}")
+        if self.num_window_blocks:
+            raise ValueError("the KV hand-off does not carry the sliding layers' window pool: not served for this model")
+        layers = self._kv_layers()
+        if len(kv) != len(layers):
+            raise ValueError(f"KV of {len(kv)} layers for a model of {len(layers)}")
         (index,) = copy_int64(self.device, blocks)
-        for (k, v), (src_k, src_v) in zip(self.kv_caches, kv):
+        for (k, v), (src_k, src_v) in zip(layers, kv):
             if src_k.shape[1:] != k.shape[1:] or src_k.shape[0] != len(blocks):
                 raise ValueError(f"KV blocks of shape {tuple(src_k.shape)} do not fit {len(blocks)} x {tuple(k.shape[1:])}")
             k.index_copy_(0, index, src_k.to(device=k.device, dtype=k.dtype))
             v.index_copy_(0, index, src_v.to(device=v.device, dtype=v.dtype))
+
+    @torch.inference_mode()
+    def read_state(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of one state slot, per recurrent layer (conv state, recurrent state):
+        what another runner's `write_state` takes ([] for a model without such layers)."""
+        return [(conv[slot].to("cpu", copy=True), rec[slot].to("cpu", copy=True)) for conv, rec in self._state_layers()]
+
+    @torch.inference_mode()
+    def write_state(self, slot: int, state: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy a state read by `read_state` (any runner of the same model) into `slot`."""
+        layers = self._state_layers()
+        if len(state) != len(layers):
+            raise ValueError(f"recurrent state of {len(state)} layers for a model of {len(layers)}")
+        for (conv, rec), (src_conv, src_rec) in zip(layers, state):
+            if src_conv.shape != conv.shape[1:] or src_rec.shape != rec.shape[1:]:
+                raise ValueError(f"a recurrent state of shapes {tuple(src_conv.shape)}, {tuple(src_rec.shape)} does "
+                                 f"not fit {tuple(conv.shape[1:])}, {tuple(rec.shape[1:])}")
+            conv[slot].copy_(src_conv)
+            rec[slot].copy_(src_rec)
 
     def capture_graphs(self, max_model_len: int, capture: Capture | None = None,
                        config: GraphConfig | None = None) -> None:
@@ -386,6 +436,7 @@ class ModelRunner:
         self.graphs = GraphRunner(
             forward, config, self.device, self.block_size, max_blocks_per_row=-(-max_model_len // self.block_size),
             scratch_slot=self._scratch_slot, capture=capture, adapter_index=adapter_index,
+            window_scratch_slot=self.num_window_blocks * self.block_size if self.num_window_blocks else None,
         )
 
     # --- forwards -----------------------------------------------------------------------

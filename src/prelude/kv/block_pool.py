@@ -92,6 +92,14 @@ class BlockPool:
         self._evictable.pop(block, None)
         self._free.append(block)
 
+    def forget(self, block: int) -> None:
+        """Drop a block's cached state: it is free now if nobody holds it, else when its
+        last holder releases it."""
+        if self._ref_counts[block] == 0:
+            self.evict(block)
+        else:
+            self._cached.discard(block)
+
     def lru_evictable(self) -> int | None:
         return next(iter(self._evictable), None)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prelude.kv.block_pool import BlockPool
+from prelude.kv.block_pool import BlockPool, NoFreeBlocksError
 from prelude.kv.prefix_cache import CheckpointHit, PrefixCache
 from prelude.kv.state_checkpoints import StateCheckpoints
 from prelude.kv.state_slots import StateSlots
+from prelude.kv.window_tables import WindowTables
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -35,13 +36,16 @@ class PrefixStats:
 
 class KVCacheManager:
     """Owns the per-request block tables (and, for models with recurrent layers, each
-    request's state slot); the scheduler asks it for room and prefixes."""
+    request's state slot; for models with sliding-window layers beside global ones, each
+    request's window table: kv/window_tables.py); the scheduler asks it for room and prefixes."""
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
         max_cached_blocks: int | None = None, num_state_slots: int = 0, num_checkpoint_slots: int = 0,
-        checkpoint_stride: int = 512,
+        checkpoint_stride: int = 512, window: int = 0, num_window_blocks: int = 0,
     ) -> None:
+        """`window` (> 0): the sliding layers' span, whose K/V live in a pool of their own of
+        `num_window_blocks` blocks; `pool` is then the global layers'."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         # Models with recurrent layers reuse a prefix only with its state at the prefix's
@@ -69,6 +73,10 @@ class KVCacheManager:
         # restores (pinned until that row's step ends)
         self._restores: dict[str, int] = {}
         self._copies: dict[str, int] = {}  # and the block holding its hit's last tokens (see attach)
+        self.windows: WindowTables | None = (
+            WindowTables(window, num_window_blocks, block_size) if window else None)
+        if self.windows is not None and self.prefix is not None:
+            self.prefix.on_drop = self.windows.drop
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,6 +88,17 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def window_table(self, request_id: str) -> list[int] | None:
+        """The request's sliding layers' table (RELEASED before its window); None: the model
+        has no window pool."""
+        return None if self.windows is None else self.windows.table(request_id)
+
+    def advance(self, request_id: str, num_computed: int) -> None:
+        """The request's first `num_computed` tokens are computed: its window table lets go
+        of the blocks its next query's window has passed."""
+        if self.windows is not None:
+            self.windows.slide(request_id, num_computed)
 
     def state_slot(self, request_id: str) -> int | None:
         """The request's state slot (None: the model keeps no recurrent state)."""
@@ -101,7 +120,9 @@ class KVCacheManager:
         if self.checkpoints is not None:
             hit, _ = self.prefix.checkpoint_hit(tokens, len(tokens) - 1, namespace, inside_blocks=False, scan=False)
             return hit.blocks if hit is not None else []
-        return self.prefix.match(tokens, (len(tokens) - 1) // self.block_size, namespace)
+        blocks = self.prefix.match(tokens, (len(tokens) - 1) // self.block_size, namespace)
+        # the sliding layers need the hit's last window: without it the hit is shorter
+        return blocks if self.windows is None else blocks[: self.windows.usable_hit(blocks)]
 
     def state_hit(self, tokens: list[int], namespace: str = "", inside_blocks: bool = False,
                   limit: int | None = None) -> tuple[CheckpointHit | None, int]:
@@ -159,7 +180,7 @@ class KVCacheManager:
         """A hit continuing the full blocks `matched` inside the next block: (the cached
         block holding those tokens, how many), leaving the last token to compute; None
         without one (see PrefixCache.partial)."""
-        if self.prefix is None:
+        if self.prefix is None or self.windows is not None:  # no partial copies of window blocks
             return None
         return self.prefix.partial(tokens, matched, len(tokens) - 1 - len(matched) * self.block_size, namespace)
 
@@ -188,6 +209,8 @@ class KVCacheManager:
         assert request_id not in self._tables
         self.pool.acquire(blocks)
         self._tables[request_id] = list(blocks)
+        if self.windows is not None:
+            self.windows.attach(request_id, blocks)
         if restore is not None:
             self.hold_checkpoint(restore)
             self._restores[request_id] = restore
@@ -220,6 +243,9 @@ class KVCacheManager:
         full = min(num_computed // self.block_size, len(table))
         if full:
             self.prefix.insert(tokens, table[:full], namespace)
+            if self.windows is not None:
+                nodes = self.prefix.match(tokens, full, namespace)
+                self.windows.publish(nodes, self.windows.table(request_id)[: len(nodes)])
 
     # --- OneShot: blocks held for one step only --------------------------------------
 
@@ -237,7 +263,20 @@ class KVCacheManager:
         if copy_from is not None and not publish:
             self.pool.release([copy_from])
             copy_from = None
-        return (self.pool.allocate(publish) if publish else []), copy_from
+        blocks = self.pool.allocate(publish) if publish else []
+        if self.windows is not None:
+            try:
+                self.windows.hold_step(prefix_blocks, blocks)
+            except NoFreeBlocksError:  # no window blocks to publish beside: publish nothing
+                self.pool.release(reversed(blocks))
+                blocks = []
+                self.windows.hold_step(prefix_blocks, blocks)
+        return blocks, copy_from
+
+    def step_window(self, prefix_blocks: list[int], publish_blocks: list[int]) -> list[int] | None:
+        """A OneShot row's window entries (aligned with prefix + publish blocks), as its
+        `hold_for_step` took them; None: the model has no window pool."""
+        return None if self.windows is None else self.windows.step_entries(prefix_blocks, publish_blocks)
 
     def end_step(self, tokens: list[int], prefix_blocks: list[int], publish_blocks: list[int],
                  namespace: str = "", copy_from: int | None = None) -> None:
@@ -247,11 +286,17 @@ class KVCacheManager:
             chain = prefix_blocks + publish_blocks
             cached = self.prefix.insert(tokens, chain, namespace)
             self.stats.published_blocks += max(0, cached - len(prefix_blocks))
-        self.drop_step(prefix_blocks, publish_blocks, copy_from)
+        if self.windows is not None:
+            nodes = (self.prefix.match(tokens, len(prefix_blocks) + len(publish_blocks), namespace)
+                     if self.prefix is not None and publish_blocks else None)
+            self.windows.end_step(prefix_blocks, publish_blocks, nodes)
+        self.pool.release(reversed(_with_copy_source(prefix_blocks + publish_blocks, copy_from)))
 
     def drop_step(self, prefix_blocks: list[int], publish_blocks: list[int], copy_from: int | None = None) -> None:
         """The forward failed: drop the step's holds and publish nothing (the blocks it
         was writing may hold partial KV)."""
+        if self.windows is not None:
+            self.windows.end_step(prefix_blocks, publish_blocks, None)
         self.pool.release(reversed(_with_copy_source(prefix_blocks + publish_blocks, copy_from)))
 
     # --- paged requests ---------------------------------------------------------------
@@ -266,12 +311,16 @@ class KVCacheManager:
         need = self.num_new_blocks(request_id, total_tokens)
         if need > self.pool.num_available_blocks - reserve:
             return False
+        if self.windows is not None and need > self.windows.pool.num_available_blocks:
+            return False
         if self.slots is not None and request_id not in self._slots:
             if not self.slots.num_free_slots:
                 return False
             self._slots[request_id] = self.slots.allocate()
         if need:
             self._tables.setdefault(request_id, []).extend(self.pool.allocate(need))
+            if self.windows is not None:
+                self.windows.grow(request_id, need)
         return True
 
     def free(self, request_id: str) -> None:
@@ -283,6 +332,8 @@ class KVCacheManager:
         if table:
             # Tail first: the prefix's deepest blocks become the first eviction candidates.
             self.pool.release(reversed(table))
+        if self.windows is not None:
+            self.windows.free(request_id)
 
     def trim(self) -> None:
         if self.prefix is not None:
@@ -302,6 +353,11 @@ class KVCacheManager:
             self.slots.check_integrity(self._slots.values())
         elif self._slots:
             raise AssertionError("state slots held without a state pool")
+        if self.windows is not None:
+            self.windows.check_integrity()
+            for rid, table in self._tables.items():
+                if len(self.windows.table(rid)) != len(table):
+                    raise AssertionError(f"request {rid}: window table and block table differ in length")
         if self.checkpoints is not None and self.prefix is not None:
             self.checkpoints.check_integrity(self._restores.values(), self.prefix.attached_checkpoints())
         elif self._restores:

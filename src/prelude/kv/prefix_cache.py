@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prelude.kv.block_pool import BlockPool
 from prelude.kv.state_checkpoints import StateCheckpoints
@@ -85,6 +85,9 @@ class PrefixCache:
         self._next: dict[int, int] = {}
         self._prev: dict[int, int] = {}
         self.num_evicted = 0
+        # Called with each block leaving the tree, before it is freed (the sliding layers'
+        # partner of the block goes with it: kv/window_tables.py)
+        self.on_drop: Callable[[int], None] | None = None
         pool.set_evictor(self.evict)
         # State checkpoints (models with recurrent layers): the state after the first
         # `offset` tokens of a node's block (1..block_size), keyed node * (block_size + 1)
@@ -328,6 +331,8 @@ class PrefixCache:
             # points past it, and likewise from the other side
             _relink(self._first if prev is None else self._next, parent if prev is None else prev, nxt)
             _relink(self._last if nxt is None else self._prev, parent if nxt is None else nxt, prev)
+            if self.on_drop is not None:
+                self.on_drop(node)
             self._drop_checkpoints(node)
             self.pool.evict(node)
             self.num_evicted += 1

@@ -75,6 +75,14 @@ class _EngineGauges(Collector):
         for state, value in (("used", used), ("free", free), ("cached", cached)):
             blocks.add_metric([self._model, state], value)
         yield blocks
+        if wtotal := get("kv_window_blocks_total"):  # sliding layers with a pool of their own
+            wfree, wcached = get("kv_window_blocks_free"), get("kv_window_blocks_cached_evictable")
+            window = GaugeMetricFamily("prelude:kv_window_blocks", "The sliding-window layers' KV blocks by state: "
+                                       "used (held by requests' windows and steps), free, cached (unreferenced)",
+                                       labels=["model_name", "state"])
+            for state, value in (("used", max(0.0, wtotal - wfree - wcached)), ("free", wfree), ("cached", wcached)):
+                window.add_metric([self._model, state], value)
+            yield window
         yield self._counter("prelude:prefix_cache_queries", "Prefix-cache lookups (requests).",
                             get("prefix_cache_queries_total"))
         yield self._counter("prelude:prefix_cache_hits", "Prefix-cache lookups that reused blocks.",

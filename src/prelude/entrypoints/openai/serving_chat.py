@@ -26,6 +26,10 @@ from prelude.tokenizer.prefix_encode import encode_chat_prompt
 # --- prompt rendering (also used by /tokenize) -----------------------------------------
 
 
+# OpenAI's (and vLLM's) image, audio and video content parts
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "video")
+
+
 def _content_text(msg: ChatMessage, i: int) -> str:
     """String content, or text parts joined by newlines; any other part is refused."""
     if msg.content is None or isinstance(msg.content, str):
@@ -34,6 +38,9 @@ def _content_text(msg: ChatMessage, i: int) -> str:
     for part in msg.content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type")
+            if kind in MEDIA_PARTS:  # a vision checkpoint's tower is left out at load: its text model is served
+                raise APIError(f"messages[{i}]: {kind} content is not supported: this server serves a text model "
+                               "(only text content parts are supported)", param=f"messages.{i}.content")
             raise APIError(f"messages[{i}]: only text content parts are supported, got {kind!r}",
                            param=f"messages.{i}.content")
         parts.append(part["text"])

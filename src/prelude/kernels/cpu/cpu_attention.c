@@ -190,6 +190,7 @@ typedef struct {
     int bf16;
     int64_t esize;
     int all_wide; /* OPT_ALL_WIDE: also one exponent for every tile (softmax_pairs_onepass) */
+    int64_t window; /* > 0: a query at p sees keys above p - window only (a sliding layer); 0: all */
 } Ctx;
 
 typedef struct {
@@ -199,6 +200,19 @@ typedef struct {
     const int64_t *table;
     int64_t kv_head, m0, mq; /* KV head; first query (within the row) and count */
 } Item;
+
+/* The first key any query of the item sees: with a window, the first query's window start.
+ * The tile loops start there, so keys before it are never read: a sliding layer's block
+ * table may hold released entries (negative) for blocks wholly before it. */
+static inline int64_t kv_begin(const Ctx *c, const Item *it) {
+    const int64_t first = it->ctx - it->q_len + it->m0 - c->window + 1;
+    return c->window > 0 && first > 0 ? first : 0;
+}
+
+/* Whether some query of the item does not see key p0 for the window (its tile needs the mask). */
+static inline int window_cuts(const Ctx *c, const Item *it, int64_t p0) {
+    return c->window > 0 && p0 + c->window <= it->ctx - it->q_len + it->m0 + it->mq - 1;
+}
 
 typedef struct {
     float *qt, *s, *acc, *kf, *vf, *m, *l;
@@ -344,6 +358,7 @@ static inline vf masked_scores(const Ctx *c, Scratch *s, int64_t p0, int64_t j, 
     vf sv = *(vf *)(s->s + j * mp + cv * VW);
     if (masked) {
         vi vis = qpos >= (int32_t)(p0 + j);
+        if (c->window > 0) vis &= qpos < (int32_t)(p0 + j + c->window);
         if (c->segments) {
             int32_t ks = (int32_t)s->kseg[j];
             vis &= (ks == 0) ? (vi){0} - 1 : (qseg == ks);
@@ -534,7 +549,7 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
     const int64_t first_q = prefix + it->m0;
     int64_t cv0 = 0;
-    for (int64_t p0 = 0; p0 < kv_end; p0 += NK) {
+    for (int64_t p0 = kv_begin(c, it); p0 < kv_end; p0 += NK) {
         const int64_t n = kv_end - p0 < NK ? kv_end - p0 : NK;
         cv0 = first_seeing(s, cv0, nvec, nm, p0);
         load_tile(c, it, s, p0, n, cache_end);
@@ -551,7 +566,8 @@ static void wide_item(const Ctx *c, const Item *it, Scratch *s) {
                 case 1: qk_block_1(s->kf + j * dp, dp, d, s->qt + cv * VW, mp, s->s + j * mp + cv * VW); break;
             }
         }
-        softmax_tile(c, s, p0, n, cv0, nvec, mp, p0 + n - 1 > first_q || c->segments, 1.0f, dp);
+        softmax_tile(c, s, p0, n, cv0, nvec, mp, p0 + n - 1 > first_q || c->segments || window_cuts(c, it, p0), 1.0f,
+                     dp);
         for (int64_t x = 0; x < dp; x += 4) {
             int64_t cv = cv0;
 #if defined(__AVX512F__)
@@ -593,7 +609,7 @@ static void narrow_item(const Ctx *c, const Item *it, Scratch *s) {
     }
     const int64_t kv_end = it->ctx < prefix + it->m0 + it->mq ? it->ctx : prefix + it->m0 + it->mq;
     const int64_t cache_end = it->own ? kv_end : (prefix < kv_end ? prefix : kv_end);
-    for (int64_t p0 = 0; p0 < kv_end; p0 += NK) {
+    for (int64_t p0 = kv_begin(c, it); p0 < kv_end; p0 += NK) {
         const int64_t n = kv_end - p0 < NK ? kv_end - p0 : NK;
         load_tile(c, it, s, p0, n, cache_end);
         for (int64_t i = 0; i < nm; i++) {
@@ -604,7 +620,7 @@ static void narrow_item(const Ctx *c, const Item *it, Scratch *s) {
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t x = 0; x < dp; x++) dot += qi[x] * kj[x];
-                int visible = p0 + j <= s->qpos[i] &&
+                int visible = p0 + j <= s->qpos[i] && (c->window <= 0 || p0 + j + c->window > s->qpos[i]) &&
                               (s->kseg[j] == 0 || s->kseg[j] == s->qseg[i]);
                 si[j] = visible ? dot : -INFINITY;
             }
@@ -962,11 +978,11 @@ static void wide_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t first_q = prefix + it->m0;
     const uint16_t *kr[NKB], *vr[NKB];
     int64_t cv0 = 0;
-    for (int64_t p0 = 0; p0 < kv_end; p0 += NKB) {
+    for (int64_t p0 = kv_begin(c, it); p0 < kv_end; p0 += NKB) {
         const int64_t n = kv_end - p0 < NKB ? kv_end - p0 : NKB, np = (n + 1) / 2;
         cv0 = first_seeing(s, cv0, nvec, nm, p0); /* 0 on an unmasked tile */
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
-        const int masked = p0 + n - 1 > first_q || c->segments != NULL;
+        const int masked = p0 + n - 1 > first_q || c->segments != NULL || window_cuts(c, it, p0);
 #if defined(__AVX512DQ__)
         qk_tile_bf16(kr, n, dh, s->qp + cv0 * VW, nvec - cv0, mp, s->s + cv0 * VW, NULL);
         softmax_pairs_onepass(c, s, p0, n, cv0, nvec, mp, masked, c->qscale, dp);
@@ -1026,12 +1042,12 @@ static void wide_item_amx(const Ctx *c, const Item *it, Scratch *s) {
     const int64_t first_q = prefix + it->m0;
     const uint16_t *kr[NKB], *vr[NKB];
     int64_t cv0 = 0;
-    for (int64_t p0 = 0; p0 < kv_end; p0 += NKB) {
+    for (int64_t p0 = kv_begin(c, it); p0 < kv_end; p0 += NKB) {
         const int64_t n = kv_end - p0 < NKB ? kv_end - p0 : NKB, n16 = (n + 15) / 16 * 16;
         const int64_t np = (n + 1) / 2, np16 = (np + 15) / 16 * 16;
         cv0 = first_seeing(s, cv0, nvec, nm, p0);
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
-        const int masked = p0 + n - 1 > first_q || c->segments != NULL;
+        const int masked = p0 + n - 1 > first_q || c->segments != NULL || window_cuts(c, it, p0);
         for (int64_t j0 = 0; j0 < n16; j0 += 16) {
             /* the group's 16 K rows: read in place when they lie at one stride (one block of
              * the pool, or the forward's own rows) and fill whole tiles, else copied into kb
@@ -1136,7 +1152,7 @@ static void narrow_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
     const __m512 vscale = _mm512_set1_ps(c->qscale);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const uint16_t *kr[NKB], *vr[NKB];
-    for (int64_t p0 = 0; p0 < kv_end; p0 += NK) {
+    for (int64_t p0 = kv_begin(c, it); p0 < kv_end; p0 += NK) {
         const int64_t n = kv_end - p0 < NK ? kv_end - p0 : NK, np = (n + 1) / 2;
         tile_rows_bf16(c, it, s, p0, n, cache_end, kr, vr);
         pack_v_pairs(vr, n, d, dv, s->vt);
@@ -1159,6 +1175,8 @@ static void narrow_item_bf16(const Ctx *c, const Item *it, Scratch *s) {
             /* visible: inside the tile, not after the query (causal), same segment or shared */
             __mmask16 vis = _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32((int32_t)(s->qpos[i] - p0)));
             vis &= n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+            if (c->window > 0) /* inside the query's window: lane > qpos - p0 - window */
+                vis &= _mm512_cmpgt_epi32_mask(lane, _mm512_set1_epi32((int32_t)(s->qpos[i] - p0 - c->window)));
             if (c->segments) vis &= seg0 | _mm512_cmpeq_epi32_mask(kseg, _mm512_set1_epi32(s->qseg[i]));
             sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis, sv);
             const float mx = _mm512_reduce_max_ps(sv);
@@ -1240,6 +1258,8 @@ int prelude_write_kv(const void *k, int64_t skt, int64_t skh, const void *v, int
  * Block tables are int64 [rows, stride], padded.
  * slots (or NULL): the forward's n_slots new tokens' pool slots, their K/V written first (one
  * call per layer: the per-call overhead counts at decode, ~30 calls a step).
+ * window (> 0): a sliding layer's span, each query seeing its last `window` positions (itself
+ * included); a table's entries for blocks wholly before a row's first window are never read.
  * Returns 0, or 1 on arguments it cannot serve (nothing written then), 2 on no memory. */
 int prelude_paged_attention(
     const void *q, int64_t sqt, int64_t sqh, const void *k, int64_t skt, int64_t skh, const void *v, int64_t svt,
@@ -1248,13 +1268,13 @@ int prelude_paged_attention(
     const int64_t *pre_tables, int64_t pre_tstride, const int64_t *pre_tail, int64_t n_dec, const int64_t *dec_index,
     const int64_t *dec_ctx, const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments,
     const int64_t *slots, int64_t n_slots, void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads,
-    int64_t d, float scale, int bf16, int threads, int options) {
-    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 4096 || block_size <= 0 || !(scale > 0.0f))
+    int64_t d, float scale, int bf16, int threads, int options, int64_t window) {
+    if (window < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 4096 || block_size <= 0 || !(scale > 0.0f))
         return 1;
     Ctx c = {(const char *)q, (const char *)k, (const char *)v, (const char *)kc, (const char *)vc,
              sqt, sqh, skt, skh, svt, svh, scb, scs, sch, (char *)out, sot, soh, segments,
              block_size, heads, kv_heads, heads / kv_heads, d, (d + 3) / 4 * 4,
-             scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4, (options & OPT_ALL_WIDE) != 0};
+             scale * 1.4426950408889634f, bf16, bf16 ? 2 : 4, (options & OPT_ALL_WIDE) != 0, window};
     /* amx: bf16 items take the AMX form where it can run (prefill, and decode rows: faster
      * over long contexts, even over short ones) */
     const int amx = options & OPT_AMX;

@@ -47,6 +47,7 @@ def declare(lib: ctypes.CDLL) -> CpuAttentionKernel:
         ptr, ptr, i64,  # segments, slots (the KV write)
         ptr, i64, i64,  # out
         i64, i64, i64, f32, c_int, c_int, c_int,
+        i64,  # window (0: none)
     ]
     write = lib.prelude_write_kv
     write.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64, c_int]

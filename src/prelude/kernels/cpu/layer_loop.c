@@ -161,7 +161,7 @@ int prelude_layer_loop(const Model *m, const Step *s) {
                        m->scs, m->sch, m->block_size, s->n_pre, s->pre_start, s->pre_len, s->pre_ctx, s->pre_own,
                        s->pre_tables, s->pre_tstride, last ? s->pre_tail : 0, s->n_dec, s->dec_index, s->dec_ctx,
                        s->dec_tables, s->dec_tstride, 0, s->slots, s->n_slots, s->attn, q_width, hd, m->heads,
-                       m->kv_heads, hd, m->scale, m->bf, s->threads, m->attend_options);
+                       m->kv_heads, hd, m->scale, m->bf, s->threads, m->attend_options, 0);
         if (rc) return 400 + rc;
         const void *attn = s->attn;
         if (last && s->read_index) { /* the last layer for the read positions only, in their order */

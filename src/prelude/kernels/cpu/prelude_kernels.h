@@ -32,7 +32,7 @@ int prelude_paged_attention(const void *q, int64_t sqt, int64_t sqh, const void 
     *pre_own, const int64_t *pre_tables, int64_t pre_tstride, const int64_t *pre_tail, int64_t n_dec, const int64_t
     *dec_index, const int64_t *dec_ctx, const int64_t *dec_tables, int64_t dec_tstride, const int64_t *segments, const
     int64_t *slots, int64_t n_slots, void *out, int64_t sot, int64_t soh, int64_t heads, int64_t kv_heads, int64_t d,
-    float scale, int bf16, int threads, int options);
+    float scale, int bf16, int threads, int options, int64_t window);
 
 /* cpu_fused.c */
 int prelude_add_rms_norm(const void *x, int64_t stride_x, const void *r, int64_t stride_r, const void *w, void *h,
@@ -52,6 +52,16 @@ int prelude_f32_gemm(const float *x, int64_t m, int64_t ldx, const float *wp, in
 int prelude_head_argmax_available(void);
 int prelude_head_argmax_f32(const float *x, int64_t rows, const uint16_t *wb, const float *w, const float *wnorm,
     int64_t out, int64_t k, int64_t limit, float *scratch, int64_t *ids, int threads);
+
+/* moe_experts.c */
+int prelude_moe_experts_forms(void);
+int64_t prelude_moe_packed_gate_up(int bf, int64_t hidden, int64_t inter);
+int64_t prelude_moe_packed_down(int bf, int64_t hidden, int64_t inter);
+int prelude_moe_pack(int bf, const void *gate_up, const void *down, int64_t experts, int64_t hidden, int64_t inter,
+    void *gu_p, void *dn_p, int threads);
+int prelude_moe_experts(int bf, const void *x, int64_t t_n, int64_t ldx, const int64_t *experts, const float *weights,
+    int64_t k, const void *gu_p, const void *dn_p, int64_t e_n, int64_t hidden, int64_t inter, void *out, int64_t ldo,
+    int threads);
 
 /* quant_gemm.c */
 int prelude_blocks_gemm(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float

@@ -157,7 +157,7 @@ def _prefill_kernel(
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, WINDOW: tl.constexpr,
 ):
     row = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -187,10 +187,15 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         # Causality bounds the keys this tile can see: up to its last query's position.
         kv_end = tl.minimum(ctx, prefix + (m_tile + 1) * BLOCK_M)
+        # A window (a sliding layer): from the tile's first query's window on; the table's
+        # entries before it are never read (a window table releases them)
+        kv_begin = 0
+        if WINDOW > 0:
+            kv_begin = tl.maximum(prefix + m_tile * BLOCK_M - WINDOW + 1, 0)
 
         # 1) keys from the cache: the prefix, plus the new tokens when they were written.
         cache_end = tl.where(own_cached != 0, kv_end, tl.minimum(prefix, kv_end))
-        for n0 in range(0, cache_end, BLOCK_N):
+        for n0 in range(kv_begin, cache_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             n_mask = pos < cache_end
             k = _load_cache_tile(KCache, table_row, pos, kv_head, d, n_mask, d_mask,
@@ -198,6 +203,8 @@ def _prefill_kernel(
             v = _load_cache_tile(VCache, table_row, pos, kv_head, d, n_mask, d_mask,
                                  stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
             visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
             if HAS_SEGMENTS:
                 # new tokens' keys carry their segment; prefix keys are shared (segment 0)
                 k_seg = tl.load(segment_ids + q0 + (pos - prefix), mask=n_mask & (pos >= prefix), other=0)
@@ -206,7 +213,7 @@ def _prefill_kernel(
 
         # 2) keys of the new tokens from this forward's k/v (OneShot rows only).
         new_end = tl.where(own_cached != 0, prefix, kv_end)
-        for n0 in range(prefix, new_end, BLOCK_N):
+        for n0 in range(tl.maximum(prefix, kv_begin), new_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             n_mask = pos < new_end
             tok = q0 + (pos - prefix)
@@ -215,6 +222,8 @@ def _prefill_kernel(
             v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)
             visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
             if HAS_SEGMENTS:
                 k_seg = tl.load(segment_ids + tok, mask=n_mask, other=0)
                 visible = visible & ((k_seg[None, :] == 0) | (k_seg[None, :] == q_seg[:, None]))
@@ -236,8 +245,10 @@ def prefill_attention(
     scale: float,
     block_m: int | None = None,
     block_n: int = 32,
+    window: int | None = None,
 ) -> None:
     """Attention of every prefill row's new tokens; writes out[query tokens] ([T, Hq, D]).
+    `window`: a sliding layer's span (each query sees its last `window` positions).
 
     Padding rows (query_lens 0) and a max_query_len above the real one are allowed: the
     extra programs return at once, so a captured graph can serve smaller batches."""
@@ -262,7 +273,7 @@ def prefill_attention(
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HAS_SEGMENTS=segments is not None,
-        DOT_F32=_dot_f32(q.dtype),
+        DOT_F32=_dot_f32(q.dtype), WINDOW=window or 0,
     )
 
 
@@ -278,6 +289,7 @@ def _decode_kernel(
     qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     # One program: one row, one KV head (all GROUP query heads sharing it, so each K/V tile
     # is loaded once for the group), one split of the context.
@@ -296,9 +308,13 @@ def _decode_kernel(
     q = tl.load(Q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
-    # Split the context into NUM_SPLITS ranges of whole tiles (split-K for long contexts).
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    # Split the context (a window: its last WINDOW positions, the table's entries before
+    # them never read) into NUM_SPLITS ranges of whole tiles (split-K for long contexts).
+    begin = 0
+    if WINDOW > 0:
+        begin = tl.maximum(ctx - WINDOW, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx - begin, BLOCK_N), NUM_SPLITS)
+    start = begin + split * tiles_per_split * BLOCK_N
     end = tl.minimum(ctx, start + tiles_per_split * BLOCK_N)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -374,9 +390,11 @@ def paged_decode(
     scale: float,
     num_splits: int = 1,
     block_n: int = 32,
+    window: int | None = None,
 ) -> None:
     """Attention of decode rows (one query token each, at q[query_index]) over their cached
-    context; writes out[query_index]. context_lens[r] = 0 (a padded row) writes zeros."""
+    context; writes out[query_index]. context_lens[r] = 0 (a padded row) writes zeros.
+    `window`: a sliding layer's span (each row sees its last `window` positions)."""
     _check_cache(k_cache, v_cache)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -401,6 +419,7 @@ def paged_decode(
         scale * _LOG2E,
         GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits, DOT_F32=_dot_f32(q.dtype),
+        WINDOW=window or 0,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_rows, num_heads)](

@@ -164,6 +164,7 @@ class BertEncoder:
             h = self._ln(self._lin(a, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
             m = _act(cfg.hidden_act, self._lin(h, p + "intermediate.dense"))
             h = self._ln(self._lin(m, p + "output.dense") + h, p + "output.LayerNorm")
+        self.attention.release()
         return h
 
     @torch.inference_mode()

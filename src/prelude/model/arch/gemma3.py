@@ -8,10 +8,10 @@ GELU-tanh gated MLP; the attention scale query_pre_attn_scalar ** -0.5; sliding-
 layers interleaved with global ones (`layer_types`, or one global layer every
 `sliding_window_pattern`), each kind with its own RoPE base and scaling; a soft-cap of the
 final logits where set. The forward is composed here over the trunk's weights
-(model/decoder.py); the global layers attend through the configured backend, the sliding
-ones through the torch backend with the window applied as a mask (the C and Triton kernels
-take no window). Every layer keeps the whole context's KV; the context is not capped by
-the window (global layers see everything).
+(model/decoder.py; the C layer loop computes the Llama layer, not this one); the global
+layers attend through the configured backend, the sliding ones through it too where it
+takes a window (the C kernel), else through the torch backend with the window as a mask.
+The context is not capped by the window (global layers see everything).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any, Mapping
 
 import torch
 
-from prelude.config import ModelConfig
+from prelude.config import ModelConfig, Populate
 from prelude.model.arch import hf_config
+from prelude.model.attention.kv_memory import zeroed_kv_tensors
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.model.attention.torch_backend import TorchAttention
 from prelude.model.base import Architecture, KVCaches, UnsupportedCheckpoint
@@ -191,14 +192,43 @@ class Gemma3ForCausalLM(Decoder):
                                                    layer.post_mlp_norm, layer.q_norm, layer.k_norm))
                        for layer in self.layers]
         self._final_norm = one_plus(self.norm)
-        self._windowed = TorchAttention()
+        # Sliding layers attend through the configured backend where it takes a window (the C
+        # kernel), else through the torch backend with the window as a mask
+        takes_window = bool(getattr(self.attention, "takes_window", False))
+        self._windowed = self.attention if takes_window else TorchAttention()
         if "sliding" in config.layer_kinds and not config.bidirectional:
             backend = getattr(self.attention, "name", "torch")
-            how = ("" if backend == "torch" else
-                   f" (the {backend} backend takes no window; the global layers attend through it)")
-            logger.info("%s: %d of %d layers slide a %d-token window, attended through the torch backend with the "
-                        "window as a mask%s; every layer keeps the whole context's KV", config.architecture,
+            how = (f"the {backend} backend with the window" if takes_window or backend == "torch" else
+                   f"the torch backend with the window as a mask (the {backend} backend takes no window; the "
+                   "global layers attend through it)")
+            logger.info("%s: %d of %d layers slide a %d-token window, attended through %s", config.architecture,
                         config.layer_kinds.count("sliding"), len(config.layer_kinds), config.window, how)
+
+    # --- memory: the sliding layers may keep their K/V in a pool of their own -------------
+
+    @property
+    def kv_window(self) -> int:
+        """The sliding layers' window (tokens); 0 without sliding layers."""
+        return self.config.window if "sliding" in self.config.layer_kinds else 0
+
+    def window_kv_bytes_per_block(self, block_size: int) -> int:
+        """The sliding layers' share of kv_bytes_per_block."""
+        per_token = 2 * self.config.num_key_value_heads * self.config.head_dim * self.dtype.itemsize
+        return per_token * block_size * self.config.layer_kinds.count("sliding")
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, populate: Populate = "off",
+                          window_blocks: int = 0) -> KVCaches:
+        """`num_blocks` for every layer, or with `window_blocks` (> 0) that many for the sliding
+        layers (their window pool: AttentionMetadata.window addresses it) and `num_blocks` for
+        the global ones."""
+        if not window_blocks:
+            return super().allocate_kv_cache(num_blocks, block_size, populate)
+        kinds = self.config.layer_kinds
+        kv_shape = (self.config.num_key_value_heads, self.config.head_dim)
+        pools = {kind: iter(zeroed_kv_tensors(2 * kinds.count(kind), (n, block_size, *kv_shape), self.dtype,
+                                              self.device, populate))
+                 for kind, n in (("full", num_blocks), ("sliding", window_blocks)) if kind in kinds}
+        return [(next(pools[kind]), next(pools[kind])) for kind in kinds]
 
     @staticmethod
     def _check_spec(spec: DecoderSpec) -> None:
@@ -233,6 +263,7 @@ class Gemma3ForCausalLM(Decoder):
         eps, shape = self.config.rms_norm_eps, self.shape
         h = self.embed.index_select(0, input_ids) * self.embed_scale
         tables = {"full": self.rope.tables(positions), "sliding": self.local_rope.tables(positions)}
+        window_meta = meta.window if meta.window is not None else meta  # the sliding layers' pool
         for i, (layer_spec, (k_cache, v_cache)) in enumerate(zip(self.spec.layers, kv_caches, strict=True)):
             pre, post = self._pre[i], self._post[i]
             if lora is not None:
@@ -245,7 +276,7 @@ class Gemma3ForCausalLM(Decoder):
             cos, sin = tables[layer_spec.attention.kind]
             q, k, v = rotate(q, cos, sin), rotate(k, cos, sin), v.reshape(-1, shape.num_kv_heads, shape.head_dim)
             if layer_spec.attention.window is not None:
-                attn = self._windowed.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale,
+                attn = self._windowed.forward(q, k, v.contiguous(), k_cache, v_cache, window_meta, self.scale,
                                               window=layer_spec.attention.window)
             else:
                 attn = self.attention.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)

@@ -36,7 +36,8 @@ class Gemma3Encoder(Gemma3ForCausalLM):
         kwargs.pop("attention", None)  # the configured backend is causal and paged: not this model's
         super().__init__(config, weights, dtype, device, *args, **kwargs)
         # Gemma 3's layers call the backend for full layers and the windowed one for sliding layers
-        self.attention = self._windowed = BidirectionalAttention()  # type: ignore[assignment]
+        self._bidirectional = BidirectionalAttention()
+        self.attention = self._windowed = self._bidirectional  # type: ignore[assignment]
         self._no_kv: KVCaches = [(torch.empty(0), torch.empty(0))] * config.num_hidden_layers
         sliding = config.layer_kinds.count("sliding")
         logger.info("%s: a bidirectional encoder (use_bidirectional_attention): %d full layers see the whole "
@@ -54,7 +55,10 @@ class Gemma3Encoder(Gemma3ForCausalLM):
     ) -> torch.Tensor:
         """Each row (a `meta.prefills` slice, a whole prompt) attends both ways within
         itself; returns the final-normed hidden states [T, H]. `kv_caches` is empty."""
-        return super().forward(input_ids, positions, meta, self._no_kv)
+        try:
+            return super().forward(input_ids, positions, meta, self._no_kv)
+        finally:
+            self._bidirectional.release()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder model has no language-model head")

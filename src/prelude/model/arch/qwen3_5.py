@@ -11,6 +11,7 @@ state pool's slots (model/attention/metadata.py StateRows says which row uses wh
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -28,9 +29,11 @@ from prelude.model.base import Architecture, DerivedTensors, KVCaches, NothingKe
 from prelude.model.decoder import CastWeights, DecoderHeads
 from prelude.model.layers.decoder_segments import ACTIVATIONS
 from prelude.model.layers.gated_attention import GatedAttention, GatedAttentionShape, rms_norm_one_plus
-from prelude.model.layers.gated_delta_net import DeltaNetShape, GatedDeltaNet
+from prelude.model.layers.gated_delta_net import DeltaNetShape, GatedDeltaNet, Linear
 from prelude.model.layers.linear import Projection, prepack_enabled
 from prelude.model.layers.rotary import RotaryEmbedding
+from prelude.model.lora.adapters import LoraStep
+from prelude.model.lora.layout import LoraLayout, LoraProjection, LoraTarget, attention_projections, mlp_projections
 from prelude.model.spec import AttentionSpec, DecoderSpec, LayerSpec, MlpSpec, RopeSpec
 
 logger = logging.getLogger("prelude.model.qwen3_5")
@@ -168,7 +171,7 @@ class TextWeights(Mapping[str, torch.Tensor]):
 
 
 class DenseMlp:
-    def __init__(self, gate_up: Projection, down: Projection, activation: str = "silu") -> None:
+    def __init__(self, gate_up: Linear, down: Linear, activation: str = "silu") -> None:
         self.gate_up, self.down, self.act = gate_up, down, ACTIVATIONS[activation]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,21 +261,70 @@ class HybridDecoder(DecoderHeads):
         return HybridLayer(mixer, self.mlp(cast, prefix, prepack), cast[prefix + "input_layernorm.weight"],
                            cast[prefix + "post_attention_layernorm.weight"])
 
+    # --- LoRA ------------------------------------------------------------------------
+
+    def lora_layout(self) -> LoraLayout:
+        """The projections adapters may target (PEFT's names in transformers' modules): the
+        gated attention's q/k/v/o (q_proj holds the query and its gate), the linear
+        layers' input and output projections, and the MLP's."""
+        c = self.config
+        q = c.num_attention_heads * c.head_dim
+        full = attention_projections(c.hidden_size, 2 * q, c.num_key_value_heads * c.head_dim, q)
+        layers = []
+        for i, kind in enumerate(c.layer_types):
+            mixer = full if kind == _FULL else self.delta_projections()
+            layers.append(mixer + self.mlp_projections(i))
+        return LoraLayout(c.hidden_size, tuple(layers), self.expert_layers())
+
+    def delta_projections(self) -> tuple[LoraProjection, ...]:
+        """A linear layer's: in_proj_qkv/z/b/a (fused in that order) and out_proj."""
+        s, h = self.config.delta_shape, self.config.hidden_size
+        p = "linear_attn."
+        return (LoraProjection("in_proj", h, (LoraTarget("in_proj_qkv", p + "in_proj_qkv", s.conv_channels),
+                                              LoraTarget("in_proj_z", p + "in_proj_z", s.value_size),
+                                              LoraTarget("in_proj_b", p + "in_proj_b", s.num_v_heads),
+                                              LoraTarget("in_proj_a", p + "in_proj_a", s.num_v_heads))),
+                LoraProjection("out_proj", s.value_size, (LoraTarget("out_proj", p + "out_proj", h),)))
+
+    def mlp_projections(self, layer: int) -> tuple[LoraProjection, ...]:
+        return mlp_projections(self.config.hidden_size, self.config.intermediate_size)
+
+    def expert_layers(self) -> tuple[int, ...]:
+        return ()
+
+    def _adapted(self, index: int, layer: HybridLayer, lora: LoraStep) -> HybridLayer:
+        """`layer` with the adapters' deltas in its projections (shallow copies: the
+        weights stay shared)."""
+        mixer = copy.copy(layer.mixer)
+        if isinstance(mixer, GatedDeltaNet):
+            mixer.in_proj = lora.linear(index, "in_proj", mixer.in_proj)
+            mixer.out_proj = lora.linear(index, "out_proj", mixer.out_proj)
+        else:
+            mixer.qkv = lora.linear(index, "qkv", mixer.qkv)
+            mixer.o_proj = lora.linear(index, "o_proj", mixer.o_proj)
+        return HybridLayer(mixer, self.adapted_mlp(index, layer.mlp, lora), layer.input_norm, layer.post_norm)
+
+    def adapted_mlp(self, index: int, mlp: Any, lora: LoraStep) -> Any:
+        adapted = copy.copy(mlp)
+        adapted.gate_up = lora.linear(index, "gate_up", mlp.gate_up)
+        adapted.down = lora.linear(index, "down", mlp.down)
+        return adapted
+
     # --- the forward -----------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
-                token_type_ids: torch.Tensor | None = None, lora: Any = None, **_: Any) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, lora: LoraStep | None = None,
+                **_: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden]. Linear layers
         run the rows of `meta.states`; without it (a forward on scratch), every row is a
-        fresh prompt on a dropped state."""
-        if lora is not None:
-            raise ValueError(f"LoRA adapters are not served for {self.config.architecture}")
+        fresh prompt on a dropped state. `lora`: the resident adapters and each token's slot."""
+        layers = self.layers if lora is None else [self._adapted(i, layer, lora) for i, layer in enumerate(self.layers)]
         states = meta.states if meta.states is not None else _scratch_rows(meta)
         eps = self.config.rms_norm_eps
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)
-        for layer, (first, second) in zip(self.layers, kv_caches, strict=True):
+        for layer, (first, second) in zip(layers, kv_caches, strict=True):
             x = rms_norm_one_plus(h, layer.input_norm, eps)
             if isinstance(layer.mixer, GatedDeltaNet):
                 h = h + layer.mixer.forward(x, states, first if first.numel() else None,

@@ -9,6 +9,7 @@ into the q, k, v, z and b, a blocks the shared layer reads.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from prelude.model.decoder import CastWeights
 from prelude.model.layers.gated_delta_net import GatedDeltaNet
 from prelude.model.layers.linear import Projection
 from prelude.model.layers.moe import SparseMoe
+from prelude.model.lora.adapters import LoraStep
+from prelude.model.lora.layout import LoraProjection, LoraTarget, mlp_projections
 from prelude.model.spec import MlpSpec
 
 _HANDLED = MOE_FIELDS + ("shared_expert_intermediate_size",)
@@ -66,6 +69,54 @@ class Qwen3NextForCausalLM(HybridDecoder):
         in_proj = Projection(torch.cat([qkvz, ba]), None, prepack)
         return GatedDeltaNet(s, in_proj, cast[p + "conv1d.weight"], cast[p + "dt_bias"], cast[p + "A_log"],
                              cast[p + "norm.weight"], Projection(cast[p + "out_proj.weight"], None, prepack))
+
+
+    # --- LoRA: the linear layers' grouped projections, the shared expert (not the experts) --
+
+    def delta_projections(self) -> tuple[LoraProjection, ...]:
+        """in_proj_qkvz and in_proj_ba (their rows reordered as the weights are at load),
+        and out_proj."""
+        s, h = self.config.delta_shape, self.config.hidden_size
+        r = s.num_v_heads // s.num_k_heads
+        qkvz = (s.k_dim, s.k_dim, r * s.v_dim, r * s.v_dim)
+        p = "linear_attn."
+        return (LoraProjection("in_proj", h, (
+                    LoraTarget("in_proj_qkvz", p + "in_proj_qkvz", sum(qkvz) * s.num_k_heads,
+                               _row_order(s.num_k_heads, qkvz)),
+                    LoraTarget("in_proj_ba", p + "in_proj_ba", 2 * r * s.num_k_heads,
+                               _row_order(s.num_k_heads, (r, r))))),
+                LoraProjection("out_proj", s.value_size, (LoraTarget("out_proj", p + "out_proj", h),)))
+
+    def mlp_projections(self, layer: int) -> tuple[LoraProjection, ...]:
+        if self._moe is None or layer not in self._expert_layers:
+            return super().mlp_projections(layer)
+        h, shared = self.config.hidden_size, self.config.shared_expert_intermediate_size
+        if not shared:
+            return ()
+        return (*mlp_projections(h, shared, "mlp.shared_expert."),
+                LoraProjection("shared_gate", h, (LoraTarget("shared_expert_gate", "mlp.shared_expert_gate", 1),)))
+
+    def expert_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self._expert_layers)) if self._moe is not None else ()
+
+    def adapted_mlp(self, index: int, mlp: Any, lora: LoraStep) -> Any:
+        if not isinstance(mlp, SparseMoe):
+            return super().adapted_mlp(index, mlp, lora)
+        if mlp.shared is None:
+            return mlp
+        moe, shared = copy.copy(mlp), copy.copy(mlp.shared)
+        shared.gate_up = lora.linear(index, "gate_up", shared.gate_up)
+        shared.down = lora.linear(index, "down", shared.down)
+        if shared.gate is not None:
+            shared.gate = lora.linear(index, "shared_gate", shared.gate)
+        moe.shared = shared
+        return moe
+
+
+def _row_order(groups: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Which stored row each row of grouped_to_blocks' result is."""
+    rows = groups * sum(sizes)
+    return grouped_to_blocks(torch.arange(rows).unsqueeze(1), groups, sizes).squeeze(1)
 
 
 def _config(raw: dict[str, Any], model_dir: Path | None = None) -> HybridConfig:

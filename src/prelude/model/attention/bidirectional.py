@@ -2,8 +2,11 @@
 that row (a full layer) or those within half a window on either side (a sliding layer of
 a bidirectional model). Nothing is cached: every row is a whole OneShot prompt.
 
-The step's rows run as one padded batch, one SDPA a layer, keys past a row's end masked:
-rows one by one made N short texts cost N small attention calls.
+A step's rows run as padded batches, one SDPA a batch and layer, keys past a row's end
+masked: rows one by one made N short texts cost N small attention calls. Rows of like
+lengths share a batch (each at least half its longest): padded to one step's longest, a
+step of one 1,000-token text and fifty short ones computed fifty 1,000 x 1,000 score
+matrices for nothing.
 """
 
 from __future__ import annotations
@@ -17,26 +20,25 @@ _MIN_CHUNK = 64  # queries a chunk holds at least, under a narrow window
 
 
 class PaddedRows:
-    """The rows of one forward as a padded batch [B, L]: token i of row b sits at b * L + i.
-    The masks are made once a forward and shared by every layer of their kind."""
+    """Rows of like lengths as one padded batch [B, L]: token i of its row b sits at
+    b * L + i. `tokens`: where its rows' tokens sit in the step's flattened batch (None:
+    the whole step, in order). The masks are made once a forward and shared by every layer
+    of their kind."""
 
-    def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
-        if meta.decodes is not None or any(r.context_len != r.query_len for r in meta.prefills):
-            raise ValueError("bidirectional attention takes whole prompts only (no cached prefix, no decode rows)")
-        self.lengths = [r.query_len for r in meta.prefills]
-        self.batch, self.longest = len(self.lengths), max(self.lengths)
-        self.device = device
-        # None: every row as long as the longest, the flat tokens are the padded batch already
+    def __init__(self, lengths: list[int], tokens: torch.Tensor | None, device: torch.device) -> None:
+        self.lengths, self.tokens, self.device = lengths, tokens, device
+        self.batch, self.longest = len(lengths), max(lengths)
+        # None: every row as long as the longest, the tokens are the padded batch already
         self.at: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None  # [B, 1, 1, L] keys inside their row
-        if any(n != self.longest for n in self.lengths):
-            self.at = torch.cat([torch.arange(n, device=device) + b * self.longest for b, n in enumerate(self.lengths)])
-            lens = torch.tensor(self.lengths, device=device)
+        if any(n != self.longest for n in lengths):
+            self.at = torch.cat([torch.arange(n, device=device) + b * self.longest for b, n in enumerate(lengths)])
+            lens = torch.tensor(lengths, device=device)
             self.valid = (torch.arange(self.longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
         self._masks: dict[int | None, torch.Tensor | None] = {}
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H, D] -> [B, H, L, D] (zeros past each row's end)."""
+        """[T, H, D] (this batch's tokens) -> [B, H, L, D] (zeros past each row's end)."""
         if self.at is None:
             return x.reshape(self.batch, self.longest, *x.shape[1:]).transpose(1, 2)
         grid = x.new_zeros(self.batch * self.longest, *x.shape[1:])
@@ -65,16 +67,17 @@ class PaddedRows:
                 self._masks[radius] = keys | padded_query
         return self._masks[radius]
 
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                radius: int | None) -> torch.Tensor:
-        """Padded [B, H, L, D] attention, keys within `radius` where given. Rows much longer
-        than their window run in query chunks, each over the keys its window can reach:
-        a 2,048-token row under a 256-token radius computes 3/8 of the scores."""
+        """[T, H, D] of this batch's tokens -> [T, Hq, D], keys within `radius` where given.
+        Rows much longer than their window run in query chunks, each over the keys its
+        window can reach: a 2,048-token row under a 256-token radius computes 3/8 of the
+        scores."""
+        q, k, v = self.pad(q), self.pad(k), self.pad(v)
         mask, gqa = self.mask(radius), q.shape[1] != k.shape[1]
         chunk = max(_MIN_CHUNK, radius or 0)
         if radius is None or 2 * (chunk + 2 * radius) > self.longest:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            return self.unpad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa))
         assert mask is not None
         out = torch.empty_like(q)
         for start in range(0, self.longest, chunk):
@@ -83,7 +86,28 @@ class PaddedRows:
             out[:, :, start:end] = F.scaled_dot_product_attention(
                 q[:, :, start:end], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask[..., start:end, lo:hi],
                 scale=scale, enable_gqa=gqa)
-        return out
+        return self.unpad(out)
+
+
+def row_batches(meta: AttentionMetadata, device: torch.device) -> list[PaddedRows]:
+    """The step's rows as padded batches of like lengths: longest first, a row joins the
+    batch of the longest while it is more than half as long."""
+    if meta.decodes is not None or any(r.context_len != r.query_len for r in meta.prefills):
+        raise ValueError("bidirectional attention takes whole prompts only (no cached prefix, no decode rows)")
+    rows = sorted(meta.prefills, key=lambda r: -r.query_len)
+    groups: list[list[int]] = []
+    for i, row in enumerate(rows):
+        if not groups or 2 * row.query_len <= rows[groups[-1][0]].query_len:
+            groups.append([])
+        groups[-1].append(i)
+    if len(groups) == 1 and all(a.query_start <= b.query_start for a, b in zip(meta.prefills, meta.prefills[1:])):
+        return [PaddedRows([r.query_len for r in meta.prefills], None, device)]  # the step in its own order
+    batches = []
+    for group in groups:
+        members = [rows[i] for i in group]
+        tokens = torch.cat([torch.arange(r.query_start, r.query_start + r.query_len, device=device) for r in members])
+        batches.append(PaddedRows([r.query_len for r in members], tokens, device))
+    return batches
 
 
 class BidirectionalAttention:
@@ -93,12 +117,16 @@ class BidirectionalAttention:
     reads_prefill_tensors = False
 
     def __init__(self) -> None:
-        self._rows: tuple[AttentionMetadata, PaddedRows] | None = None  # the current forward's layout
+        self._batches: tuple[AttentionMetadata, list[PaddedRows]] | None = None  # the current forward's
 
-    def rows(self, meta: AttentionMetadata, device: torch.device) -> PaddedRows:
-        if self._rows is None or self._rows[0] is not meta:
-            self._rows = (meta, PaddedRows(meta, device))
-        return self._rows[1]
+    def batches(self, meta: AttentionMetadata, device: torch.device) -> list[PaddedRows]:
+        if self._batches is None or self._batches[0] is not meta:
+            self._batches = (meta, row_batches(meta, device))
+        return self._batches[1]
+
+    def release(self) -> None:
+        """Drop the forward's layout and masks (the model calls it when its forward ends)."""
+        self._batches = None
 
     def forward(
         self,
@@ -114,6 +142,13 @@ class BidirectionalAttention:
         """`k_cache`, `v_cache`: not read (nothing is kept). `window`: a sliding layer's span,
         centred on the query: it sees `window // 2` positions on either side (transformers'
         bidirectional Gemma 3: |i - j| < window // 2 + 1); None: its whole row."""
-        rows = self.rows(meta, q.device)
-        return rows.unpad(rows.attend(rows.pad(q), rows.pad(k), rows.pad(v), scale,
-                                      None if window is None else window // 2))
+        radius = None if window is None else window // 2
+        batches = self.batches(meta, q.device)
+        if len(batches) == 1 and batches[0].tokens is None:
+            return batches[0].attend(q, k, v, scale, radius)
+        out = torch.empty_like(q)
+        for b in batches:
+            assert b.tokens is not None
+            pick = lambda x: x.index_select(0, b.tokens)  # noqa: E731
+            out.index_copy_(0, b.tokens, b.attend(pick(q), pick(k), pick(v), scale, radius))
+        return out

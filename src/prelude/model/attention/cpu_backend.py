@@ -95,6 +95,7 @@ class CpuAttention:
     name = "cpu"
     reads_prefill_tensors = False  # a CPU backend: no captured graphs
     attends_tails = True  # forward(..., tail_queries=): only each prefill row's last queries
+    takes_window = True  # forward(..., window=): a sliding-window layer
     devices = ("cpu",)
 
     def __init__(self, kernel: CpuAttentionKernel, amx: bool | None = None) -> None:
@@ -112,12 +113,14 @@ class CpuAttention:
         # Every row in the wide form, decode rows included (make_batch_invariant)
         self.all_wide = False
         self._fallback = TorchAttention()
-        # (metadata, its row tensors): every layer of a forward gets the same metadata object
-        self._prepared: tuple[AttentionMetadata, _Rows] | None = None
+        # (metadata, its row tensors): every layer of a forward gets the same metadata object,
+        # or one of two (the sliding layers' own, AttentionMetadata.window): the last two kept
+        self._prepared: list[tuple[AttentionMetadata, _Rows]] = []
 
     def _rows(self, meta: AttentionMetadata) -> _Rows:
-        if self._prepared is not None and self._prepared[0] is meta:
-            return self._prepared[1]
+        for seen, rows in self._prepared:
+            if seen is meta:
+                return rows
         pre = _prefill_tensors(meta)
         if pre is not None:
             pre = PrefillTensors(_i64(pre.query_start), _i64(pre.query_lens), _i64(pre.context_lens),
@@ -130,7 +133,7 @@ class CpuAttention:
         slots = _i64(meta.slot_mapping) if meta.slot_mapping is not None else None
         rows = _Rows(pre, dec_index, dec_lens, dec_tables, segments, slots,
                      *_row_args(pre, dec_index, dec_lens, dec_tables, segments, slots))
-        self._prepared = (meta, rows)
+        self._prepared = [(meta, rows), *self._prepared[:1]]
         return rows
 
     def make_batch_invariant(self) -> None:
@@ -203,12 +206,15 @@ class CpuAttention:
         meta: AttentionMetadata,
         scale: float,
         tail_queries: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """`tail_queries` ([prefill rows] int64, or None: all): attend only each prefill
         row's last so many queries; the other rows of the result are left unwritten (their
-        K/V are written all the same). Decode rows are always attended."""
+        K/V are written all the same). Decode rows are always attended. `window`: a
+        sliding-window layer's span (each query sees its last `window` positions, itself
+        included; table entries wholly before a row's window are never read); None: all."""
         if not self.serves(q, k_cache):
-            return self._fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
+            return self._fallback.forward(q, k, v, k_cache, v_cache, meta, scale, window=window)
         rows = self._rows(meta)
         tail = None
         if tail_queries is not None:
@@ -228,6 +234,7 @@ class CpuAttention:
             k_cache.shape[1], *rows.pre_args, None if tail is None else tail.data_ptr(), *rows.rest_args,
             out.data_ptr(), out.stride(0), out.stride(1),
             q.shape[1], k_cache.shape[2], q.shape[2], scale, _DTYPES[q.dtype], torch.get_num_threads(), self.options,
+            window or 0,
         )
         if rc != 0:
             raise RuntimeError(f"cpu_attention.c refused the forward's arguments (code {rc})")

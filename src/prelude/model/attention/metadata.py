@@ -109,3 +109,7 @@ class AttentionMetadata:
     segment_ids: torch.Tensor | None = None
     # Models with recurrent layers: which state each row continues (None: no such layers)
     states: StateRows | None = None
+    # Models whose sliding-window layers keep their K/V in a pool of their own: those
+    # layers' metadata (the same rows over the window pool's slots and tables, whose
+    # entries before a row's window are never read); None: every layer reads this one.
+    window: AttentionMetadata | None = None

@@ -91,14 +91,17 @@ class TritonAttention:
 
     name = "triton"
     reads_prefill_tensors = True  # prefill rows come from device tensors: graph-capturable
+    takes_window = True  # forward(..., window=): a sliding-window layer
 
     def __init__(self) -> None:
-        # (metadata, its converted tensors): the last forward's, reused across its layers
-        self._prepared: tuple[AttentionMetadata, _LaunchInputs] | None = None
+        # (metadata, its converted tensors): the last forward's, reused across its layers; the
+        # last two kept (the sliding layers may read metadata of their own: AttentionMetadata.window)
+        self._prepared: list[tuple[AttentionMetadata, _LaunchInputs]] = []
 
     def _inputs(self, meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> _LaunchInputs:
-        if self._prepared is not None and self._prepared[0] is meta:
-            return self._prepared[1]
+        for seen, ready in self._prepared:
+            if seen is meta:
+                return ready
         slots = meta.slot_mapping.to(device, non_blocking=True) if meta.slot_mapping is not None else None
         prefill = (prefill_rows_from_tensors(meta.prefill_tensors) if meta.prefill_tensors is not None
                    else prefill_rows(meta.prefills, device) if meta.prefills else None)
@@ -109,7 +112,7 @@ class TritonAttention:
             prefill=prefill,
             decode=decode_tensors(meta.decodes, num_kv_heads, device) if meta.decodes is not None else None,
         )
-        self._prepared = (meta, inputs)
+        self._prepared = [(meta, inputs), *self._prepared[:1]]
         return inputs
 
     def forward(
@@ -121,16 +124,20 @@ class TritonAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """`window`: a sliding-window layer's span (each query sees its last `window`
+        positions, itself included; table entries wholly before it are never read)."""
         inputs = self._inputs(meta, k_cache.shape[2], q.device)
         if inputs.slot_mapping is not None:
             write_kv(k_cache, v_cache, k, v, inputs.slot_mapping)
         out = torch.empty_like(q)
         if inputs.prefill is not None:
-            prefill_attention(q, k, v, k_cache, v_cache, out, inputs.prefill, scale)
+            prefill_attention(q, k, v, k_cache, v_cache, out, inputs.prefill, scale, window=window)
         if inputs.decode is not None:
             d = inputs.decode
             paged_decode(
-                q, k_cache, v_cache, out, d.query_index, d.block_tables, d.context_lens, scale, num_splits=d.num_splits
+                q, k_cache, v_cache, out, d.query_index, d.block_tables, d.context_lens, scale, num_splits=d.num_splits,
+                window=window,
             )
         return out

@@ -17,8 +17,8 @@ its model loaders):
   [channels, kernel]; `ssm_dt.bias` is dt_bias. qwen35 (not qwen3next) stores the value heads
   of every DeltaNet tensor in "tiled" order (value head j of key group g at j * groups + g)
   where HF groups them by key head (g * per_group + j); qwen3next splits in_proj_qkvz into
-  `attn_qkv` (q, k, v blocks) and `attn_gate` (z). The trailing `nextn_predict_layers`
-  blocks are a multi-token-prediction head (a draft model), which no answer reads.
+  `attn_qkv` (the q, k, v parts) and `attn_gate` (z). The trailing `nextn_predict_layers`
+  layers are a multi-token-prediction head (a draft model), which no answer reads.
 """
 
 from __future__ import annotations
@@ -80,13 +80,8 @@ HYBRIDS = ("qwen35", "qwen3next")
 _ONE_PLUS_NORMS = ("gemma3",) + HYBRIDS
 
 
-def architectures() -> tuple[str, ...]:
-    """The GGUF architectures whose tensors this module names."""
-    return tuple(_LAYER_NAMES)
-
-
 def mtp_layers(reader: GgufFile, arch: str) -> int:
-    """How many trailing blocks are a multi-token-prediction head (left out)."""
+    """How many trailing layers are a multi-token-prediction head (left out)."""
     return int(reader.field(f"{arch}.nextn_predict_layers", 0) or 0)
 
 
@@ -95,7 +90,7 @@ def trunk_layers(reader: GgufFile, arch: str) -> int:
 
 
 def hf_name(arch: str, gguf_name: str, layers: int | None = None) -> str | None:
-    """The HF name of a GGUF tensor; None for a block past `layers` (a multi-token-
+    """The HF name of a GGUF tensor; None for a layer past `layers` (a multi-token-
     prediction head, left out). Refused in one line for a tensor no HF model holds."""
     names = _LAYER_NAMES.get(arch, _LAYER)
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
@@ -109,6 +104,20 @@ def hf_name(arch: str, gguf_name: str, layers: int | None = None) -> str | None:
     if gguf_name not in _GLOBAL:
         raise UnsupportedCheckpoint(f"GGUF architecture {arch!r}: tensor {gguf_name} is not supported")
     return _GLOBAL[gguf_name]
+
+
+def check_layer_kinds(reader: GgufFile, arch: str, names: set[str | None]) -> None:
+    """A hybrid's DeltaNet tensors only in its DeltaNet layers (those with `ssm_a`): a fused
+    attn_qkv in a full-attention layer is refused in one line, not read as a DeltaNet's."""
+    if arch not in HYBRIDS:
+        return
+    layers = trunk_layers(reader, arch)
+    linear = {i for i, kind in enumerate(_layer_types(reader, arch, layers)) if kind == "linear_attention"}
+    for name in names:
+        m = re.fullmatch(r"model\.layers\.(\d+)\.linear_attn\..+", name or "")
+        if m and int(m.group(1)) not in linear:
+            raise UnsupportedCheckpoint(f"GGUF architecture {arch!r}: layer {m.group(1)} is a full-attention layer "
+                                        f"but holds {name.rsplit('.', 2)[-2]} (a fused q/k/v is not supported there)")
 
 
 # --- tensors ---------------------------------------------------------------------------
@@ -169,7 +178,7 @@ def fuse_experts(weights: dict[str, Any], layers: int, cat: Callable[[list[Any],
 
 
 def regroup_qkvz(reader: GgufFile, arch: str, weights: dict[str, Any], cat: Callable[[list[Any], int], Any]) -> None:
-    """qwen3next: `in_proj_qkv` (q, k, v blocks) and `in_proj_z` back into HF's in_proj_qkvz,
+    """qwen3next: `in_proj_qkv` (the q, k, v parts) and `in_proj_z` back into HF's in_proj_qkvz,
     whose rows are grouped by key head (each group's q, k, v, z together). In place."""
     get = lambda k: int(reader.field(f"{arch}.{k}"))  # noqa: E731
     groups, k_dim = get("ssm.group_count"), get("ssm.state_size")

@@ -196,9 +196,9 @@ def rotary_heads(reader: GgufFile, name: str) -> int | None:
     return n_heads if "q_proj" in name else int(reader.field(f"{arch}.attention.head_count_kv", n_heads))
 
 
-def _expert_blocks(t: GgufTensor) -> GgmlQuants | None:
-    """A 3-D expert tensor [E, N, K] in blocks as one weight of E x N rows (expert e's rows
-    at e N .. (e + 1) N - 1); None for a type the kernel does not read."""
+def _expert_quants(t: GgufTensor) -> GgmlQuants | None:
+    """A 3-D expert tensor [E, N, K] in its quants as one weight of E x N rows (expert e's
+    rows at e N .. (e + 1) N - 1); None for a type the kernel does not read."""
     experts, rows = int(t.shape[2]), int(t.shape[1])
     return GgmlQuants.from_gguf(t.tensor_type.name, np.asarray(t.data).reshape(experts * rows, -1), experts * rows)
 
@@ -223,14 +223,14 @@ def gguf_blocks(reader: GgufFile) -> dict[str, GgmlQuants]:
         quantized = sum(t.tensor_type.name not in ("F32", "F16", "BF16") for t in reader.tensors)
         if quantized:
             logger.info("%s: %d quantized tensors served from their float32 expansion (the hybrid layers read no "
-                        "GGUF blocks)", arch, quantized)
+                        "GGUF quants)", arch, quantized)
         return {}
     layers = gguf_arch.trunk_layers(reader, arch) if arch not in _LLAMA_LIKE else None
     out: dict[str, GgmlQuants] = {}
     for t in reader.tensors:
         if len(t.shape) == 3:
             name = hf_name(t.name, arch, layers)
-            if name is not None and (blocks := _expert_blocks(t)) is not None:
+            if name is not None and (blocks := _expert_quants(t)) is not None:
                 out[name] = blocks
             continue
         if len(t.shape) != 2:
@@ -272,6 +272,7 @@ def check_gguf(reader: GgufFile) -> None:
         return
     layers = gguf_arch.trunk_layers(reader, arch)
     names = {hf_name(t.name, arch, layers) for t in reader.tensors}
+    gguf_arch.check_layer_kinds(reader, arch, names)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise UnsupportedCheckpoint(f"GGUF architecture {arch!r}: the file has no token_embd.weight")

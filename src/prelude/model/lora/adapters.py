@@ -2,9 +2,10 @@
 the per-forward delta of every row's own adapter.
 
 An adapter (PEFT's `adapter_config.json` + `adapter_model.safetensors`) adds
-`scaling * B (A x)` to some of q/k/v/o/gate/up/down. Prelude fuses q/k/v and gate/up into
-one projection each, so the delta of a fused projection is the concatenation of its
-targets' deltas: its slot holds the targets' A side by side ([in, k R]) and their B as a
+`scaling * B (A x)` to some of q/k/v/o/gate/up/down (a hybrid model's layers also to
+their linear-attention projections: which projections of which layer, layout.py). Prelude
+fuses q/k/v and gate/up into one projection each, so the delta of a fused projection is
+the concatenation of its targets' deltas: its slot holds the targets' A side by side ([in, k R]) and their B as a
 block diagonal ([k R, out]), so one shrink and one expand serve the fused projection.
 
 Resident adapters sit in `LoraSlots`: for each layer and fused projection, A as
@@ -46,6 +47,7 @@ import torch
 
 from prelude.config import ModelConfig
 from prelude.model.layers.decoder_segments import PreAttention, Linear, PostAttention, linear
+from prelude.model.lora.layout import LoraLayout, LoraProjection, layout_of
 from prelude.model.layers.linear import bound_onednn_caches, prepack_enabled
 from prelude.kernels.cpu.lora_cpu import CPU_KERNEL_DTYPES, SlotOperands, StreamLayout, load_lora_kernel
 
@@ -62,7 +64,8 @@ FUSED: dict[str, tuple[str, ...]] = {
 # Sequence-classification heads a PEFT adapter may carry in `modules_to_save`.
 HEAD_MODULES = ("score", "classifier")
 DENSE_MAX_TOKENS = 32  # CPU forwards of at most this many tokens take the masked all-slots path
-_LORA_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# A module's tensors: its layer, its path under the layer (`self_attn.q_proj`), A or B
+_LORA_KEY = re.compile(r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])\.weight$")
 
 
 class LoraError(ValueError):
@@ -123,18 +126,22 @@ def _read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Load and check a PEFT LoRA adapter; LoraError says what does not fit."""
+def read_adapter(name: str, path: str | Path, config: ModelConfig | LoraLayout, max_rank: int) -> LoraAdapter:
+    """Load and check a PEFT LoRA adapter against the base (its config: the dense trunk's
+    layout; or the model's own layout); LoraError says what does not fit."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    layout = layout_of(config)
+    supported = layout.target_names()
     path = Path(path).expanduser()
     cfg = _read_config(path)
     targets = cfg.get("target_modules") or []
     if isinstance(targets, list):
-        unknown = sorted(set(map(str, targets)) - set(TARGETS))
+        # a name or a path's tail (`shared_expert.gate_proj`), as PEFT matches them
+        unknown = sorted(t for t in map(str, targets) if t.rsplit(".", 1)[-1] not in supported)
         if unknown:
-            raise LoraError(f"unknown target module(s) {', '.join(unknown)}; supported: {', '.join(TARGETS)}")
+            raise LoraError(f"unknown target module(s) {', '.join(unknown)}; supported: {', '.join(supported)}")
     try:
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
     except (SafetensorError, OSError) as e:
@@ -143,14 +150,14 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
         raise LoraError(f"lora_alpha must be a positive finite number, got {alpha!r}")
     rslora = bool(cfg.get("use_rslora", False))
-    shapes = _shapes(config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    places: dict[tuple[int, str], tuple[LoraProjection, int]] = {}
     head = None
     for key, t in tensors.items():
         m = _LORA_KEY.search(key)
-        if m is None and (".experts." in key or ".shared_expert" in key):
-            raise LoraError(f"tensor {key!r} adapts a mixture-of-experts MLP, which is not supported "
-                            "(adapters on the attention projections are)")
+        if m is None and ".experts." in key:
+            raise LoraError(f"tensor {key!r} adapts a mixture-of-experts MLP's experts, which is not supported "
+                            f"(supported: {', '.join(supported)})")
         if m is None:
             module = key.split(".")[-2] if key.count(".") else key
             if module in HEAD_MODULES and key.endswith(".weight"):
@@ -158,15 +165,21 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
                 continue
             if module in HEAD_MODULES and key.endswith(".bias"):
                 raise LoraError(f"a {module} head with a bias is not supported")
-            raise LoraError(f"unknown tensor {key!r}: adapters may target {', '.join(TARGETS)} only")
-        layer, target, side = int(m.group(1)), m.group(2), m.group(3)
-        if target not in shapes:
-            raise LoraError(f"unknown target module {target!r}; supported: {', '.join(TARGETS)}")
-        if layer >= config.num_hidden_layers:
-            raise LoraError(f"tensor {key!r} is for layer {layer}; the base has {config.num_hidden_layers}")
-        if layer in config.expert_layers and target in FUSED["gate_up"] + FUSED["down"]:
-            raise LoraError(f"tensor {key!r}: layer {layer}'s MLP is a mixture of experts, which adapters may not "
-                            "target (adapters on the attention projections are supported)")
+            raise LoraError(f"unknown tensor {key!r}: adapters may target {', '.join(supported)} only")
+        layer, module_path, side = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= layout.num_layers:
+            raise LoraError(f"tensor {key!r} is for layer {layer}; the base has {layout.num_layers}")
+        found = layout.find(layer, module_path)
+        if found is None:
+            if ".experts." in f".{module_path}." or (layer in layout.expert_layers and module_path.startswith("mlp.")):
+                raise LoraError(f"tensor {key!r}: layer {layer}'s MLP is a mixture-of-experts, whose experts adapters "
+                                f"may not target (supported: {', '.join(supported)})")
+            if module_path.rsplit(".", 1)[-1] in supported:
+                raise LoraError(f"tensor {key!r}: layer {layer} has no module {module_path!r}")
+            raise LoraError(f"unknown target module {module_path!r}; supported: {', '.join(supported)}")
+        proj, j = found
+        target = proj.targets[j].name
+        places[(layer, target)] = found
         halves.setdefault((layer, target), {})[side] = t.float()
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     rank = 0
@@ -174,7 +187,8 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         if set(ab) != {"A", "B"}:
             raise LoraError(f"layer {layer} {target} has lora_{''.join(ab)} only")
         a, b = ab["A"], ab["B"]
-        fan_in, fan_out = shapes[target]
+        proj, j = places[(layer, target)]
+        fan_in, fan_out, order = proj.fan_in, proj.targets[j].fan_out, proj.targets[j].order
         r = a.shape[0] if a.dim() == 2 else 0
         if r < 1 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
             raise LoraError(f"layer {layer} {target}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
@@ -182,10 +196,13 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         if r > max_rank:
             raise LoraError(f"rank {r} is over --max-lora-rank {max_rank}")
         scaling = alpha / (math.sqrt(r) if rslora else r)
+        if order is not None:  # B's rows in the order the base's projection keeps them
+            b = b.index_select(0, order)
         weights[(layer, target)] = (a.contiguous(), (b * scaling).contiguous())
         rank = max(rank, r)
-    if head is not None and (head.dim() != 2 or head.shape[1] != config.hidden_size):
-        raise LoraError(f"the adapter's head {tuple(head.shape)} does not fit hidden size {config.hidden_size}")
+    hidden = layout.hidden_size
+    if head is not None and (head.dim() != 2 or head.shape[1] != hidden):
+        raise LoraError(f"the adapter's head {tuple(head.shape)} does not fit hidden size {hidden}")
     if not weights and head is None:
         raise LoraError(f"adapter {str(path)!r} holds no LoRA weights")
     labels = _head_labels(cfg, head)
@@ -202,38 +219,53 @@ def _head_labels(cfg: dict[str, Any], head: torch.Tensor | None) -> tuple[str, .
 
 
 def _pieces(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
-    """Per fused projection: its input size and its targets' output sizes."""
+    """Per fused projection of a dense trunk's layer: its input size and its targets' output sizes."""
     shapes = _shapes(config)
     return {p: (shapes[ts[0]][0], [shapes[t][1] for t in ts]) for p, ts in FUSED.items()}
 
 
-def _stream_layouts(pieces: dict[str, tuple[int, list[int]]], max_rank: int,
-                    dtype: torch.dtype) -> dict[str, StreamLayout] | None:
-    """Every fused projection's StreamLayout, or None where the C kernels take row-major
+def _layer_pieces(layout: LoraLayout) -> list[dict[str, tuple[int, list[int]]]]:
+    """Per layer and projection: its input size and its targets' output sizes."""
+    return [{p.name: (p.fan_in, p.outs) for p in layer} for layer in layout.layers]
+
+
+def _stream_layouts(pieces: list[dict[str, tuple[int, list[int]]]], max_rank: int,
+                    dtype: torch.dtype) -> dict[tuple[int, str], StreamLayout] | None:
+    """Every layer's projections' StreamLayout, or None where the C kernels take row-major
     slots (the kernel built without AVX512-BF16, float32, or a projection too wide)."""
     kernel = load_lora_kernel()
     if kernel is None:
         return None
-    layouts = {p: kernel.stream_layout(dtype, fan_in, len(outs) * max_rank,
-                                       [sum(outs[:j]) for j in range(len(outs) + 1)])
-               for p, (fan_in, outs) in pieces.items()}
-    return None if any(layout is None for layout in layouts.values()) else layouts  # type: ignore[return-value]
+    by_shape: dict[tuple[int, tuple[int, ...]], StreamLayout | None] = {}
+    layouts: dict[tuple[int, str], StreamLayout] = {}
+    for layer, projections in enumerate(pieces):
+        for p, (fan_in, outs) in projections.items():
+            key = (fan_in, tuple(outs))
+            if key not in by_shape:
+                by_shape[key] = kernel.stream_layout(dtype, fan_in, len(outs) * max_rank,
+                                                     [sum(outs[:j]) for j in range(len(outs) + 1)])
+            found = by_shape[key]
+            if found is None:
+                return None
+            layouts[(layer, p)] = found
+    return layouts
 
 
 class LoraSlots:
     """`num_slots` resident adapters' stacked A/B per layer and fused projection (device
-    memory the executor owns; `nbytes` is counted in its budget)."""
+    memory the executor owns; `nbytes` is counted in its budget). `config`: a dense
+    trunk's (dense_layout), or the model's own LoraLayout."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig | LoraLayout, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         if num_slots < 1 or max_rank < 1:
             raise ValueError("LoRA needs at least one slot and a rank of at least 1")
-        self.config = config
+        self.layout = layout_of(config)
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = torch.device(device)
-        self._pieces = _pieces(config)
+        self._pieces = _layer_pieces(self.layout)
         self.heads: list[torch.Tensor | None] = [None] * num_slots
         # The all-slots path's operands reordered once for oneDNN (as model/layers/linear.py's
         # Projection does for decode-sized calls): unpacked, these small bf16 matmuls cost
@@ -242,10 +274,10 @@ class LoraSlots:
         self.kernel = load_lora_kernel() if self.device.type == "cpu" and dtype in CPU_KERNEL_DTYPES else None
         self.prepack = self.kernel is None and prepack_enabled(dtype, self.device)
         self._packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        # Each fused projection's target column bounds (B is block diagonal): the C kernel
-        # reads only the nonzero blocks (q/k/v: a third of B, gate/up: half).
-        self.columns = {p: torch.tensor([sum(outs[:j]) for j in range(len(outs) + 1)], dtype=torch.int32)
-                        for p, (_, outs) in self._pieces.items()}
+        # Each projection's target column bounds (B is block diagonal): the C kernel reads
+        # only the nonzero blocks (q/k/v: a third of B, gate/up: half).
+        self.columns = {(layer, p): torch.tensor([sum(outs[:j]) for j in range(len(outs) + 1)], dtype=torch.int32)
+                        for layer, projections in enumerate(self._pieces) for p, (_, outs) in projections.items()}
         # The slots, either way the kernels read them:
         # - on an AVX512-BF16 CPU in bf16, only in the C kernels' StreamLayout, streams[(layer,
         #   proj)] [S, stride] (each token's A and B one sequential stream; B's zero blocks
@@ -256,49 +288,55 @@ class LoraSlots:
         self.streams: dict[tuple[int, str], tuple[StreamLayout, torch.Tensor]] = {}
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
-        for layer in range(config.num_hidden_layers):
-            if layouts is not None:
-                for p, layout in layouts.items():
-                    self.streams[(layer, p)] = (layout, torch.zeros(num_slots, layout.stride, dtype=dtype))
-                continue
-            a, b = {}, {}
-            for p, (fan_in, outs) in self._pieces.items():
-                width = len(outs) * max_rank
-                a[p] = torch.zeros(num_slots, fan_in, width, dtype=dtype, device=self.device)
-                b[p] = torch.zeros(num_slots, width, sum(outs), dtype=dtype, device=self.device)
-            self.a.append(a)
-            self.b.append(b)
+        if layouts is not None:
+            for key, layout in layouts.items():
+                self.streams[key] = (layout, torch.zeros(num_slots, layout.stride, dtype=dtype))
+        else:
+            for projections in self._pieces:
+                a, b = {}, {}
+                for p, (fan_in, outs) in projections.items():
+                    width = len(outs) * max_rank
+                    a[p] = torch.zeros(num_slots, fan_in, width, dtype=dtype, device=self.device)
+                    b[p] = torch.zeros(num_slots, width, sum(outs), dtype=dtype, device=self.device)
+                self.a.append(a)
+                self.b.append(b)
         # What the kernel's calls pass, per layer and projection (None where it does not fit).
         self.operands: dict[tuple[int, str], SlotOperands | None] = {}
         if self.kernel is not None:
-            for layer in range(config.num_hidden_layers):
-                for p in self._pieces:
+            for layer, projections in enumerate(self._pieces):
+                for p in projections:
                     if self.streams:
                         layout, streams = self.streams[(layer, p)]
-                        self.operands[(layer, p)] = self.kernel.stream_operands(layout, streams, self.columns[p])
+                        self.operands[(layer, p)] = self.kernel.stream_operands(layout, streams,
+                                                                                self.columns[(layer, p)])
                     else:
                         self.operands[(layer, p)] = self.kernel.operands(self.a[layer][p], self.b[layer][p],
-                                                                         self.columns[p])
+                                                                         self.columns[(layer, p)])
 
     @property
     def nbytes(self) -> int:
-        return LoraSlots.bytes_for(self.config, self.num_slots, self.max_rank, self.dtype, self.device)
+        return LoraSlots.bytes_for(self.layout, self.num_slots, self.max_rank, self.dtype, self.device)
+
+    def holds(self, layer: int, proj: str) -> bool:
+        """Whether adapters may target projection `proj` of `layer`."""
+        return proj in self._pieces[layer]
 
     @staticmethod
-    def bytes_for(config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
+    def bytes_for(config: ModelConfig | LoraLayout, num_slots: int, max_rank: int, dtype: torch.dtype,
                   device: torch.device | str = "cpu") -> int:
         """Device bytes of a LoraSlots, before building one (the memory budget): the slots,
         and their oneDNN copies where the CPU prepacks."""
-        pieces = _pieces(config)
+        pieces = _layer_pieces(layout_of(config))
         device = torch.device(device)
         kernel = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and load_lora_kernel() is not None
         layouts = _stream_layouts(pieces, max_rank, dtype) if kernel else None
         if layouts is not None:
-            per_layer = sum(layout.stride for layout in layouts.values())
+            total = sum(layout.stride for layout in layouts.values())
         else:
             copies = 2 if not kernel and prepack_enabled(dtype, device) else 1
-            per_layer = copies * sum(len(outs) * max_rank * (fan_in + sum(outs)) for fan_in, outs in pieces.values())
-        return per_layer * config.num_hidden_layers * num_slots * dtype.itemsize
+            total = copies * sum(len(outs) * max_rank * (fan_in + sum(outs))
+                                 for projections in pieces for fan_in, outs in projections.values())
+        return total * num_slots * dtype.itemsize
 
     def row_major(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A projection's slots as A [S, in, k R] and block-diagonal B [S, k R, out]: the
@@ -332,9 +370,9 @@ class LoraSlots:
         r = self.max_rank
         staged: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # row-major, for the streams
         for (layer, target), (a, b) in adapter.weights.items():
-            proj = next(p for p, ts in FUSED.items() if target in ts)
-            j = FUSED[proj].index(target)
-            fan_in, outs = self._pieces[proj]
+            projection, j = self.layout.place(layer, target)
+            proj = projection.name
+            fan_in, outs = self._pieces[layer][proj]
             off = sum(outs[:j])
             rank = a.shape[0]
             if self.streams:
@@ -483,6 +521,12 @@ class LoraStep:
 
     slots: LoraSlots
     batch: LoraBatch
+
+    def linear(self, layer: int, proj: str, base: Linear) -> Linear:
+        """`base` plus the adapters' delta where they may target `proj` of `layer` (else `base`)."""
+        if not self.slots.holds(layer, proj):
+            return base
+        return LoraLinear(base, None, self.slots, layer, proj, self.batch)
 
     def pre_attention(self, layer: int, w: PreAttention) -> PreAttention:
         return w._replace(qkv=LoraLinear(w.qkv, w.qkv_bias, self.slots, layer, "qkv", self.batch), qkv_bias=None)
