@@ -4,7 +4,11 @@ RMSNorm and the output projection.
 
 The layer's state per sequence is (conv inputs [C, K - 1] in the model dtype, recurrent
 state [Hv, dk, dv] float32), kept in a slot of the state pool (StateRows says which);
-OneShot rows (slot -1) run on a zero state that is dropped after the forward.
+OneShot rows (slot -1) run on a zero state in the step's scratch, dropped after the forward.
+
+On the CPU the conv and the delta rule run as one C call each over all the step's rows
+(kernels/cpu/delta_rule.py), from a row table (RowPlan) built once per forward; without
+the C kernel, row by row in torch (delta_rule.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prelude.kernels.cpu.delta_rule import DeltaRuleKernels, load_delta_rule
 from prelude.model.attention.metadata import StateRows
 from prelude.model.layers.delta_rule import (
     causal_conv,
@@ -56,6 +61,55 @@ class DeltaNetShape:
         return conv[0] * conv[1] * dtype.itemsize + rec[0] * rec[1] * rec[2] * 4
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """The step's rows as the C kernels take them, built once per forward and shared by its
+    linear layers: `table` int64 [n, 4] (start, length, dst, src), places as in
+    kernels/cpu/delta_rule.py (slot >= 0, scratch -2 - i, zero state -1); `taps` int64
+    [m, 2] (token, scratch place) or None; the scratch states, reused layer after layer
+    (a OneShot row's state, a packed item's, a tapped state: each dropped after its layer)."""
+
+    table: torch.Tensor
+    taps: torch.Tensor | None
+    conv_scratch: torch.Tensor
+    rec_scratch: torch.Tensor
+    tap_places: slice  # the tapped states' entries of the scratch
+
+
+def plan_rows(rows: StateRows, shape: DeltaNetShape, dtype: torch.dtype, pool: bool) -> RowPlan:
+    """`rows` as one table: a row whose slot is kept (`pool`: the step has state slots)
+    continues it in place (from zeros when fresh); any other row runs on a scratch state
+    from zeros; each packed item on a scratch state copied from its shared part's end.
+    Rows in token order (the kernels' taps follow it)."""
+    table: list[tuple[int, int, int, int]] = []
+    scratch = 0
+    for row in rows.rows:
+        kept = row.slot >= 0 and pool
+        if kept:
+            dst = row.slot
+        else:
+            dst, scratch = -2 - scratch, scratch + 1
+        shared = row.length - sum(row.items)
+        table.append((row.start, shared, dst, -1 if row.fresh or not kept else dst))
+        at = row.start + shared
+        for n in row.items:  # each item continues the shared part's state on its own
+            table.append((at, n, -2 - scratch, dst))
+            scratch += 1
+            at += n
+    if pool and rows.step_tokens is not None and rows.step_slots is not None:
+        table.extend((t, 1, s, s) for t, s in zip(rows.step_tokens.tolist(), rows.step_slots.tolist()))
+    table.sort(key=lambda r: r[0])  # stable: an item stays after its shared part
+    taps = None
+    first_tap = scratch
+    if rows.taps:
+        taps = torch.tensor([(t, -2 - (first_tap + i)) for i, t in enumerate(rows.taps)], dtype=torch.int64)
+        scratch += len(rows.taps)
+    conv, rec = shape.state_shapes()
+    return RowPlan(torch.tensor(table, dtype=torch.int64).reshape(-1, 4), taps,
+                   torch.empty((scratch, *conv), dtype=dtype), torch.empty((scratch, *rec), dtype=torch.float32),
+                   slice(first_tap, scratch))
+
+
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x over its last dim (float32, scaled in the model dtype), times silu(gate)."""
     xf = x.float()
@@ -77,15 +131,51 @@ class GatedDeltaNet:
         self.out_proj = out_proj
 
     def forward(self, x: torch.Tensor, rows: StateRows, conv_states: torch.Tensor | None,
-                rec_states: torch.Tensor | None) -> torch.Tensor:
+                rec_states: torch.Tensor | None, plan: RowPlan | None = None) -> torch.Tensor:
         """x: the normed residual stream [T, hidden] -> the layer's output [T, hidden]; the
-        slots of `rows` in conv_states [S, C, K - 1] and rec_states [S, Hv, dk, dv] advance."""
+        slots of `rows` in conv_states [S, C, K - 1] and rec_states [S, Hv, dk, dv] advance.
+        `plan`: the forward's row table (built here when not given)."""
         s = self.shape
         proj = self.in_proj(x)
         mixed, z, b, a = proj.split([s.conv_channels, s.value_size, s.num_v_heads, s.num_v_heads], dim=-1)
-        beta = b.sigmoid()
         g = self.neg_a * F.softplus(a.float() + self.dt_bias.float())  # log decay per token and value head
-        out = x.new_empty(x.shape[0], s.num_v_heads, s.v_dim)
+        kernels = self.kernels_for(x)
+        if kernels is not None:
+            pool = conv_states is not None and rec_states is not None and conv_states.shape[0] > 0
+            plan = plan if plan is not None else plan_rows(rows, s, x.dtype, pool)
+            out = self._run_rows(kernels, plan, mixed, g, b.sigmoid().float(), conv_states if pool else None,
+                                 rec_states if pool else None)
+            if rows.taps:
+                rows.tapped.append((plan.conv_scratch[plan.tap_places].clone(),
+                                    plan.rec_scratch[plan.tap_places].clone()))
+        else:
+            out = self._torch_rows(rows, mixed, g, b.sigmoid(), conv_states, rec_states)
+        normed = gated_rms_norm(out, self.norm, z.reshape(-1, s.num_v_heads, s.v_dim), s.eps)
+        return self.out_proj(normed.reshape(x.shape[0], s.value_size))
+
+    def kernels_for(self, x: torch.Tensor) -> DeltaRuleKernels | None:
+        """The C kernels where they take x (float32/bf16 on the CPU, head dims they hold)."""
+        s = self.shape
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or s.k_dim > 256 \
+                or not 2 <= s.conv_kernel <= 8 or self.conv_weight.dtype != x.dtype:
+            return None
+        return load_delta_rule()
+
+    def _run_rows(self, kernels: DeltaRuleKernels, plan: RowPlan, mixed: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, conv_states: torch.Tensor | None,
+                  rec_states: torch.Tensor | None) -> torch.Tensor:
+        """Every row of the plan: one conv call, one delta-rule call. [T, Hv, dv]."""
+        s = self.shape
+        conv_out = kernels.conv(mixed, self.conv_weight, plan.table, conv_states, plan.conv_scratch, plan.taps)
+        q, k, v = self._split(conv_out)
+        return kernels.delta_rule(q, k, v, g, beta, plan.table, rec_states, plan.rec_scratch, s.k_dim**-0.5,
+                                  plan.taps)
+
+    def _torch_rows(self, rows: StateRows, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    conv_states: torch.Tensor | None, rec_states: torch.Tensor | None) -> torch.Tensor:
+        """The rows one by one in torch (the decode rows as one batch). [T, Hv, dv]."""
+        s = self.shape
+        out = mixed.new_empty(mixed.shape[0], s.num_v_heads, s.v_dim)
         for row in rows.rows:
             kept = row.slot >= 0 and conv_states is not None and rec_states is not None
             conv_in = None if row.fresh or not kept else conv_states[row.slot]  # type: ignore[index]
@@ -109,8 +199,7 @@ class GatedDeltaNet:
             out.index_copy_(0, idx, o)
             conv_states.index_copy_(0, slots, conv)
             rec_states.index_copy_(0, slots, rec)
-        normed = gated_rms_norm(out, self.norm, z.reshape(-1, s.num_v_heads, s.v_dim), s.eps)
-        return self.out_proj(normed.reshape(x.shape[0], s.value_size))
+        return out
 
     def _run(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, out: torch.Tensor, start: int,
              length: int, conv_in: torch.Tensor | None, rec_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
