@@ -277,8 +277,8 @@ class HybridDecoder(DecoderHeads):
             x = rms_norm_one_plus(h, layer.input_norm, eps)
             if isinstance(layer.mixer, GatedDeltaNet):
                 conv, rec = (first, second) if first.numel() else (None, None)
-                if plan is None and layer.mixer.kernels_for(x) is not None:
-                    plan = plan_rows(states, layer.mixer.shape, x.dtype, conv is not None)
+                if plan is None and layer.mixer.uses_plan(x):
+                    plan = plan_rows(states, layer.mixer.shape, x.dtype, conv is not None, x.device)
                 h = h + layer.mixer.forward(x, states, conv, rec, plan)
             else:
                 h = h + layer.mixer.forward(x, cos, sin, self.attention, first, second, meta)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from prelude.kernels.cpu.delta_rule import DeltaRuleKernels, load_delta_rule
 from prelude.model.attention.metadata import StateRows
+from prelude.model.layers import delta_varlen
 from prelude.model.layers.delta_rule import (
     causal_conv,
     causal_conv_step,
@@ -76,7 +77,8 @@ class RowPlan:
     tap_places: slice  # the tapped states' entries of the scratch
 
 
-def plan_rows(rows: StateRows, shape: DeltaNetShape, dtype: torch.dtype, pool: bool) -> RowPlan:
+def plan_rows(rows: StateRows, shape: DeltaNetShape, dtype: torch.dtype, pool: bool,
+              device: torch.device | str = "cpu") -> RowPlan:
     """`rows` as one table: a row whose slot is kept (`pool`: the step has state slots)
     continues it in place (from zeros when fresh); any other row runs on a scratch state
     from zeros; each packed item on a scratch state copied from its shared part's end.
@@ -106,7 +108,8 @@ def plan_rows(rows: StateRows, shape: DeltaNetShape, dtype: torch.dtype, pool: b
         scratch += len(rows.taps)
     conv, rec = shape.state_shapes()
     return RowPlan(torch.tensor(table, dtype=torch.int64).reshape(-1, 4), taps,
-                   torch.empty((scratch, *conv), dtype=dtype), torch.empty((scratch, *rec), dtype=torch.float32),
+                   torch.empty((scratch, *conv), dtype=dtype, device=device),
+                   torch.empty((scratch, *rec), dtype=torch.float32, device=device),
                    slice(first_tap, scratch))
 
 
@@ -140,11 +143,17 @@ class GatedDeltaNet:
         mixed, z, b, a = proj.split([s.conv_channels, s.value_size, s.num_v_heads, s.num_v_heads], dim=-1)
         g = self.neg_a * F.softplus(a.float() + self.dt_bias.float())  # log decay per token and value head
         kernels = self.kernels_for(x)
-        if kernels is not None:
+        rule = None if kernels is not None else self.varlen_rule(x)
+        if kernels is not None or rule is not None:
             pool = conv_states is not None and rec_states is not None and conv_states.shape[0] > 0
-            plan = plan if plan is not None else plan_rows(rows, s, x.dtype, pool)
-            out = self._run_rows(kernels, plan, mixed, g, b.sigmoid().float(), conv_states if pool else None,
-                                 rec_states if pool else None)
+            plan = plan if plan is not None else plan_rows(rows, s, x.dtype, pool, x.device)
+            conv_pool, rec_pool = (conv_states, rec_states) if pool else (None, None)
+            if kernels is not None:
+                out = self._run_rows(kernels, plan, mixed, g, b.sigmoid().float(), conv_pool, rec_pool)
+            else:
+                if rows.taps:
+                    raise ValueError("state taps are computed by the CPU kernel only")
+                out = self.run_varlen(rule, plan, mixed, g, b.sigmoid(), conv_pool, rec_pool)  # type: ignore[arg-type]
             if rows.taps:
                 rows.tapped.append((plan.conv_scratch[plan.tap_places].clone(),
                                     plan.rec_scratch[plan.tap_places].clone()))
@@ -161,6 +170,27 @@ class GatedDeltaNet:
             return None
         return load_delta_rule()
 
+    def uses_plan(self, x: torch.Tensor) -> bool:
+        """Whether the layer takes the step's rows as one table (RowPlan) for x."""
+        return self.kernels_for(x) is not None or self.varlen_rule(x) is not None
+
+    def varlen_rule(self, x: torch.Tensor) -> delta_varlen.VarlenDeltaRule | None:
+        """flash-linear-attention's kernels on CUDA where installed, else None."""
+        return delta_varlen.fla_delta_rule if delta_varlen.fla_available(x.device) else None
+
+    def run_varlen(self, rule: delta_varlen.VarlenDeltaRule, plan: RowPlan, mixed: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, conv_states: torch.Tensor | None,
+                   rec_states: torch.Tensor | None) -> torch.Tensor:
+        """Every row of the plan through varlen kernels (`rule`), a wave at a time. [T, Hv, dv]."""
+        s = self.shape
+        conv_out = torch.empty_like(mixed, memory_format=torch.contiguous_format)
+        out = mixed.new_empty(mixed.shape[0], s.num_v_heads, s.v_dim)
+        for wave in delta_varlen.waves(plan.table, mixed.device):
+            delta_varlen.conv_wave(wave, mixed, self.conv_weight, conv_states, plan.conv_scratch, conv_out)
+            q, k, v = self._split(conv_out)
+            delta_varlen.delta_wave(wave, q, k, v, g, beta, rec_states, plan.rec_scratch, s.k_dim**-0.5, rule, out)
+        return out
+
     def _run_rows(self, kernels: DeltaRuleKernels, plan: RowPlan, mixed: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, conv_states: torch.Tensor | None,
                   rec_states: torch.Tensor | None) -> torch.Tensor:
@@ -175,6 +205,8 @@ class GatedDeltaNet:
                     conv_states: torch.Tensor | None, rec_states: torch.Tensor | None) -> torch.Tensor:
         """The rows one by one in torch (the decode rows as one batch). [T, Hv, dv]."""
         s = self.shape
+        if rows.taps:
+            raise ValueError("state taps are computed by the C kernel only (PRELUDE_DELTA_RULE=0 turns it off)")
         out = mixed.new_empty(mixed.shape[0], s.num_v_heads, s.v_dim)
         for row in rows.rows:
             kept = row.slot >= 0 and conv_states is not None and rec_states is not None
