@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -9,11 +10,13 @@ from fastapi.testclient import TestClient
 from prelude.bench.peers.launch import (
     AVX2_CAP_SHIM,
     COMPLETIONS,
+    TORCHVISION_STANDIN,
     EMBEDDINGS,
     PeerOptions,
     PeerUnavailable,
     avx2_cap_env,
     peer_spec,
+    vllm_env,
 )
 from prelude.kernels.cpu import native_lib
 from prelude.model.loading.files import default_model_path_or_none
@@ -29,6 +32,10 @@ def test_peer_specs_and_unavailable_peers_say_why() -> None:
     assert spec.cold_env == (("PRELUDE_CACHE_DIR", "{tmp}"),)
     extra = peer_spec("prelude", 1234, PeerOptions(prelude_args=("--compile", "background")))
     assert extra.command[-2:] == ("--compile", "background")
+    other = peer_spec("prelude", 1234, PeerOptions(model_dir="/m/gemma-3-1b", served_model_name="gemma-3-1b"))
+    at = other.command.index("--model")
+    assert other.command[at:at + 4] == ("--model", "/m/gemma-3-1b", "--served-model-name", "gemma-3-1b")
+    assert other.model == "gemma-3-1b" and spec.model == "SmolLM2-135M-Instruct"
     with pytest.raises(PeerUnavailable, match="unknown peer"):
         peer_spec("vllm-gpu", 1234, PeerOptions())
     with pytest.raises(PeerUnavailable, match="own venv"):
@@ -57,6 +64,25 @@ def test_the_avx2_cap_reaches_a_python_peer(monkeypatch: pytest.MonkeyPatch) -> 
     done = subprocess.run([sys.executable, "-c", probes], env=os.environ | {name: value}, capture_output=True,
                           text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[False, False, False]"
+
+
+def test_vllm_gets_the_torchvision_standin_for_qwen3_5_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's Qwen3.5 module imports torchvision through transformers' image processors: its
+    environment puts the stand-in first on the path for Qwen3.5 checkpoints, for no other; in
+    the stand-in every submodule and name imports, and calling one refuses."""
+    monkeypatch.delenv(native_lib.ISA_CAP_ENV, raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    for arch, wanted in (("Qwen3_5ForCausalLM", True), ("Qwen3_5MoeForConditionalGeneration", True),
+                         ("LlamaForCausalLM", False)):
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        path = dict(vllm_env(tmp_path)).get("PYTHONPATH")
+        assert (path == os.pathsep.join([str(TORCHVISION_STANDIN), "/somewhere/else"])) is wanted, (arch, path)
+    uses = ("from torchvision.transforms.v2 import functional as F; from torchvision.io import decode_image; "
+            "F.InterpolationMode.BILINEAR\ntry:\n decode_image(b'')\nexcept RuntimeError as e:\n print('refused', e)")
+    done = subprocess.run([sys.executable, "-c", uses],
+                          env=os.environ | {"PYTHONPATH": str(TORCHVISION_STANDIN)},
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.startswith("refused torchvision stand-in")
 
 
 @needs_default_model

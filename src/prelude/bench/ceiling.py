@@ -18,11 +18,14 @@ from typing import Any
 
 
 class RawModel:
-    """The default model on its own thread; `with RawModel(dtype) as raw: ...`."""
+    """A model (default: the default model) on its own thread; `with RawModel(dtype) as raw: ...`."""
 
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, model: str | None = None) -> None:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prelude-ceiling")
-        self._engine = self._worker.submit(_build_engine, dtype).result()
+        self._engine = self._worker.submit(_build_engine, dtype, model).result()
+        # The GEMM roofline counts a dense decoder's projections: MoE and hybrid models have none
+        spec = getattr(self._engine.runner.model, "spec", None)
+        self.dense = spec is not None and spec.is_plain_llama() is None
 
     def __enter__(self) -> RawModel:
         return self
@@ -63,13 +66,13 @@ class RawModel:
         return batched
 
 
-def _build_engine(dtype: str) -> Any:
+def _build_engine(dtype: str, model: str | None) -> Any:
     from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
     from prelude.engine.engine import LLMEngine
 
     # 256 blocks: a judge wave's cold prefix and its rows (1,024 + 16 x 64 tokens) fit. No
     # burst hold: a wave is handed over whole, as the offline LLM's requests are.
-    return LLMEngine.from_config(EngineConfig(executor=ExecutorConfig(device="cpu", dtype=dtype),
+    return LLMEngine.from_config(EngineConfig(model=model, executor=ExecutorConfig(device="cpu", dtype=dtype),
                                               cache=CacheConfig(num_blocks=256),
                                               scheduler=SchedulerConfig(oneshot_gather_ms=0.0)))
 

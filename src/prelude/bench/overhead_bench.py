@@ -291,9 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = _sizes(args.scale)
     wl = build_workload(tok, sizes, args.seed)
     opts = PeerOptions(dtype="float32", vllm_python=args.vllm_python, baseline_src=args.baseline_src,
-                       prelude_args=("--model", model_dir, "--served-model-name", SERVED_NAME,
-                                     *shlex.split(args.prelude_args)),
-                       model_dir=model_dir, served_model_name=SERVED_NAME)
+                       prelude_args=tuple(shlex.split(args.prelude_args)), model_dir=model_dir, served_model_name=SERVED_NAME)
     result: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
         "command": "prelude bench overhead " + shlex.join(sys.argv[1:] if argv is None else argv),

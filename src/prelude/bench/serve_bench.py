@@ -350,11 +350,12 @@ def run_scenarios(
     with alone(peers):
         batched = raw.batched(long_ids, args.ceiling_iters)
     ceiling: dict[str, Any] = {"batched_long_req_s": batched, "best_long_req_s": max(batched.values())}
-    with alone(peers):
-        flops, roof = raw.roofline(512)
-    ceiling |= {"gemm_gflops": flops / 1e9, "roofline_long_req_s": roof}
-    print(f"GEMM roofline: {flops / 1e9:.0f} GFLOP/s -> {roof:.2f} req/s at 512-in/1-out; "
-          f"Prelude eager forward: {ceiling['best_long_req_s']:.2f} req/s  [{_TAG}]", flush=True)
+    if raw.dense:  # the roofline counts a dense decoder's GEMMs
+        with alone(peers):
+            flops, roof = raw.roofline(512)
+        ceiling |= {"gemm_gflops": flops / 1e9, "roofline_long_req_s": roof}
+        print(f"GEMM roofline: {flops / 1e9:.0f} GFLOP/s -> {roof:.2f} req/s at 512-in/1-out", flush=True)
+    print(f"Prelude eager forward: {ceiling['best_long_req_s']:.2f} req/s at 512-in/1-out  [{_TAG}]", flush=True)
     if "a" in scenarios and completers:
         # vLLM's idle OpenMP threads spin for KMP_BLOCKTIME (200 ms) after a request:
         # longer pauses keep that spin off the next peer's request.
@@ -610,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="every peer's dtype; auto: what `prelude serve` picks on this machine (bf16 only on CPUs "
                          "with AVX512-BF16/AMX)")
     ap.add_argument("--ceiling-iters", type=int, default=12)
+    ap.add_argument("--model", default=None,
+                    help="a HF model directory every completions peer serves (default: the default model); "
+                         "its tokenizer builds the prompts")
     ap.add_argument("--out", default="bench_results/serve", help="path stem for .json, .md and _sweep.png")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--client", choices=CLIENT_KINDS, default="raw",
@@ -623,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds must be >= 1")
     from prelude.model.loading.files import load_model_files
 
-    tok = load_model_files(None).tokenizer
+    tok = load_model_files(args.model).tokenizer
     sweep = [int(x) for x in args.sweep.split(",")]
     sizes = _sizes(args.scale, args.prefix_concurrency)
     wl = build_workload(tok, sizes, sweep, args)
@@ -641,14 +645,15 @@ def main(argv: list[str] | None = None) -> int:
     if avx2_cap_env():
         print("the AVX2 cap applies to vLLM too: torch's AVX-512/AMX probes answer False in its processes, so it "
               "loads its AVX2 kernels (vllm._C_AVX2)", flush=True)
+    model = {"model_dir": args.model, "served_model_name": Path(args.model).name} if args.model else {}
     opts = PeerOptions(dtype=args.dtype, llama_python=args.llama_python, vllm_python=args.vllm_python,
-                       prelude_args=tuple(shlex.split(args.prelude_args)), baseline_src=args.baseline_src)
+                       prelude_args=tuple(shlex.split(args.prelude_args)), baseline_src=args.baseline_src, **model)
     names = args.peers.split(",")
     result: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
         "command": "prelude bench serve " + shlex.join(sys.argv[1:] if argv is None else argv),
         "scale": args.scale, "sizes": sizes, "dtype": args.dtype, "client": args.client, "rate": args.rate, "startup_s": {}, "skipped": {},
-        "cpu": _TAG, "load_average": _loadavg(),
+        "cpu": _TAG, "load_average": _loadavg(), "model": args.model or "default",
     }
     if args.rounds > 1:
         result["rounds"] = args.rounds
@@ -656,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         result["startup_s"] = {p.spec.name: p.startup_s for p in peers}
         result["startup_cold_s"] = {p.spec.name: p.cold_startup_s for p in peers if p.cold_startup_s is not None}
         # Loaded after the servers started, so their start-up timings stay undisturbed.
-        with RawModel(args.dtype) as raw:
+        with RawModel(args.dtype, args.model) as raw:
             result["scenarios"], result["ceiling"] = run_scenarios(peers, wl, args, scenarios, raw, tok)
     result["load_average_end"] = _loadavg()
     result["goals"] = goals(result)

@@ -7,6 +7,7 @@ PeerUnavailable with the reason; the benchmark prints it and goes on without tha
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -32,7 +33,9 @@ class PeerOptions:
     prelude_args: tuple[str, ...] = ()  # extra `prelude serve` flags (e.g. --compile background)
     threads: int = 0  # 0: every core (what each server does by default)
     baseline_src: str | None = None  # prelude-base: the `src` folder of another checkout (old vs new)
-    model_dir: str | None = None  # vLLM: serve this directory (default: the converted default model)
+    # Every completions peer serves this HF directory (None: the default model; vLLM then
+    # serves the converted default model's directory)
+    model_dir: str | None = None
     served_model_name: str = "SmolLM2-135M-Instruct"
     llama_ctx: int = 4096  # the shared-prefix preset needs 3,072 + 768 + 1
 
@@ -66,8 +69,9 @@ def _has_module(python: str, module: str) -> bool:
 def peer_spec(name: str, port: int, opts: PeerOptions) -> PeerSpec:
     py, p = sys.executable, str(port)
     if name == "prelude":
+        model = ("--model", opts.model_dir, "--served-model-name", opts.served_model_name) if opts.model_dir else ()
         return PeerSpec(name, (py, "-m", "prelude.cli", "serve", "--port", p, "--log-level", "warning",
-                               "--dtype", opts.dtype, *opts.prelude_args), "/health", "SmolLM2-135M-Instruct",
+                               "--dtype", opts.dtype, *model, *opts.prelude_args), "/health", opts.served_model_name,
                         frozenset({COMPLETIONS, CLASSIFY}), cold_env=(("PRELUDE_CACHE_DIR", "{tmp}"),))
     if name == "prelude-base":
         if opts.baseline_src is None:
@@ -82,8 +86,9 @@ def peer_spec(name: str, port: int, opts: PeerOptions) -> PeerSpec:
                                "--model", "all-MiniLM-L6-v2", "--dtype", "float32"), "/health", "all-MiniLM-L6-v2",
                         frozenset({EMBEDDINGS}))
     if name == "transformers":
+        model = ("--model", opts.model_dir) if opts.model_dir else ()
         return PeerSpec(name, (py, "-m", "prelude.bench.peers.transformers_server", "--port", p, "--dtype",
-                               opts.dtype), "/health", None, frozenset({COMPLETIONS, CLASSIFY}))
+                               opts.dtype, *model), "/health", None, frozenset({COMPLETIONS, CLASSIFY}))
     if name == "sentence-transformers":
         if not _has_module(py, "sentence_transformers"):
             raise PeerUnavailable("sentence-transformers is not installed: pip install sentence-transformers")
@@ -120,6 +125,9 @@ VLLM_SETUP = (
 
 
 AVX2_CAP_SHIM = Path(__file__).resolve().parent / "avx2_cap"
+# Only CUDA builds of torchvision are reachable, and vLLM's Qwen3.5 module imports it through
+# transformers' image processors: a stand-in whose names all import (see its docstring).
+TORCHVISION_STANDIN = Path(__file__).resolve().parent / "torchvision_standin"
 
 
 def path_first(folder: str, inherit: bool = True) -> str:
@@ -154,13 +162,32 @@ def _vllm_spec(port: int, opts: PeerOptions) -> PeerSpec:
     from prelude.model.loading.files import converted_gguf_dir, default_model_path
 
     model_dir = opts.model_dir or str(converted_gguf_dir(default_model_path()))
-    env = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "2"), ("HF_HUB_OFFLINE", "1"),
-           ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")) + avx2_cap_env()
+    env = vllm_env(Path(model_dir))
     return PeerSpec("vllm", (opts.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", opts.dtype,
-                             "--served-model-name", opts.served_model_name),
+                             "--served-model-name", opts.served_model_name,
+                             # the longest request here is 3,072 + 768 + 1: a checkpoint's own
+                             # limit (262,144 on Qwen3.5) would not fit its KV space
+                             "--max-model-len", "8192"),
                     "/health", opts.served_model_name, frozenset({COMPLETIONS}), env=env,
                     cold_env=(("VLLM_CACHE_ROOT", "{tmp}"),))
+
+
+def vllm_env(model_dir: Path) -> tuple[tuple[str, str], ...]:
+    """vLLM's environment additions for serving `model_dir`: the CPU platform, its KV space,
+    no hub; the AVX2 cap where it applies; the torchvision stand-in first on its path where
+    vLLM's module for the checkpoint imports torchvision (Qwen3.5 and its MoE)."""
+    env = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "2"), ("HF_HUB_OFFLINE", "1"),
+           ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")) + avx2_cap_env()
+    try:
+        archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        archs = []
+    if not any(str(a).startswith("Qwen3_5") for a in archs):
+        return env
+    path = dict(env).get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")
+    return tuple((k, v) for k, v in env if k != "PYTHONPATH") + (
+        ("PYTHONPATH", os.pathsep.join(p for p in (str(TORCHVISION_STANDIN), path) if p)),)
 
 
 def _cores() -> int:
