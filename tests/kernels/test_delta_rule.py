@@ -186,3 +186,20 @@ def test_bad_rows_or_taps_are_refused(rows: list[list[int]], taps: list[list[int
     with pytest.raises(ValueError, match="refused"):
         KERNELS.conv(torch.zeros(6, 4), torch.zeros(4, 4), torch.tensor(rows), torch.zeros(2, 4, 3),
                      torch.zeros(1, 4, 3), tap_table)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [128, 20])
+def test_the_gated_norm_matches_the_eager_ops(dtype: torch.dtype, d: int) -> None:
+    from prelude.model.layers.gated_delta_net import gated_rms_norm
+
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(37, 3, d, generator=gen).to(dtype)
+    wide = torch.randn(37, 3 * d + 5, generator=gen).to(dtype)
+    gate = wide[:, 2:2 + 3 * d].reshape(37, 3, d)  # a strided slice, as z is of the projection
+    weight = (1 + torch.randn(d, generator=gen) * 0.3).to(dtype)
+    got = KERNELS.gated_rms_norm(x, weight, gate, 1e-6)
+    want = gated_rms_norm(x, weight, gate, 1e-6).reshape(37, 3 * d)
+    # float32: the sum's order and SiLU's exp; bf16: the same, seen as a rare one-ulp flip
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)

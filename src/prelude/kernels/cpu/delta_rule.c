@@ -1,7 +1,7 @@
 /* Gated DeltaNet's per-sequence work on the CPU (AVX2 + FMA, OpenMP), called through
  * ctypes by delta_rule.py: the gated delta rule over any number of rows in one call
- * (prompt rows of any length and one-token decode rows alike), and the causal depthwise
- * conv + SiLU in front of it.
+ * (prompt rows of any length and one-token decode rows alike), the causal depthwise
+ * conv + SiLU in front of it, and the gated RMSNorm after it.
  *
  * Rows. Both kernels take the step's rows as int64 [n, 4] (start, length, dst, src): the
  * row's tokens [start, start + length) of the flattened batch continue the state `src`
@@ -333,6 +333,50 @@ int prelude_causal_conv(const void *x, int64_t sx, int64_t tokens, const void *w
             char *to = (char *)(dst >= 0 ? pool : scratch) + (dst >= 0 ? dst : -2 - dst) * size * esize;
             for (int64_t j = 0; j < width; j++)
                 for (int64_t c = 0; c < nc; c++) store1(to, (c0 + c) * width + j, win[(head + j) % width][c], bf);
+        }
+    }
+    return 0;
+}
+
+/* --- the gated RMSNorm after the delta rule ------------------------------------------ */
+
+/* out[t, h, :] = w * rms_norm(x[t, h, :]) * SiLU(z[t, h, :]) over d, with the eager ops'
+ * roundings in bf16 (the normed value, its product with w, the gated product); x [T, H, d]
+ * contiguous, z rows of token stride sz (heads contiguous), out [T, H, d] contiguous. */
+int prelude_gated_rms_norm(const void *x, const void *z, int64_t sz, const void *w, int64_t tokens, int64_t heads,
+                           int64_t d, float eps, void *out, int bf, int threads) {
+    if (d < 1 || heads < 1) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * d >= 32768)
+    for (int64_t u = 0; u < tokens * heads; u++) {
+        const int64_t t = u / heads, h = u % heads, xo = u * d, zo = t * sz + h * d;
+        float ss = 0.0f;
+        int64_t i = 0;
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= d; i += 8) {
+            const __m256 v = load8(x, xo + i, bf);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        for (int j = 0; j < 8; j++) ss += lanes[j];
+        for (; i < d; i++) ss += load1(x, xo + i, bf) * load1(x, xo + i, bf);
+        const float r = 1.0f / sqrtf(ss / (float)d + eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        for (i = 0; i + 8 <= d; i += 8) {
+            __m256 n = _mm256_mul_ps(load8(x, xo + i, bf), rv);
+            if (bf) n = round8(n);
+            n = _mm256_mul_ps(load8(w, i, bf), n);
+            if (bf) n = round8(n);
+            __m256 o = _mm256_mul_ps(n, silu8(load8(z, zo + i, bf)));
+            store8(out, xo + i, bf ? round8(o) : o, bf);
+        }
+        for (; i < d; i++) {
+            float n = load1(x, xo + i, bf) * r;
+            if (bf) n = bf16_to_f32(f32_to_bf16(n));
+            n = load1(w, i, bf) * n;
+            if (bf) n = bf16_to_f32(f32_to_bf16(n));
+            const float zv = load1(z, zo + i, bf);
+            store1(out, xo + i, n * (zv / (1.0f + expf(-zv))), bf);
         }
     }
     return 0;

@@ -3,7 +3,8 @@
 - `delta_rule`: the gated delta rule over every row of a step in one call (prompt rows of
   any length, packed items, one-token decode rows), each row's float32 state updated in
   its place (a slot of the pool, or the step's scratch);
-- `conv`: the causal depthwise conv + SiLU in front of it, with its state, over the same rows.
+- `conv`: the causal depthwise conv + SiLU in front of it, with its state, over the same rows;
+- `gated_rms_norm`: the RMSNorm gated by SiLU(z) after it (the eager ops' roundings).
 
 Rows are int64 [n, 4] (start, length, dst, src), states named by place: p >= 0 is slot p of
 the pool, p <= -2 entry -2 - p of the scratch, src -1 a zero state (delta_rule.c says
@@ -65,7 +66,9 @@ class DeltaRuleKernels:
                                ptr, i64, ptr, i64, ptr, c_int, c_int]
         self._conv = lib.prelude_causal_conv
         self._conv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, c_int, c_int]
-        for fn in (self._rule, self._conv):
+        self._norm = lib.prelude_gated_rms_norm
+        self._norm.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, f32, ptr, c_int, c_int]
+        for fn in (self._rule, self._conv, self._norm):
             fn.restype = c_int
 
     def delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -122,6 +125,22 @@ class DeltaRuleKernels:
         if rc != 0:
             raise ValueError("delta_rule.c refused the conv's rows or taps (a place outside the states, a row "
                              "outside the tokens, taps out of order)")
+        return out
+
+    def gated_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x [T, H, d] over d times SiLU(gate) (gate [T, H, d], heads contiguous, any
+        token stride), the eager `gated_rms_norm`'s roundings: [T, H * d] in x's dtype."""
+        tokens, heads, d = x.shape
+        dtype = x.dtype
+        if dtype not in DTYPES or gate.dtype != dtype or weight.dtype != dtype or not x.is_contiguous() \
+                or weight.numel() != d or gate.shape != x.shape:
+            raise ValueError("gated_rms_norm: x [T, H, d] contiguous, gate [T, H, d] and weight [d] of one dtype")
+        w = weight.contiguous()
+        out = torch.empty(tokens, heads * d, dtype=dtype)
+        rc = self._norm(x.data_ptr(), gate.data_ptr(), _heads(gate, "gate"), w.data_ptr(), tokens, heads, d, eps,
+                        out.data_ptr(), DTYPES.index(dtype), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("delta_rule.c refused the gated norm's dims")
         return out
 
 

@@ -50,6 +50,8 @@ int prelude_gated_delta_rule(const void *q, int64_t sq, const void *k, int64_t s
 int prelude_causal_conv(const void *x, int64_t sx, int64_t tokens, const void *w, int64_t channels, int64_t kw, const
     int64_t *rows, int64_t n_rows, void *pool, int64_t n_pool, void *scratch, int64_t n_scratch, const int64_t *taps,
     int64_t n_taps, void *out, int bf, int threads);
+int prelude_gated_rms_norm(const void *x, const void *z, int64_t sz, const void *w, int64_t tokens, int64_t heads,
+    int64_t d, float eps, void *out, int bf, int threads);
 
 /* f32_gemm.c */
 int prelude_f32_gemm_ready(void);

@@ -159,7 +159,11 @@ class GatedDeltaNet:
                                     plan.rec_scratch[plan.tap_places].clone()))
         else:
             out = self._torch_rows(rows, mixed, g, b.sigmoid(), conv_states, rec_states)
-        normed = gated_rms_norm(out, self.norm, z.reshape(-1, s.num_v_heads, s.v_dim), s.eps)
+        gate = z.reshape(-1, s.num_v_heads, s.v_dim)
+        if kernels is not None:
+            normed = kernels.gated_rms_norm(out, self.norm, gate, s.eps)
+        else:
+            normed = gated_rms_norm(out, self.norm, gate, s.eps)
         return self.out_proj(normed.reshape(x.shape[0], s.value_size))
 
     def kernels_for(self, x: torch.Tensor) -> DeltaRuleKernels | None:
