@@ -74,6 +74,34 @@ def test_the_c_kernels_and_the_varlen_path_equal_the_row_by_row_torch_path() -> 
 
 
 @pytest.mark.skipif(load_delta_rule() is None, reason="no C compiler or no AVX2+FMA: the C delta rule is off")
+def test_checkpoints_and_restores_in_the_c_kernels_equal_the_torch_pieces() -> None:
+    """Prefix-cache checkpoints: a row saving its state before its first token, inside and
+    at its end (slots 4-6); a later row of the step restoring one of them; a OneShot row
+    restoring slot 7; a decode row's state saved after the step (slot 8)."""
+    layer, _ = _layer()
+    s = layer.shape
+    rows = StateRows((StateRow(0, 10, 1, True, saves=((0, 4), (4, 5), (10, 6))),
+                      StateRow(10, 6, 2, False, restore=5), StateRow(16, 8, -1, True, restore=7),
+                      StateRow(24, 5, -1, True, (2, 2), restore=7)),
+                     torch.tensor([29]), torch.tensor([3]), step_saves=((3, 8),))
+    x = torch.randn(30, 64, generator=torch.Generator().manual_seed(5))
+    conv_shape, rec_shape = s.state_shapes()
+    gen = torch.Generator().manual_seed(6)
+    conv0, rec0 = torch.randn(9, *conv_shape, generator=gen), torch.randn(9, *rec_shape, generator=gen) * 0.1
+    proj = layer.in_proj(x)
+    mixed, _, b, a = proj.split([s.conv_channels, s.value_size, s.num_v_heads, s.num_v_heads], dim=-1)
+    g = layer.neg_a * torch.nn.functional.softplus(a.float() + layer.dt_bias.float())
+    want_conv, want_rec = conv0.clone(), rec0.clone()
+    want = layer._torch_rows(rows, mixed, g, b.sigmoid(), want_conv, want_rec)
+    conv, rec = conv0.clone(), rec0.clone()
+    kernels = load_delta_rule()
+    got = layer._run_rows(kernels, plan_rows(rows, s, x.dtype, True), mixed, g, b.sigmoid(), conv, rec)  # type: ignore[arg-type]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(conv, want_conv, atol=1e-6) and torch.allclose(rec, want_rec, atol=1e-5)
+    assert torch.equal(rec[4], torch.zeros_like(rec[4]))  # saved before the fresh row's first token
+
+
+@pytest.mark.skipif(load_delta_rule() is None, reason="no C compiler or no AVX2+FMA: the C delta rule is off")
 def test_taps_give_every_linear_layer_the_state_at_a_position_of_a_oneshot_prompt() -> None:
     """The state after token 15 of a 40-token OneShot prompt equals the final state of its
     first 16 tokens run alone, in every linear layer."""

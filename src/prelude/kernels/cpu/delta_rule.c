@@ -13,7 +13,8 @@
  *
  * Taps, int64 [m, 2] (token, place) sorted by token: after that token the row's state is
  * copied into that place too (the state at a position inside a prompt, e.g. for a prefix
- * checkpoint), without stopping the row.
+ * checkpoint), without stopping the row. A later row may start from a tapped place.
+ * A row of length 0 copies src into dst (a checkpoint of a state as it is).
  *
  * The delta rule, per value head h with state S [dk, dv] float32:
  *     S = exp(g_t) S;  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
@@ -140,6 +141,17 @@ static int valid_rows(const int64_t *rows, int64_t n_rows, int64_t tokens, const
 
 /* --- the gated delta rule ------------------------------------------------------------ */
 
+/* The first tap at or after token t (taps sorted by token). */
+static int64_t first_tap(const int64_t *taps, int64_t n_taps, int64_t t) {
+    int64_t lo = 0, hi = n_taps;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (taps[2 * mid] < t) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 INLINE float *state_at(float *pool, float *scratch, int64_t place, int64_t size) {
     return place >= 0 ? pool + place * size : scratch + (-2 - place) * size;
 }
@@ -241,10 +253,10 @@ int prelude_gated_delta_rule(const void *q, int64_t sq, const void *k, int64_t s
         float qf[MAX_DK], kf[MAX_DK], vb[VB] __attribute__((aligned(32))), o[VB];
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);  /* flush subnormals to zero (FTZ, DAZ): see the header */
-        int64_t tap = 0;
         memset(vb, 0, sizeof vb);
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t start = rows[4 * r], len = rows[4 * r + 1], dst = rows[4 * r + 2], src = rows[4 * r + 3];
+            int64_t tap = first_tap(taps, n_taps, start);
             if (src == -1) memset(blk, 0, dk * VB * sizeof(float));
             else block_in(blk, state_at(pool, scratch, src, size) + h * dk * dv, dk, dv, j0, nj);
             for (int64_t t = start; t < start + len; t++) {
@@ -254,7 +266,6 @@ int prelude_gated_delta_rule(const void *q, int64_t sq, const void *k, int64_t s
                 const float gt = g[t * hv + h], a = gt < LOG_ZERO ? 0.0f : expf(gt);
                 delta_token(blk, qf, kf, dk, vb, a, beta[t * hv + h], rq, rk, o);
                 for (int64_t j = 0; j < nj; j++) store1(out, (t * hv + h) * dv + j0 + j, o[j], bf);
-                while (tap < n_taps && taps[2 * tap] < t) tap++;
                 for (; tap < n_taps && taps[2 * tap] == t; tap++)
                     block_out(blk, state_at(pool, scratch, taps[2 * tap + 1], size) + h * dk * dv, dk, dv, j0, nj);
             }
@@ -287,9 +298,9 @@ int prelude_causal_conv(const void *x, int64_t sx, int64_t tokens, const void *w
         float xin[CB] __attribute__((aligned(32))), res[CB] __attribute__((aligned(32)));
         for (int64_t j = 0; j < kw; j++)
             for (int64_t c = 0; c < CB; c++) wt[j][c] = c < nc ? load1(w, (c0 + c) * kw + j, bf) : 0.0f;
-        int64_t tap = 0;
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t start = rows[4 * r], len = rows[4 * r + 1], dst = rows[4 * r + 2], src = rows[4 * r + 3];
+            int64_t tap = first_tap(taps, n_taps, start);
             const char *from = src == -1 ? 0 : (const char *)(src >= 0 ? pool : scratch) +
                                                    (src >= 0 ? src : -2 - src) * size * esize;
             for (int64_t j = 0; j < width; j++)
@@ -322,7 +333,6 @@ int prelude_causal_conv(const void *x, int64_t sx, int64_t tokens, const void *w
                 } else {
                     for (int64_t c = 0; c < nc; c++) store1(ot, c0 + c, res[c], bf);
                 }
-                while (tap < n_taps && taps[2 * tap] < t) tap++;
                 for (; tap < n_taps && taps[2 * tap] == t; tap++) {
                     const int64_t p = taps[2 * tap + 1];
                     char *to = (char *)(p >= 0 ? pool : scratch) + (p >= 0 ? p : -2 - p) * size * esize;

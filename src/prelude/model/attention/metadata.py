@@ -67,6 +67,13 @@ class StateRow:
     # Packed items (multi-item scoring, OneShot only): the row's last tokens are items of
     # these lengths, each continuing the state at the shared part's end on its own
     items: tuple[int, ...] = ()
+    # A prefix-cache hit: the row starts from the state in this slot (a checkpoint) instead
+    # of its own slot's or zeros (-1: none)
+    restore: int = -1
+    # Checkpoints: (tokens into the row, slot) - the state after that many of the row's
+    # tokens is copied to that slot, in increasing order, within the shared part. A row
+    # restoring a checkpoint that an earlier row of the step saves is computed after it.
+    saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ class StateRows:
     rows: tuple[StateRow, ...]
     step_tokens: torch.Tensor | None = None
     step_slots: torch.Tensor | None = None
+    # Checkpoints of decode rows: (slot, checkpoint slot) copied after the step
+    step_saves: tuple[tuple[int, int], ...] = ()
     taps: tuple[int, ...] = ()
     tapped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, compare=False, repr=False)
 

@@ -67,7 +67,7 @@ class RowPlan:
     """The step's rows as the C kernels take them, built once per forward and shared by its
     linear layers: `table` int64 [n, 4] (start, length, dst, src), places as in
     kernels/cpu/delta_rule.py (slot >= 0, scratch -2 - i, zero state -1); `taps` int64
-    [m, 2] (token, scratch place) or None; the scratch states, reused layer after layer
+    [m, 2] (token, place) sorted by token, or None; the scratch states, reused layer after layer
     (a OneShot row's state, a packed item's, a tapped state: each dropped after its layer)."""
 
     table: torch.Tensor
@@ -79,11 +79,14 @@ class RowPlan:
 
 def plan_rows(rows: StateRows, shape: DeltaNetShape, dtype: torch.dtype, pool: bool,
               device: torch.device | str = "cpu") -> RowPlan:
-    """`rows` as one table: a row whose slot is kept (`pool`: the step has state slots)
-    continues it in place (from zeros when fresh); any other row runs on a scratch state
-    from zeros; each packed item on a scratch state copied from its shared part's end.
-    Rows in token order (the kernels' taps follow it)."""
+    """`rows` as one table, in their order (a row restoring a checkpoint that an earlier
+    row saves comes after it), then the decode rows, then the decode rows' checkpoints. A
+    row whose slot is kept (`pool`: the step has state slots) continues it in place (from
+    zeros when fresh, from its checkpoint on a hit); any other row runs on a scratch state;
+    each packed item on a scratch state copied from its shared part's end. A checkpoint
+    inside a row is a tap into its slot; one before its first token a copy (a row of 0 tokens)."""
     table: list[tuple[int, int, int, int]] = []
+    taps: list[tuple[int, int]] = []
     scratch = 0
     for row in rows.rows:
         kept = row.slot >= 0 and pool
@@ -91,8 +94,14 @@ def plan_rows(rows: StateRows, shape: DeltaNetShape, dtype: torch.dtype, pool: b
             dst = row.slot
         else:
             dst, scratch = -2 - scratch, scratch + 1
+        src = row.restore if row.restore >= 0 and pool else (dst if kept and not row.fresh else -1)
+        for offset, slot in row.saves if pool else ():
+            if offset <= 0:
+                table.append((row.start, 0, slot, src))
+            else:
+                taps.append((row.start + offset - 1, slot))
         shared = row.length - sum(row.items)
-        table.append((row.start, shared, dst, -1 if row.fresh or not kept else dst))
+        table.append((row.start, shared, dst, src))
         at = row.start + shared
         for n in row.items:  # each item continues the shared part's state on its own
             table.append((at, n, -2 - scratch, dst))
@@ -100,14 +109,14 @@ def plan_rows(rows: StateRows, shape: DeltaNetShape, dtype: torch.dtype, pool: b
             at += n
     if pool and rows.step_tokens is not None and rows.step_slots is not None:
         table.extend((t, 1, s, s) for t, s in zip(rows.step_tokens.tolist(), rows.step_slots.tolist()))
-    table.sort(key=lambda r: r[0])  # stable: an item stays after its shared part
-    taps = None
+        table.extend((0, 0, checkpoint, slot) for slot, checkpoint in rows.step_saves)
     first_tap = scratch
-    if rows.taps:
-        taps = torch.tensor([(t, -2 - (first_tap + i)) for i, t in enumerate(rows.taps)], dtype=torch.int64)
-        scratch += len(rows.taps)
+    taps.extend((t, -2 - (first_tap + i)) for i, t in enumerate(rows.taps))
+    scratch += len(rows.taps)
+    taps.sort(key=lambda tap: tap[0])
     conv, rec = shape.state_shapes()
-    return RowPlan(torch.tensor(table, dtype=torch.int64).reshape(-1, 4), taps,
+    return RowPlan(torch.tensor(table, dtype=torch.int64).reshape(-1, 4),
+                   torch.tensor(taps, dtype=torch.int64) if taps else None,
                    torch.empty((scratch, *conv), dtype=dtype, device=device),
                    torch.empty((scratch, *rec), dtype=torch.float32, device=device),
                    slice(first_tap, scratch))
@@ -143,7 +152,9 @@ class GatedDeltaNet:
         mixed, z, b, a = proj.split([s.conv_channels, s.value_size, s.num_v_heads, s.num_v_heads], dim=-1)
         g = self.neg_a * F.softplus(a.float() + self.dt_bias.float())  # log decay per token and value head
         kernels = self.kernels_for(x)
-        rule = None if kernels is not None else self.varlen_rule(x)
+        # taps and checkpoints inside rows: the C kernel, or the torch rows cut in pieces
+        cut = bool(rows.taps) or any(row.saves for row in rows.rows)
+        rule = None if kernels is not None or cut else self.varlen_rule(x)
         if kernels is not None or rule is not None:
             pool = conv_states is not None and rec_states is not None and conv_states.shape[0] > 0
             plan = plan if plan is not None else plan_rows(rows, s, x.dtype, pool, x.device)
@@ -151,8 +162,6 @@ class GatedDeltaNet:
             if kernels is not None:
                 out = self._run_rows(kernels, plan, mixed, g, b.sigmoid().float(), conv_pool, rec_pool)
             else:
-                if rows.taps:
-                    raise ValueError("state taps are computed by the CPU kernel only")
                 out = self.run_varlen(rule, plan, mixed, g, b.sigmoid(), conv_pool, rec_pool)  # type: ignore[arg-type]
             if rows.taps:
                 rows.tapped.append((plan.conv_scratch[plan.tap_places].clone(),
@@ -214,10 +223,19 @@ class GatedDeltaNet:
         out = mixed.new_empty(mixed.shape[0], s.num_v_heads, s.v_dim)
         for row in rows.rows:
             kept = row.slot >= 0 and conv_states is not None and rec_states is not None
-            conv_in = None if row.fresh or not kept else conv_states[row.slot]  # type: ignore[index]
-            rec_in = None if row.fresh or not kept else rec_states[row.slot]  # type: ignore[index]
+            source = row.restore if row.restore >= 0 else (row.slot if kept and not row.fresh else -1)
+            conv_new = None if source < 0 else conv_states[source]  # type: ignore[index]
+            rec_new = None if source < 0 else rec_states[source]  # type: ignore[index]
             shared = row.length - sum(row.items)
-            conv_new, rec_new = self._run(mixed, g, beta, out, row.start, shared, conv_in, rec_in)
+            at = row.start
+            for offset, slot in row.saves:  # the shared part in pieces, a checkpoint after each
+                if offset > at - row.start:
+                    conv_new, rec_new = self._run(mixed, g, beta, out, at, row.start + offset - at, conv_new, rec_new)
+                    at = row.start + offset
+                conv_states[slot].copy_(conv_new if conv_new is not None else 0)  # type: ignore[index]
+                rec_states[slot].copy_(rec_new if rec_new is not None else 0)  # type: ignore[index]
+            if at < row.start + shared or conv_new is None:
+                conv_new, rec_new = self._run(mixed, g, beta, out, at, row.start + shared - at, conv_new, rec_new)
             at = row.start + shared
             for n in row.items:  # each item continues the shared part's state on its own
                 self._run(mixed, g, beta, out, at, n, conv_new, rec_new)
@@ -235,6 +253,9 @@ class GatedDeltaNet:
             out.index_copy_(0, idx, o)
             conv_states.index_copy_(0, slots, conv)
             rec_states.index_copy_(0, slots, rec)
+            for slot, checkpoint in rows.step_saves:
+                conv_states[checkpoint].copy_(conv_states[slot])
+                rec_states[checkpoint].copy_(rec_states[slot])
         return out
 
     def _run(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, out: torch.Tensor, start: int,
