@@ -9,6 +9,10 @@ attention layers) in the engine, Prelude alone, in-process (no HTTP):
   OneShot rows must hold no slot and nothing may be refused.
 `--scale` multiplies the request counts (0.25: a quick look). Token ids at random; the vocab
 is cut (`--vocab`) as peers' runs of this shape were. Writes JSON.
+
+`--alternate N`: each scenario N times with the linear layers' C kernels off (the torch
+rows, PRELUDE_DELTA_RULE=0) and on, alternating, in one process on one engine: old vs new
+on a loaded machine.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from prelude.bench.results import write_json
 from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
 from prelude.executor.runner import ModelRunner
+from prelude.kernels.cpu.delta_rule import SWITCH
 from prelude.model.registry import config_for
 from prelude.params import SamplingParams
 from prelude.testing.random_model import SHAPES, random_hybrid_weights
@@ -89,6 +94,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--alternate", type=int, default=0, metavar="N")
     p.add_argument("--out", default="benchmarks/results/hybrid_engine.json")
     args = p.parse_args()
     n = lambda k: max(1, int(k * args.scale))  # noqa: E731
@@ -99,11 +105,22 @@ def main() -> None:
     results: dict[str, Any] = {"cpu_count": os.cpu_count(), "dtype": args.dtype, "vocab": args.vocab,
                                "state_slots": engine.num_state_slots,
                                "state_mib_per_slot": engine.info.state_bytes_per_slot / 2**20}
-    results["oneshot_512x1"] = _run(engine, [(q, one) for q in _prompts(n(16), 512, args.vocab, 1)])
-    results["paged_128x32"] = _run(engine, [(q, chat) for q in _prompts(n(4), 128, args.vocab, 2)])
     mixed = [(q, one) for q in _prompts(n(64), 128, args.vocab, 3)] + \
             [(q, chat) for q in _prompts(min(8, n(8)), 128, args.vocab, 4)]
-    results["mixed_oneshot_beside_decodes"] = _run(engine, mixed)
+    scenarios = {"oneshot_512x1": [(q, one) for q in _prompts(n(16), 512, args.vocab, 1)],
+                 "paged_128x32": [(q, chat) for q in _prompts(n(4), 128, args.vocab, 2)],
+                 "mixed_oneshot_beside_decodes": mixed}
+    for name, jobs in scenarios.items():
+        if not args.alternate:
+            results[name] = _run(engine, jobs)
+            continue
+        for i in range(args.alternate):
+            for label, switch in (("torch_rows", "0"), ("c_kernels", "1")):
+                os.environ[SWITCH] = switch
+                figures = _run(engine, jobs)
+                results[f"{name}/{label}/{i}"] = figures
+                print(f"{name}/{label}/{i}: {figures}", flush=True)
+        os.environ.pop(SWITCH)
     for name, figures in results.items():
         print(f"{name}: {figures}")
     write_json(args.out, results)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -149,8 +150,16 @@ def build(flags: tuple[str, ...] = native_lib.FLAGS) -> Path:
     return native_lib.build(_SOURCE, flags)
 
 
-@functools.cache
+SWITCH = "PRELUDE_DELTA_RULE"
+
+
 def load_delta_rule() -> DeltaRuleKernels | None:
-    """The kernels, built on first use on this machine; None where they cannot run."""
-    lib = native_lib.load(_SOURCE, "PRELUDE_DELTA_RULE", "the C delta rule (Gated DeltaNet runs in torch)")
+    """The kernels, built on first use on this machine; None where they cannot run, or
+    while PRELUDE_DELTA_RULE is "0" (read at each call: a benchmark alternates the two)."""
+    return None if os.environ.get(SWITCH, "1") == "0" else _load()
+
+
+@functools.cache
+def _load() -> DeltaRuleKernels | None:
+    lib = native_lib.load(_SOURCE, SWITCH, "the C delta rule (Gated DeltaNet runs in torch)")
     return None if lib is None else DeltaRuleKernels(lib)
