@@ -6,7 +6,11 @@ attention layers) in the engine, Prelude alone, in-process (no HTTP):
 - oneshot_512x1: 16 prompts of 512 tokens, one token each (OneShot rows: no state slot);
 - paged_128x32: 4 prompts of 128 tokens, 32 greedy tokens each (one state slot each);
 - mixed: 64 OneShot prompts of 128 tokens beside 8 decodes of 32 tokens with 8 slots: the
-  OneShot rows must hold no slot and nothing may be refused.
+  OneShot rows must hold no slot and nothing may be refused;
+- judge_1024+64: a 1,024-token rubric + 64 new tokens, one token out, 16 in flight (a new
+  request as each one ends), 64 requests; judge_256+32: a 256-token rubric + 32 new. Each
+  reports req/s and the fraction of the rubric's tokens served from the prefix cache (the
+  state checkpoints) after the first wave (requests 17 on), with the checkpoint counts.
 `--scale` multiplies the request counts (0.25: a quick look). Token ids at random; the vocab
 is cut (`--vocab`) as peers' runs of this shape were. Writes JSON.
 
@@ -62,6 +66,36 @@ def _engine(dtype: str, vocab: int, slots: int) -> LLMEngine:
     return LLMEngine(runner, tokenizer, engine_cfg, "random-qwen3.5-0.8b")  # type: ignore[arg-type]
 
 
+def _judge(engine: LLMEngine, rubric_len: int, new_len: int, total: int, concurrency: int, vocab: int,
+           seed: int) -> dict[str, float]:
+    """Closed loop: `concurrency` judge requests in flight (a rubric shared by all, then
+    tokens of their own), a new one as each ends, `total` in all."""
+    rubric = _prompts(1, rubric_len, vocab, seed)[0]
+    items = _prompts(total, new_len, vocab, seed + 1)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    saved, evicted = engine.kv.stats.checkpoints_saved, engine.metrics()["state_checkpoints_evicted_total"]
+    start = time.perf_counter()
+    sent, done = 0, 0
+    cached_after_first_wave: list[int] = []
+    while done < total:
+        while sent < total and sent - done < concurrency:
+            engine.add_request(f"judge{rubric_len}-{sent}-{start}", rubric + items[sent], one)
+            sent += 1
+        for out in engine.step():
+            if out.finished:
+                if int(out.request_id.split("-")[1]) >= concurrency:
+                    cached_after_first_wave.append(min(out.num_cached_tokens, rubric_len))
+                done += 1
+    seconds = time.perf_counter() - start
+    engine.check_integrity()
+    return {"seconds": seconds, "requests": total, "concurrency": concurrency, "requests_per_s": total / seconds,
+            "rubric_hit_fraction_after_first_wave":
+                sum(cached_after_first_wave) / (rubric_len * len(cached_after_first_wave))
+                if cached_after_first_wave else 0.0,
+            "checkpoints_saved": engine.kv.stats.checkpoints_saved - saved,
+            "checkpoints_evicted": engine.metrics()["state_checkpoints_evicted_total"] - evicted}
+
+
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
@@ -96,6 +130,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--alternate", type=int, default=0, metavar="N")
     p.add_argument("--out", default="benchmarks/results/hybrid_engine.json")
+    p.add_argument("--only", default=None, help="run only the scenarios whose names start with this")
     args = p.parse_args()
     n = lambda k: max(1, int(k * args.scale))  # noqa: E731
     engine = _engine(args.dtype, args.vocab, slots=8)
@@ -104,20 +139,29 @@ def main() -> None:
     _run(engine, [(q, one) for q in _prompts(2, 64, args.vocab, 0)])  # warm-up: packed copies, first calls
     results: dict[str, Any] = {"cpu_count": os.cpu_count(), "dtype": args.dtype, "vocab": args.vocab,
                                "state_slots": engine.num_state_slots,
-                               "state_mib_per_slot": engine.info.state_bytes_per_slot / 2**20}
-    mixed = [(q, one) for q in _prompts(n(64), 128, args.vocab, 3)] + \
-            [(q, chat) for q in _prompts(min(8, n(8)), 128, args.vocab, 4)]
-    scenarios = {"oneshot_512x1": [(q, one) for q in _prompts(n(16), 512, args.vocab, 1)],
-                 "paged_128x32": [(q, chat) for q in _prompts(n(4), 128, args.vocab, 2)],
-                 "mixed_oneshot_beside_decodes": mixed}
-    for name, jobs in scenarios.items():
+                               "state_mib_per_slot": engine.info.state_bytes_per_slot / 2**20,
+                               "state_checkpoint_slots": engine.num_checkpoint_slots,
+                               "state_checkpoint_stride": engine.config.cache.state_checkpoint_stride}
+    # `salt` moves the prompts' seeds: a scenario run again (--alternate) meets a cold cache
+    scenarios = {
+        "oneshot_512x1": lambda salt: _run(engine, [(q, one) for q in _prompts(n(16), 512, args.vocab, 1 + salt)]),
+        "paged_128x32": lambda salt: _run(engine, [(q, chat) for q in _prompts(n(4), 128, args.vocab, 2 + salt)]),
+        "mixed_oneshot_beside_decodes": lambda salt: _run(
+            engine, [(q, one) for q in _prompts(n(64), 128, args.vocab, 3 + salt)] +
+            [(q, chat) for q in _prompts(min(8, n(8)), 128, args.vocab, 4 + salt)]),
+        "judge_1024+64": lambda salt: _judge(engine, 1024, 64, n(64), 16, args.vocab, 5 + salt),
+        "judge_256+32": lambda salt: _judge(engine, 256, 32, n(64), 16, args.vocab, 7 + salt),
+    }
+    for name, scenario in scenarios.items():
+        if args.only is not None and not name.startswith(args.only):
+            continue
         if not args.alternate:
-            results[name] = _run(engine, jobs)
+            results[name] = scenario(0)
             continue
         for i in range(args.alternate):
-            for label, switch in (("torch_rows", "0"), ("c_kernels", "1")):
+            for j, (label, switch) in enumerate((("torch_rows", "0"), ("c_kernels", "1"))):
                 os.environ[SWITCH] = switch
-                figures = _run(engine, jobs)
+                figures = scenario(100 * (2 * i + j + 1))
                 results[f"{name}/{label}/{i}"] = figures
                 print(f"{name}/{label}/{i}: {figures}", flush=True)
         os.environ.pop(SWITCH)

@@ -91,7 +91,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...]]] = {
     "missing-model": (_missing, ("no such file or directory", "pass a HF model directory")),
     "file-not-gguf": (_not_gguf, ("not a .gguf", "pass a .gguf file")),
     "corrupt-gguf": (_corrupt_gguf, ("not a readable GGUF", "download it again")),
-    "unsupported-gguf": (_unsupported_gguf, ("'gpt2' is not supported", "supported: llama")),
+    "unsupported-gguf": (_unsupported_gguf, ("'gpt2' is not supported", "supported: ", "llama", "qwen3moe")),
     "dir-without-config": (_empty_dir, ("no config.json", "pass the folder")),
     "unknown-architecture": (_unknown_architecture, ("architecture FalconForCausalLM is not supported",
                                                      "supported: ", "LlamaForCausalLM")),

@@ -75,6 +75,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-recurrent-slots", type=int, default=None,
                    help="models with recurrent (linear-attention) layers: state slots at most, one per running "
                         "chat/decode request; OneShot requests hold none (default: --max-num-seqs, as memory allows)")
+    p.add_argument("--state-checkpoint-stride", type=int, default=512,
+                   help="models with recurrent layers: cached prefixes keep their state every this many tokens "
+                        "(a multiple of --block-size), and where peers' prompts part (default: 512)")
+    p.add_argument("--max-state-checkpoints", type=int, default=None,
+                   help="models with recurrent layers: state checkpoint slots of the prefix cache at most "
+                        "(default: a quarter of the KV memory budget; 0: no prefix caching for such models)")
     p.add_argument("--prefix-deferral", action=argparse.BooleanOptionalAction, default=True,
                    help="peers of a cold shared prefix wait one step for the request computing it")
     p.add_argument("--prefix-riders", action=argparse.BooleanOptionalAction, default=True,
@@ -149,6 +155,7 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202
             enable_prefix_caching=args.enable_prefix_caching,
             max_cached_blocks=args.prefix_cache_max_blocks,
             max_recurrent_slots=args.max_recurrent_slots,
+            state_checkpoint_stride=args.state_checkpoint_stride, max_state_checkpoints=args.max_state_checkpoints,
             # No page faults on the hot path (model/kv_memory.py): a server fills the pool beside
             # the rest of its start-up; a batch job before its first line, so the RSS its lines
             # add is measured from a full pool

@@ -103,6 +103,12 @@ class CacheConfig:
     # Models with recurrent layers: the state pool's slots at most (None: one per running
     # sequence, max_num_seqs, as the memory budget allows). Only paged requests hold one.
     max_recurrent_slots: int | None = None
+    # Models with recurrent layers cache prefixes with the state at their end (a checkpoint
+    # slot of the state pool, see kv/state_checkpoints.py): one every this many tokens (a
+    # multiple of block_size) and where peers' prompts part; at most `max_state_checkpoints`
+    # slots (None: a quarter of the memory budget; 16 with num_blocks set)
+    state_checkpoint_stride: int = 512
+    max_state_checkpoints: int | None = None
     # The CPU pool's pages faulted in ahead (model/kv_memory.py) instead of a page fault on
     # every first write of a 4 KiB page while serving: "start" adds the faults to start-up,
     # "background" runs them on a thread beside the rest of start-up. `prelude serve` takes

@@ -69,6 +69,14 @@ class BatchRow:
     # Models with recurrent layers: the request's slot of the state pool, which the row's
     # tokens continue (start_pos 0: from a zero state); None: the model has no such layers.
     state_slot: int | None = None
+    # A prefix-cache hit's state checkpoint the row starts from instead (its first row only)
+    restore_slot: int | None = None
+    # A hit ending inside a block (first row only): the cached block whose first
+    # start_pos % block_size slots are copied into the row's block at start_pos before it runs
+    copy_from: int | None = None
+    # State checkpoints the row writes: (absolute position, checkpoint slot), the state
+    # after the first `position` tokens of the sequence
+    state_saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,11 @@ class OneShotRow:
     item_lens: tuple[int, ...] = ()
     lora: LoraRequest | None = None  # the row's adapter (None: the base model)
     copy_from: int | None = None  # a hit ending inside a block: the cached block to copy from
+    # Models with recurrent layers: the checkpoint of the state after the cached prefix
+    # (num_cached > 0 needs one), and the checkpoints the row writes out of its scratch
+    # state: (absolute position within the shared part, checkpoint slot)
+    restore_slot: int | None = None
+    state_saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def shared_len(self) -> int:

@@ -165,6 +165,9 @@ def _gguf_context(path: Path, model: str | None) -> int | None:
 
     try:
         gguf_architecture(arch)
+        from prelude.model.loading.gguf_convert import check_gguf
+
+        check_gguf(gguf)  # its tensors and config too, from the header
     except UnsupportedCheckpoint as exc:
         raise StartupError(f"--model {model}: {exc}") from None
     context = gguf.field(f"{arch}.context_length")

@@ -182,6 +182,8 @@ def test_every_round_has_fresh_prompts_and_round_0_is_the_single_rounds() -> Non
 class _FakeRaw:
     """RawModel's calls run_scenarios makes for (b) and (e), without a model."""
 
+    dense = True
+
     def __init__(self) -> None:
         self.waves: list[tuple[list[list[int]], int]] = []
 
@@ -196,10 +198,11 @@ class _FakeRaw:
         return 40.0 + 10.0 * len(self.waves)  # 50 req/s in round 0, 60 in round 1
 
 
-def _fake_run(monkeypatch: pytest.MonkeyPatch, rounds: int,
-              raw: _FakeRaw | None = None) -> tuple[dict, list[tuple[str, list]], Workload]:
+def _fake_run(monkeypatch: pytest.MonkeyPatch, rounds: int, raw: _FakeRaw | None = None,
+              ceiling: bool = True) -> tuple[dict, list[tuple[str, list]], Workload]:
     """run_scenarios' (b), (c) and (e) for prelude (2x faster) and vllm, run_load faked:
-    (its results, each run's (progress label, payloads), the workload)."""
+    (its results, each run's (progress label, payloads), the workload). `ceiling` False:
+    no in-process references, as `--no-ceiling` runs."""
     import contextlib
 
     from prelude.bench import serve_bench
@@ -223,8 +226,45 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, rounds: int,
     wl = build_workload(tok, SIZES, [1, 4], args)
     peers = [serve_bench.Peer(PeerSpec(n, (), "/health", None, frozenset({COMPLETIONS})), "http://x", 0.0)
              for n in ("prelude", "vllm")]
-    out, _ = serve_bench.run_scenarios(peers, wl, args, {"b", "c", "e"}, raw or _FakeRaw(), tok)
+    out, _ = serve_bench.run_scenarios(peers, wl, args, {"b", "c", "e"}, (raw or _FakeRaw()) if ceiling else None, tok)
     return out, runs, wl
+
+
+def test_without_the_ceiling_the_judge_reports_each_peers_cache_hits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-ceiling runs every scenario with no model in process; the judge reads each
+    server's prefix-cache counters before and after its run: Prelude's reused/computed
+    tokens, vLLM's token-counted hits/queries."""
+    from prelude.bench import serve_bench
+
+    scrapes: list[str] = []
+
+    def fake_scrape(base: str) -> dict[str, float]:
+        scrapes.append(base)
+        n = len(scrapes)  # each peer's run: a scrape before (odd n) and after (even n)
+        if n % 4 in (1, 2):  # prelude runs first in round 0
+            return {"prefix_cache_reused_tokens_total": 900.0 * (n % 4 == 2),
+                    "prefix_cache_computed_tokens_total": 100.0 * (n % 4 == 2)}
+        return {"prefix_cache_hits_total": 300.0 * (n % 4 == 0), "prefix_cache_queries_total": 1000.0 * (n % 4 == 0)}
+
+    monkeypatch.setattr(serve_bench, "scrape_metrics", fake_scrape)
+    out, _, _ = _fake_run(monkeypatch, 1, ceiling=False)
+    peers = out["e"]["peers"]
+    assert peers["prelude"]["prefix_hit_fraction"] == pytest.approx(0.9)
+    assert peers["vllm"]["prefix_hit_fraction"] == pytest.approx(0.3)
+    assert "in_process_req_s" not in peers["prelude"]
+    assert out["b"]["ceiling_req_s"] == {}
+
+
+def test_prefix_hit_tokens_reads_either_servers_counters() -> None:
+    from prelude.bench.server_proc import prefix_hit_tokens
+
+    prelude = ({"prefix_cache_reused_tokens_total": 10.0, "prefix_cache_computed_tokens_total": 5.0},
+               {"prefix_cache_reused_tokens_total": 40.0, "prefix_cache_computed_tokens_total": 15.0})
+    assert prefix_hit_tokens(*prelude) == (30.0, 40.0)
+    vllm = ({"prefix_cache_hits_total": 0.0, "prefix_cache_queries_total": 0.0},
+            {"prefix_cache_hits_total": 64.0, "prefix_cache_queries_total": 256.0})
+    assert prefix_hit_tokens(*vllm) == (64.0, 256.0)
+    assert prefix_hit_tokens({}, {}) is None
 
 
 def test_run_scenarios_gives_every_round_its_own_prompts_in_alternating_order(monkeypatch: pytest.MonkeyPatch) -> None:

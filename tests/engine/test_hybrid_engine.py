@@ -81,13 +81,19 @@ def test_logprobs_match_transformers(hf_model: Any, make_engine: Any) -> None:
         assert abs(lp.logprob - ref[len(prompt) - 1 + i][lp.token_id].item()) < 1e-3
 
 
-def test_the_start_up_says_slots_and_that_prefix_caching_is_off(make_engine: Any,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_the_start_up_says_slots_and_checkpoints(make_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO"):
-        engine = make_engine(max_recurrent_slots=3)
-    assert engine.num_state_slots == 3 and engine.kv.prefix is None
+        engine = make_engine(max_recurrent_slots=3, max_state_checkpoints=5)
+    assert engine.num_state_slots == 3 and engine.kv.prefix is not None
     assert "recurrent state: 3 slots x" in caplog.text
-    assert "prefix caching: off" in caplog.text
+    assert "prefix caching: on, with 5 state checkpoint slots" in caplog.text
+    # the state tensors hold the running slots and the checkpoints after them
+    conv, rec = engine.runner.kv_caches[0]
+    assert conv.shape[0] == rec.shape[0] == 8
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        engine = make_engine(max_recurrent_slots=3, max_state_checkpoints=0)
+    assert engine.kv.prefix is None and "prefix caching: off" in caplog.text
 
 
 def test_oneshot_requests_hold_no_slot_and_run_at_8x_the_slots(hf_model: Any, make_engine: Any) -> None:
@@ -192,7 +198,7 @@ def test_a_saved_checkpoint_starts_through_the_loader(tmp_path: Any, caplog: pyt
             shutil.copy(source / name, tmp_path / name)
     with caplog.at_level("INFO"):
         llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_memory_gib=0.01, max_num_seqs=4)
-    assert "recurrent state: 4 slots x" in caplog.text and "prefix caching: off" in caplog.text
+    assert "recurrent state: 4 slots x" in caplog.text and "state checkpoint slots" in caplog.text
     prompt = [11, 12, 13, 14, 15]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)

@@ -95,6 +95,8 @@ def tiny_engine(
     fuse_oneshot: bool = True,
     lora: LoraConfig | None = None,
     max_recurrent_slots: int | None = None,
+    state_checkpoint_stride: int = 512,
+    max_state_checkpoints: int | None = None,
 ) -> LLMEngine:
     config = config_for(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
@@ -107,6 +109,7 @@ def tiny_engine(
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
             max_cached_blocks=max_cached_blocks, max_recurrent_slots=max_recurrent_slots,
+            state_checkpoint_stride=state_checkpoint_stride, max_state_checkpoints=max_state_checkpoints,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -55,30 +55,37 @@ def perturb_norms(model: Any) -> None:
 def write_st_folder(path: Path, *, pooling: str = "lasttoken", include_prompt: bool = True,
                     dense: tuple[tuple[int, str], ...] = (), normalize: bool = True,
                     prompts: dict[str, str] | None = None, default_prompt: str | None = None,
-                    seed: int = 0, config_extra: dict[str, Any] | None = None) -> Any:
-    """A Qwen3 trunk (`Qwen3Model`, saved as sentence-transformers saves it) with its module
-    stack; `dense`: (out_features, torch.nn activation class name) per Dense layer."""
+                    seed: int = 0, config_extra: dict[str, Any] | None = None, dense_bias: bool = True,
+                    trunk: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    """A Qwen3 trunk (`Qwen3Model`, saved as sentence-transformers saves it), or the one
+    `trunk(config_extra)` makes, with its module stack; `dense`: (out_features, torch.nn
+    activation class name) per Dense layer."""
     import transformers
     from safetensors.torch import save_file
 
     torch.manual_seed(seed)
-    trunk = transformers.Qwen3Model(qwen3_config(**(config_extra or {}))).float().eval()
-    perturb_norms(trunk)
-    trunk.save_pretrained(path)
+    if trunk is None:
+        model = transformers.Qwen3Model(qwen3_config(**(config_extra or {}))).float().eval()
+    else:
+        model = trunk(config_extra or {})
+    perturb_norms(model)
+    model.save_pretrained(path)
+    hidden = int(model.config.hidden_size)
     write_tokenizer(path)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     (path / "1_Pooling").mkdir()
     (path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"embedding_dimension": 64, "pooling_mode": pooling, "include_prompt": include_prompt}))
-    width = 64
+        {"embedding_dimension": hidden, "pooling_mode": pooling, "include_prompt": include_prompt}))
+    width = hidden
     for i, (out, act) in enumerate(dense, start=2):
         folder = path / f"{i}_Dense"
         folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({"in_features": width, "out_features": out, "bias": True,
+        (folder / "config.json").write_text(json.dumps({"in_features": width, "out_features": out, "bias": dense_bias,
                                                         "activation_function": f"torch.nn.modules.activation.{act}"
                                                         if act != "Identity" else "torch.nn.modules.linear.Identity"}))
-        save_file({"linear.weight": torch.randn(out, width) * 0.2, "linear.bias": torch.randn(out) * 0.1},
+        tensors = {"linear.weight": torch.randn(out, width) * 0.2, "linear.bias": torch.randn(out) * 0.1}
+        save_file(tensors if dense_bias else {"linear.weight": tensors["linear.weight"]},
                   str(folder / "model.safetensors"))
         modules.append({"idx": i, "name": str(i), "path": folder.name, "type": "sentence_transformers.models.Dense"})
         width = out
@@ -91,4 +98,4 @@ def write_st_folder(path: Path, *, pooling: str = "lasttoken", include_prompt: b
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
     (path / "config_sentence_transformers.json").write_text(json.dumps(
         {"prompts": prompts or {}, "default_prompt_name": default_prompt, "similarity_fn_name": "cosine"}))
-    return trunk
+    return model

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from prelude.bench.results import write_json
-from prelude.bench.server_proc import prelude_server
+from prelude.bench.server_proc import prelude_server, scrape_metrics
 
 WORDS = ("policy rubric judge score answer evidence relevant helpful harmless accurate complete concise "
          "safety criterion document query reasoning factual grounded citation format style tone").split()
@@ -31,18 +31,6 @@ def _ids(tokenizer: Any, n: int, rng: random.Random) -> list[int]:
     while len(out) < n:
         out.extend(tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(64)), add_special_tokens=False))
     return out[:n]
-
-
-def _metrics(base: str) -> dict[str, float]:
-    """Prometheus samples by name without the `prelude:` prefix, summed over label sets."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            name = sample.name.removeprefix("prelude:")
-            out[name] = out.get(name, 0.0) + sample.value
-    return out
 
 
 async def _run(base: str, prompts: list[list[int]], concurrency: int) -> float:
@@ -123,17 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.judge_only:
         with prelude_server(common) as cached:
             asyncio.run(_run(cached, judge[:1], 1))  # the rubric is cached once, as in steady state
-            before = _metrics(cached)
+            before = scrape_metrics(cached)
             result["judge_req_per_s_cache"] = asyncio.run(_run(cached, judge[1:], 16))
-            after = _metrics(cached)
+            after = scrape_metrics(cached)
     else:
         with prelude_server(common) as cached, prelude_server([*common, "--no-enable-prefix-caching"]) as uncached:
             asyncio.run(_run(cached, judge[:1], 1))  # the rubric is cached once, as in steady state
-            before = _metrics(cached)
+            before = scrape_metrics(cached)
             result["judge_req_per_s_cache"] = asyncio.run(_run(cached, judge[1:], 16))
-            after = _metrics(cached)
+            after = scrape_metrics(cached)
             result["judge_req_per_s_no_cache"] = asyncio.run(_run(uncached, judge[1:], 16))
-            result["judge_cache_metrics"] = _metrics(cached)
+            result["judge_cache_metrics"] = scrape_metrics(cached)
         result["judge_speedup"] = result["judge_req_per_s_cache"] / result["judge_req_per_s_no_cache"]
     steps = after["step_duration_seconds_count"] - before["step_duration_seconds_count"]
     result["judge_http_rows_per_step"] = (after["step_tokens_total"] - before["step_tokens_total"]) / item_rows / steps
@@ -150,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for mode, extra in (("deferral", []), ("no_deferral", ["--no-prefix-deferral"])):
         with prelude_server([*common, *extra]) as base:
-            before = _metrics(base)
+            before = scrape_metrics(base)
             rps = asyncio.run(_run(base, burst, len(burst)))
-            after = _metrics(base)
+            after = scrape_metrics(base)
         computed = after["prefix_cache_computed_tokens_total"] - before["prefix_cache_computed_tokens_total"]
         reused = after["prefix_cache_reused_tokens_total"] - before["prefix_cache_reused_tokens_total"]
         result[f"burst_{mode}"] = {

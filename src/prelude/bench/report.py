@@ -139,8 +139,11 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{e['suffix_range'][1]} unique tokens, {e['max_tokens']} output token(s), c={e['concurrency']}"
                   f"{_median_of(n)}", ""]
         rows = [[p, _f(s["req_s"], 2), _f(s["ttft_p50_ms"], 0), _f(s["ttft_p95_ms"], 0), _f(s["e2e_p95_ms"], 0),
-                 _f(s["input_tok_s"], 0), _errors(s)] for p, s in e["peers"].items()]
-        lines += _table(["peer", "req/s", "TTFT p50 ms", "TTFT p95 ms", "E2E p95 ms", "input tok/s", "errors"], rows)
+                 _f(s["input_tok_s"], 0),
+                 _f(100 * s["prefix_hit_fraction"], 1) + "%" if "prefix_hit_fraction" in s else DASH, _errors(s)]
+                for p, s in e["peers"].items()]
+        lines += _table(["peer", "req/s", "TTFT p50 ms", "TTFT p95 ms", "E2E p95 ms", "input tok/s",
+                         "prompt tokens from its cache (every wave)", "errors"], rows)
         lines += _rounds_section(e, n, ["req_s"], " (a fresh shared prefix every round: each round's first wave is cold)")
         if (pre := e["peers"].get("prelude", {})).get("in_process_req_s"):
             by_round = [r.get("served_over_in_process") for r in pre.get("rounds", [])]

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager
+from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,8 @@ from prelude.bench.prompts import exact_prompt, shared_prefix_prompts
 from prelude.bench.raw_http import RawPool
 from prelude.bench.report import markdown, plot_sweep
 from prelude.bench.results import write_json
-from prelude.bench.server_proc import free_port, frozen, server_process, wait_until_idle
+from prelude.bench.server_proc import (free_port, frozen, prefix_hit_tokens, scrape_metrics, server_process,
+                                       wait_until_idle)
 
 SCENARIOS = ("a", "b", "c", "d", "e")
 LABELS = ["yes", "no"]
@@ -209,12 +210,13 @@ def _spec(args: argparse.Namespace, concurrency: int, label: str) -> LoadSpec:
 
 
 async def interleaved_c1(
-    peers: list[Peer], prompts: list[str], warm: str, warmup: int, raw: RawModel, tok: Any, pause_s: float = 0.1,
+    peers: list[Peer], prompts: list[str], warm: str, warmup: int, raw: RawModel | None, tok: Any,
+    pause_s: float = 0.1,
     clients: LoadClient = LoadClient(),
 ) -> tuple[dict[str, LoadResult], list[float]]:
     """One request at a time, alternating peers request by request, with the raw forward
     of the same prompt in between, so slow drift of the machine lands on all alike.
-    Returns each peer's results and the raw forward seconds per prompt."""
+    Returns each peer's results and the raw forward seconds per prompt (none without `raw`)."""
     by_name = {p.spec.name: p for p in peers}
     records: dict[str, list[Any]] = {name: [] for name in by_name}
     turns: dict[str, float] = {name: 0.0 for name in by_name}  # wall clock of each peer's turns
@@ -230,12 +232,14 @@ async def interleaved_c1(
             with alone(peers, by_name[name]):
                 for _ in range(warmup):
                     await send(client, warm)
-        with alone(peers):
-            await asyncio.to_thread(raw.forward_seconds, [tok.encode(warm, add_special_tokens=False)], 1, warmup)
-        for i, prompt in enumerate(prompts):
-            ids = tok.encode(prompt, add_special_tokens=False)
+        if raw is not None:
             with alone(peers):
-                raw_s += await asyncio.to_thread(raw.forward_seconds, [ids])
+                await asyncio.to_thread(raw.forward_seconds, [tok.encode(warm, add_special_tokens=False)], 1, warmup)
+        for i, prompt in enumerate(prompts):
+            if raw is not None:
+                ids = tok.encode(prompt, add_special_tokens=False)
+                with alone(peers):
+                    raw_s += await asyncio.to_thread(raw.forward_seconds, [ids])
             # OpenMP threads spin for a while after a forward: a pause lets this process's
             # (or the previous server's) go idle before the next one computes, as if each
             # ran alone. The pauses are outside every measurement.
@@ -334,10 +338,11 @@ def combine_rounds(per_round: list[dict[str, dict[str, Any]]], metrics: tuple[st
 
 
 def run_scenarios(
-    peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str], raw: RawModel, tok: Any
+    peers: list[Peer], wl: Workload, args: argparse.Namespace, scenarios: set[str], raw: RawModel | None, tok: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(scenario results, ceiling). The batched ceiling is measured first and again
-    before every sweep point, the single-prompt raw forward interleaved with (a)."""
+    before every sweep point, the single-prompt raw forward interleaved with (a); with
+    `raw` None, none of the in-process references."""
     out: dict[str, Any] = {}
     clients = LoadClient(args.client)
     completers = [p for p in peers if COMPLETIONS in p.spec.serves]
@@ -347,34 +352,38 @@ def run_scenarios(
         return f" r{r}" if args.rounds > 1 else ""
 
     long_ids = [tok.encode(p, add_special_tokens=False) for p in next(iter(wl.sweep.values()))[:16]]
-    with alone(peers):
-        batched = raw.batched(long_ids, args.ceiling_iters)
-    ceiling: dict[str, Any] = {"batched_long_req_s": batched, "best_long_req_s": max(batched.values())}
-    if raw.dense:  # the roofline counts a dense decoder's GEMMs
+    ceiling: dict[str, Any] = {}
+    if raw is not None:
         with alone(peers):
-            flops, roof = raw.roofline(512)
-        ceiling |= {"gemm_gflops": flops / 1e9, "roofline_long_req_s": roof}
-        print(f"GEMM roofline: {flops / 1e9:.0f} GFLOP/s -> {roof:.2f} req/s at 512-in/1-out", flush=True)
-    print(f"Prelude eager forward: {ceiling['best_long_req_s']:.2f} req/s at 512-in/1-out  [{_TAG}]", flush=True)
+            batched = raw.batched(long_ids, args.ceiling_iters)
+        ceiling |= {"batched_long_req_s": batched, "best_long_req_s": max(batched.values())}
+        if raw.dense:  # the roofline counts a dense decoder's GEMMs
+            with alone(peers):
+                flops, roof = raw.roofline(512)
+            ceiling |= {"gemm_gflops": flops / 1e9, "roofline_long_req_s": roof}
+            print(f"GEMM roofline: {flops / 1e9:.0f} GFLOP/s -> {roof:.2f} req/s at 512-in/1-out", flush=True)
+        print(f"Prelude eager forward: {ceiling['best_long_req_s']:.2f} req/s at 512-in/1-out  [{_TAG}]", flush=True)
     if "a" in scenarios and completers:
         # vLLM's idle OpenMP threads spin for KMP_BLOCKTIME (200 ms) after a request:
         # longer pauses keep that spin off the next peer's request.
         pause = 0.25 if any(p.spec.name == "vllm" for p in completers) else 0.1
         res, raw_s = asyncio.run(interleaved_c1(completers, wl.short[: wl.n_a], wl.warm_short, args.warmup, raw, tok,
                                                 pause, clients))
-        out["a"] = {"peers": {n: summarize(r, 128) for n, r in res.items()},
-                    "raw_forward_ms": {"p50": 1000 * percentile(raw_s, 50), "p95": 1000 * percentile(raw_s, 95)}}
-        ceiling["forward_short_ms"] = out["a"]["raw_forward_ms"]["p50"]
+        out["a"] = {"peers": {n: summarize(r, 128) for n, r in res.items()}}
         _show("a", out["a"]["peers"], ("e2e_p50_ms", "ttft_p50_ms", "rpm"))
-        print(f"[a] raw forward p50 {ceiling['forward_short_ms']:.1f} ms  [{_TAG}]", flush=True)
+        if raw_s:
+            out["a"]["raw_forward_ms"] = {"p50": 1000 * percentile(raw_s, 50), "p95": 1000 * percentile(raw_s, 95)}
+            ceiling["forward_short_ms"] = out["a"]["raw_forward_ms"]["p50"]
+            print(f"[a] raw forward p50 {ceiling['forward_short_ms']:.1f} ms  [{_TAG}]", flush=True)
     if "b" in scenarios and completers:
         out["b"] = {"points": {}, "ceiling_req_s": {}}
         for c in wl.sweep:
             # The ceiling again at every point, in the same minutes as the servers' runs;
             # the goal compares against the best ceiling seen (the strictest reading).
-            with alone(peers):
-                out["b"]["ceiling_req_s"][str(c)] = max(raw.batched(long_ids, max(3, args.ceiling_iters // 2)).values())
-            ceiling["best_long_req_s"] = max(ceiling["best_long_req_s"], out["b"]["ceiling_req_s"][str(c)])
+            if raw is not None:
+                with alone(peers):
+                    out["b"]["ceiling_req_s"][str(c)] = max(raw.batched(long_ids, max(3, args.ceiling_iters // 2)).values())
+                ceiling["best_long_req_s"] = max(ceiling["best_long_req_s"], out["b"]["ceiling_req_s"][str(c)])
             # llama.cpp runs one request at a time: more concurrency only queues (see --llama-sweep-max)
             names = [p.spec.name for p in completers if p.spec.name != "llama.cpp" or c <= args.llama_sweep_max]
 
@@ -442,10 +451,15 @@ def run_scenarios(
             # No warm-up: the first request pays for the cold prefix on every peer alike.
             spec = replace(_spec(args, args.prefix_concurrency, f"e {name}{tag(r)}"), warmup=0)
             _settle(peers)  # no warm-up here to absorb another peer's spin: the first wave is measured
+            before = scrape_metrics(p.base)
             with alone(peers, p):
                 res = asyncio.run(run_load(send, prompts, spec, client=pool))
             summary = summarize(res, sum(lengths) / len(lengths))
-            if name == "prelude":  # the same requests in process, a wave handed over at once, right after
+            if (hits := prefix_hit_tokens(before, scrape_metrics(p.base))) and hits[1]:
+                # every wave's prompt tokens, the first (cold) wave's included
+                summary["prefix_hit_tokens"], summary["prompt_tokens_looked_up"] = hits
+                summary["prefix_hit_fraction"] = hits[0] / hits[1]
+            if name == "prelude" and raw is not None:  # the same requests in process, a wave handed over at once, right after
                 ids = [tok.encode(t, add_special_tokens=False) for t in prompts]
                 with alone(peers):
                     summary["in_process_req_s"] = raw.waves_req_s(ids, args.prefix_concurrency)
@@ -455,6 +469,10 @@ def run_scenarios(
         out["e"] |= combine_rounds(in_rounds(list(by_name), args.rounds, judge), RATIO_METRICS["e"])
         _show("e", out["e"]["peers"], ("req_s", "ttft_p50_ms", "e2e_p95_ms"))
         _show_ratios("e", out["e"])
+        for name, summary in out["e"]["peers"].items():
+            if "prefix_hit_fraction" in summary:
+                print(f"[e] {name}: {100 * summary['prefix_hit_fraction']:.1f}% of prompt tokens served from its "
+                      f"prefix cache, the first wave's included  [{_TAG}]", flush=True)
         if served := out["e"]["peers"].get("prelude", {}).get("served_over_in_process"):
             print(f"[e] prelude served / in process (the same waves handed over at once): {served:.2f}x, in process "
                   f"{out['e']['peers']['prelude']['in_process_req_s']:.1f} req/s  [{_TAG}]", flush=True)
@@ -611,6 +629,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="every peer's dtype; auto: what `prelude serve` picks on this machine (bf16 only on CPUs "
                          "with AVX512-BF16/AMX)")
     ap.add_argument("--ceiling-iters", type=int, default=12)
+    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure the in-process references (the eager batched forward, the GEMM roofline, the raw "
+                         "forward of (a), the judge's waves in process); --no-ceiling leaves them out (a large model "
+                         "would be loaded a second time beside the servers)")
     ap.add_argument("--model", default=None,
                     help="a HF model directory every completions peer serves (default: the default model); "
                          "its tokenizer builds the prompts")
@@ -661,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         result["startup_s"] = {p.spec.name: p.startup_s for p in peers}
         result["startup_cold_s"] = {p.spec.name: p.cold_startup_s for p in peers if p.cold_startup_s is not None}
         # Loaded after the servers started, so their start-up timings stay undisturbed.
-        with RawModel(args.dtype, args.model) as raw:
+        with RawModel(args.dtype, args.model) if args.ceiling else nullcontext() as raw:
             result["scenarios"], result["ceiling"] = run_scenarios(peers, wl, args, scenarios, raw, tok)
     result["load_average_end"] = _loadavg()
     result["goals"] = goals(result)

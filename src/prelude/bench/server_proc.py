@@ -15,6 +15,40 @@ from contextlib import contextmanager
 import httpx
 
 
+def scrape_metrics(base: str) -> dict[str, float]:
+    """A server's Prometheus samples by name, the `prelude:` or `vllm:` prefix dropped, summed
+    over label sets; {} from a server without a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    try:
+        page = httpx.get(base + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return out
+    if page.status_code != 200:
+        return out
+    for family in text_string_to_metric_families(page.text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("prelude:").removeprefix("vllm:")
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+def prefix_hit_tokens(before: dict[str, float], after: dict[str, float]) -> tuple[float, float] | None:
+    """(prompt tokens served from the prefix cache, prompt tokens looked up) between two
+    scrapes of `scrape_metrics`: Prelude's reused/computed token counters, or vLLM's
+    token-counted prefix-cache hits/queries; None where the server counts neither."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    if "prefix_cache_reused_tokens_total" in after:
+        reused = delta("prefix_cache_reused_tokens_total")
+        return reused, reused + delta("prefix_cache_computed_tokens_total")
+    if "prefix_cache_queries_total" in after and "prefix_cache_hits_total" in after:
+        return delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total")
+    return None
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process and its waited-for children used
     so far (Linux /proc; 0.0 elsewhere). vLLM's engine core is a child process: its time

@@ -77,27 +77,33 @@ class LLMEngine:
         self.info = info = runner.info
         self.block_size = block_size = runner.block_size
         limit = config.scheduler.max_model_len or info.max_position_embeddings
-        self.num_state_slots = 0
+        self.num_state_slots = self.num_checkpoint_slots = 0
         if info.is_encoder:
             num_blocks = 1  # encoders keep no KV: every request is OneShot
             self.max_model_len = min(limit, info.max_position_embeddings)
         else:
-            num_blocks, self.num_state_slots, why = self._kv_blocks(config)
+            num_blocks, self.num_state_slots, self.num_checkpoint_slots, why = self._kv_blocks(config)
             if info.sliding_window:
                 # Full attention equals sliding-window attention only within the window.
                 limit = min(limit, info.sliding_window)
             self.max_model_len = min(limit, num_blocks * block_size, info.max_positions)
         # A prefix of a model with recurrent layers is its KV and its state at the prefix's
-        # end, which the cache does not keep yet: such a model computes every prompt whole.
-        prefix_caching = config.cache.enable_prefix_caching and not info.is_encoder and not self.num_state_slots
-        if config.cache.enable_prefix_caching and self.num_state_slots:
-            logger.info("prefix caching: off (the model has recurrent layers, whose state at a prefix's end "
-                        "the cache does not keep): every prompt is computed whole")
+        # end: such a model caches prefixes only with checkpoint slots for those states.
+        prefix_caching = config.cache.enable_prefix_caching and not info.is_encoder and (
+            not self.num_state_slots or self.num_checkpoint_slots > 0)
+        if config.cache.enable_prefix_caching and self.num_state_slots and not self.num_checkpoint_slots:
+            logger.info("prefix caching: off (the model has recurrent layers and --max-state-checkpoints is 0): "
+                        "every prompt is computed whole")
         self.kv = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=prefix_caching,
             max_cached_blocks=config.cache.max_cached_blocks, num_state_slots=self.num_state_slots,
+            num_checkpoint_slots=self.num_checkpoint_slots if prefix_caching else 0,
+            checkpoint_stride=config.cache.state_checkpoint_stride,
         )
-        runner.allocate_kv_cache(num_blocks, populate=config.cache.populate_kv, state_slots=self.num_state_slots)
+        if not prefix_caching:
+            self.num_checkpoint_slots = 0
+        runner.allocate_kv_cache(num_blocks, populate=config.cache.populate_kv,
+                                 state_slots=self.num_state_slots + self.num_checkpoint_slots)
         if not info.is_encoder:
             runner.capture_graphs(self.max_model_len)  # a no-op off CUDA or with enforce_eager
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len,
@@ -143,14 +149,27 @@ class LLMEngine:
                 "requests hold none (--max-recurrent-slots caps it)", self.num_state_slots,
                 info.state_bytes_per_slot / 2**20, self.num_state_slots * info.state_bytes_per_slot / 2**30,
                 info.device)
+        if self.num_checkpoint_slots:
+            logger.info(
+                "prefix caching: on, with %d state checkpoint slots (%.2f GiB) kept every %d tokens and where "
+                "peers' prompts part, evicted with their blocks (--max-state-checkpoints, "
+                "--state-checkpoint-stride)", self.num_checkpoint_slots,
+                self.num_checkpoint_slots * info.state_bytes_per_slot / 2**30, config.cache.state_checkpoint_stride)
         runner.start_background_work()  # e.g. --compile background: off the loading path
 
-    def _kv_blocks(self, config: EngineConfig) -> tuple[int, int, str]:
-        """How many KV blocks and recurrent-state slots, and why (see executor/kv_sizing.py).
-        Slots come out of the same budget: one per running sequence (max_num_seqs, capped
-        by max_recurrent_slots), at most half the budget, at least one."""
+    def _kv_blocks(self, config: EngineConfig) -> tuple[int, int, int, str]:
+        """How many KV blocks, recurrent-state slots and state checkpoint slots, and why
+        (see executor/kv_sizing.py). Slots come out of the same budget: one per running
+        sequence (max_num_seqs, capped by max_recurrent_slots), at most half the budget, at
+        least one; checkpoints (with prefix caching) a quarter of it unless
+        max_state_checkpoints says."""
         per_slot = self.info.state_bytes_per_slot
         wanted = 0
+        checkpoints = config.cache.max_state_checkpoints
+        if checkpoints is not None and checkpoints < 0:
+            raise ValueError("--max-state-checkpoints must be at least 0")
+        if not per_slot or not config.cache.enable_prefix_caching:
+            checkpoints = 0
         if per_slot:
             wanted = config.scheduler.max_num_seqs
             if config.cache.max_recurrent_slots is not None:
@@ -158,7 +177,8 @@ class LLMEngine:
                     raise ValueError("--max-recurrent-slots must be at least 1")
                 wanted = min(wanted, config.cache.max_recurrent_slots)
         if config.cache.num_blocks:
-            return config.cache.num_blocks, wanted, "num_blocks set explicitly"
+            return (config.cache.num_blocks, wanted, 16 if checkpoints is None else checkpoints,
+                    "num_blocks set explicitly")
         runner, sched = self.runner, config.scheduler
         memory = None
         if config.cache.kv_cache_memory_gib is None:  # measured only when it decides something
@@ -170,8 +190,10 @@ class LLMEngine:
             resident_bytes=runner.adapters.nbytes if runner.adapters is not None else 0,  # LoRA slots
         )
         slots = min(wanted, max(1, budget.bytes // 2 // per_slot)) if per_slot else 0
-        blocks = max(1, (budget.bytes - slots * per_slot) // max(1, self.info.kv_bytes_per_block))
-        return blocks, slots, budget.reason
+        if checkpoints is None:
+            checkpoints = max(1, budget.bytes // 4 // per_slot)
+        blocks = max(1, (budget.bytes - (slots + checkpoints) * per_slot) // max(1, self.info.kv_bytes_per_block))
+        return blocks, slots, checkpoints, budget.reason
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -564,6 +586,10 @@ class LLMEngine:
             "kv_blocks_cached_evictable": self.kv.pool.num_evictable_blocks,
             "recurrent_slots_total": self.num_state_slots,
             "recurrent_slots_free": self.kv.num_free_slots or 0,
+            "state_checkpoint_slots_total": self.num_checkpoint_slots,
+            "state_checkpoints_cached": self.kv.prefix.num_checkpoints if self.kv.prefix else 0,
+            "state_checkpoints_saved_total": st.checkpoints_saved,
+            "state_checkpoints_evicted_total": self.kv.checkpoints.num_evicted if self.kv.checkpoints else 0,
             "prefix_cache_blocks": self.kv.prefix.num_cached_blocks if self.kv.prefix else 0,
             "prefix_cache_queries_total": st.queries,
             "prefix_cache_hits_total": st.hits,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from prelude.config import SchedulerConfig
 from prelude.forward_batch import (
@@ -53,6 +53,7 @@ from prelude.engine.policies import SchedulingPolicy
 from prelude.engine.policies.base import by_arrival
 from prelude.engine.request import ExecClass, LoraRequest, PoolingTask, Request, RequestStatus
 from prelude.kv.kv_manager import KVCacheManager, blocks_needed
+from prelude.kv.prefix_cache import CheckpointHit
 
 
 @dataclass
@@ -240,6 +241,9 @@ class Scheduler:
         self._low_priority_left: int | None = None
         self._low_priority_cap: int | None = None
         self._chunking: set[str] = set()  # OneShot requests whose chunk is in a step not yet ended
+        # Models with recurrent layers: where an admitted request's prompt parts from the cached
+        # ones (past its hit), for its first row's checkpoint (taken by _row)
+        self._parts: dict[str, int] = {}
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -280,8 +284,8 @@ class Scheduler:
         `admitted` and its blocks are already free."""
         if plan.has_normal:
             self._normal_step_end = time.monotonic() if now is None else now
+        admitted = {r.request_id: r for r in self.admitted}
         if ok:
-            admitted = {r.request_id: r for r in self.admitted}
             for request_id, n in plan.scheduled.items():
                 req = admitted.get(request_id)
                 if req is None:
@@ -289,6 +293,14 @@ class Scheduler:
                 req.num_computed_tokens += n
                 if n > 1 or req.num_computed_tokens % self.kv.block_size == 0:  # a block just filled
                     self.kv.cache_computed(request_id, req.all_token_ids, req.num_computed_tokens, namespace(req))
+        if self.kv.checkpoints is not None and isinstance(plan.batch, (DecodeBatch, MixedBatch)):
+            for row in plan.batch.rows:  # state checkpoints: attached to the blocks just cached, or freed
+                req = admitted.get(row.request_id)
+                if row.state_saves:
+                    self.kv.end_saves(req.all_token_ids if req is not None else [], row.state_saves,
+                                      ok and req is not None, namespace(req) if req is not None else "")
+                if ok and row.restore_slot is not None and req is not None:
+                    self.kv.restored(row.request_id)  # (a failed row's request is aborted: free lets go)
         if ok and plan.oneshot:
             self.gather.step_ended(len(plan.oneshot), len(self.oneshot_waiting), time.monotonic())
         self._chunking.difference_update(r.request_id for r in plan.chunked)
@@ -298,6 +310,10 @@ class Scheduler:
                                  lora_namespace(row.lora), row.copy_from)
             else:
                 self.kv.drop_step(list(row.prefix_blocks), list(row.publish_blocks), row.copy_from)
+            if row.state_saves:
+                self.kv.end_saves(row.token_ids[: row.shared_len], row.state_saves, ok, lora_namespace(row.lora))
+            if row.restore_slot is not None:
+                self.kv.release_checkpoint(row.restore_slot)
 
     def finish(self, request: Request) -> None:
         """The request's life in this engine ends (it finished, was aborted or handed off):
@@ -312,6 +328,7 @@ class Scheduler:
             if request in queue:
                 queue.remove(request)
         self.kv.free(request.request_id)
+        self._parts.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
 
     def has_work(self) -> bool:
@@ -329,15 +346,33 @@ class Scheduler:
             per_token += 2 * self.vocab_size * 4
         return n * per_token
 
-    def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
+    def _cached_prefix(self, req: Request, tokens: list[int],
+                       inside_blocks: bool = False) -> tuple[list[int], CheckpointHit | None]:
+        """The cached blocks a request starts after, and (models with recurrent layers)
+        the hit with the state checkpoint at their end, which may end inside the next block
+        where `inside_blocks` allows it (the row then copies that block's first slots);
+        ([], None): none."""
+        if self.kv.checkpoints is not None:
+            limit = None
+            if not reuses_prefix(req):
+                if not req.pooled_upto:
+                    return [], None
+                limit = req.pooled_upto
+            hit, agreed = self.kv.state_hit(tokens, namespace(req), inside_blocks and limit is None, limit)
+            if limit is not None and (hit is None or hit.num_tokens != limit):
+                req.pooled_upto, req.pooled = 0, None  # its checkpoint was evicted: pool again from the start
+                return [], None
+            if agreed > (hit.num_tokens if hit is not None else 0):
+                self._parts[req.request_id] = agreed  # its first row keeps a checkpoint where it parts
+            return (hit.blocks, hit) if hit is not None else ([], None)
         if reuses_prefix(req):
-            return self.kv.match(tokens, namespace(req))
+            return self.kv.match(tokens, namespace(req)), None
         if req.pooled_upto:  # a running pool goes on after the blocks its chunks published
             found = self.kv.match(tokens, namespace(req))[: req.pooled_upto // self.kv.block_size]
             if len(found) * self.kv.block_size == req.pooled_upto:
-                return found
+                return found, None
             req.pooled_upto, req.pooled = 0, None  # some were evicted: pool again from the start
-        return []
+        return [], None
 
     def _adapter_fits(self, req: Request, result: ScheduleResult) -> bool:
         """Whether the request's adapter fits the step: a step holds at most `max_loras`
@@ -420,25 +455,40 @@ class Scheduler:
         taken: list[Request] = []
         leaders: set[tuple[object, ...]] = set()
         riders_of: dict[tuple[object, ...], OneShotLeader] = {}  # first uncached key -> its leader row
+        # Models with recurrent layers (state checkpoints): no riders (a rider would need the
+        # leader's state at their parting point within the same forward); a leader instead
+        # keeps a checkpoint where each deferred peer parts from it (see _checkpoint_rows).
+        state = self.kv.checkpoints is not None
+        peers_of: dict[tuple[object, ...], list[list[int]]] = {}  # a leader's key -> its deferred peers
+        state_rows: list[tuple[int, list[int], int, int, int, tuple[object, ...] | None]] = []
         for req in ordered:
             if oneshot_group(req) != group:
                 continue
             prompt = req.prompt_token_ids
             shareable = shareable_tokens(req)
-            prefix = self._cached_prefix(req, shareable)
+            agreed = 0
+            if state and reuses_prefix(req):  # the hit may end inside a block (its row copies that block)
+                hit, agreed = self.kv.state_hit(shareable, namespace(req), inside_blocks=True)
+                prefix = hit.blocks if hit is not None else []
+            else:
+                prefix, hit = self._cached_prefix(req, shareable)
+                self._parts.pop(req.request_id, None)
             key = self.kv.first_uncached_key(shareable, len(prefix), namespace(req))
             # a peer of a leader in this step rides: the leader's blocks join its prefix
-            leader = riders_of.get(key) if key is not None and reuses_prefix(req) else None
+            leader = riders_of.get(key) if key is not None and reuses_prefix(req) and not state else None
             riding = leader.shared_blocks(shareable, bs) if leader is not None else ()
             prefix = prefix + list(riding)
             publish = len(shareable) // bs - len(prefix) if self.kv.prefix is not None else 0
-            n_cached = len(prefix) * bs
+            n_cached = hit.num_tokens if hit is not None else len(prefix) * bs
             n = req.num_prompt_tokens - n_cached
             mem = self.activation_bytes(req, n)
             if self._low_priority_tokens(req, n, alone=first_goes and not taken) < n:
                 continue  # low-priority work over this step's bound waits; normal rows may still fit
             if n > budget and not riding and self._chunkable(req) and self._adapter_fits(req, result):
-                chunk = self._chunk_row(req, prefix, budget)
+                if hit is not None and hit.copy_from is not None:  # chunks start at a block boundary
+                    hit, _ = self.kv.state_hit(shareable, namespace(req))
+                    prefix = hit.blocks if hit is not None else []
+                chunk = self._chunk_row(req, prefix, budget, hit)
                 if chunk is not None:
                     computed = len(chunk.token_ids) - chunk.num_cached
                     rows.append(chunk)
@@ -451,41 +501,78 @@ class Scheduler:
             if (taken or not first_goes) and (n > budget or mem > memory):
                 break
             if not riding and self._defer(req, key, leaders):
+                if state and key is not None:
+                    peers_of.setdefault(key, []).append(shareable)
                 continue
             if not self._adapter_fits(req, result):
                 continue
-            # A hit after a shared block may go on inside the next block when this row
-            # publishes it (its copy of that block takes the cached slots): a rubric or a chat
-            # template ending mid-block. Looked up for taken rows only (a scan of cached
-            # children), after the budget, which the full-block hit already bounds.
-            partial = (self.kv.match_partial(shareable, prefix, namespace(req))
-                       if publish and prefix and reuses_prefix(req) and not riding else None)
-            publish_blocks, copy_from = self.kv.hold_for_step(prefix, publish, partial[0] if partial else None)
-            if riding:
-                self.kv.stats.riders += 1
-            elif (key is not None and publish_blocks and copy_from is None and self.config.prefix_riders
-                  and self.config.prefix_deferral):
-                riders_of.setdefault(key, OneShotLeader(shareable, n_cached // bs, tuple(publish_blocks)))
-            if partial and copy_from is not None:
-                n_cached, n = n_cached + partial[1], n - partial[1]
+            if state:
+                # a hit inside a block needs this row's own copy of that block, published or not
+                want = hit.copy_from if hit is not None else None
+                publish_blocks, copy_from = self.kv.hold_for_step(prefix, max(publish, int(want is not None)), want)
+                if want is not None and copy_from is None:  # no block to copy into: computed whole
+                    self.kv.drop_step(prefix, publish_blocks)
+                    prefix, publish_blocks, hit, n_cached, agreed = [], [], None, 0, 0
+                    n = req.num_prompt_tokens
+                if hit is not None:
+                    self.kv.hold_checkpoint(hit.slot)
+                published_end = (len(prefix) + len(publish_blocks)) * bs
+                state_rows.append((len(rows), shareable, n_cached, published_end, agreed, key))
+            else:
+                # A hit after a shared block may go on inside the next block when this row
+                # publishes it (its copy of that block takes the cached slots): a rubric or a chat
+                # template ending mid-block. Looked up for taken rows only (a scan of cached
+                # children), after the budget, which the full-block hit already bounds.
+                partial = (self.kv.match_partial(shareable, prefix, namespace(req))
+                           if publish and prefix and reuses_prefix(req) and not riding else None)
+                publish_blocks, copy_from = self.kv.hold_for_step(prefix, publish, partial[0] if partial else None)
+                if riding:
+                    self.kv.stats.riders += 1
+                elif (key is not None and publish_blocks and copy_from is None and self.config.prefix_riders
+                      and self.config.prefix_deferral):
+                    riders_of.setdefault(key, OneShotLeader(shareable, n_cached // bs, tuple(publish_blocks)))
+                if partial and copy_from is not None:
+                    n_cached, n = n_cached + partial[1], n - partial[1]
             self.kv.record(n_cached, n)
             req.num_cached_tokens = n_cached
             rows.append(OneShotRow(
                 req.request_id, prompt, sample_spec(req), head_spec(req),
                 num_cached=n_cached, prefix_blocks=tuple(prefix), publish_blocks=tuple(publish_blocks),
                 item_lens=req.pooling.item_lens if req.pooling is not None else (), lora=req.lora,
-                copy_from=copy_from,
+                copy_from=copy_from, restore_slot=hit.slot if state and hit is not None else None,
             ))
             taken.append(req)
             self._took_low_priority(req, n)
             budget -= n
             memory -= mem
+        if state_rows:
+            self._checkpoint_rows(rows, state_rows, peers_of)
         for req in taken:
             self.oneshot_waiting.remove(req)
             self.oneshot_admitted.add(req)
             req.status = RequestStatus.RUNNING
             req.scheduled_time = req.scheduled_time or now
         return rows, taken
+
+    def _checkpoint_rows(self, rows: list[OneShotRow],
+                         state_rows: list[tuple[int, list[int], int, int, int, tuple[object, ...] | None]],
+                         peers_of: dict[tuple[object, ...], list[list[int]]]) -> None:
+        """The state checkpoints the step's OneShot rows write out of their scratch state:
+        on the stride within the blocks they publish; where a deferred peer's prompt parts
+        from a leader's (the peer's hit next step is then token-exact, as a dense model's,
+        also short of a block or of the stride); where a row's prompt parts from the cached
+        prompts it agrees with beyond its hit (the next such prompt hits there)."""
+        for i, shareable, n_cached, published_end, agreed, key in state_rows:
+            peers = peers_of.get(key, []) if key is not None else []
+            parts = {min(common_prefix(shareable, peer), len(peer) - 1) for peer in peers[:8]}
+            if agreed > n_cached:
+                parts.add(agreed)
+            # a checkpoint needs a cached node holding its last token: a block this row
+            # publishes, or one its prompt agrees with
+            positions = [p for p in self.kv.checkpoint_positions(n_cached, len(shareable), tuple(parts))
+                         if p <= max(published_end, agreed)]
+            if positions:
+                rows[i] = replace(rows[i], state_saves=self.kv.save_slots(positions))
 
     def _chunkable(self, req: Request) -> bool:
         """A OneShot prompt longer than a step may run in chunks where its head reads its
@@ -496,7 +583,8 @@ class Scheduler:
         return (self.kv.prefix is not None and (reuses_prefix(req) or pools_running(req))
                 and req.params.prompt_logprobs is None and not (req.pooling is not None and req.pooling.item_lens))
 
-    def _chunk_row(self, req: Request, prefix: list[int], budget: int) -> OneShotRow | None:
+    def _chunk_row(self, req: Request, prefix: list[int], budget: int,
+                   hit: CheckpointHit | None = None) -> OneShotRow | None:
         """A row computing the next whole blocks of `req`'s prompt after its cached `prefix`
         within `budget` tokens, publishing them, with no head; None where no whole block fits
         or the pool has no room for them (the prompt then runs whole, alone)."""
@@ -512,8 +600,15 @@ class Scheduler:
         end = n_cached + len(publish) * bs
         self.kv.record(n_cached, end - n_cached)
         head = head_spec(req, chunk=True) if pools_running(req) else None
+        restore, saves = None, ()
+        if self.kv.checkpoints is not None:  # the next chunk goes on from the state at this one's end
+            if hit is not None:
+                self.kv.hold_checkpoint(hit.slot)
+                restore = hit.slot
+            saves = self.kv.save_slots(self.kv.checkpoint_positions(n_cached, end, (end,)))
         return OneShotRow(req.request_id, req.prompt_token_ids[:end], None, head, num_cached=n_cached,
-                          prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora)
+                          prefix_blocks=tuple(prefix), publish_blocks=tuple(publish), lora=req.lora,
+                          restore_slot=restore, state_saves=saves)
 
     def _oneshot_budget(self) -> int:
         return self.config.max_oneshot_tokens or self.config.max_num_batched_tokens
@@ -559,7 +654,19 @@ class Scheduler:
         return BatchRow(
             req.request_id, tokens, start, list(self.kv.block_table(req.request_id)),
             sample_spec(req) if finishes else None, head, req.lora, self.kv.state_slot(req.request_id),
+            **self._state_checkpoints(req, start, n),
         )
+
+    def _state_checkpoints(self, req: Request, start: int, n: int) -> dict[str, Any]:
+        """A paged row's state checkpoints (models with recurrent layers): the one its
+        first row restores, those it writes (pending slots) on the stride and where its
+        prompt parts from the cached ones, and the block a hit inside a block copies."""
+        if self.kv.checkpoints is None:
+            return {}
+        part = self._parts.pop(req.request_id, None)
+        saves = self.kv.save_slots(self.kv.checkpoint_positions(start, start + n, () if part is None else (part,)))
+        return {"restore_slot": self.kv.restore_slot(req.request_id), "state_saves": saves,
+                "copy_from": self.kv.copy_source(req.request_id)}
 
     def _tokens_for(self, req: Request, budget: int, first: bool) -> int:
         """Tokens this request computes now; 0 if it must wait for a bigger budget."""
@@ -677,7 +784,8 @@ class Scheduler:
                     continue
                 rows.append(BatchRow(req.request_id, [CARRIED_TOKEN_PLACEHOLDER], req.num_tokens,
                                      list(self.kv.block_table(req.request_id)), sample_spec(req, carried=1),
-                                     None, req.lora, self.kv.state_slot(req.request_id)))
+                                     None, req.lora, self.kv.state_slot(req.request_id),
+                                     **self._state_checkpoints(req, req.num_tokens, 1)))
                 result.carried.append(req.request_id)
             else:
                 victims.remove(req)
@@ -786,23 +894,29 @@ class Scheduler:
         """Admit a waiting request: attach its cached prefix and allocate its first chunk.
         Returns the chunk size, None to skip it this step, 0 when the pool is full."""
         tokens = req.all_token_ids
-        prefix = self._cached_prefix(req, tokens) if req.num_computed_tokens == 0 else []
+        prefix, hit = (self._cached_prefix(req, tokens, inside_blocks=True) if req.num_computed_tokens == 0
+                       else ([], None))
         if self._defer(req, self.kv.first_uncached_key(tokens, len(prefix), namespace(req)), leaders):
+            self._parts.pop(req.request_id, None)
             return None
-        if prefix:
-            self.kv.attach(req.request_id, prefix)
-            req.num_computed_tokens = len(prefix) * self.kv.block_size
+        attached = hit is not None or bool(prefix)
+        if attached:
+            self.kv.attach(req.request_id, prefix, hit.slot if hit is not None else None,
+                           hit.copy_from if hit is not None else None)
+            req.num_computed_tokens = hit.num_tokens if hit is not None else len(prefix) * self.kv.block_size
+        n_cached = req.num_computed_tokens
         n = self._tokens_for(req, min(budget, cap or budget), first)
         # the watermark spares running decodes a preemption: with none running it would only
         # keep a pool of up to 100 blocks from ever admitting a request that needs all of it
         reserve = self.watermark_blocks if self.admitted else 0
         if n == 0 or not self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=reserve):
-            if prefix:  # not admitted after all: let go of the attached prefix
+            self._parts.pop(req.request_id, None)
+            if attached:  # not admitted after all: let go of the attached prefix
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0
             return None if n == 0 else 0
         if req.num_preemptions == 0:
-            self.kv.record(len(prefix) * self.kv.block_size, req.num_prompt_tokens - len(prefix) * self.kv.block_size)
+            self.kv.record(n_cached, req.num_prompt_tokens - n_cached)
         self.waiting.remove(req)
         self.admitted.append(req)
         req.status = RequestStatus.RUNNING

@@ -80,6 +80,10 @@ class RowLayout:
     # whether its sequence starts here (a zero state)
     state_slot: int = -1
     fresh: bool = True
+    # A prefix hit's checkpoint to start from (-1: none), and the checkpoints to write:
+    # (tokens into the row, checkpoint slot)
+    restore: int = -1
+    saves: tuple[tuple[int, int], ...] = ()
 
 
 class InputBuilder:
@@ -172,22 +176,25 @@ class InputBuilder:
         rows: list[StateRow] = []
         step_tokens: list[int] = []
         step_slots: list[int] = []
+        step_saves: list[tuple[int, int]] = []
         for lay, start in zip(layouts, starts):
             if lay.segments is not None:  # packed items: the run lengths of segments 1, 2, ...
                 items = [0] * max(lay.segments)
                 for seg in lay.segments:
                     if seg:
                         items[seg - 1] += 1
-                rows.append(StateRow(start, len(lay.ids), lay.state_slot, lay.fresh, tuple(items)))
-            elif len(lay.ids) == 1 and lay.state_slot >= 0 and not lay.fresh:
+                rows.append(StateRow(start, len(lay.ids), lay.state_slot, lay.fresh, tuple(items), lay.restore,
+                                     lay.saves))
+            elif len(lay.ids) == 1 and lay.state_slot >= 0 and not lay.fresh and lay.restore < 0:
                 step_tokens.append(start)
                 step_slots.append(lay.state_slot)
+                step_saves.extend((lay.state_slot, slot) for _, slot in lay.saves)
             else:
-                rows.append(StateRow(start, len(lay.ids), lay.state_slot, lay.fresh))
+                rows.append(StateRow(start, len(lay.ids), lay.state_slot, lay.fresh, (), lay.restore, lay.saves))
         if not step_tokens:
             return StateRows(tuple(rows))
         d_tokens, d_slots = copy_int64(self.device, step_tokens, step_slots)
-        return StateRows(tuple(rows), d_tokens, d_slots)
+        return StateRows(tuple(rows), d_tokens, d_slots, tuple(step_saves))
 
     def paged_layout(self, row: BatchRow) -> RowLayout:
         bs = self.block_size
@@ -198,7 +205,9 @@ class InputBuilder:
         nb = (context_len + bs - 1) // bs
         return RowLayout(row.token_ids, range(row.start_pos, context_len), slots,
                           table if n == 1 else table[:nb], context_len, True, decode=n == 1,
-                          state_slot=-1 if row.state_slot is None else row.state_slot, fresh=row.start_pos == 0)
+                          state_slot=-1 if row.state_slot is None else row.state_slot, fresh=row.start_pos == 0,
+                          restore=-1 if row.restore_slot is None else row.restore_slot,
+                          saves=tuple((p - row.start_pos, slot) for p, slot in row.state_saves))
 
     def oneshot_layout(self, r: OneShotRow) -> RowLayout:
         """A prompt suffix after its cached prefix; only the blocks it publishes are written."""
@@ -213,10 +222,14 @@ class InputBuilder:
             slots.extend(range(block * bs + lo - start, block * bs + hi - start))
         slots.extend([-1] * (n - max(published_end, r.num_cached)))  # past the published blocks: no K/V kept
         table = (*r.prefix_blocks, *r.publish_blocks) if r.prefix_blocks or r.copy_from is not None else ()
-        if self.recurrent and r.num_cached:
-            raise ValueError("a OneShot row of a model with recurrent layers cannot start after a cached prefix")
+        if self.recurrent and r.num_cached and r.restore_slot is None:
+            raise ValueError("a OneShot row of a model with recurrent layers starts after a cached prefix only "
+                             "from its state checkpoint")
+        state = dict(fresh=r.num_cached == 0, restore=-1 if r.restore_slot is None else r.restore_slot,
+                     saves=tuple((p - r.num_cached, slot) for p, slot in r.state_saves))
         if not r.item_lens:
-            return RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False)
+            return RowLayout(r.token_ids[r.num_cached :], range(r.num_cached, n), slots, table, n, False, decode=False,
+                             **state)  # type: ignore[arg-type]
         # Multi-item prompts: each item restarts at the shared part's end and is its own segment.
         shared = r.shared_len
         assert r.num_cached <= shared and published_end <= shared, "only the shared part is cached"
@@ -226,7 +239,7 @@ class InputBuilder:
             positions.extend(range(shared, shared + length))
             segments.extend([i] * length)
         return RowLayout(r.token_ids[r.num_cached :], positions, slots, table, n, False, decode=False,
-                          segments=segments)
+                          segments=segments, **state)  # type: ignore[arg-type]
 
     def paged(self, rows: Sequence[BatchRow]) -> StepInputs:
         return self.flatten([self.paged_layout(r) for r in rows], write_kv=True)

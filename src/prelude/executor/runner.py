@@ -491,7 +491,7 @@ class ModelRunner:
             # Heads see the computed suffix only (prefix-hit rows never need earlier rows).
             rows = [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.rows]
         elif isinstance(batch, MixedBatch) and batch.oneshot_rows:  # a fused step
-            self._copy_partial_blocks(batch.oneshot_rows)
+            self._copy_partial_blocks(batch.oneshot_rows, batch.rows if self.state_bytes_per_slot else ())
             inputs = self.inputs.fused(batch.rows, batch.oneshot_rows)
             self._carry(inputs, batch.rows, carried)
             row_loras = ([(r.lora, len(r.token_ids)) for r in batch.rows]
@@ -500,6 +500,8 @@ class ModelRunner:
             rows += [(r.request_id, r.token_ids[r.num_cached :], r.sample, r.head) for r in batch.oneshot_rows]
         else:
             assert isinstance(batch, (DecodeBatch, MixedBatch))
+            if self.state_bytes_per_slot:  # a hit of a hybrid model's paged row may end inside a block
+                self._copy_partial_blocks((), batch.rows)
             inputs = self.inputs.paged(batch.rows)
             self._carry(inputs, batch.rows, carried)
             row_loras = [(r.lora, len(r.token_ids)) for r in batch.rows]
@@ -514,10 +516,11 @@ class ModelRunner:
         hidden = self.forward(inputs, lora, reads)
         return hidden, inputs.starts if reads is None else reads.starts, rows, reads
 
-    def _copy_partial_blocks(self, rows: Sequence[OneShotRow]) -> None:
+    def _copy_partial_blocks(self, rows: Sequence[OneShotRow], paged: Sequence[BatchRow] = ()) -> None:
         """Rows whose cache hit ends inside a block: that block's cached slots, copied into
-        the row's own copy of it (its first publish block) in every layer, before the
-        forward reads them as prefix and writes the rest (OneShotRow.copy_from)."""
+        the row's own copy of it (a OneShot row's first publish block, a paged row's block
+        at its start) in every layer, before the forward reads them as prefix and writes
+        the rest (OneShotRow.copy_from, BatchRow.copy_from)."""
         bs = self.block_size
         src: list[int] = []
         dst: list[int] = []
@@ -526,11 +529,19 @@ class ModelRunner:
                 n = r.num_cached % bs
                 src += range(r.copy_from * bs, r.copy_from * bs + n)
                 dst += range(r.publish_blocks[0] * bs, r.publish_blocks[0] * bs + n)
+        for p in paged:
+            if p.copy_from is not None:
+                n, own = p.start_pos % bs, p.block_table[p.start_pos // bs]
+                src += range(p.copy_from * bs, p.copy_from * bs + n)
+                dst += range(own * bs, own * bs + n)
         if not src:
             return
         src_t = torch.tensor(src, dtype=torch.long, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        # A hybrid model's linear layers keep state slots, not blocks: its attention layers only
+        full_layers = getattr(self.model, "full_layers", None)
+        paged = self.kv_caches if full_layers is None else [self.kv_caches[i] for i in full_layers]
+        for k_cache, v_cache in paged:
             for cache in (k_cache, v_cache):
                 slots = cache.view(-1, *cache.shape[2:])  # [blocks * block_size, kv_heads, head_dim]
                 slots.index_copy_(0, dst_t, slots.index_select(0, src_t))

@@ -101,7 +101,8 @@ def save_blocks(blocks: dict[str, GgmlQuants], path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for name, b in blocks.items():
         tensors |= b.to_tensors(name)
-    save_file(tensors, str(path), metadata={name: b.kind for name, b in blocks.items()})
+    # no metadata at all when empty: safetensors writes an unreadable header for {} with metadata {}
+    save_file(tensors, str(path), metadata={name: b.kind for name, b in blocks.items()} or None)
 
 
 def load_blocks(path: Path) -> dict[str, GgmlQuants]:

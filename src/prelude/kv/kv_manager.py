@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prelude.kv.block_pool import BlockPool
-from prelude.kv.prefix_cache import PrefixCache
+from prelude.kv.prefix_cache import CheckpointHit, PrefixCache
+from prelude.kv.state_checkpoints import StateCheckpoints
 from prelude.kv.state_slots import StateSlots
 
 
@@ -24,6 +25,7 @@ class PrefixStats:
     published_blocks: int = 0
     deferred: int = 0  # requests that waited a step for a leader to fill their prefix
     riders: int = 0  # OneShot requests that read a leader's prefix blocks in the leader's own step
+    checkpoints_saved: int = 0  # recurrent state checkpoints attached to the prefix tree
 
     @property
     def hit_rate(self) -> float:
@@ -37,12 +39,25 @@ class KVCacheManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-        max_cached_blocks: int | None = None, num_state_slots: int = 0,
+        max_cached_blocks: int | None = None, num_state_slots: int = 0, num_checkpoint_slots: int = 0,
+        checkpoint_stride: int = 512,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        # Models with recurrent layers reuse a prefix only with its state at the prefix's
+        # end: checkpoint slots after the running slots of the same state tensors, saved
+        # every `checkpoint_stride` tokens (a multiple of the block size) and where peers'
+        # prompts part (see the scheduler); none: such a model caches no prefixes.
+        self.checkpoints: StateCheckpoints | None = None
+        if num_state_slots and enable_prefix_caching and num_checkpoint_slots:
+            self.checkpoints = StateCheckpoints(num_checkpoint_slots, first_slot=num_state_slots)
+        if self.checkpoints is not None and (checkpoint_stride < block_size or checkpoint_stride % block_size):
+            raise ValueError(f"the state checkpoint stride ({checkpoint_stride}) must be a multiple of the block "
+                             f"size ({block_size})")
+        self.checkpoint_stride = checkpoint_stride
         self.prefix: PrefixCache | None = (
-            PrefixCache(self.pool, block_size, max_cached_blocks) if enable_prefix_caching else None
+            PrefixCache(self.pool, block_size, max_cached_blocks, self.checkpoints)
+            if enable_prefix_caching and (not num_state_slots or self.checkpoints is not None) else None
         )
         self.stats = PrefixStats()
         self._tables: dict[str, list[int]] = {}
@@ -50,6 +65,10 @@ class KVCacheManager:
         # with its first allocation and gives it back with its blocks.
         self.slots: StateSlots | None = StateSlots(num_state_slots) if num_state_slots else None
         self._slots: dict[str, int] = {}
+        # A paged request that hit a checkpointed prefix: the checkpoint its first row
+        # restores (pinned until that row's step ends)
+        self._restores: dict[str, int] = {}
+        self._copies: dict[str, int] = {}  # and the block holding its hit's last tokens (see attach)
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,10 +94,66 @@ class KVCacheManager:
     def match(self, tokens: list[int], namespace: str = "") -> list[int]:
         """Cached blocks of the longest prefix, always leaving the last token to compute
         (its logits are the point of the forward). Pins nothing. `namespace`: the
-        adapter's (see PrefixCache)."""
+        adapter's (see PrefixCache). With recurrent layers: the longest that ends at a
+        block boundary with a checkpoint (`state_hit` says which)."""
         if self.prefix is None:
             return []
+        if self.checkpoints is not None:
+            hit, _ = self.prefix.checkpoint_hit(tokens, len(tokens) - 1, namespace, inside_blocks=False)
+            return hit.blocks if hit is not None else []
         return self.prefix.match(tokens, (len(tokens) - 1) // self.block_size, namespace)
+
+    def state_hit(self, tokens: list[int], namespace: str = "", inside_blocks: bool = False,
+                  limit: int | None = None) -> tuple[CheckpointHit | None, int]:
+        """Models with recurrent layers: the longest cached prefix ending at a checkpoint,
+        leaving the last token (or past `limit`) to compute, and how far the cached K/V
+        agree with `tokens` (see PrefixCache.checkpoint_hit). Pins nothing."""
+        if self.prefix is None or self.checkpoints is None:
+            return None, 0
+        return self.prefix.checkpoint_hit(tokens, len(tokens) - 1 if limit is None else limit, namespace,
+                                          inside_blocks)
+
+    def hold_checkpoint(self, slot: int) -> None:
+        assert self.checkpoints is not None
+        self.checkpoints.hold(slot)
+
+    def release_checkpoint(self, slot: int) -> None:
+        assert self.checkpoints is not None
+        self.checkpoints.release(slot)
+
+    def checkpoint_positions(self, start: int, end: int, extra: tuple[int, ...] = ()) -> list[int]:
+        """Where a row computing tokens [start, end) keeps checkpoints: the stride's
+        positions in (start, end], and `extra` ones there (peers part there), in order."""
+        if self.checkpoints is None or end <= start:
+            return []
+        stride = self.checkpoint_stride
+        found = set(range((start // stride + 1) * stride, end + 1, stride))
+        found.update(p for p in extra if start < p <= end)
+        return sorted(found)
+
+    def save_slots(self, positions: list[int]) -> tuple[tuple[int, int], ...]:
+        """Pending checkpoint slots for the states at `positions` (position, slot); fewer
+        (the first ones) when every slot is pinned."""
+        if self.checkpoints is None:
+            return ()
+        saves = []
+        for p in positions:
+            slot = self.checkpoints.allocate()
+            if slot is None:
+                break
+            saves.append((p, slot))
+        return tuple(saves)
+
+    def end_saves(self, tokens: list[int], saves: tuple[tuple[int, int], ...], ok: bool,
+                  namespace: str = "") -> None:
+        """After a step that wrote `saves`: each becomes the checkpoint of its prefix's node
+        (on success, where that node is cached and has none there yet), or is freed."""
+        for position, slot in saves:
+            assert self.checkpoints is not None and self.prefix is not None
+            if ok and self.prefix.attach_checkpoint(tokens, position, slot, namespace):
+                self.stats.checkpoints_saved += 1
+            else:
+                self.checkpoints.release(slot)
 
     def match_partial(self, tokens: list[int], matched: list[int], namespace: str = "") -> tuple[int, int] | None:
         """A hit continuing the full blocks `matched` inside the next block: (the cached
@@ -103,11 +178,39 @@ class KVCacheManager:
         self.stats.reused_tokens += reused
         self.stats.computed_tokens += computed
 
-    def attach(self, request_id: str, blocks: list[int]) -> None:
-        """Start a request's table with shared cached blocks (pinned while it holds them)."""
+    def attach(self, request_id: str, blocks: list[int], restore: int | None = None,
+               copy_from: int | None = None) -> None:
+        """Start a request's table with shared cached blocks (pinned while it holds them);
+        `restore`: the checkpoint of the state at their end (models with recurrent layers),
+        pinned until the request's first row has read it (`restored`); `copy_from`: a hit
+        ending inside the next block, the cached block whose first slots that row copies
+        into the request's own copy of it (its next allocated block), pinned as long."""
         assert request_id not in self._tables
         self.pool.acquire(blocks)
         self._tables[request_id] = list(blocks)
+        if restore is not None:
+            self.hold_checkpoint(restore)
+            self._restores[request_id] = restore
+        if copy_from is not None:
+            self.pool.acquire([copy_from])
+            self._copies[request_id] = copy_from
+
+    def copy_source(self, request_id: str) -> int | None:
+        """The cached block the request's next row copies its hit's last slots from."""
+        return self._copies.get(request_id)
+
+    def restore_slot(self, request_id: str) -> int | None:
+        """The checkpoint the request's next row starts from (None: its own slot or zeros)."""
+        return self._restores.get(request_id)
+
+    def restored(self, request_id: str) -> None:
+        """The request's first row ran: its state is in its own slot now."""
+        slot = self._restores.pop(request_id, None)
+        if slot is not None:
+            self.release_checkpoint(slot)
+        block = self._copies.pop(request_id, None)
+        if block is not None:
+            self.pool.release([block])
 
     def cache_computed(self, request_id: str, tokens: list[int], num_computed: int, namespace: str = "") -> None:
         """Publish the request's full blocks whose K/V are computed."""
@@ -172,6 +275,7 @@ class KVCacheManager:
         return True
 
     def free(self, request_id: str) -> None:
+        self.restored(request_id)
         slot = self._slots.pop(request_id, None)
         if slot is not None and self.slots is not None:
             self.slots.release(slot)
@@ -193,11 +297,15 @@ class KVCacheManager:
         if self.prefix is not None:
             self.prefix.check_integrity()
             cached = self.prefix.cached_blocks()
-        self.pool.check_integrity(self._tables.values(), cached)
+        self.pool.check_integrity([*self._tables.values(), self._copies.values()], cached)
         if self.slots is not None:
             self.slots.check_integrity(self._slots.values())
         elif self._slots:
             raise AssertionError("state slots held without a state pool")
+        if self.checkpoints is not None and self.prefix is not None:
+            self.checkpoints.check_integrity(self._restores.values(), self.prefix.attached_checkpoints())
+        elif self._restores:
+            raise AssertionError("checkpoints restored without a checkpoint pool")
 
 
 def _with_copy_source(blocks: list[int], copy_from: int | None) -> list[int]:

@@ -20,9 +20,11 @@ were tracked again by every insert and walked item by item.
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 from typing import Iterator
 
 from prelude.kv.block_pool import BlockPool
+from prelude.kv.state_checkpoints import StateCheckpoints
 
 PARTIAL_SCAN = 64  # children compared for a hit ending inside a block (see PrefixCache.partial)
 _TOKEN_BYTES = 8  # array("q"), memoryview.cast("q")
@@ -45,6 +47,17 @@ def _tokens_agreed(a: bytes, b: bytes) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class CheckpointHit:
+    """A cached prefix that ends at a state checkpoint: its full blocks, the cached block
+    it ends inside (None: it ends at a block boundary), its length and the checkpoint."""
+
+    blocks: list[int]
+    copy_from: int | None
+    num_tokens: int
+    slot: int
+
+
 def _relink(links: dict[int, int], key: int, target: int | None) -> None:
     if target is None:
         del links[key]
@@ -58,7 +71,8 @@ class PrefixCache:
     insertion order (`_first`/`_last` child, `_next`/`_prev` sibling): `partial` scans the
     oldest first, `_drop` walks a subtree."""
 
-    def __init__(self, pool: BlockPool, block_size: int, max_cached_blocks: int | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, max_cached_blocks: int | None = None,
+                 checkpoints: StateCheckpoints | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_cached_blocks = max_cached_blocks
@@ -72,6 +86,15 @@ class PrefixCache:
         self._prev: dict[int, int] = {}
         self.num_evicted = 0
         pool.set_evictor(self.evict)
+        # State checkpoints (models with recurrent layers): the state after the first
+        # `offset` tokens of a node's block (1..block_size), keyed node * (block_size + 1)
+        # + offset, so the maps stay int -> int; `_ckpt_count`: how many a node holds.
+        self.checkpoints = checkpoints
+        self._ckpt: dict[int, int] = {}
+        self._ckpt_key: dict[int, int] = {}
+        self._ckpt_count: dict[int, int] = {}
+        if checkpoints is not None:
+            checkpoints.set_forget(self._forget_checkpoint)
 
     def _key(self, tokens: list[int], i: int) -> bytes:
         """Block i's tokens, as bytes."""
@@ -127,6 +150,121 @@ class PrefixCache:
             if n > best_len:
                 best, best_len = block, n
         return (best, best_len) if best_len else None
+
+    # --- state checkpoints --------------------------------------------------------------
+
+    def _node_checkpoints(self, node: int, most: int) -> Iterator[tuple[int, int]]:
+        """(offset, slot) of the node's checkpoints at offsets <= most, deepest first."""
+        if not self._ckpt_count.get(node):
+            return
+        base = node * (self.block_size + 1)
+        for offset in range(min(most, self.block_size), 0, -1):
+            slot = self._ckpt.get(base + offset)
+            if slot is not None:
+                yield offset, slot
+
+    def checkpoint_hit(self, tokens: list[int], limit: int, namespace: str = "",
+                       inside_blocks: bool = True) -> tuple[CheckpointHit | None, int]:
+        """The longest cached prefix of `tokens`, at most `limit` tokens long, that ends at a
+        checkpoint (None: none), and how far the cached K/V agree with `tokens` at all
+        (within `limit`: where a row computing them could add one). `inside_blocks`: hits
+        may end inside a block (a row that copies that block's first slots); otherwise only
+        at block boundaries."""
+        node = self._roots.get(namespace)
+        if node is None or limit <= 0:
+            return None, 0
+        bs = self.block_size
+        best: CheckpointHit | None = None
+        blocks: list[int] = []
+        i = 0
+        while (i + 1) * bs <= len(tokens) and i * bs < limit:
+            child = self._child.get(_node_bytes(node) + self._key(tokens, i))
+            if child is None:
+                break
+            for offset, slot in self._node_checkpoints(child, limit - i * bs if inside_blocks else bs):
+                if offset == bs and (i + 1) * bs <= limit:
+                    best = CheckpointHit(blocks + [child], None, (i + 1) * bs, slot)
+                    break
+                if offset < bs and inside_blocks:
+                    best = CheckpointHit(list(blocks), child, i * bs + offset, slot)
+                    break
+            blocks.append(child)
+            node = child
+            i += 1
+        agreed = min(i * bs, limit)
+        if agreed < limit and node in self._first:  # the next block's tokens, against cached children
+            want = _token_bytes(tokens[i * bs : i * bs + min(limit - i * bs, bs)])
+            for n, block in enumerate(self._children(node)):
+                if n == PARTIAL_SCAN:
+                    break
+                k = _tokens_agreed(self._tokens[block], want)
+                agreed = max(agreed, i * bs + k)
+                if not inside_blocks or (best is not None and best.num_tokens >= i * bs + k):
+                    continue
+                for offset, slot in self._node_checkpoints(block, k):
+                    if offset < bs:
+                        best = CheckpointHit(list(blocks), block, i * bs + offset, slot)
+                    break
+        return best, agreed
+
+    def attach_checkpoint(self, tokens: list[int], position: int, slot: int, namespace: str = "") -> bool:
+        """Make `slot` the checkpoint of the state after tokens[:position]: on the node of
+        the block holding tokens[position - 1] (a cached block whose first tokens up to it
+        are these). False (nothing attached) when no such node is cached, or one already
+        has a checkpoint there."""
+        node = self._roots.get(namespace)
+        if node is None or position <= 0 or self.checkpoints is None:
+            return False
+        bs = self.block_size
+        j, offset = (position - 1) // bs, position - (position - 1) // bs * bs
+        for i in range(j):
+            node = self._child.get(_node_bytes(node) + self._key(tokens, i))  # type: ignore[assignment]
+            if node is None:
+                return False
+        target = self._child.get(_node_bytes(node) + self._key(tokens, j)) if len(tokens) >= (j + 1) * bs else None
+        if target is None and offset < bs:
+            want = _token_bytes(tokens[j * bs : position])
+            for n, block in enumerate(self._children(node)):
+                if n == PARTIAL_SCAN:
+                    break
+                if self._tokens[block].startswith(want):
+                    target = block
+                    break
+        if target is None:
+            return False
+        key = target * (bs + 1) + offset
+        if key in self._ckpt:
+            return False
+        self._ckpt[key] = slot
+        self._ckpt_key[slot] = key
+        self._ckpt_count[target] = self._ckpt_count.get(target, 0) + 1
+        self.checkpoints.attach(slot)
+        return True
+
+    def _forget_checkpoint(self, slot: int) -> None:
+        """Unmap a checkpoint (the pool evicts it for room)."""
+        key = self._ckpt_key.pop(slot)
+        del self._ckpt[key]
+        node = key // (self.block_size + 1)
+        left = self._ckpt_count[node] - 1
+        if left:
+            self._ckpt_count[node] = left
+        else:
+            del self._ckpt_count[node]
+
+    def _drop_checkpoints(self, node: int) -> None:
+        if not self._ckpt_count.get(node) or self.checkpoints is None:
+            return
+        for _, slot in list(self._node_checkpoints(node, self.block_size)):
+            self._forget_checkpoint(slot)
+            self.checkpoints.detach(slot)
+
+    def attached_checkpoints(self) -> set[int]:
+        return set(self._ckpt_key)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._ckpt)
 
     def insert(self, tokens: list[int], blocks: list[int], namespace: str = "") -> int:
         """Register `blocks` as holding the full blocks of `tokens`, in order. Stops at the
@@ -189,6 +327,7 @@ class PrefixCache:
             # points past it, and likewise from the other side
             _relink(self._first if prev is None else self._next, parent if prev is None else prev, nxt)
             _relink(self._last if nxt is None else self._prev, parent if nxt is None else nxt, prev)
+            self._drop_checkpoints(node)
             self.pool.evict(node)
             self.num_evicted += 1
         return len(subtree)
@@ -226,3 +365,11 @@ class PrefixCache:
             raise AssertionError("prefix tree index out of date")
         if not set(self._first) <= roots | seen:
             raise AssertionError("prefix tree keeps children of a dropped node")
+        counts: dict[int, int] = {}
+        for key, slot in self._ckpt.items():
+            node, offset = divmod(key, self.block_size + 1)
+            if node not in seen or not 1 <= offset <= self.block_size or self._ckpt_key.get(slot) != key:
+                raise AssertionError(f"checkpoint slot {slot} is mapped to no cached node")
+            counts[node] = counts.get(node, 0) + 1
+        if counts != self._ckpt_count or len(self._ckpt_key) != len(self._ckpt):
+            raise AssertionError("checkpoint index out of date")

@@ -165,6 +165,9 @@ class DecoderLayer:
         if spec.mlp.kind == "moe":
             assert spec.mlp.moe is not None
             self.moe = SparseMoe.from_checkpoint(weights, prefix + "mlp.", spec.mlp.moe, ACTIVATIONS[spec.mlp.activation])
+            expert_blocks = (blk("mlp.experts.gate_up_proj"), blk("mlp.experts.down_proj"))
+            if expert_blocks[0] is not None and expert_blocks[1] is not None:  # a GGUF's experts in their blocks
+                self.moe.read_blocks(*expert_blocks)
             self.post_attention = PostAttention(_operand(self.o_proj), self.post_norm, None, None, self.moe)
         else:
             self.gate_up = Projection(stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"), None, prepack,

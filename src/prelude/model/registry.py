@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from prelude.kernels.ggml_quants import GgmlQuants
-from prelude.model.arch import bert, gemma3, llama, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
+from prelude.model.arch import bert, gemma3, gemma3_encoder, llama, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from prelude.model.attention import AttentionBackend
 from prelude.model.base import Architecture, DerivedTensors, Model, UnsupportedCheckpoint
 
@@ -31,7 +31,7 @@ def register(arch: Architecture, model_types: tuple[str, ...] = ()) -> None:
         _BY_MODEL_TYPE.setdefault(model_type, arch.name)
 
 
-for _family in (llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_next, gemma3, bert):
+for _family in (llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_next, gemma3, gemma3_encoder, bert):
     for _arch, _types in _family.ARCHITECTURES:
         register(_arch, _types)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from prelude.model.attention.bidirectional import BidirectionalAttention
 from prelude.model.attention.metadata import AttentionMetadata
 from prelude.config import Populate
 from prelude.model.arch import hf_config
@@ -23,6 +24,7 @@ from prelude.model.sentence_modules import pooling_of
 
 # Tensors some checkpoints carry that no forward reads (position id buffers)
 _NEVER_READ = ("embeddings.position_ids",)
+_NO_KV = torch.empty(0)  # what the attention is handed for a cache: it keeps none
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class BertEncoder:
         self.layers = range(config.num_hidden_layers)
         self.has_pooler = "pooler.dense.weight" in w
         self.has_classifier = "classifier.weight" in w
+        self.attention = BidirectionalAttention()
         # q, k and v of a layer as one projection (moved out of `w`, not copied twice).
         attn = "encoder.layer.{}.attention.self.{}."
         self.qkv: list[tuple[torch.Tensor, torch.Tensor]] = [
@@ -142,23 +145,13 @@ class BertEncoder:
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each row (a `meta.prefills` slice) attends bidirectionally to itself; returns
-        flattened hidden [T, H]. No KV is kept: `kv_caches` is empty.
-
-        Projections run once over every token of every row; attention runs on the rows
-        padded to the longest, keys masked (one SDPA per layer). Running the rows one by
-        one made N short texts cost N small forwards, slower than sentence-transformers."""
+        flattened hidden [T, H]. No KV is kept: `kv_caches` is empty. Projections run once
+        over every token of every row; attention on the rows padded to the longest
+        (model/attention/bidirectional.py)."""
         cfg = self.config
-        dev = input_ids.device
-        lens = [row.query_len for row in meta.prefills]
-        batch, longest = len(lens), max(lens)
-        ids = input_ids
         types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
-        # Token i of row b sits at b * longest + i in the padded layout.
-        padded_at = torch.cat([torch.arange(n, device=dev) + b * longest for b, n in enumerate(lens)])
-        row_lens = torch.tensor(lens, device=dev)
-        keys_valid = (torch.arange(longest, device=dev)[None, :] < row_lens[:, None])[:, None, None, :]  # [B,1,1,L]
         h = (
-            self.w["embeddings.word_embeddings.weight"][ids]
+            self.w["embeddings.word_embeddings.weight"][input_ids]
             + self.w["embeddings.position_embeddings.weight"][positions]
             + self.w["embeddings.token_type_embeddings.weight"][types]
         )
@@ -166,12 +159,8 @@ class BertEncoder:
         heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
         for i in self.layers:
             p = f"encoder.layer.{i}."
-            qkv = F.linear(h, self.qkv[i][0], self.qkv[i][1]).view(-1, 3, heads, dim)
-            grid = qkv.new_zeros(batch * longest, 3, heads, dim)
-            grid[padded_at] = qkv
-            q, k, v = grid.view(batch, longest, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)  # [B, heads, L, dim]
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=keys_valid)
-            a = a.transpose(1, 2).reshape(batch * longest, -1)[padded_at]
+            q, k, v = F.linear(h, self.qkv[i][0], self.qkv[i][1]).view(-1, 3, heads, dim).unbind(1)
+            a = self.attention.forward(q, k, v, _NO_KV, _NO_KV, meta, dim**-0.5).reshape(h.shape[0], -1)
             h = self._ln(self._lin(a, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
             m = _act(cfg.hidden_act, self._lin(h, p + "intermediate.dense"))
             h = self._ln(self._lin(m, p + "output.dense") + h, p + "output.LayerNorm")

@@ -43,6 +43,8 @@ _VISION = ("vision_tower.", "multi_modal_projector.")
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
+# The architectures a bidirectional checkpoint may name: a trunk without a head
+ENCODER_ARCHITECTURES = ("Gemma3TextModel",)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Gemma3Config(ModelConfig):
     local_rope_scaling: tuple[tuple[str, Any], ...] | None = None
     query_pre_attn_scalar: float = 256.0
     final_logit_softcap: float | None = None
+    # use_bidirectional_attention (EmbeddingGemma): every layer attends both ways, a sliding
+    # layer `window // 2` tokens to each side; served as an encoder (model/arch/gemma3_encoder.py)
+    bidirectional: bool = False
 
 
 def _text_raw(raw: dict[str, Any]) -> dict[str, Any]:
@@ -106,22 +111,27 @@ def _config(raw: dict[str, Any], model_dir: Path | None = None) -> Gemma3Config:
                                     f"{raw['attn_logit_softcapping']} is not supported (transformers' Gemma 3 does "
                                     "not apply it either)")
     hf_config.refuse_unhandled(name, raw, handled=("final_logit_softcapping", "query_pre_attn_scalar", "layer_types",
-                                                   "attn_logit_softcapping"))
+                                                   "attn_logit_softcapping", "use_bidirectional_attention"))
+    bidirectional = bool(raw.get("use_bidirectional_attention"))
+    if bidirectional and name not in ENCODER_ARCHITECTURES:
+        raise UnsupportedCheckpoint(f"architecture {name}: config field use_bidirectional_attention=True is served "
+                                    f"for the bare trunk only ({', '.join(ENCODER_ARCHITECTURES)}, an embedder)")
     hf_config.require(name, raw, "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
     kinds = _layer_kinds(name, raw)
     window = raw.get("sliding_window")
     if "sliding" in kinds and not window:
         raise UnsupportedCheckpoint(f"architecture {name}: sliding layers without a sliding_window")
     ropes = _ropes(name, raw)
-    base = ModelConfig.from_hf_dict({**raw, "sliding_window": None, "rope_scaling": None,
-                                     "tie_word_embeddings": raw.get("tie_word_embeddings", True)})
+    # an encoder has no language-model head, tied or not
+    tied = raw.get("tie_word_embeddings", True) and not bidirectional
+    base = ModelConfig.from_hf_dict({**raw, "sliding_window": None, "rope_scaling": None, "tie_word_embeddings": tied})
     cap = raw.get("final_logit_softcapping")
     return Gemma3Config(
         **{f.name: getattr(base, f.name) for f in fields(ModelConfig)} | {
             "architecture": name, "rope_theta": ropes["full"][0], "rope_scaling": ropes["full"][1]},
         layer_kinds=kinds, window=int(window or 0), local_rope_theta=ropes["sliding"][0],
         local_rope_scaling=ropes["sliding"][1], query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
-        final_logit_softcap=float(cap) if cap is not None else None)
+        final_logit_softcap=float(cap) if cap is not None else None, bidirectional=bidirectional)
 
 
 def describe(config: Gemma3Config) -> DecoderSpec:
@@ -182,7 +192,7 @@ class Gemma3ForCausalLM(Decoder):
                        for layer in self.layers]
         self._final_norm = one_plus(self.norm)
         self._windowed = TorchAttention()
-        if "sliding" in config.layer_kinds:
+        if "sliding" in config.layer_kinds and not config.bidirectional:
             backend = getattr(self.attention, "name", "torch")
             how = ("" if backend == "torch" else
                    f" (the {backend} backend takes no window; the global layers attend through it)")
@@ -267,7 +277,8 @@ class Gemma3ForCausalLM(Decoder):
 
 
 ARCHITECTURES = tuple(
-    (Architecture(name, "gemma3", _config, Gemma3ForCausalLM), types)
+    (Architecture(name, "gemma3", _config, Gemma3ForCausalLM, gguf=("gemma3",) if name == "Gemma3ForCausalLM" else ()),
+     types)
     for name, types in (("Gemma3ForCausalLM", ("gemma3_text",)), ("Gemma3ForConditionalGeneration", ("gemma3",)),
                         ("Gemma3TextForSequenceClassification", ()), ("Gemma3ForSequenceClassification", ()))
 )

@@ -339,7 +339,8 @@ class Qwen3_5ForCausalLM(HybridDecoder):
 
 
 ARCHITECTURES = tuple(
-    (Architecture(name, "qwen3_5", _config, Qwen3_5ForCausalLM, gguf=()), types)
+    (Architecture(name, "qwen3_5", _config, Qwen3_5ForCausalLM, gguf=("qwen35",) if name == "Qwen3_5ForCausalLM" else ()),
+     types)
     for name, types in (("Qwen3_5ForCausalLM", ("qwen3_5_text",)), ("Qwen3_5ForConditionalGeneration", ("qwen3_5",)),
                         ("Qwen3_5ForSequenceClassification", ()), ("Qwen3_5TextForSequenceClassification", ()))
 )

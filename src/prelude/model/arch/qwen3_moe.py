@@ -79,8 +79,8 @@ class Qwen3MoeForCausalLM(Decoder):
         super().__init__(config, spec, weights, *args, **kwargs)
 
 
-# GGUF `qwen3moe` is not read yet: its expert tensors are stacked 3-D blocks the loader does not convert
 ARCHITECTURES = tuple(
-    (Architecture(name, "qwen3_moe", _config, Qwen3MoeForCausalLM), types)
+    (Architecture(name, "qwen3_moe", _config, Qwen3MoeForCausalLM,
+                  gguf=("qwen3moe",) if name == "Qwen3MoeForCausalLM" else ()), types)
     for name, types in (("Qwen3MoeForCausalLM", ("qwen3_moe",)), ("Qwen3MoeForSequenceClassification", ()))
 )

@@ -81,6 +81,7 @@ def _config(raw: dict[str, Any], model_dir: Path | None = None) -> HybridConfig:
 
 
 ARCHITECTURES = tuple(
-    (Architecture(name, "qwen3_next", _config, Qwen3NextForCausalLM), types)
+    (Architecture(name, "qwen3_next", _config, Qwen3NextForCausalLM,
+                  gguf=("qwen3next",) if name == "Qwen3NextForCausalLM" else ()), types)
     for name, types in (("Qwen3NextForCausalLM", ("qwen3_next",)), ("Qwen3NextForSequenceClassification", ()))
 )

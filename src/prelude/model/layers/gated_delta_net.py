@@ -5,10 +5,14 @@ RMSNorm and the output projection.
 The layer's state per sequence is (conv inputs [C, K - 1] in the model dtype, recurrent
 state [Hv, dk, dv] float32), kept in a slot of the state pool (StateRows says which);
 OneShot rows (slot -1) run on a zero state in the step's scratch, dropped after the forward.
+A row may start from a checkpoint slot (a prefix-cache hit) and copy its state at given
+tokens into checkpoint slots (StateRow.restore / saves).
 
 On the CPU the conv and the delta rule run as one C call each over all the step's rows
-(kernels/cpu/delta_rule.py), from a row table (RowPlan) built once per forward; without
-the C kernel, row by row in torch (delta_rule.py).
+(kernels/cpu/delta_rule.py), from a row table (RowPlan) built once per forward, a
+checkpoint inside a row a tap; on CUDA flash-linear-attention's varlen kernels take the
+same table (delta_varlen.py); elsewhere, or for checkpoints off the CPU, the rows run one
+by one in torch (delta_rule.py), cut in pieces at the checkpoints (no token loop).
 """
 
 from __future__ import annotations

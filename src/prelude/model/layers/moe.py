@@ -25,9 +25,33 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from prelude.kernels.ggml_quants import GgmlQuants
+from prelude.model.layers.linear import QuantPath
 from prelude.model.spec import MoeSpec
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExpertBlocks:
+    """A GGUF's experts kept in their quantized blocks (kernels/ggml_quants.py): expert e's
+    gate_up and down weights as views of the stacked blocks, read by the block kernel for
+    calls of at most `max_rows` rows (a decode step's tokens an expert), which read a
+    quarter to a seventh of float32's bytes. Larger calls take the float32/bf16 copy."""
+
+    def __init__(self, gate_up: QuantPath, down: QuantPath, num_experts: int) -> None:
+        self.kernel, self.max_rows = gate_up.kernel, min(gate_up.max_rows, down.max_rows)
+        self.kind = gate_up.blocks.kind
+        self.experts = [(_rows(gate_up.blocks, e, num_experts), _rows(down.blocks, e, num_experts))
+                        for e in range(num_experts)]
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return 0 < x.shape[0] <= self.max_rows and self.kernel.takes(x.dtype)
+
+
+def _rows(blocks: GgmlQuants, e: int, num_experts: int) -> GgmlQuants:
+    n = blocks.out_features // num_experts
+    part = lambda t: t[e * n:(e + 1) * n]  # noqa: E731 - contiguous rows: a view
+    return GgmlQuants(blocks.kind, part(blocks.qs), part(blocks.d), None if blocks.m is None else part(blocks.m))
 
 
 class WeightSource(Protocol):
@@ -68,6 +92,7 @@ class SparseMoe:
         self.router, self.gate_up, self.down = router, gate_up, down
         self.top_k, self.norm_topk_prob, self.activation, self.shared = top_k, norm_topk_prob, activation, shared
         self.per_row = False  # make_batch_invariant
+        self.expert_blocks: ExpertBlocks | None = None  # read_blocks
 
     @property
     def num_experts(self) -> int:
@@ -98,6 +123,11 @@ class SparseMoe:
                                   if prefix + "shared_expert_gate.weight" in weights else None, activation)
         return SparseMoe(router, gate_up, down, spec.top_k, spec.norm_topk_prob, activation, shared)
 
+    def read_blocks(self, gate_up: QuantPath, down: QuantPath) -> None:
+        """Few-row expert calls read these GGUF blocks (rows: expert after expert, as
+        gate_up and down stack them) from now on."""
+        self.expert_blocks = ExpertBlocks(gate_up, down, self.num_experts)
+
     def make_batch_invariant(self) -> None:
         """Every token alone from now on (the module docstring says why)."""
         self.per_row = True
@@ -111,6 +141,11 @@ class SparseMoe:
         return weights.to(x.dtype), experts
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        blocks = self.expert_blocks
+        if blocks is not None and blocks.takes(x):
+            gate_up, down = blocks.experts[e]
+            gate, up = blocks.kernel.linear(x, gate_up).chunk(2, dim=-1)
+            return blocks.kernel.linear(self.activation(gate) * up, down)
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
         return F.linear(self.activation(gate) * up, self.down[e])
 
@@ -153,5 +188,8 @@ def describe(layers: Mapping[int, SparseMoe], dtype: torch.dtype) -> str:
            "tokens grouped by expert, one GEMM an expert over the tokens that chose it (torch F.linear); "
            "a step reads only the chosen experts' weights")
     shared = ", a gated shared expert" if first.shared is not None else ""
+    if first.expert_blocks is not None:
+        how += (f"; calls of up to {first.expert_blocks.max_rows} rows an expert read its GGUF "
+                f"{first.expert_blocks.kind} blocks")
     return (f"mixture of experts on {len(layers)} layers: {first.num_experts} experts, top-{first.top_k}{shared}, "
             f"{str(dtype).removeprefix('torch.')}: {how}")
