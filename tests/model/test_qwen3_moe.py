@@ -18,7 +18,8 @@ from prelude.executor.runner import ModelRunner
 from prelude.forward_batch import BatchRow
 from prelude.kv.kv_manager import KVCacheManager
 from prelude.model.arch.qwen3_moe import expert_layers
-from prelude.model.layers.moe import SharedExpert, SparseMoe
+from prelude.kernels.cpu.moe_experts import load_moe_experts
+from prelude.model.layers.moe import SharedExpert, SparseMoe, describe
 from prelude.model.lora.adapters import LoraError, read_adapter
 from prelude.model.registry import config_for
 
@@ -154,22 +155,31 @@ def test_expert_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
     assert expert_layers({**raw, "num_experts": 0}) == ()
 
 
+class Experts:
+    """A block's weights as made (the CPU kernel's block holds a packed copy instead)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.gate_up, self.down = gate_up, down
+
+
 def _block(seed: int, experts: int = 8, top_k: int = 2, hidden: int = 48, inter: int = 24,
-           shared: bool = False, dtype: torch.dtype = torch.float32) -> SparseMoe:
+           shared: bool = False, dtype: torch.dtype = torch.float32,
+           own_kernels: bool = True) -> tuple[SparseMoe, Experts]:
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: (torch.randn(*s, generator=gen) * 0.3).to(dtype)  # noqa: E731
     shared_expert = SharedExpert(r(2 * inter, hidden), r(hidden, inter), r(1, hidden), F.silu) if shared else None
-    return SparseMoe(r(experts, hidden), r(experts, 2 * inter, hidden), r(experts, hidden, inter), top_k, True,
-                     F.silu, shared_expert)
+    router, gate_up, down = r(experts, hidden), r(experts, 2 * inter, hidden), r(experts, hidden, inter)
+    block = SparseMoe(router, gate_up, down, top_k, True, F.silu, shared_expert, own_kernels=own_kernels)
+    return block, Experts(gate_up, down)
 
 
-def _dense_reference(block: SparseMoe, x: torch.Tensor) -> torch.Tensor:
+def _dense_reference(block: SparseMoe, weights_of: Experts, x: torch.Tensor) -> torch.Tensor:
     """Every expert on every token, masked to the chosen ones (float64)."""
     weights, experts = block.route(x)
     xd, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
     for e in range(block.num_experts):
-        gate, up = F.linear(xd, block.gate_up[e].double()).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, block.down[e].double())
+        gate, up = F.linear(xd, weights_of.gate_up[e].double()).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, weights_of.down[e].double())
         w = (weights.double() * (experts == e)).sum(-1, keepdim=True)
         out += w * y
     if block.shared is not None:
@@ -179,21 +189,26 @@ def _dense_reference(block: SparseMoe, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("own_kernels", [True, False])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (37, 8, 2), (53, 16, 4), (5, 3, 3)])
 def test_grouped_and_per_row_paths_equal_every_expert_masked(shared: bool, tokens: int, experts: int,
-                                                             top_k: int) -> None:
-    block = _block(tokens, experts, top_k, hidden=40, inter=20, shared=shared)  # off-size widths
+                                                             top_k: int, own_kernels: bool) -> None:
+    block, made = _block(tokens, experts, top_k, hidden=40, inter=20, shared=shared,  # off-size widths
+                         own_kernels=own_kernels)
+    assert (block.path == "torch") == (not own_kernels or load_moe_experts() is None)
     x = torch.randn(tokens, 40, generator=torch.Generator().manual_seed(9))
-    want = _dense_reference(block, x)
+    want = _dense_reference(block, made, x)
     assert (block(x).double() - want).abs().max().item() <= 1e-5
     block.make_batch_invariant()
     assert (block(x).double() - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("own_kernels", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_per_row_path_gives_a_row_the_same_bits_whatever_shares_its_step(dtype: torch.dtype) -> None:
-    block = _block(5, dtype=dtype)
+def test_per_row_path_gives_a_row_the_same_bits_whatever_shares_its_step(dtype: torch.dtype,
+                                                                          own_kernels: bool) -> None:
+    block, _ = _block(5, dtype=dtype, own_kernels=own_kernels)
     block.make_batch_invariant()
     x = torch.randn(40, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
     together = block(x)
@@ -203,18 +218,41 @@ def test_per_row_path_gives_a_row_the_same_bits_whatever_shares_its_step(dtype: 
         assert torch.equal(block(x[a:b]), together[a:b])  # among a few others
 
 
-def test_a_step_reads_only_the_experts_its_tokens_chose() -> None:
-    block = _block(6, experts=16, top_k=2)
+def _poison(block: SparseMoe, made: Experts, e: int) -> None:
+    """Expert e's weights all NaN, wherever the block reads them from."""
+    made.gate_up[e].fill_(float("nan"))
+    made.down[e].fill_(float("nan"))
+    if block.packed is not None:  # every bit set: NaN in float32 and in bf16
+        for copy in (block.packed.gate_up, block.packed.down):
+            copy.view(block.num_experts, -1)[e].view(torch.uint8).fill_(0xFF)
+
+
+@pytest.mark.parametrize("own_kernels", [True, False])
+def test_a_step_reads_only_the_experts_its_tokens_chose(own_kernels: bool) -> None:
+    block, made = _block(6, experts=16, top_k=2, own_kernels=own_kernels)
     x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2))
     want = block(x)
     chosen = set(block.route(x)[1].flatten().tolist())
     assert len(chosen) < 16
     for e in set(range(16)) - chosen:  # unchosen experts poisoned: never read, nothing changes
-        block.gate_up[e].fill_(float("nan"))
-        block.down[e].fill_(float("nan"))
+        _poison(block, made, e)
     assert torch.equal(block(x), want)
     block.make_batch_invariant()
     assert torch.isfinite(block(x)).all()
+    _poison(block, made, next(iter(chosen)))  # the poison reaches the output once a chosen expert has it
+    assert not torch.isfinite(block(x)).all()
+
+
+def test_the_start_up_line_names_the_way_the_experts_run() -> None:
+    block, _ = _block(1)
+    plain, _ = _block(1, own_kernels=False)
+    assert plain.path == "torch" and plain.gate_up is not None
+    assert "torch F.linear" in describe({0: plain}, torch.float32)
+    if load_moe_experts() is not None:  # the packed copy replaces the checkpoint's tensors
+        assert block.path == "cpu_kernel" and block.gate_up is None and block.packed is not None
+        assert "moe_experts.c" in describe({0: block}, torch.float32)
+    block.make_batch_invariant()
+    assert "batch-invariant" in describe({0: block}, torch.float32)
 
 
 def test_batch_invariant_engine_answers_a_row_alike_alone_and_batched() -> None:

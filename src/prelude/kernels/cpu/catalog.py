@@ -19,6 +19,7 @@ KERNELS = (
     "head_argmax",
     "layer_loop",
     "lora_cpu",
+    "moe_experts",
     "quant_gemm",
     "row_argmax",
     "row_gemv",

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_shared.h"
+
 /* Parallel only where a row loop has enough work to pay for waking the team. */
 #define PAR_MIN_ELEMENTS 32768
 #define INLINE static inline __attribute__((always_inline))
@@ -270,24 +272,7 @@ static inline __m256 exp8(__m256 x) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)  /* 16 lanes: insertf32x8 is AVX512DQ */
-/* exp8 on 16 lanes: SiLU is bound by exp and the division, so the wider vectors pay. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.0f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    /* y * 2^fx in one instruction (exact, as the exponent-bits product of exp8 is) */
-    return _mm512_scalef_ps(y, fx);
-}
-
+/* exp16 (exp8 on 16 lanes): native_shared.h */
 INLINE __m512 ld16(const int bf, const void *p, int64_t i) {
     if (!bf) return _mm512_loadu_ps((const float *)p + i);
     const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));

@@ -64,6 +64,16 @@ int prelude_head_argmax_available(void);
 int prelude_head_argmax_f32(const float *x, int64_t rows, const uint16_t *wb, const float *w, const float *wnorm,
     int64_t out, int64_t k, int64_t limit, float *scratch, int64_t *ids, int threads);
 
+/* moe_experts.c */
+int prelude_moe_experts_forms(void);
+int64_t prelude_moe_packed_gate_up(int bf, int64_t hidden, int64_t inter);
+int64_t prelude_moe_packed_down(int bf, int64_t hidden, int64_t inter);
+int prelude_moe_pack(int bf, const void *gate_up, const void *down, int64_t experts, int64_t hidden, int64_t inter,
+    void *gu_p, void *dn_p, int threads);
+int prelude_moe_experts(int bf, const void *x, int64_t t_n, int64_t ldx, const int64_t *experts, const float *weights,
+    int64_t k, const void *gu_p, const void *dn_p, int64_t e_n, int64_t hidden, int64_t inter, void *out, int64_t ldo,
+    int threads);
+
 /* quant_gemm.c */
 int prelude_blocks_gemm(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d, const float
     *m, int64_t N, const float *bias, float *y, int threads, float *xsum);
