@@ -13,6 +13,10 @@ attention layers) in the engine, Prelude alone, in-process (no HTTP):
   state checkpoints) after the first wave (requests 17 on), with the checkpoint counts.
 `--scale` multiplies the request counts (0.25: a quick look). Token ids at random; the vocab
 is cut (`--vocab`) as peers' runs of this shape were. Writes JSON.
+
+`--alternate N`: each scenario N times with the linear layers' C kernels off (the torch
+rows, PRELUDE_DELTA_RULE=0) and on, alternating, in one process on one engine: old vs new
+on a loaded machine.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from prelude.bench.results import write_json
 from prelude.config import CacheConfig, EngineConfig, ExecutorConfig, SchedulerConfig
 from prelude.engine.engine import LLMEngine
 from prelude.executor.runner import ModelRunner
+from prelude.kernels.cpu.delta_rule import SWITCH
 from prelude.model.registry import config_for
 from prelude.params import SamplingParams
 from prelude.testing.random_model import SHAPES, random_hybrid_weights
@@ -123,6 +128,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--alternate", type=int, default=0, metavar="N")
     p.add_argument("--out", default="benchmarks/results/hybrid_engine.json")
     p.add_argument("--only", default=None, help="run only the scenarios whose names start with this")
     args = p.parse_args()
@@ -136,18 +142,29 @@ def main() -> None:
                                "state_mib_per_slot": engine.info.state_bytes_per_slot / 2**20,
                                "state_checkpoint_slots": engine.num_checkpoint_slots,
                                "state_checkpoint_stride": engine.config.cache.state_checkpoint_stride}
-    mixed = [(q, one) for q in _prompts(n(64), 128, args.vocab, 3)] + \
-            [(q, chat) for q in _prompts(min(8, n(8)), 128, args.vocab, 4)]
+    # `salt` moves the prompts' seeds: a scenario run again (--alternate) meets a cold cache
     scenarios = {
-        "oneshot_512x1": lambda: _run(engine, [(q, one) for q in _prompts(n(16), 512, args.vocab, 1)]),
-        "paged_128x32": lambda: _run(engine, [(q, chat) for q in _prompts(n(4), 128, args.vocab, 2)]),
-        "mixed_oneshot_beside_decodes": lambda: _run(engine, mixed),
-        "judge_1024+64": lambda: _judge(engine, 1024, 64, n(64), 16, args.vocab, 5),
-        "judge_256+32": lambda: _judge(engine, 256, 32, n(64), 16, args.vocab, 7),
+        "oneshot_512x1": lambda salt: _run(engine, [(q, one) for q in _prompts(n(16), 512, args.vocab, 1 + salt)]),
+        "paged_128x32": lambda salt: _run(engine, [(q, chat) for q in _prompts(n(4), 128, args.vocab, 2 + salt)]),
+        "mixed_oneshot_beside_decodes": lambda salt: _run(
+            engine, [(q, one) for q in _prompts(n(64), 128, args.vocab, 3 + salt)] +
+            [(q, chat) for q in _prompts(min(8, n(8)), 128, args.vocab, 4 + salt)]),
+        "judge_1024+64": lambda salt: _judge(engine, 1024, 64, n(64), 16, args.vocab, 5 + salt),
+        "judge_256+32": lambda salt: _judge(engine, 256, 32, n(64), 16, args.vocab, 7 + salt),
     }
     for name, scenario in scenarios.items():
-        if args.only is None or name.startswith(args.only):
-            results[name] = scenario()
+        if args.only is not None and not name.startswith(args.only):
+            continue
+        if not args.alternate:
+            results[name] = scenario(0)
+            continue
+        for i in range(args.alternate):
+            for j, (label, switch) in enumerate((("torch_rows", "0"), ("c_kernels", "1"))):
+                os.environ[SWITCH] = switch
+                figures = scenario(100 * (2 * i + j + 1))
+                results[f"{name}/{label}/{i}"] = figures
+                print(f"{name}/{label}/{i}: {figures}", flush=True)
+        os.environ.pop(SWITCH)
     for name, figures in results.items():
         print(f"{name}: {figures}")
     write_json(args.out, results)

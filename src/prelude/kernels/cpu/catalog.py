@@ -14,6 +14,7 @@ KERNELS = (
     "bf16_rows",
     "cpu_attention",
     "cpu_fused",
+    "delta_rule",
     "f32_gemm",
     "head_argmax",
     "layer_loop",

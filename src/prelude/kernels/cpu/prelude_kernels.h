@@ -42,6 +42,17 @@ int prelude_qk_norm_rope(const void *qkv, int64_t stride_qkv, int64_t rows, int6
     threads, int bf);
 int prelude_silu_mul(const void *gate_up, int64_t stride_in, void *out, int64_t rows, int64_t n, int threads, int bf);
 
+/* delta_rule.c */
+int prelude_gated_delta_rule(const void *q, int64_t sq, const void *k, int64_t sk, const void *v, int64_t sv, const
+    float *g, const float *beta, int64_t tokens, int64_t hk, int64_t hv, int64_t dk, int64_t dv, float scale, const
+    int64_t *rows, int64_t n_rows, float *pool, int64_t n_pool, float *scratch, int64_t n_scratch, const int64_t *taps,
+    int64_t n_taps, void *out, int bf, int threads);
+int prelude_causal_conv(const void *x, int64_t sx, int64_t tokens, const void *w, int64_t channels, int64_t kw, const
+    int64_t *rows, int64_t n_rows, void *pool, int64_t n_pool, void *scratch, int64_t n_scratch, const int64_t *taps,
+    int64_t n_taps, void *out, int bf, int threads);
+int prelude_gated_rms_norm(const void *x, const void *z, int64_t sz, const void *w, int64_t tokens, int64_t heads,
+    int64_t d, float eps, void *out, int bf, int threads);
+
 /* f32_gemm.c */
 int prelude_f32_gemm_ready(void);
 int prelude_f32_gemm_pack(const float *w, int64_t n, int64_t k, float *wp, int threads);

@@ -29,7 +29,7 @@ from prelude.model.base import Architecture, DerivedTensors, KVCaches, NothingKe
 from prelude.model.decoder import CastWeights, DecoderHeads
 from prelude.model.layers.decoder_segments import ACTIVATIONS
 from prelude.model.layers.gated_attention import GatedAttention, GatedAttentionShape, rms_norm_one_plus
-from prelude.model.layers.gated_delta_net import DeltaNetShape, GatedDeltaNet, Linear
+from prelude.model.layers.gated_delta_net import DeltaNetShape, GatedDeltaNet, Linear, RowPlan, plan_rows
 from prelude.model.layers.linear import Projection, prepack_enabled
 from prelude.model.layers.rotary import RotaryEmbedding
 from prelude.model.lora.adapters import LoraStep
@@ -324,11 +324,14 @@ class HybridDecoder(DecoderHeads):
         eps = self.config.rms_norm_eps
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rope.tables(positions)
+        plan: RowPlan | None = None  # the linear layers' row table, built by the first of them
         for layer, (first, second) in zip(layers, kv_caches, strict=True):
             x = rms_norm_one_plus(h, layer.input_norm, eps)
             if isinstance(layer.mixer, GatedDeltaNet):
-                h = h + layer.mixer.forward(x, states, first if first.numel() else None,
-                                            second if second.numel() else None)
+                conv, rec = (first, second) if first.numel() else (None, None)
+                if plan is None and layer.mixer.uses_plan(x):
+                    plan = plan_rows(states, layer.mixer.shape, x.dtype, conv is not None, x.device)
+                h = h + layer.mixer.forward(x, states, conv, rec, plan)
             else:
                 h = h + layer.mixer.forward(x, cos, sin, self.attention, first, second, meta)
             h = h + layer.mlp(rms_norm_one_plus(h, layer.post_norm, eps))

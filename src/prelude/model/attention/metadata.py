@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,15 +78,23 @@ class StateRow:
 
 @dataclass(frozen=True)
 class StateRows:
-    """The step's rows for the recurrent layers: `rows` are computed one by one (prompt
-    chunks, OneShot prompts); `step_tokens` / `step_slots` [B] are the decode rows, one
-    token each continuing its slot's state, computed as one batch and updated in place."""
+    """The step's rows for the recurrent layers: `rows` (prompt chunks, OneShot prompts,
+    packed items) and the decode rows `step_tokens` / `step_slots` [B], one token each
+    continuing its slot's state in place. The CPU kernel and CUDA's varlen kernels take
+    them all in one call per layer.
+
+    `taps`: flattened token indices (ascending) after which every linear layer's state
+    (conv, recurrent) is also wanted, e.g. a prefix checkpoint at a block boundary inside a
+    OneShot prompt; the forward appends one (conv [m, C, K - 1], recurrent [m, Hv, dk, dv])
+    pair per linear layer, in layer order, to `tapped`."""
 
     rows: tuple[StateRow, ...]
     step_tokens: torch.Tensor | None = None
     step_slots: torch.Tensor | None = None
     # Checkpoints of decode rows: (slot, checkpoint slot) copied after the step
     step_saves: tuple[tuple[int, int], ...] = ()
+    taps: tuple[int, ...] = ()
+    tapped: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The gated delta rule (Gated DeltaNet's recurrence) and its causal depthwise conv, in
 torch: a chunked form for prompts (a Python step per chunk of 64 tokens, none per token)
-and a one-token form for decode that updates a batch of states in place.
+and a one-token form for decode that updates a batch of states in place. The layer runs
+them where neither the C kernels (kernels/cpu/delta_rule.c, the CPU) nor
+flash-linear-attention (CUDA) serve.
 
 The recurrence, per value head, with S [k_dim, v_dim] float32:
     S = exp(g_t) * S;  S = S + k_t (beta_t * (v_t - S^T k_t))^T;  o_t = S^T q_t
