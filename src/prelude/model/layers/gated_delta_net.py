@@ -232,12 +232,13 @@ class GatedDeltaNet:
             rec_new = None if source < 0 else rec_states[source]  # type: ignore[index]
             shared = row.length - sum(row.items)
             at = row.start
-            for offset, slot in row.saves:  # the shared part in pieces (offsets >= 1), a checkpoint after each
+            for offset, slot in row.saves:  # the shared part in pieces, a checkpoint after each
                 if offset > at - row.start:
                     conv_new, rec_new = self._run(mixed, g, beta, out, at, row.start + offset - at, conv_new, rec_new)
                     at = row.start + offset
-                conv_states[slot].copy_(conv_new)  # type: ignore[index]
-                rec_states[slot].copy_(rec_new)  # type: ignore[index]
+                # a save before any token of a fresh row is the zero state
+                conv_states[slot].copy_(conv_new if conv_new is not None else 0)  # type: ignore[index]
+                rec_states[slot].copy_(rec_new if rec_new is not None else 0)  # type: ignore[index]
             if at < row.start + shared or conv_new is None:
                 conv_new, rec_new = self._run(mixed, g, beta, out, at, row.start + shared - at, conv_new, rec_new)
             at = row.start + shared
