@@ -45,6 +45,27 @@ class NothingKept:
         return make()
 
 
+class EncoderWithoutKV:
+    """What an encoder answers where a decoder has a language-model head and KV: it has
+    neither (every request is one OneShot forward that keeps nothing)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder model has no language-model head")
+
+    def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
+        raise RuntimeError("an encoder model has no language-model head")
+
+    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder model has no language-model head")
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          populate: Populate = "off") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return []
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 1
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One name a checkpoint gives its architecture (HF `architectures`), and what serves it.

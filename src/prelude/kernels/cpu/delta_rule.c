@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_shared.h"
+
 #define VB 32          /* state columns per work unit: four 8-float registers */
 #define NV (VB / 8)
 #define MAX_DK 256     /* a unit's block [dk, VB] lives on the thread's stack */
@@ -99,24 +101,7 @@ INLINE void store8(void *p, int64_t i, __m256 v, int bf) {
     _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
 }
 
-/* e^x for 8 floats: range reduction by ln 2 (split in two parts), a degree-6 polynomial
- * (Cephes' coefficients), 2^n built in the exponent bits; x clamped to [-87.3, 88]. */
-INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+/* exp8: native_shared.h */
 
 /* Whether `place` names a state of the pool or the scratch (-1, a zero state, only where `zero`). */
 INLINE int valid_place(int64_t place, int64_t n_pool, int64_t n_scratch, int zero) {

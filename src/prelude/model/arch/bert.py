@@ -17,9 +17,8 @@ import torch.nn.functional as F
 
 from prelude.model.attention.bidirectional import BidirectionalAttention
 from prelude.model.attention.metadata import AttentionMetadata
-from prelude.config import Populate
 from prelude.model.arch import hf_config
-from prelude.model.base import Architecture, KVCaches, UnsupportedCheckpoint
+from prelude.model.base import Architecture, EncoderWithoutKV, KVCaches, UnsupportedCheckpoint
 from prelude.model.sentence_modules import pooling_of
 
 # Tensors some checkpoints carry that no forward reads (position id buffers)
@@ -96,7 +95,7 @@ def _act(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unsupported activation {name!r}")
 
 
-class BertEncoder:
+class BertEncoder(EncoderWithoutKV):
     is_encoder = True
     computes_read_positions = False  # bidirectional: every layer reads every position
     can_generate = False
@@ -177,21 +176,6 @@ class BertEncoder:
             cls = torch.tanh(self._lin(cls, "pooler.dense"))
         return self._lin(cls, "classifier").float()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder model has no language-model head")
-
-    def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
-        raise RuntimeError("an encoder model has no language-model head")
-
-    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder model has no language-model head")
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int,
-                          populate: Populate = "off") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return []
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return 1
 
     def make_packed_copies(self) -> int:
         return 0  # its projections are plain F.linear calls

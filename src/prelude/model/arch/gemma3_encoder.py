@@ -16,17 +16,16 @@ from typing import Any, Mapping
 
 import torch
 
-from prelude.config import Populate
 from prelude.model.arch import gemma3
 from prelude.model.arch.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from prelude.model.attention.bidirectional import BidirectionalAttention
 from prelude.model.attention.metadata import AttentionMetadata
-from prelude.model.base import Architecture, KVCaches
+from prelude.model.base import Architecture, EncoderWithoutKV, KVCaches
 
 logger = logging.getLogger("prelude.model.gemma3_encoder")
 
 
-class Gemma3Encoder(Gemma3ForCausalLM):
+class Gemma3Encoder(EncoderWithoutKV, Gemma3ForCausalLM):
     is_encoder = True
     computes_read_positions = False  # bidirectional: every layer reads every position
     default_pooling = "mean"  # EmbeddingGemma's; a folder's Pooling module says its own
@@ -59,22 +58,6 @@ class Gemma3Encoder(Gemma3ForCausalLM):
             return super().forward(input_ids, positions, meta, self._no_kv)
         finally:
             self._bidirectional.release()
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder model has no language-model head")
-
-    def greedy_token_ids(self, hidden: torch.Tensor, vocab_limit: int | None) -> torch.Tensor | None:
-        raise RuntimeError("an encoder model has no language-model head")
-
-    def compute_label_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder model has no language-model head")
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int,
-                          populate: Populate = "off") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return []
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return 1
 
 
 def _build(config: Gemma3Config, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
