@@ -16,7 +16,7 @@ from prelude.engine.engine import LLMEngine
 from prelude.executor.runner import ModelRunner
 from prelude.model.registry import config_for
 
-from tests.engine.tiny import VOCAB, ByteTokenizer, hf_tiny_llama
+from tests.engine.tiny import ByteTokenizer, hf_tiny_hybrid, hf_tiny_llama
 
 
 def _load(path: str, engine_kw: dict[str, Any]) -> LLMEngine:
@@ -44,23 +44,6 @@ def tiny_factory(directory: Path, **engine_kw: Any) -> Callable[[], LLMEngine]:
         torch.save({"config": hf.config.to_dict(),
                     "weights": {k: v.detach().clone() for k, v in hf.state_dict().items()}}, path)
     return functools.partial(_load, str(path), engine_kw)
-
-
-def hf_tiny_hybrid() -> Any:
-    """A tiny random Qwen3.5 (three Gated DeltaNet layers, one gated attention layer)."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=24,
-        linear_value_head_dim=20, max_position_embeddings=512, eos_token_id=256, tie_word_embeddings=False)
-    model = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # HF initialises the (1 + w) norms at zero: move them off it
-        for name, p in model.named_parameters():
-            if "norm" in name or "A_log" in name or "dt_bias" in name:
-                p.normal_(0, 0.3)
-    return model
 
 
 def tiny_hybrid_factory(directory: Path, **engine_kw: Any) -> Callable[[], LLMEngine]:

@@ -13,24 +13,14 @@ import torch
 
 from prelude.engine.engine import LLMEngine
 from prelude.engine.request import RequestOutput, SamplingParams
-from tests.engine.tiny import VOCAB, hf_tiny_llama, tiny_engine
+from tests.engine.tiny import hf_tiny_hybrid, hf_tiny_llama, tiny_engine
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def hf() -> Any:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=24,
-        linear_value_head_dim=20, max_position_embeddings=512, eos_token_id=256, tie_word_embeddings=False)
-    model = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "A_log" in name or "dt_bias" in name:
-                p.normal_(0, 0.3)
-    return model
+    return hf_tiny_hybrid()
 
 
 def _run(engine: LLMEngine) -> dict[str, list[int]]:
