@@ -131,11 +131,13 @@ def test_openai_client_async_and_the_input_cached_for_the_next_request(server) -
                 {"role": "assistant", "content": "Noted."}, {"role": "developer", "content": "Be strict."}]
 
     async def ask() -> list[Any]:
-        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused")
-        first = await client.decisions.create(model="tiny-llama", input=messages, questions=QUESTIONS[:2],
-                                              prompt_cache_key="tickets", extra_body=ANSWERED)
-        second = await client.decisions.create(model="tiny-llama", input=messages, questions=QUESTIONS[2:],
-                                               extra_body=ANSWERED)
+        # closed in this loop: a client left to the garbage collector closes its connection
+        # on whichever test's event loop runs then
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused") as client:
+            first = await client.decisions.create(model="tiny-llama", input=messages, questions=QUESTIONS[:2],
+                                                  prompt_cache_key="tickets", extra_body=ANSWERED)
+            second = await client.decisions.create(model="tiny-llama", input=messages, questions=QUESTIONS[2:],
+                                                   extra_body=ANSWERED)
         return [first, second]
 
     first, second = asyncio.run(ask())
