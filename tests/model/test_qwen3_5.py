@@ -58,16 +58,21 @@ def oneshot_hidden(model: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
     return [hidden[s:s + len(p)] for s, p in zip(inputs.starts, prompts)]
 
 
-def test_float32_logits_equal_transformers_for_a_batch_of_prompts() -> None:
-    hf = hf_model()
-    model = build(hf)
-    prompts = [torch.randint(0, 300, (n,)).tolist() for n in (150, 7, 1, 64)]
+def assert_float32_matches(hf: Any, model: Any, prompts: list[list[int]]) -> None:
+    """Each prompt of one OneShot forward: transformers' greedy tokens, log-probs within 1e-3."""
     for prompt, hidden in zip(prompts, oneshot_hidden(model, prompts)):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0]
         logits = model.compute_logits(hidden)
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
         assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3
+
+
+def test_float32_logits_equal_transformers_for_a_batch_of_prompts() -> None:
+    hf = hf_model()
+    model = build(hf)
+    prompts = [torch.randint(0, 300, (n,)).tolist() for n in (150, 7, 1, 64)]
+    assert_float32_matches(hf, model, prompts)
 
 
 def test_bf16_stays_close_to_float32_transformers() -> None:
@@ -241,12 +246,7 @@ def test_qwen3_next_float32_equals_transformers() -> None:
     model = build(hf)
     assert model.spec.layers[0].mlp.kind == "moe" and model.spec.layers[1].mlp.kind == "dense"
     prompts = [torch.randint(0, 300, (n,)).tolist() for n in (90, 5)]
-    for prompt, hidden in zip(prompts, oneshot_hidden(model, prompts)):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
-        logits = model.compute_logits(hidden)
-        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
-        assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3
+    assert_float32_matches(hf, model, prompts)
 
 
 def test_qwen3_next_bf16_stays_close() -> None:
